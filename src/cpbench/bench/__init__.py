@@ -1,0 +1,1 @@
+"""Benchmark machinery: FLOPs, timing, memory, environment capture, the driver."""

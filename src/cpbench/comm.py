@@ -1,0 +1,121 @@
+"""Communication used by strategies: ring send/recv and all-to-all, on a ``Group``.
+
+Every byte a strategy sends goes through here, so a ``trace()`` can count it and tests can
+hold each strategy's declared communication schedule to what its code actually sends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cpbench.topology import Group
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One message this rank sent: the op, the group's name, and its size in bytes."""
+
+    op: str
+    group: str
+    nbytes: int
+
+
+_TRACE: contextvars.ContextVar[list[Sent] | None] = contextvars.ContextVar("trace", default=None)
+
+
+@contextlib.contextmanager
+def trace():
+    """Record every message sent inside the block: ``with trace() as sent: ...``."""
+    sent: list[Sent] = []
+    token = _TRACE.set(sent)
+    try:
+        yield sent
+    finally:
+        _TRACE.reset(token)
+
+
+def _record(op: str, group: Group, nbytes: int) -> None:
+    log = _TRACE.get()
+    if log is not None:
+        log.append(Sent(op, group.name, nbytes))
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class RingComm:
+    """Point-to-point exchange with the ring neighbours of a group.
+
+    ``send_recv`` queues a send to the next rank and a receive from the previous one
+    (``reverse=True`` swaps the direction); ``commit`` posts everything queued as one batch
+    so transfers overlap the compute that follows; ``wait`` blocks until they are done.
+    """
+
+    def __init__(self, group: Group, *, tag: int = 0):
+        # Distinct tags keep concurrent rings on one group (K/V and dK/dV) from matching each
+        # other's messages on backends that honour tags (gloo); NCCL orders them by stream.
+        self.group = group
+        self.tag = tag
+        self._ops: list[dist.P2POp] = []
+        self._reqs: list = []
+
+    def send_recv(self, to_send: torch.Tensor, recv_buf: torch.Tensor | None = None,
+                  *, reverse: bool = False) -> torch.Tensor:
+        g = self.group
+        dst, src = (g.prev_rank, g.next_rank) if reverse else (g.next_rank, g.prev_rank)
+        to_send = to_send.contiguous()
+        recv = torch.empty_like(to_send) if recv_buf is None else recv_buf
+        self._ops.append(dist.P2POp(dist.isend, to_send, dst, g.pg, self.tag))
+        self._ops.append(dist.P2POp(dist.irecv, recv, src, g.pg, self.tag))
+        _record("p2p", g, nbytes(to_send))
+        return recv
+
+    def commit(self) -> None:
+        assert not self._reqs, "wait() for the previous batch before committing another"
+        if self._ops:
+            self._reqs = dist.batch_isend_irecv(self._ops)
+        self._ops = []
+
+    def wait(self) -> None:
+        for req in self._reqs:
+            req.wait()
+        self._reqs = []
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    # gloo's collectives lack some reduced-precision types; they travel as raw bytes.
+    if t.dtype in (torch.bfloat16, torch.float16) and t.device.type == "cpu":
+        return t.view(torch.uint8)
+    return t
+
+
+def all_to_all(x: torch.Tensor, group: Group, *, scatter_dim: int, gather_dim: int
+               ) -> torch.Tensor:
+    """Split ``x`` into group.size chunks along scatter_dim, send chunk j to member j, and
+    concatenate what arrives along gather_dim in member order."""
+    n = group.size
+    if n == 1:
+        return x
+    assert x.shape[scatter_dim] % n == 0, "scatter dim must divide by the group size"
+    # Chunks of the scatter dim become the leading dim so all_to_all_single can split dim 0.
+    xs = x.unflatten(scatter_dim, (n, x.shape[scatter_dim] // n)).movedim(scatter_dim, 0)
+    xs = xs.contiguous()
+    out = torch.empty_like(xs)
+    _record("a2a", group, nbytes(xs) * (n - 1) // n)
+    dist.all_to_all_single(_wire(out), _wire(xs), group=group.pg)
+    # out[j] is member j's chunk, in x's dim order: lay the chunks side by side on gather_dim.
+    return torch.cat(out.unbind(0), dim=gather_dim)
+
+
+def all_gather(x: torch.Tensor, pg=None) -> list[torch.Tensor]:
+    """Every rank's ``x`` (same shape everywhere), in rank order. For checks, not hot paths."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(pg))]
+    dist.all_gather([_wire(p) for p in parts], _wire(x), group=pg)
+    return parts

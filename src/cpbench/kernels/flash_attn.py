@@ -1,0 +1,205 @@
+"""flash-attn 2 and FlashAttention-3 (Hopper) through their internal, lse-returning functions.
+
+The public ``flash_attn_func`` hides the lse we need for merging, so we call the private
+``_flash_attn_forward`` / ``_flash_attn_backward``. Their signatures are not stable:
+
+- flash-attn < 2.7 takes ``window_size`` as a tuple (added in 2.3; softcap in 2.6; alibi in
+  2.4; deterministic in 2.5) and returns (out, q, k, v, out_padded, softmax_lse, S_dmask[,
+  rng_state]);
+- flash-attn >= 2.7 takes ``window_size_left`` / ``window_size_right`` and returns (out,
+  softmax_lse, S_dmask, rng_state); with torch >= 2.4 the functions are ``torch.library``
+  custom ops, whose Python signature is just (*args, **kwargs);
+- FA3 (``flash_attn_interface`` module of hopper/) went from (q, k, v, softmax_scale, causal,
+  ...) returning a 7-tuple to ~35 mostly-optional parameters returning (out, softmax_lse,
+  ...); its backward calls causal ``is_causal`` since mid 2025.
+
+So we read the real parameter names and map our arguments onto them by keyword; the mapping
+functions are pure so tests can check them against every signature without a GPU.
+Causal with seq_q != seq_k is bottom-right aligned in flash-attn (>= 2.1), unlike the torch
+reference, hence ``causal_unequal=False``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from typing import Any, Collection, Sequence
+
+import torch
+
+from cpbench.kernels.base import KernelBackend, check_shapes
+
+NO_WINDOW = (-1, -1)  # flash-attn's "no sliding window"
+
+# Inputs that some FA3 version has and that we never use (varlen, paged/appended KV, rotary,
+# fp8 descaling, a preallocated out). None means "not given" in every version.
+_FA3_UNUSED_INPUTS = (
+    "k_new", "v_new", "qv", "out_", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_k_new",
+    "seqused_q", "seqused_k", "sequed_q", "sequed_k", "max_seqlen_q", "max_seqlen_k",
+    "page_table", "kv_batch_idx", "leftpad_k", "rotary_cos", "rotary_sin", "seqlens_rotary",
+    "q_descale", "k_descale", "v_descale", "descale_q", "descale_k", "descale_v",
+    "scheduler_metadata",
+)
+
+
+def _pick(candidates: dict[str, Any], params: Sequence[str], required: Collection[str],
+          what: str) -> dict[str, Any]:
+    """The candidates the function accepts; fail loudly if it needs one we cannot fill."""
+    missing = [p for p in required if p not in candidates]
+    if missing:
+        raise TypeError(f"{what} requires {missing}, unknown to cpbench: unsupported version")
+    return {name: candidates[name] for name in params if name in candidates}
+
+
+def _window_and_softcap() -> dict[str, Any]:
+    # Both spellings are offered; _pick keeps whichever the version has.
+    return dict(window_size=NO_WINDOW, window_size_left=-1, window_size_right=-1, softcap=0.0)
+
+
+def fa2_forward_kwargs(params: Sequence[str], *, q, k, v, dropout_p: float,
+                       softmax_scale: float, causal: bool,
+                       required: Collection[str] = ()) -> dict[str, Any]:
+    cand = dict(q=q, k=k, v=v, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                causal=causal, alibi_slopes=None, return_softmax=False,
+                **_window_and_softcap())
+    return _pick(cand, params, required, "flash_attn._flash_attn_forward")
+
+
+def fa2_backward_kwargs(params: Sequence[str], *, dout, q, k, v, out, softmax_lse, dq, dk, dv,
+                        dropout_p: float, softmax_scale: float, causal: bool,
+                        deterministic: bool = False,
+                        required: Collection[str] = ()) -> dict[str, Any]:
+    cand = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=softmax_lse, dq=dq, dk=dk, dv=dv,
+                dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                alibi_slopes=None, deterministic=deterministic, rng_state=None,
+                **_window_and_softcap())
+    return _pick(cand, params, required, "flash_attn._flash_attn_backward")
+
+
+def fa3_forward_kwargs(params: Sequence[str], *, q, k, v, softmax_scale: float, causal: bool,
+                       required: Collection[str] = ()) -> dict[str, Any]:
+    # Tuning knobs (num_splits, pack_gqa, sm_margin, ...) are left at the library's defaults.
+    cand = dict.fromkeys(_FA3_UNUSED_INPUTS)
+    cand.update(q=q, k=k, v=v, out=None, softmax_scale=softmax_scale, causal=causal,
+                attention_chunk=0, **_window_and_softcap())
+    return _pick(cand, params, required, "flash_attn_interface._flash_attn_forward")
+
+
+def fa3_backward_kwargs(params: Sequence[str], *, dout, q, k, v, out, softmax_lse, dq, dk, dv,
+                        softmax_scale: float, causal: bool, deterministic: bool = False,
+                        required: Collection[str] = ()) -> dict[str, Any]:
+    cand = dict.fromkeys(_FA3_UNUSED_INPUTS)
+    cand.update(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=softmax_lse, dq=dq, dk=dk, dv=dv,
+                softmax_scale=softmax_scale, causal=causal, is_causal=causal,
+                deterministic=deterministic, **_window_and_softcap())
+    return _pick(cand, params, required, "flash_attn_interface._flash_attn_backward")
+
+
+# Where (out, lse) sit in each version's forward result, keyed by its length: 7 = FA2 2.0
+# and FA3 before 2025, 8 = FA2 2.1-2.6 (adds rng_state), 4 = FA2 >= 2.7 and FA3 since 2025.
+_OUT_LSE_INDEX = {4: (0, 1), 7: (0, 5), 8: (0, 5)}
+
+
+def unpack_forward(result: Sequence[Any]) -> tuple[Any, Any]:
+    """(out, softmax_lse) from whatever tuple this version's internal forward returned."""
+    try:
+        i_out, i_lse = _OUT_LSE_INDEX[len(result)]
+    except KeyError:
+        raise TypeError(f"unexpected {len(result)}-tuple from _flash_attn_forward") from None
+    return result[i_out], result[i_lse]
+
+
+def signature_params(fn) -> tuple[tuple[str, ...], frozenset[str]]:
+    """(parameter names, those without a default) of a function or torch custom op."""
+    init_fn = getattr(fn, "_init_fn", None)  # torch.library.custom_op's CustomOpDef
+    if init_fn is not None:
+        fn = init_fn
+    schema = getattr(fn, "_schema", None) or getattr(getattr(fn, "default", None), "_schema", None)
+    if schema is not None:  # OpOverload / OpOverloadPacket (torch.ops.flash_attn...)
+        args = schema.arguments
+        return tuple(a.name for a in args), frozenset(a.name for a in args
+                                                     if not a.has_default_value())
+    sig = inspect.signature(fn)
+    kinds = {p.kind for p in sig.parameters.values()}
+    if kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+        raise TypeError(f"cannot read the parameters of {fn!r}")
+    names = tuple(n for n, p in sig.parameters.items() if p.kind not in
+                  (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD))
+    return names, frozenset(n for n in names if sig.parameters[n].default is inspect._empty)
+
+
+@functools.lru_cache(maxsize=None)  # failures raise, so they are not cached
+def _load(module: str):
+    mod = importlib.import_module(module)
+    fwd, bwd = mod._flash_attn_forward, mod._flash_attn_backward
+    return fwd, signature_params(fwd), bwd, signature_params(bwd)
+
+
+def _importable(module: str) -> bool:
+    try:
+        _load(module)
+    except Exception:  # ImportError, but also OSError/RuntimeError from a mismatched .so
+        return False
+    return True
+
+
+def _make_fns(module: str, fwd_map, bwd_map):
+    def forward(q, k, v, *, causal: bool, softmax_scale: float):
+        check_shapes(q, k, v, causal)
+        fn, (params, required), _, _ = _load(module)
+        kwargs = fwd_map(params, q=q, k=k, v=v, softmax_scale=float(softmax_scale),
+                         causal=bool(causal), required=required)
+        return unpack_forward(fn(**kwargs))
+
+    def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
+        check_shapes(q, k, v, causal)
+        _, _, fn, (params, required) = _load(module)
+        # The kernels only fix a non-unit last stride, and flash-attn 2.0 gave wrong grads for
+        # non-contiguous dout (issue #355); lse is read as a dense fp32 (b, h, s) array; out
+        # and dout may come from an fp32 merge but must match q's dtype.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        dout = dout.to(q.dtype).contiguous()
+        out = out.to(q.dtype).contiguous()
+        lse = lse.float().contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        fn(**bwd_map(params, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk,
+                     dv=dv, softmax_scale=float(softmax_scale), causal=bool(causal),
+                     required=required))
+        return dq, dk, dv  # written in place; the return value differs across versions
+
+    return forward, backward
+
+
+FA2_MODULE = "flash_attn.flash_attn_interface"
+FA3_MODULE = "flash_attn_interface"  # hopper/setup.py installs it as a top-level module
+
+_fa2_fwd, _fa2_bwd = _make_fns(FA2_MODULE, functools.partial(fa2_forward_kwargs, dropout_p=0.0),
+                               functools.partial(fa2_backward_kwargs, dropout_p=0.0))
+_fa3_fwd, _fa3_bwd = _make_fns(FA3_MODULE, fa3_forward_kwargs, fa3_backward_kwargs)
+
+FLASH_ATTN = KernelBackend(
+    name="flash-attn",
+    description="flash-attn 2 (_flash_attn_forward/_flash_attn_backward), CUDA",
+    forward=_fa2_fwd,
+    backward=_fa2_bwd,
+    devices=frozenset({"cuda"}),
+    dtypes=frozenset({torch.bfloat16, torch.float16}),
+    max_head_dim=256,
+    head_dim_multiple=8,  # the internal functions do not pad; flash_attn_func does
+    causal_unequal=False,
+    is_importable=lambda: _importable(FA2_MODULE),
+)
+
+FLASH_ATTN3 = KernelBackend(
+    name="flash-attn3",
+    description="FlashAttention-3 for Hopper (flash_attn_interface), CUDA sm90",
+    forward=_fa3_fwd,
+    backward=_fa3_bwd,
+    devices=frozenset({"cuda"}),
+    dtypes=frozenset({torch.bfloat16, torch.float16}),  # fp8 is forward-only
+    max_head_dim=256,
+    head_dim_multiple=8,
+    causal_unequal=False,
+    is_importable=lambda: _importable(FA3_MODULE),
+)

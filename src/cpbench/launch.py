@@ -1,0 +1,110 @@
+"""Start N local CPU ranks with gloo and run a function on each.
+
+Used by the multi-rank tests and by ``cpbench run --nproc N``. Any rank's exception is
+re-raised in the parent with that rank's traceback; a deadline kills the whole group, so a
+rank waiting on a peer that already died can never hang the caller.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+
+class RankError(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+class LaunchTimeout(RuntimeError):
+    """The ranks did not all finish before the deadline."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context():
+    # forkserver with torch preloaded: each rank forks from a process that has already paid
+    # the torch import, which is most of a rank's start-up time on a 2-core machine.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "cpbench.strategies"])
+    return ctx
+
+
+def _worker(fn, rank, nproc, port, args, results, threads, pg_timeout_s):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(nproc))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=nproc,
+                                timeout=timedelta(seconds=pg_timeout_s))
+        out = fn(rank, nproc, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # report everything, including KeyboardInterrupt, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], nproc: int, *args, timeout: float = 300.0,
+              threads: int | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks; return results by rank.
+
+    ``fn`` must be importable by name (defined at module level). Raises RankError with the
+    first failing rank's traceback, or LaunchTimeout after ``timeout`` seconds.
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    threads = threads or max(1, (os.cpu_count() or 1) // nproc)
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, daemon=True,
+                    args=(fn, r, nproc, port, args, results, threads, max(30.0, timeout)))
+        for r in range(nproc)
+    ]
+    for p in procs:
+        p.start()
+    by_rank: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(by_rank) < nproc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(nproc)) - set(by_rank))
+                raise LaunchTimeout(f"ranks {missing} did not finish within {timeout:.0f} s")
+            try:
+                rank, status, payload = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if r not in by_rank and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RankError(f"rank {dead[0]} died with exit code "
+                                    f"{procs[dead[0]].exitcode} and no report")
+                continue
+            if status == "error":
+                raise RankError(f"rank {rank} failed:\n{payload}")
+            by_rank[rank] = payload
+    finally:
+        for p in procs:
+            if p.is_alive() and len(by_rank) < nproc:
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [by_rank[r] for r in range(nproc)]

@@ -1,0 +1,59 @@
+"""The float64 single-process reference and the tolerances every check uses.
+
+Reference: full softmax attention in float64 with autograd, on the same (dtype-rounded)
+inputs the strategy saw, so the only error measured is the strategy's and its kernel's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# (atol, rtol) per activation dtype, for |got - ref| <= atol + rtol * |ref|. Stated once.
+TOLERANCES = {
+    "fp32": (2e-4, 2e-3),
+    "fp16": (1e-2, 1e-2),
+    "bf16": (6e-2, 5e-2),
+}
+TENSORS = ("out", "lse", "dq", "dk", "dv")
+
+
+def reference_attention(q_bshd, k_bshd, v_bshd, dout_bshd, *, causal: bool,
+                        softmax_scale: float) -> dict[str, torch.Tensor]:
+    """out, lse (b, h, s), dq, dk, dv in float64. k/v may have fewer heads (GQA)."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q_bshd, k_bshd, v_bshd))
+    group = q.shape[2] // k.shape[2]
+    ke, ve = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    s_bhqk = torch.einsum("bqhd,bkhd->bhqk", q, ke) * softmax_scale
+    if causal:
+        sq, sk = s_bhqk.shape[-2:]
+        future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+        s_bhqk = s_bhqk.masked_fill(future, float("-inf"))
+    lse = torch.logsumexp(s_bhqk, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s_bhqk, dim=-1), ve)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout_bshd.double())
+    return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    tensor: str
+    max_abs: float
+    max_rel: float  # max |err| / max |ref|
+    passed: bool
+
+    def line(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        return f"{self.tensor:>4}: max abs {self.max_abs:.3e}  max rel {self.max_rel:.3e}  {verdict}"
+
+
+def compare(tensor: str, got: torch.Tensor, ref: torch.Tensor, dtype: str) -> Comparison:
+    atol, rtol = TOLERANCES[dtype]
+    assert got.shape == ref.shape, f"{tensor}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    got, ref = got.double(), ref.double()
+    err = (got - ref).abs()
+    finite = bool(torch.isfinite(got).all())
+    passed = finite and bool((err <= atol + rtol * ref.abs()).all())
+    scale = ref.abs().max().item() or 1.0
+    return Comparison(tensor, err.max().item(), err.max().item() / scale, passed)

@@ -1,0 +1,67 @@
+"""The strategy registry: one module per strategy in this package, plus third-party
+strategies from the ``cpbench.strategies`` entry-point group. The driver only sees names."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from importlib.metadata import entry_points
+
+from cpbench.strategies.base import Strategy
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+_SUPPORT_MODULES = {"base", "layout"}
+_loaded = False
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    assert cls.name not in _REGISTRY or _REGISTRY[cls.name] is cls, f"duplicate {cls.name}"
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for mod in pkgutil.iter_modules(__path__):
+        if mod.name not in _SUPPORT_MODULES and not mod.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{mod.name}")
+    for ep in entry_points(group="cpbench.strategies"):
+        register(ep.load())
+
+
+def names() -> list[str]:
+    _load()
+    return list(_REGISTRY)
+
+
+def get(name: str) -> type[Strategy]:
+    _load()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown strategy {name!r}; choose from: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def make_options(cls: type[Strategy], given: dict):
+    """Build ``cls.Options`` from user-given values; reject options it does not take."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(cls.Options)}
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+        takes = ", ".join(f"--{n.replace('_', '-')}" for n in fields) or "no options"
+        raise ValueError(
+            f"strategy {cls.name} does not take {', '.join('--' + u.replace('_', '-') for u in unknown)}"
+            f"; it takes: {takes}"
+        )
+    for name, value in given.items():
+        choices = fields[name].metadata.get("choices")
+        if choices and value not in choices:
+            raise ValueError(f"{cls.name} --{name.replace('_', '-')} must be one of "
+                             f"{', '.join(map(str, choices))}, got {value!r}")
+    return cls.Options(**given)
+
+
+__all__ = ["Strategy", "get", "make_options", "names", "register"]

@@ -1,0 +1,151 @@
+"""The strategy contract.
+
+A strategy is one file in this package defining a ``Strategy`` subclass decorated with
+``@register``. It owns:
+- its layout: ``seq_index(rank)``, the global token positions a rank holds, in local order
+  (sharding and gathering back for checks both follow from it);
+- its process groups: ``group_lists()`` names rank lists taken from ``cpbench.topology``;
+- ``attention(q, k, v) -> (out, lse)``: an autograd function doing communication and kernels;
+- ``schedule()``: its communication and compute as data (``Step``s), read by the profiler
+  breakdown and the simulator; tests hold it equal to the bytes the code really sends.
+Options are a frozen dataclass (``Options``); the CLI is generated from its fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from cpbench.bench.flops import attention_flops
+from cpbench.config import AttentionConfig
+from cpbench.kernels.base import KernelBackend
+from cpbench.topology import Group, Topology, new_groups, plan_group
+
+FWD, BWD = "fwd", "bwd"
+
+
+@dataclass(frozen=True)
+class Message:
+    """Bytes this rank sends in one step over one group. ``op``: "p2p" or "a2a"."""
+
+    op: str
+    group: str
+    nbytes: int
+    crosses_nodes: bool
+    overlapped: bool = True  # hidden behind compute when possible; False: exposed
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a rank's schedule: the kernel FLOPs it computes and what it sends."""
+
+    phase: str
+    index: int
+    flops: float
+    messages: tuple[Message, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoOptions:
+    pass
+
+
+def option(default, help: str, choices: tuple | None = None):
+    """A strategy option field: its default, CLI help and allowed values."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+class Strategy(ABC):
+    name: ClassVar[str]
+    description: ClassVar[str]
+    Options: ClassVar[type] = NoOptions
+    causal_only: ClassVar[bool] = False
+
+    def __init__(self, attn: AttentionConfig, topo: Topology, rank: int, *,
+                 kernel: KernelBackend, options=None, create_groups: bool = True):
+        self.attn, self.topo, self.rank, self.kernel = attn, topo, rank, kernel
+        self.opts = options if options is not None else self.Options()
+        self.validate()
+        build = new_groups if create_groups else plan_group
+        self.groups: dict[str, Group] = {
+            name: build(topo, name, rank, lists) for name, lists in self.group_lists().items()
+        }
+
+    # -- what each strategy defines ------------------------------------------------------------
+
+    @classmethod
+    def variants(cls, topo: Topology) -> list:
+        """Option sets worth running side by side on ``topo`` (e.g. both USP placements).
+        ``--strategy all`` runs each; the test matrix checks each. Default: the defaults."""
+        return [cls.Options()]
+
+    def validate(self) -> None:
+        """Raise ValueError, saying what would work, for a config this strategy cannot run.
+        Pure: runs before any collective."""
+
+    @abstractmethod
+    def group_lists(self) -> dict[str, list[list[int]]]:
+        """Role name → rank lists (from cpbench.topology), in creation order."""
+
+    @abstractmethod
+    def seq_index(self, rank: int) -> torch.Tensor:
+        """Global sequence positions held by ``rank``, in local order."""
+
+    @abstractmethod
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local q, k, v (b, s_local, h, d) → local out (b, s_local, h, d), lse (b, h, s_local)."""
+
+    @abstractmethod
+    def schedule(self) -> list[Step]:
+        """This rank's forward and backward steps: FLOPs and messages."""
+
+    # -- shared helpers -----------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.topo.world_size
+
+    @property
+    def local_seqlen(self) -> int:
+        return len(self.seq_index(self.rank))
+
+    def shard(self, x_bs: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        """This rank's part of a global tensor whose dim 1 is the sequence."""
+        idx = self.seq_index(self.rank if rank is None else rank).to(x_bs.device)
+        return x_bs.index_select(1, idx)
+
+    def unshard(self, parts: list[torch.Tensor], seq_dim: int = 1) -> torch.Tensor:
+        """Inverse of ``shard`` given every rank's local tensor (rank order)."""
+        first = parts[0]
+        shape = list(first.shape)
+        shape[seq_dim] = self.attn.seqlen
+        out = first.new_empty(shape)
+        for r, part in enumerate(parts):
+            out.index_copy_(seq_dim, self.seq_index(r).to(out.device), part)
+        return out
+
+    def block_flops(self, seqlen_q: int, seqlen_k: int, causal: bool, mode: str = FWD) -> float:
+        return attention_flops(batch=self.attn.batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                               heads=self.attn.heads, head_dim=self.attn.head_dim,
+                               causal=causal, mode=mode)
+
+    def kv_bytes(self, seqlen: int) -> int:
+        """Bytes of one K (or V) block of ``seqlen`` tokens in the activation dtype."""
+        a = self.attn
+        return a.batch * seqlen * a.num_kv_heads * a.head_dim * a.element_size
+
+    def q_bytes(self, seqlen: int, element_size: int | None = None) -> int:
+        a = self.attn
+        return a.batch * seqlen * a.heads * a.head_dim * (element_size or a.element_size)
+
+    def lse_bytes(self, seqlen: int) -> int:
+        return self.attn.batch * self.attn.heads * seqlen * 4
+
+    def kernel_call(self, name: str, *args, causal: bool):
+        fn = getattr(self.kernel, name)
+        return fn(*args, causal=causal, softmax_scale=self.attn.softmax_scale)

@@ -1,0 +1,160 @@
+"""Ranks → nodes, and every rank list / process group a strategy needs.
+
+This is the only module that knows how ranks map onto nodes and groups. Strategies ask it for
+rank lists by role (a ring, inner/outer rings, a ulysses × ring mesh) and get ``Group`` objects
+back; they never compute peers from global rank arithmetic themselves.
+
+Placement semantics (the USP mesh of ``ulysses_degree`` × ``ring_degree``):
+- head-first: Ulysses groups are contiguous ranks, so with ulysses_degree <= ranks per node
+  the all-to-alls stay inside a node and the ring crosses nodes;
+- ring-first: ring groups are contiguous ranks, so the ring stays inside a node and the
+  Ulysses all-to-alls cross nodes (the slow USP row of seed 001).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+HEAD_FIRST = "head-first"
+RING_FIRST = "ring-first"
+PLACEMENTS = (HEAD_FIRST, RING_FIRST)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """``world_size`` ranks on nodes of ``ranks_per_node`` consecutive ranks."""
+
+    world_size: int
+    ranks_per_node: int
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {self.world_size}")
+        if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
+            ok = ", ".join(map(str, divisors(self.world_size)))
+            raise ValueError(
+                f"ranks per node {self.ranks_per_node} does not divide world size "
+                f"{self.world_size}; use one of: {ok}"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def crosses_nodes(self, ranks: Sequence[int]) -> bool:
+        return len({self.node_of(r) for r in ranks}) > 1
+
+    def describe(self) -> str:
+        return f"{self.num_nodes}x{self.ranks_per_node}"
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group seen from one member: its role name, members in ring order, and
+    the torch ProcessGroup (None where only the plan is needed, e.g. schedules)."""
+
+    name: str
+    ranks: tuple[int, ...]
+    index: int  # this rank's position in ``ranks``
+    crosses_nodes: bool
+    pg: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def next_rank(self) -> int:
+        return self.ranks[(self.index + 1) % self.size]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.ranks[(self.index - 1) % self.size]
+
+
+# -- rank lists (pure) ------------------------------------------------------------------------
+
+def contiguous_groups(world_size: int, size: int) -> list[list[int]]:
+    """[[0..size-1], [size..2*size-1], ...]."""
+    _check_divides(size, world_size, "group size", "world size")
+    return [list(range(s, s + size)) for s in range(0, world_size, size)]
+
+
+def strided_groups(world_size: int, size: int) -> list[list[int]]:
+    """Groups of ``size`` ranks spaced world_size/size apart: [[0, w/s, ...], [1, ...], ...]."""
+    _check_divides(size, world_size, "group size", "world size")
+    stride = world_size // size
+    return [list(range(start, world_size, stride)) for start in range(stride)]
+
+
+def double_ring_groups(ring: Sequence[int], window: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Split a ring into inner rings of ``window`` consecutive members, and outer rings that
+    link the members at the same position of every window (LoongTrain's DoubleRing)."""
+    _check_divides(window, len(ring), "window", "ring size")
+    inner = [list(ring[s:s + window]) for s in range(0, len(ring), window)]
+    outer = [[inner_ring[i] for inner_ring in inner] for i in range(window)]
+    return inner, outer
+
+
+def usp_mesh(world_size: int, ulysses_degree: int, placement: str
+             ) -> tuple[list[list[int]], list[list[int]]]:
+    """(ulysses groups, ring groups) of a ulysses_degree × ring_degree mesh."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r}; choose one of: {', '.join(PLACEMENTS)}")
+    _check_divides(ulysses_degree, world_size, "ulysses degree", "world size")
+    ring_degree = world_size // ulysses_degree
+    if placement == HEAD_FIRST:
+        return contiguous_groups(world_size, ulysses_degree), strided_groups(world_size, ring_degree)
+    return strided_groups(world_size, ulysses_degree), contiguous_groups(world_size, ring_degree)
+
+
+def group_of(rank: int, rank_lists: Sequence[Sequence[int]]) -> list[int]:
+    for ranks in rank_lists:
+        if rank in ranks:
+            return list(ranks)
+    raise AssertionError(f"rank {rank} is in none of {rank_lists}")
+
+
+def _check_divides(part: int, whole: int, part_name: str, whole_name: str) -> None:
+    if part < 1 or whole % part:
+        ok = ", ".join(map(str, divisors(whole)))
+        raise ValueError(f"{part_name} {part} does not divide {whole_name} {whole}; use one of: {ok}")
+
+
+# -- groups ------------------------------------------------------------------------------------
+
+_PG_CACHE: dict[tuple[int, tuple[int, ...]], Any] = {}
+
+def plan_group(topo: Topology, name: str, rank: int, rank_lists: Sequence[Sequence[int]]) -> Group:
+    """This rank's group among ``rank_lists`` without creating a ProcessGroup."""
+    ranks = group_of(rank, rank_lists)
+    return Group(name, tuple(ranks), ranks.index(rank), topo.crosses_nodes(ranks))
+
+
+def new_groups(topo: Topology, name: str, rank: int, rank_lists: Sequence[Sequence[int]]) -> Group:
+    """Create a ProcessGroup for every list (a collective: every rank must call this with the
+    same lists in the same order) and return this rank's ``Group``."""
+    import torch.distributed as dist
+
+    mine = plan_group(topo, name, rank, rank_lists)
+    for ranks in rank_lists:
+        key = tuple(sorted(ranks))
+        if key == tuple(range(topo.world_size)):
+            pg = dist.group.WORLD
+        else:
+            # Reuse groups across strategies in one job: creating a gloo group is a collective
+            # with its own connections, and every rank asks for the same keys in the same order.
+            pg = _PG_CACHE.get((id(dist.group.WORLD), key))
+            if pg is None:
+                pg = _PG_CACHE[(id(dist.group.WORLD), key)] = dist.new_group(list(key))
+        if rank in ranks:
+            mine = Group(mine.name, mine.ranks, mine.index, mine.crosses_nodes, pg)
+    return mine

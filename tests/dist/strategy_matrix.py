@@ -1,0 +1,44 @@
+"""Rank bodies for the strategy matrix (module level so forkserver ranks can import them)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from cpbench import comm, kernels, strategies
+from cpbench.bench.check import global_inputs, run_local, check_strategy
+from cpbench.config import AttentionConfig
+from cpbench.topology import Topology
+
+
+def check_cases(rank, world, name, rpn, cases, kernel="sdpa-cpu"):
+    """Run every (attn, options) case; return failures as readable strings (rank 0)."""
+    topo = Topology(world_size=world, ranks_per_node=rpn)
+    cls = strategies.get(name)
+    failures = []
+    for i, (attn, opts) in enumerate(cases):
+        st = cls(attn, topo, rank, kernel=kernels.get(kernel), options=opts)
+        for c in check_strategy(st, seed=1000 + i):
+            if not c.passed:
+                failures.append(f"{name} {topo.describe()} {opts} {attn}: {c.line()}")
+    return failures
+
+
+def traced_bytes(rank, world, name, rpn, attn, opts):
+    """Bytes sent per (phase, op, group), measured vs declared by the schedule."""
+    topo = Topology(world_size=world, ranks_per_node=rpn)
+    st = strategies.get(name)(attn, topo, rank, kernel=kernels.get("sdpa-cpu"), options=opts)
+    inputs = global_inputs(attn, seed=7)
+    q, k, v = (st.shard(inputs[n]).detach().requires_grad_() for n in ("q", "k", "v"))
+    with comm.trace() as fwd_sent:
+        out, _ = st.attention(q, k, v)
+    with comm.trace() as bwd_sent:
+        out.backward(st.shard(inputs["dout"]))
+    measured = Counter()
+    for phase, sent in (("fwd", fwd_sent), ("bwd", bwd_sent)):
+        for m in sent:
+            measured[(phase, m.op, m.group)] += m.nbytes
+    declared = Counter()
+    for step in st.schedule():
+        for m in step.messages:
+            declared[(step.phase, m.op, m.group)] += m.nbytes
+    return dict(measured), dict(declared)
