@@ -112,11 +112,9 @@ def unpack_forward(result: Sequence[Any]) -> tuple[Any, Any]:
 
 def signature_params(fn) -> tuple[tuple[str, ...], frozenset[str]]:
     """(parameter names, those without a default) of a function or torch custom op."""
-    init_fn = getattr(fn, "_init_fn", None)  # torch.library.custom_op's CustomOpDef
-    if init_fn is not None:
-        fn = init_fn
+    fn = getattr(fn, "_init_fn", fn)  # torch.library.custom_op's CustomOpDef wraps the function
     schema = getattr(fn, "_schema", None) or getattr(getattr(fn, "default", None), "_schema", None)
-    if schema is not None:  # OpOverload / OpOverloadPacket (torch.ops.flash_attn...)
+    if hasattr(schema, "arguments"):  # OpOverload / OpOverloadPacket (torch.ops.flash_attn...)
         args = schema.arguments
         return tuple(a.name for a in args), frozenset(a.name for a in args
                                                      if not a.has_default_value())

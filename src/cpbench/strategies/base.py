@@ -66,9 +66,14 @@ class Strategy(ABC):
     causal_only: ClassVar[bool] = False
 
     def __init__(self, attn: AttentionConfig, topo: Topology, rank: int, *,
-                 kernel: KernelBackend, options=None, create_groups: bool = True):
+                 kernel: KernelBackend, options=None, create_groups: bool = True,
+                 cp_lists: list[list[int]] | None = None):
+        """``cp_lists``: the rank lists this strategy splits the sequence over, each in ring
+        order (default: one list of every rank). A composite strategy (USP) passes its ring
+        groups here and runs this strategy inside them on its own head slice."""
         self.attn, self.topo, self.rank, self.kernel = attn, topo, rank, kernel
         self.opts = options if options is not None else self.Options()
+        self.cp_lists = cp_lists or [list(range(topo.world_size))]
         self.validate()
         build = new_groups if create_groups else plan_group
         self.groups: dict[str, Group] = {
@@ -109,6 +114,14 @@ class Strategy(ABC):
     @property
     def world_size(self) -> int:
         return self.topo.world_size
+
+    @property
+    def cp_size(self) -> int:
+        return len(self.cp_lists[0])
+
+    def cp_index(self, rank: int) -> int:
+        """``rank``'s position in its CP ring: what its sequence shard is keyed by."""
+        return next(ranks.index(rank) for ranks in self.cp_lists if rank in ranks)
 
     @property
     def local_seqlen(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -17,6 +19,36 @@ def zigzag_index(seqlen: int, n: int, r: int) -> torch.Tensor:
     c = seqlen // (2 * n)
     return torch.cat([torch.arange(r * c, (r + 1) * c),
                       torch.arange((2 * n - 1 - r) * c, (2 * n - r) * c)])
+
+
+@dataclass(frozen=True)
+class Block:
+    """Which local queries meet which part of a received K/V block, and whether the
+    diagonal mask applies. Slices index the local (zigzag-ordered) sequence."""
+
+    q: slice
+    kv: slice
+    causal: bool
+
+
+def zigzag_block(me: int, src: int, local_len: int, causal: bool) -> Block:
+    """The work of ring position ``me`` against the K/V block from position ``src``.
+
+    Local tokens are [chunk me | chunk 2n-1-me]. Under causal masking:
+    - src == me: the local block against itself, diagonal mask;
+    - src < me: both local chunks see only the first chunk of src (its second is later);
+    - src > me: only the local second chunk sees src, and it sees both of its chunks.
+    Each case is the same amount of work, which is the point of the layout.
+    """
+    half = local_len // 2
+    every = slice(0, local_len)
+    if not causal:
+        return Block(every, every, False)
+    if src == me:
+        return Block(every, every, True)
+    if src < me:
+        return Block(every, slice(0, half), False)
+    return Block(slice(half, local_len), every, False)
 
 
 def nearest_multiple(seqlen: int, multiple: int) -> int:

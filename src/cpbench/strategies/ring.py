@@ -92,20 +92,20 @@ class Ring(Strategy):
     description = "contiguous shards, K/V ring; causal skips future blocks (imbalanced baseline)"
 
     def validate(self) -> None:
-        check_divisible(self.attn.seqlen, self.world_size, f"ring over {self.world_size} ranks")
+        check_divisible(self.attn.seqlen, self.cp_size, f"ring over {self.cp_size} ranks")
 
     def group_lists(self):
-        return {"ring": [list(range(self.world_size))]}
+        return {"ring": self.cp_lists}
 
     def seq_index(self, rank: int) -> torch.Tensor:
-        return contiguous_index(self.attn.seqlen, self.world_size, rank)
+        return contiguous_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))
 
     def attention(self, q, k, v):
         return _RingAttention.apply(self, q, k, v)
 
     def schedule(self) -> list[Step]:
         g = self.groups["ring"]
-        n, me, s = g.size, g.index, self.attn.seqlen // self.world_size
+        n, me, s = g.size, g.index, self.attn.seqlen // g.size
         causal = self.attn.causal
         kv = 2 * self.kv_bytes(s)
         dkv = 2 * self.kv_bytes(s) * 4 // self.attn.element_size
