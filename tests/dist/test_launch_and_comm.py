@@ -1,0 +1,46 @@
+"""Real gloo ranks: the launcher, ring send/recv, all-to-all, subgroup creation."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from cpbench.launch import LaunchTimeout, RankError, run_ranks
+
+import comm_bodies
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ring_pass_visits_every_rank(world):
+    for rank, seen in enumerate(run_ranks(comm_bodies.ring_pass, world, timeout=120)):
+        assert seen == [(rank - i) % world for i in range(world)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_all_to_all(world, dtype):
+    for rank, got in enumerate(run_ranks(comm_bodies.a2a, world, dtype, timeout=120)):
+        assert got == [10.0 * j + rank for j in range(world)]
+
+
+def test_groups_inside_and_across_nodes():
+    results = run_ranks(comm_bodies.subgroups, 8, 4, timeout=120)
+    for rank, (sums, node_crosses, cross_crosses) in enumerate(results):
+        node = rank // 4
+        assert sums[0] == sum(range(4 * node, 4 * node + 4))
+        assert sums[1] == rank % 4 + (rank % 4 + 4)  # strided: one rank from each node
+        assert not node_crosses and cross_crosses
+
+
+def test_rank_exception_is_reraised_with_traceback():
+    with pytest.raises(RankError, match=r"(?s)rank 1 failed.*KeyError: 'boom on rank 1'"):
+        run_ranks(comm_bodies.fail_on_rank_1, 3, timeout=60)
+
+
+def test_hung_ranks_are_killed_at_the_deadline():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchTimeout, match="did not finish within 3 s"):
+        run_ranks(comm_bodies.sleep_forever, 2, timeout=3)
+    assert time.monotonic() - t0 < 30

@@ -1,0 +1,119 @@
+"""Every runnable kernel backend against the float64 reference, and the measured properties
+of aten's CPU flash kernel that the sdpa-cpu backend and the strategies rely on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpbench import kernels
+from cpbench.reference import TOLERANCES, compare, reference_attention
+
+RUNNABLE = kernels.available("cpu")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _inputs(b, sq, sk, h, hk, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, h, d, generator=g).to(dtype)
+    k = torch.randn(b, sk, hk, d, generator=g).to(dtype)
+    v = torch.randn(b, sk, hk, d, generator=g).to(dtype)
+    dout = torch.randn(b, sq, h, d, generator=g).to(dtype)
+    return q, k, v, dout
+
+
+def _check(backend, q, k, v, dout, causal, dtype_name):
+    scale = q.shape[-1] ** -0.5
+    out, lse = backend.forward(q, k, v, causal=causal, softmax_scale=scale)
+    assert lse.dtype == torch.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    assert out.shape == q.shape and out.dtype == q.dtype
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
+    assert dk.shape == k.shape and dv.shape == v.shape  # GQA: grads come back with kv heads
+    ref = reference_attention(q, k, v, dout, causal=causal, softmax_scale=scale)
+    got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    bad = [c.line() for n, t in got.items() if not (c := compare(n, t, ref[n], dtype_name)).passed]
+    assert not bad, f"{backend.name}: " + "; ".join(bad)
+
+
+def test_cpu_backends_available():
+    assert {"torch", "sdpa-cpu"} <= set(RUNNABLE)
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_causal_gqa_matches_reference(name, causal, dtype_name):
+    q, k, v, dout = _inputs(2, 33, 33, 8, 2, 32, DTYPES[dtype_name], seed=hash((name, causal)) % 1000)
+    _check(kernels.get(name), q, k, v, dout, causal, dtype_name)
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+@pytest.mark.parametrize("seed", range(4))
+def test_random_shapes(name, seed):
+    g = torch.Generator().manual_seed(seed)
+    b, h = int(torch.randint(1, 3, (1,), generator=g)), 4
+    hk = [1, 2, 4][int(torch.randint(0, 3, (1,), generator=g))]
+    sq, sk = (int(x) for x in torch.randint(1, 70, (2,), generator=g))
+    d = [8, 16, 40, 64][int(torch.randint(0, 4, (1,), generator=g))]
+    # Unequal lengths are non-causal: causal blocks in strategies are always square.
+    q, k, v, dout = _inputs(b, sq, sk, h, hk, d, torch.float32, seed)
+    _check(kernels.get(name), q, k, v, dout, False, "fp32")
+    q, k, v, dout = _inputs(b, sq, sq, h, hk, d, torch.float32, seed + 100)
+    _check(kernels.get(name), q, k, v, dout, True, "fp32")
+
+
+def test_tolerances_are_stated_for_every_dtype():
+    assert set(TOLERANCES) == {"fp32", "bf16", "fp16"}
+
+
+# -- properties of aten's CPU flash kernel (documented in kernels/sdpa_cpu.py) ----------------
+
+_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def test_sdpa_cpu_causal_unequal_is_top_left_aligned():
+    q, k, v, _ = _inputs(1, 5, 9, 2, 2, 8, torch.float32, seed=3)
+    out, lse = _FWD(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True)
+    ref_top_left = torch.ones(5, 9, dtype=torch.bool).tril()
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * 8 ** -0.5
+    ref_lse = s.masked_fill(~ref_top_left, float("-inf")).logsumexp(-1)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_cpu_fully_masked_row_returns_zero_not_minus_inf():
+    q, k, v, _ = _inputs(1, 4, 4, 1, 1, 8, torch.float32, seed=4)
+    mask = torch.zeros(1, 1, 4, 4)
+    mask[..., 1, :] = float("-inf")
+    out, lse = _FWD(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
+                    attn_mask=mask)
+    # The hazard strategies must avoid: an "empty" row looks like a real one with lse 0.
+    assert lse[0, 0, 1].item() == 0.0
+    assert torch.count_nonzero(out[0, 0, 1]).item() == 0
+    assert torch.isfinite(lse).all()
+
+
+def test_sdpa_cpu_accepts_strided_views_and_gqa():
+    q, k, v, dout = _inputs(2, 16, 16, 4, 1, 16, torch.float32, seed=5)
+    assert not q.transpose(1, 2).is_contiguous()
+    _check(kernels.get("sdpa-cpu"), q, k, v, dout, True, "fp32")
+
+
+def test_sdpa_cpu_lse_is_fp32_for_bf16_inputs():
+    q, k, v, _ = _inputs(1, 8, 8, 2, 2, 16, torch.bfloat16, seed=6)
+    out, lse = kernels.get("sdpa-cpu").forward(q, k, v, causal=True, softmax_scale=0.25)
+    assert lse.dtype == torch.float32 and out.dtype == torch.bfloat16
+
+
+# -- selection ---------------------------------------------------------------------------------
+
+def test_auto_picks_sdpa_cpu_on_cpu():
+    b = kernels.resolve("auto", device="cpu", dtype=torch.float32, head_dim=64, heads=8, kv_heads=8)
+    assert b.name == "sdpa-cpu"
+
+
+def test_unsupported_request_names_working_backends():
+    with pytest.raises(ValueError, match="sdpa-cpu|torch"):
+        kernels.resolve("flash-attn", device="cpu", dtype=torch.bfloat16, head_dim=64, heads=8,
+                        kv_heads=8)
+    with pytest.raises(ValueError, match="unknown kernel"):
+        kernels.get("nope")

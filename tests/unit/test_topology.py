@@ -1,0 +1,74 @@
+"""Pure rank-list maths: nodes, contiguous / strided groups, double rings, USP placements."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpbench.topology import (HEAD_FIRST, RING_FIRST, Topology, contiguous_groups,
+                              double_ring_groups, plan_group, strided_groups, usp_mesh)
+
+
+def test_nodes():
+    t = Topology(world_size=32, ranks_per_node=8)
+    assert t.num_nodes == 4 and t.node_of(7) == 0 and t.node_of(8) == 1 and t.node_of(31) == 3
+    assert t.crosses_nodes([0, 8]) and not t.crosses_nodes([8, 15])
+    assert t.describe() == "4x8"
+
+
+def test_ranks_per_node_must_divide_world():
+    with pytest.raises(ValueError, match="use one of: 1, 2, 3, 6"):
+        Topology(world_size=6, ranks_per_node=4)
+
+
+def test_contiguous_and_strided():
+    assert contiguous_groups(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert strided_groups(8, 4) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert strided_groups(8, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(ValueError, match="does not divide world size 8; use one of: 1, 2, 4, 8"):
+        contiguous_groups(8, 3)
+
+
+def test_double_ring_inner_within_node_outer_across():
+    topo = Topology(world_size=32, ranks_per_node=8)
+    inner, outer = double_ring_groups(list(range(32)), window=8)
+    assert inner == [list(range(s, s + 8)) for s in (0, 8, 16, 24)]
+    assert outer[0] == [0, 8, 16, 24] and outer[7] == [7, 15, 23, 31]
+    assert not any(topo.crosses_nodes(g) for g in inner)
+    assert all(topo.crosses_nodes(g) for g in outer)
+    # a strided ring (as USP head-first hands out) splits by ring order, not rank value
+    inner, outer = double_ring_groups([1, 3, 5, 7], window=2)
+    assert inner == [[1, 3], [5, 7]] and outer == [[1, 5], [3, 7]]
+    with pytest.raises(ValueError, match="window 3 does not divide ring size 8; use one of: 1, 2, 4, 8"):
+        double_ring_groups(list(range(8)), window=3)
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 4), (4, 8)])
+def test_usp_placements(nodes, per_node):
+    world = nodes * per_node
+    topo = Topology(world_size=world, ranks_per_node=per_node)
+    uly, ring = usp_mesh(world, per_node, HEAD_FIRST)
+    assert all(not topo.crosses_nodes(g) for g in uly)
+    assert all(topo.crosses_nodes(g) for g in ring)
+    uly, ring = usp_mesh(world, nodes, RING_FIRST)  # ring degree = per_node
+    assert all(not topo.crosses_nodes(g) for g in ring)
+    assert all(topo.crosses_nodes(g) for g in uly)
+    for placement in (HEAD_FIRST, RING_FIRST):
+        uly, ring = usp_mesh(world, 2, placement)
+        # every rank is in exactly one group of each kind, and each pair meets exactly once
+        assert sorted(r for g in uly for r in g) == list(range(world))
+        assert sorted(r for g in ring for r in g) == list(range(world))
+        assert all(len(set(u) & set(rg)) == 1 for u in uly for rg in ring)
+
+
+def test_usp_invalid():
+    with pytest.raises(ValueError, match="ulysses degree 3"):
+        usp_mesh(8, 3, HEAD_FIRST)
+    with pytest.raises(ValueError, match="unknown placement"):
+        usp_mesh(8, 2, "diagonal")
+
+
+def test_plan_group_neighbours():
+    topo = Topology(world_size=8, ranks_per_node=4)
+    g = plan_group(topo, "ring", 5, strided_groups(8, 4))
+    assert g.ranks == (1, 3, 5, 7) and g.index == 2
+    assert g.next_rank == 7 and g.prev_rank == 3 and g.crosses_nodes
