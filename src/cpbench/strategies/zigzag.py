@@ -1,0 +1,47 @@
+"""zigzag: ring attention on the load-balanced zigzag layout (ring-flash-attention).
+
+The sequence is cut into 2N chunks and ring position r holds chunk r and its mirror 2N-1-r,
+so under causal masking every position does the same work at every step
+(layout.zigzag_block):
+- step 0: the local block against itself, diagonal mask;
+- K/V from an earlier position: all local queries see only its first chunk;
+- K/V from a later position: only the local second chunk sees it, and sees all of it.
+Each is half of a full (2c x 2c) block, so no rank idles, unlike ``ring``. Non-causal: every
+step is the full block.
+The ring pass itself (double-buffered K/V ring forward; K/V and fp32 dK/dV rings backward,
+dQ local) is shared with ``ring`` in ``_kv_ring``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpbench.strategies import register
+from cpbench.strategies._kv_ring import KVRingAttention, kv_ring_schedule
+from cpbench.strategies.base import Step, Strategy
+from cpbench.strategies.layout import Block, check_divisible, zigzag_block, zigzag_index
+
+
+@register
+class Zigzag(Strategy):
+    name = "zigzag"
+    description = "zigzag layout (chunks r and 2N-1-r), K/V ring: causal work balanced over ranks"
+
+    def validate(self) -> None:
+        check_divisible(self.attn.seqlen, 2 * self.cp_size,
+                        f"zigzag over {self.cp_size} ranks (2 chunks per rank)")
+
+    def group_lists(self):
+        return {"ring": self.cp_lists}
+
+    def seq_index(self, rank: int) -> torch.Tensor:
+        return zigzag_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))
+
+    def block(self, me: int, src: int, local_len: int) -> Block:
+        return zigzag_block(me, src, local_len, self.attn.causal)
+
+    def attention(self, q, k, v):
+        return KVRingAttention.apply(self, q, k, v)
+
+    def schedule(self) -> list[Step]:
+        return kv_ring_schedule(self)
