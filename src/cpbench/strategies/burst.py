@@ -1,0 +1,159 @@
+"""burst: BurstAttention (arXiv 2403.09347, OpenBMB/thunlp BurstAttention).
+
+Forward: the zigzag K/V ring. With ``double_ring`` (default) it is the two-level ring of
+``double-ring`` (shared code: inner rings within a node, the outer hop across nodes posted a
+whole inner ring ahead); without, one flat ring over the CP ranks.
+Backward turns the ring around: K and V stay on their owner and the *queries* travel, with
+everything their gradient needs: Q, dO, lse and delta = rowsum(O ⊙ dO). Each rank adds the
+dK/dV of its own keys locally (fp32); the dQ partial sum of the queries it holds follows them
+one hop behind and comes home like dK/dV do in double-ring (fp32).
+``opt_bwd`` (default): delta, one fp32 per query row, travels instead of O (a whole
+activation), and nobody needs O again. Our kernels take O rather than delta but use it only
+through rowsum(O ⊙ dO), so a receiver hands them the projection of O onto dO,
+(delta / |dO|²)·dO, which has the same rowsum (upstream patches flash-attention to take
+delta directly). Without ``opt_bwd`` O travels and each receiver's kernel derives delta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpbench.strategies import register
+from cpbench.strategies.base import BWD, Step, Strategy, option
+from cpbench.strategies.double_ring import (HomeBound, Rings, circulate, double_ring_lists,
+                                            forward_schedule, node_window, zigzag_forward)
+from cpbench.strategies.layout import check_divisible, zigzag_block, zigzag_index
+from cpbench.topology import Topology
+
+
+def _pack(*parts: torch.Tensor) -> torch.Tensor:
+    """Parts of mixed dtypes as one byte buffer, so the bundle travels as one message.
+    fp32 parts go first, which keeps every part aligned for viewing it back."""
+    return torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in parts])
+
+
+def _unpack(buf: torch.Tensor, like: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    parts, at = [], 0
+    for t in like:
+        n = t.numel() * t.element_size()
+        parts.append(buf[at:at + n].view(t.dtype).view(t.shape))
+        at += n
+    return parts
+
+
+def _delta(out_bshd: torch.Tensor, dout_bshd: torch.Tensor) -> torch.Tensor:
+    """rowsum(O ⊙ dO) in fp32, laid out like lse (b, h, s)."""
+    return (out_bshd.float() * dout_bshd.float()).sum(-1).transpose(1, 2)
+
+
+def _out_seen_by_kernel(delta_bhs: torch.Tensor, dout_bshd: torch.Tensor) -> torch.Tensor:
+    """An O with rowsum(O ⊙ dO) = delta: the projection of the true O onto dO."""
+    do = dout_bshd.float()
+    norm = (do * do).sum(-1)
+    scale = torch.where(norm > 0, delta_bhs.transpose(1, 2) / norm, 0.0)
+    return (scale.unsqueeze(-1) * do).to(dout_bshd.dtype)
+
+
+def _len(part: slice, total: int) -> int:
+    return len(range(total)[part])
+
+
+class _BurstAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, strat: "Burst", q, k, v):
+        out, lse = zigzag_forward(strat, strat.rings, q, k, v)
+        ctx.strat = strat
+        # with opt_bwd, O is needed once more (for delta) but never sent
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        strat = ctx.strat
+        rings, opt_bwd = strat.rings, strat.opts.opt_bwd
+        q, k, v, out, lse = ctx.saved_tensors
+        s = q.shape[1]
+        dout = dout.contiguous()
+        mine = (lse, _delta(out, dout), q, dout) if opt_bwd else (lse, q, dout, out)
+        dk = torch.zeros_like(k, dtype=torch.float32)
+        dv = torch.zeros_like(v, dtype=torch.float32)
+        dq_home = HomeBound(rings, tag=1)  # tag 0 is the query ring on the same groups
+        for j, t, bundle in circulate(rings, _pack(*mine), tag=0):
+            if opt_bwd:
+                their_lse, their_delta, their_q, their_dout = _unpack(bundle, mine)
+                their_out = _out_seen_by_kernel(their_delta, their_dout)
+            else:
+                their_lse, their_q, their_dout, their_out = _unpack(bundle, mine)
+            # the zigzag rule seen from the visiting queries' owner, against our keys
+            blk = zigzag_block(rings.source(j, t), rings.position, s, strat.attn.causal)
+            bq, bk, bv = strat.kernel_call("backward", their_dout[:, blk.q], their_q[:, blk.q],
+                                           k[:, blk.kv], v[:, blk.kv], their_out[:, blk.q],
+                                           their_lse[:, :, blk.q], causal=blk.causal)
+            dk[:, blk.kv] += bk
+            dv[:, blk.kv] += bv
+            their_dq = torch.zeros_like(q, dtype=torch.float32)
+            their_dq[:, blk.q] = bq.float()
+            dq_home.add(j, t, their_dq)
+        dq = dq_home.result()
+        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@register
+class Burst(Strategy):
+    name = "burst"
+    description = ("BurstAttention: zigzag K/V (double) ring forward; backward keeps K/V home "
+                   "and circulates Q, dO, lse, delta with dQ following")
+
+    @dataclass(frozen=True, kw_only=True)
+    class Options:
+        double_ring: bool = option(True, "inner rings within a node and an outer ring across "
+                                         "nodes (else one flat ring)")
+        opt_bwd: bool = option(True, "backward sends delta = rowsum(O*dO) (fp32, one per "
+                                     "query row) instead of O")
+
+    @classmethod
+    def variants(cls, topo: Topology) -> list:
+        return [cls.Options(double_ring=True, opt_bwd=True),
+                cls.Options(double_ring=False, opt_bwd=False)]
+
+    def validate(self) -> None:
+        n = self.cp_size
+        check_divisible(self.attn.seqlen, 2 * n, f"zigzag over {n} ranks (2 chunks per rank)")
+
+    @property
+    def window(self) -> int:
+        return node_window(self.topo, self.cp_lists) if self.opts.double_ring else self.cp_size
+
+    def group_lists(self):
+        if self.opts.double_ring:
+            return double_ring_lists(self.cp_lists, self.window)
+        return {"ring": self.cp_lists} if self.cp_size > 1 else {}
+
+    @property
+    def rings(self) -> Rings:
+        if self.opts.double_ring:
+            return Rings(self.cp_index(self.rank), self.window, self.cp_size // self.window,
+                         self.groups.get("inner"), self.groups.get("outer"))
+        return Rings(self.cp_index(self.rank), self.cp_size, 1, self.groups.get("ring"), None)
+
+    def seq_index(self, rank: int) -> torch.Tensor:
+        return zigzag_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))
+
+    def attention(self, q, k, v):
+        return _BurstAttention.apply(self, q, k, v)
+
+    def schedule(self) -> list[Step]:
+        rings, s = self.rings, self.local_seqlen
+        row = self.lse_bytes(s)  # lse, and delta: one fp32 per query row and head
+        bundle = row + 2 * self.q_bytes(s) + (row if self.opts.opt_bwd else self.q_bytes(s))
+        dq = self.q_bytes(s, element_size=4)
+        steps = forward_schedule(self, rings)
+        for index, (j, t) in enumerate(rings.steps()):
+            blk = zigzag_block(rings.source(j, t), rings.position, s, self.attn.causal)
+            flops = self.block_flops(_len(blk.q, s), _len(blk.kv, s), blk.causal, BWD)
+            msgs = rings.circulate_messages(j, t, bundle) + rings.home_messages(j, t, dq)
+            steps.append(Step(BWD, index, flops, tuple(msgs)))
+        return steps
