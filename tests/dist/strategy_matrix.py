@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections import Counter
 
 from cpbench import comm, kernels, strategies
-from cpbench.bench.check import global_inputs, run_local, check_strategy
-from cpbench.config import AttentionConfig
+from cpbench.bench.check import check_strategy, global_inputs
 from cpbench.topology import Topology
 
 
-def check_cases(rank, world, name, rpn, cases, kernel="sdpa-cpu"):
-    """Run every (attn, options) case; return failures as readable strings (rank 0)."""
+def check_cases(rank, world, name, rpn, cases, traffic_cases, kernel="sdpa-cpu"):
+    """Run every (attn, options) case against the reference, and every traffic case against
+    its declared schedule. Returns failures as readable strings."""
     topo = Topology(world_size=world, ranks_per_node=rpn)
     cls = strategies.get(name)
     failures = []
@@ -20,14 +20,18 @@ def check_cases(rank, world, name, rpn, cases, kernel="sdpa-cpu"):
         for c in check_strategy(st, seed=1000 + i):
             if not c.passed:
                 failures.append(f"{name} {topo.describe()} {opts} {attn}: {c.line()}")
+    for attn, opts in traffic_cases:
+        st = cls(attn, topo, rank, kernel=kernels.get(kernel), options=opts)
+        measured, declared = traced_bytes(st)
+        if measured != declared:
+            failures.append(f"{name} {topo.describe()} {opts} rank {rank}: sent {measured} "
+                            f"but the schedule declares {declared}")
     return failures
 
 
-def traced_bytes(rank, world, name, rpn, attn, opts):
+def traced_bytes(st):
     """Bytes sent per (phase, op, group), measured vs declared by the schedule."""
-    topo = Topology(world_size=world, ranks_per_node=rpn)
-    st = strategies.get(name)(attn, topo, rank, kernel=kernels.get("sdpa-cpu"), options=opts)
-    inputs = global_inputs(attn, seed=7)
+    inputs = global_inputs(st.attn, seed=7)
     q, k, v = (st.shard(inputs[n]).detach().requires_grad_() for n in ("q", "k", "v"))
     with comm.trace() as fwd_sent:
         out, _ = st.attention(q, k, v)

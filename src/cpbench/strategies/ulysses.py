@@ -1,0 +1,168 @@
+"""ulysses: DeepSpeed-Ulysses, all-to-all from sequence shards to head shards and back.
+
+Rank r of N holds tokens [r·S/N, (r+1)·S/N) of every head. One all-to-all per tensor scatters
+heads and gathers the sequence, so each rank then holds the whole sequence of heads/N heads
+and runs plain (unsplit) attention on it; a second all-to-all returns the output, and the
+log-sum-exp too, to the sequence layout. Backward is the same in reverse: dO goes to head
+shards, the kernel's dQ/dK/dV come back. Communication per rank is O(S/N) whatever N is, but
+N can never exceed the number of heads (heads % N == 0).
+
+GQA: with kv_heads % N == 0 the K/V heads split like the query heads. With fewer K/V heads
+than ranks each K/V head is replicated, as LoongTrain does, until there are lcm(kv_heads, N)
+of them: every rank then receives exactly the K/V head its query heads read. The replicas'
+gradients are summed (fp32) back onto the K/V head they copy.
+
+The all-to-all and replication pieces below are shared with ``usp``, which runs a ring
+strategy where this one runs the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from cpbench.comm import all_to_all
+from cpbench.strategies import register
+from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy
+from cpbench.strategies.layout import check_divisible, contiguous_index
+from cpbench.topology import Group, divisors
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                     tuple[torch.Tensor, torch.Tensor]]
+
+
+def kv_replicas(kv_heads: int, n: int) -> int:
+    """How many copies of each K/V head make the K/V head count divisible by ``n``."""
+    return math.lcm(kv_heads, n) // kv_heads
+
+
+class _AllToAll(torch.autograd.Function):
+    """comm.all_to_all with its transpose (the same exchange, dims swapped) as backward."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group, scatter_dim: int, gather_dim: int):
+        ctx.args = group, scatter_dim, gather_dim
+        return all_to_all(x, group, scatter_dim=scatter_dim, gather_dim=gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, scatter_dim, gather_dim = ctx.args
+        grad_in = all_to_all(grad, group, scatter_dim=gather_dim, gather_dim=scatter_dim)
+        return grad_in, None, None, None
+
+
+class _RepeatKV(torch.autograd.Function):
+    """Each K/V head repeated ``r`` times in place (head j -> heads j·r .. j·r+r-1)."""
+
+    @staticmethod
+    def forward(ctx, kv_bshd, r: int):
+        ctx.r = r
+        return kv_bshd.repeat_interleave(r, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad_bshd):
+        # every replica contributed to the loss: the owner's gradient is their sum, in fp32
+        summed = grad_bshd.unflatten(2, (-1, ctx.r)).float().sum(3)
+        return summed.to(grad_bshd.dtype), None
+
+
+class _LocalAttention(torch.autograd.Function):
+    """The kernel on the whole sequence of the local heads (no split left to merge)."""
+
+    @staticmethod
+    def forward(ctx, strat: Strategy, q, k, v):
+        out, lse = strat.kernel_call("forward", q, k, v, causal=strat.attn.causal)
+        ctx.strat = strat
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.strat.kernel_call("backward", dout.contiguous(), q, k, v, out, lse,
+                                           causal=ctx.strat.attn.causal)
+        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def local_attention(strat: Strategy) -> Attention:
+    return lambda q, k, v: _LocalAttention.apply(strat, q, k, v)
+
+
+def ulysses_attention(q_bshd, k_bshd, v_bshd, group: Group, inner: Attention, replicas: int):
+    """Sequence shards → head shards, ``inner`` on them, and back (out and lse)."""
+    if replicas > 1:
+        k_bshd, v_bshd = _RepeatKV.apply(k_bshd, replicas), _RepeatKV.apply(v_bshd, replicas)
+    # scatter heads (dim 2), gather sequence (dim 1); K and V travel as one message
+    q_full = _AllToAll.apply(q_bshd, group, 2, 1)
+    k_full, v_full = _AllToAll.apply(torch.stack([k_bshd, v_bshd]), group, 3, 2).unbind(0)
+    out_full, lse_full_bhs = inner(q_full, k_full, v_full)
+    out = _AllToAll.apply(out_full, group, 1, 2)
+    lse_bhs = _AllToAll.apply(lse_full_bhs, group, 2, 1)  # (b, h/N, S') → (b, h, S'/N)
+    return out, lse_bhs
+
+
+def ulysses_messages(strat: Strategy, group: Group, seqlen_local: int, kv_heads: int
+                     ) -> dict[str, tuple[Message, ...]]:
+    """The all-to-alls of ``ulysses_attention`` for a rank holding ``seqlen_local`` tokens
+    (all heads; ``kv_heads`` after replication): before/after the inner attention, per phase.
+    Nothing overlaps them: the inner attention needs their result."""
+    n = group.size
+    if n == 1:
+        return {"fwd_in": (), "fwd_out": (), "bwd_in": (), "bwd_out": ()}
+    a = strat.attn
+
+    def a2a(nbytes: int) -> Message:
+        return Message("a2a", group.name, nbytes * (n - 1) // n, group.crosses_nodes,
+                       overlapped=False)
+
+    q = strat.q_bytes(seqlen_local)
+    kv = 2 * a.batch * seqlen_local * kv_heads * a.head_dim * a.element_size
+    return {"fwd_in": (a2a(q), a2a(kv)),  # q; k and v
+            "fwd_out": (a2a(q), a2a(strat.lse_bytes(seqlen_local))),  # out; lse
+            "bwd_in": (a2a(q),),  # dout
+            "bwd_out": (a2a(q), a2a(kv))}  # dq; dk and dv
+
+
+@register
+class Ulysses(Strategy):
+    name = "ulysses"
+    description = ("DeepSpeed-Ulysses: all-to-all to head shards, full-sequence attention, "
+                   "all-to-all back; K/V heads replicated when fewer than ranks (LoongTrain)")
+
+    def validate(self) -> None:
+        n, h = self.cp_size, self.attn.heads
+        if h % n:
+            ok = ", ".join(str(d) for d in divisors(h))
+            raise ValueError(f"ulysses over {n} ranks needs heads ({h}) divisible by {n}; "
+                             f"ulysses degrees that would work: {ok} (or usp for more ranks)")
+        check_divisible(self.attn.seqlen, n, f"ulysses over {n} ranks")
+
+    def group_lists(self):
+        return {"ulysses": self.cp_lists}
+
+    def seq_index(self, rank: int) -> torch.Tensor:
+        return contiguous_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))
+
+    @property
+    def replicas(self) -> int:
+        return kv_replicas(self.attn.num_kv_heads, self.cp_size)
+
+    def attention(self, q, k, v):
+        return ulysses_attention(q, k, v, self.groups["ulysses"], local_attention(self),
+                                 self.replicas)
+
+    def schedule(self) -> list[Step]:
+        g = self.groups["ulysses"]
+        n, s_full = g.size, self.attn.seqlen
+        msgs = ulysses_messages(self, g, s_full // n, self.attn.num_kv_heads * self.replicas)
+        steps = []
+        for phase in (FWD, BWD):
+            # each rank computes the whole sequence for 1/N of the heads
+            flops = self.block_flops(s_full, s_full, self.attn.causal, phase) / n
+            steps += [Step(phase, 0, 0.0, msgs[f"{phase}_in"]),
+                      Step(phase, 1, flops),
+                      Step(phase, 2, 0.0, msgs[f"{phase}_out"])]
+        return steps

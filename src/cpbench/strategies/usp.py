@@ -1,0 +1,165 @@
+"""usp: Unified Sequence Parallelism, a ulysses_degree × ring_degree mesh (yunchang's
+LongContextAttention, arXiv 2405.07719).
+
+Ulysses alone cannot use more ranks than heads and its all-to-alls are slow across nodes;
+ring attention alone sends K/V N-1 times. USP does both: an all-to-all inside each Ulysses
+group (u ranks) turns sequence shards into head shards (heads/u heads, u times the tokens),
+a registered ring strategy (``ring_impl``, looked up by name and constructed on the ring
+groups with heads/u heads) runs over the R = N/u ring positions, and a second all-to-all
+returns out and lse to the sequence layout. Backward is the reverse, with the ring
+strategy's own backward in the middle. K/V heads are replicated as in ``ulysses`` when
+fewer than u.
+
+``placement`` (topology.usp_mesh): head-first makes Ulysses groups consecutive ranks, so with
+u <= ranks per node the all-to-alls stay inside a node and the ring crosses nodes;
+ring-first makes ring groups consecutive, keeping the ring inside a node and sending the
+all-to-alls across nodes.
+
+Layout: every member of a Ulysses group has the same ring position p, and after the
+all-to-all together they must hold exactly the ring strategy's token set for p in its order.
+So a rank holds that set (ring_impl's seq_index of its ring position, S/R tokens) cut into u
+contiguous pieces, the piece of its Ulysses position. It is keyed by (ring position,
+Ulysses position), never by global rank: yunchang's "basic" layout gives rank r the r-th
+contiguous S/N chunk, which is right only under head-first; under ring-first a Ulysses group
+is strided ranks (0, R, 2R, ...), so its gathered tokens are not one contiguous block and
+the ring's causal masking is wrong. (Its zigzag layout is keyed like this one.)
+
+u = N leaves a ring of one rank: the kernel runs directly, exactly as ``ulysses``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from cpbench import strategies
+from cpbench.strategies import register
+from cpbench.strategies.base import BWD, FWD, Step, Strategy, option
+from cpbench.strategies.layout import check_divisible, contiguous_index
+from cpbench.strategies.ulysses import (kv_replicas, local_attention, ulysses_attention,
+                                        ulysses_messages)
+from cpbench.topology import HEAD_FIRST, PLACEMENTS, RING_FIRST, divisors, group_of, usp_mesh
+
+RING_IMPLS = ("zigzag", "ring", "double-ring")
+
+
+def default_ulysses_degree(heads: int, world: int, ranks_per_node: int) -> int:
+    """The largest degree dividing heads and world that keeps a Ulysses group in a node."""
+    return max(d for d in divisors(world) if heads % d == 0 and d <= ranks_per_node)
+
+
+@register
+class Usp(Strategy):
+    name = "usp"
+    description = ("ulysses all-to-all inside groups of u ranks × a ring strategy over N/u "
+                   "ring positions (yunchang LongContextAttention)")
+
+    @dataclass(frozen=True, kw_only=True)
+    class Options:
+        ulysses_degree: int = option(0, "ranks per Ulysses group (the rest is ring); 0: the "
+                                     "largest divisor of heads and world within a node")
+        placement: str = option(HEAD_FIRST, "which groups are consecutive ranks (stay in a "
+                                "node)", PLACEMENTS)
+        ring_impl: str = option("zigzag", "ring strategy run over the ring groups", RING_IMPLS)
+
+    def __init__(self, *args, create_groups: bool = True, **kwargs):
+        super().__init__(*args, create_groups=create_groups, **kwargs)  # validate() plans
+        # after our "ulysses" groups, so every rank creates groups in the same order
+        self.ring = self._ring_strategy(create_groups=create_groups)
+        if self.ring is not None:
+            self.groups.update(self.ring.groups)
+
+    @classmethod
+    def variants(cls, topo):
+        n = topo.world_size
+        u_node = max(d for d in divisors(n) if d <= topo.ranks_per_node)
+        out = [cls.Options()]
+        if 1 < u_node < n:  # a real 2-D mesh: the two placements differ
+            out.append(cls.Options(placement=RING_FIRST))
+        # pure ring and pure Ulysses (the latter only where heads allow)
+        out += [cls.Options(ulysses_degree=d) for d in (1, n) if d != u_node]
+        # a smaller head split leaves several ring members per node: double-ring's case
+        # (LoongTrain's 2-D attention)
+        smaller = [d for d in divisors(u_node) if 1 < d < u_node]
+        if smaller:
+            out.append(cls.Options(ulysses_degree=smaller[0], ring_impl="double-ring"))
+        return out
+
+    # -- the mesh ----------------------------------------------------------------------------
+
+    def _plan(self) -> tuple[int, str, str]:
+        """(ulysses degree, placement, ring impl); the a2a+p2p alias fixes the last two."""
+        o = self.opts
+        u = o.ulysses_degree or default_ulysses_degree(self.attn.heads, self.cp_size,
+                                                       self.topo.ranks_per_node)
+        return u, o.placement, o.ring_impl
+
+    def validate(self) -> None:
+        a, n = self.attn, self.cp_size
+        self.ulysses_degree, placement, self.ring_impl = self._plan()
+        u = self.ulysses_degree
+        if u < 1 or n % u or a.heads % u:
+            ok = ", ".join(f"{d}x{n // d}" for d in divisors(n) if a.heads % d == 0)
+            raise ValueError(f"{self.name} cannot split {n} ranks with ulysses degree {u} and "
+                             f"{a.heads} heads (both must divide by it); ulysses x ring "
+                             f"splits that work: {ok}")
+        self.ring_degree = n // u
+        check_divisible(a.seqlen, n, f"{self.name} {u}x{self.ring_degree} "
+                        f"(S/{self.ring_degree} tokens per ring position cut in {u})")
+        # the mesh of each CP list, by position in it, mapped back to ranks
+        uly_pos, ring_pos = usp_mesh(n, u, placement)
+        self.ulysses_lists = [[cp[i] for i in g] for cp in self.cp_lists for g in uly_pos]
+        self.ring_lists = [[cp[i] for i in g] for cp in self.cp_lists for g in ring_pos]
+        self.replicas = kv_replicas(a.num_kv_heads, u)
+        self._ring_strategy(create_groups=False)  # the ring strategy validates its part
+
+    def _ring_strategy(self, *, create_groups: bool) -> Strategy | None:
+        """The ring strategy (its default options) on the ring groups, for this rank's
+        heads/u (and K/V heads/u after replication). None for a ring of one rank."""
+        if self.ring_degree == 1:
+            return None
+        a, u = self.attn, self.ulysses_degree
+        ring_attn = dataclasses.replace(a, heads=a.heads // u,
+                                        kv_heads=a.num_kv_heads * self.replicas // u)
+        return strategies.get(self.ring_impl)(ring_attn, self.topo, self.rank,
+                                              kernel=self.kernel, create_groups=create_groups,
+                                              cp_lists=self.ring_lists)
+
+    def group_lists(self):
+        return {"ulysses": self.ulysses_lists}  # the ring strategy creates its own
+
+    def seq_index(self, rank: int) -> torch.Tensor:
+        uly = group_of(rank, self.ulysses_lists)
+        if self.ring is None:
+            return contiguous_index(self.attn.seqlen, len(uly), uly.index(rank))
+        # members of a Ulysses group share a ring position (a mesh invariant)
+        assert len({self.ring.cp_index(r) for r in uly}) == 1
+        ring_set = self.ring.seq_index(rank)
+        return ring_set.chunk(len(uly))[uly.index(rank)]
+
+    # -- the algorithm -----------------------------------------------------------------------
+
+    def attention(self, q, k, v):
+        inner = local_attention(self) if self.ring is None else self.ring.attention
+        return ulysses_attention(q, k, v, self.groups["ulysses"], inner, self.replicas)
+
+    def schedule(self) -> list[Step]:
+        g = self.groups["ulysses"]
+        a = self.attn
+        msgs = ulysses_messages(self, g, a.seqlen // self.cp_size, a.num_kv_heads * self.replicas)
+        if self.ring is None:
+            inner = [Step(p, 0, self.block_flops(a.seqlen, a.seqlen, a.causal, p) / g.size)
+                     for p in (FWD, BWD)]
+        else:
+            inner = self.ring.schedule()  # its FLOPs already count heads/u heads
+        steps = []
+        for phase in (FWD, BWD):
+            # all-to-all, the ring strategy's steps, all-to-all (none when u = 1)
+            seq = [s for s in inner if s.phase == phase]
+            if msgs[f"{phase}_in"]:
+                seq = [Step(phase, 0, 0.0, msgs[f"{phase}_in"]), *seq,
+                       Step(phase, 0, 0.0, msgs[f"{phase}_out"])]
+            steps += [dataclasses.replace(s, index=i) for i, s in enumerate(seq)]
+        return steps

@@ -1,0 +1,160 @@
+"""usp's (and megatron-cp-a2a+p2p's) declared schedule against hand-computed volumes: the
+Ulysses all-to-alls plus the ring strategy's K/V ring on heads/u; node crossing per placement;
+the default degree and the errors for impossible splits. No processes."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from cpbench import kernels, strategies
+from cpbench.config import AttentionConfig
+from cpbench.strategies.usp import Usp, default_ulysses_degree
+from cpbench.topology import Topology
+
+
+def _build(world, rpn, rank=0, name="usp", **kw):
+    opts = {k: kw.pop(k) for k in ("ulysses_degree", "placement", "ring_impl", "a2a_degree")
+            if k in kw}
+    cls = strategies.get(name)
+    return cls(AttentionConfig(**kw), Topology(world_size=world, ranks_per_node=rpn), rank,
+               kernel=kernels.get("sdpa-cpu"), options=cls.Options(**opts), create_groups=False)
+
+
+def _totals(st):
+    out = Counter()
+    for step in st.schedule():
+        for m in step.messages:
+            out[(step.phase, m.op, m.group)] += m.nbytes
+    return out
+
+
+def _ulysses_bytes(b, S, h, kv_total, d, elt, n, u):
+    """Per rank: it holds s = S/N tokens of every head; each all-to-all keeps 1/u at home."""
+    s = S // n
+    q = (u - 1) * b * s * h * d * elt // u
+    kv = (u - 1) * 2 * b * s * kv_total * d * elt // u
+    lse = (u - 1) * b * h * s * 4 // u
+    return {"fwd": q + kv + q + lse, "bwd": q + q + kv}
+
+
+def _ring_bytes(b, S, kv_heads_ring, d, elt, r):
+    """Ring/zigzag over R positions, each holding S/R tokens of heads/u heads: R-1 K/V hops in
+    each pass, R dK/dV hops (fp32) in backward."""
+    block = 2 * b * (S // r) * kv_heads_ring * d
+    return {"fwd": (r - 1) * block * elt, "bwd": (r - 1) * block * elt + r * block * 4}
+
+
+@pytest.mark.parametrize("ring_impl", ["ring", "zigzag"])
+@pytest.mark.parametrize("kv_heads,kv_total", [(None, 8), (2, 4), (1, 4)])
+def test_bytes_hand_computed(ring_impl, kv_heads, kv_total):
+    # 8 ranks = 4 (Ulysses) x 2 (ring); K/V heads after replication to a multiple of 4
+    b, S, h, d, elt = 2, 64, 8, 16, 2
+    st = _build(8, 4, rank=5, batch=b, seqlen=S, heads=h, kv_heads=kv_heads, head_dim=d,
+                dtype="fp16", ulysses_degree=4, ring_impl=ring_impl)
+    uly = _ulysses_bytes(b, S, h, kv_total, d, elt, n=8, u=4)
+    ring = _ring_bytes(b, S, kv_total // 4, d, elt, r=2)
+    assert _totals(st) == {("fwd", "a2a", "ulysses"): uly["fwd"],
+                           ("bwd", "a2a", "ulysses"): uly["bwd"],
+                           ("fwd", "p2p", "ring"): ring["fwd"],
+                           ("bwd", "p2p", "ring"): ring["bwd"]}
+    if kv_heads is None and ring_impl == "ring":  # the numbers, once
+        assert uly == {"fwd": 3 * 2 * 8 * 8 * 16 * 2 // 4 * 4 + 3 * 2 * 8 * 8 * 4 // 4,
+                       "bwd": 3 * 2 * 8 * 8 * 16 * 2 // 4 * 4}
+        assert ring == {"fwd": 2 * 2 * 32 * 2 * 16 * 2, "bwd": 8192 + 2 * 8192 * 2}
+
+
+def test_pure_ring_and_pure_ulysses_ends():
+    b, S, h, d, elt = 1, 64, 8, 8, 4
+    ring_only = _build(8, 4, batch=b, seqlen=S, heads=h, head_dim=d, ulysses_degree=1,
+                       ring_impl="ring")
+    ring = _ring_bytes(b, S, h, d, elt, r=8)
+    assert _totals(ring_only) == {("fwd", "p2p", "ring"): ring["fwd"],
+                                  ("bwd", "p2p", "ring"): ring["bwd"]}
+    uly_only = _build(8, 4, batch=b, seqlen=S, heads=h, head_dim=d, ulysses_degree=8)
+    assert uly_only.ring is None and set(uly_only.groups) == {"ulysses"}
+    uly = _ulysses_bytes(b, S, h, h, d, elt, n=8, u=8)
+    assert _totals(uly_only) == {("fwd", "a2a", "ulysses"): uly["fwd"],
+                                 ("bwd", "a2a", "ulysses"): uly["bwd"]}
+
+
+@pytest.mark.parametrize("placement,uly_crosses,ring_crosses",
+                         [("head-first", False, True), ("ring-first", True, False)])
+def test_node_crossing_by_placement(placement, uly_crosses, ring_crosses):
+    for rank in range(8):
+        st = _build(8, 4, rank=rank, batch=1, seqlen=64, heads=8, head_dim=8,
+                    ulysses_degree=4, placement=placement)
+        for step in st.schedule():
+            for m in step.messages:
+                assert m.crosses_nodes is {"ulysses": uly_crosses, "ring": ring_crosses}[m.group]
+                if m.op == "a2a":  # the ring needs their result: nothing to hide behind
+                    assert not m.overlapped
+
+
+def test_flops_are_the_ring_strategys_on_heads_over_u():
+    st = _build(8, 4, batch=1, seqlen=64, heads=8, head_dim=16, ulysses_degree=4,
+                ring_impl="zigzag", causal=True)
+    # zigzag balances: every step is half a (S/R)^2 block; R steps; heads/u heads
+    s_ring, hu = 64 // 2, 8 // 4
+    fwd = 2 * (4 * 1 * s_ring * s_ring * hu * 16 / 2)
+    assert sum(s.flops for s in st.schedule() if s.phase == "fwd") == fwd
+    assert [s.index for s in st.schedule() if s.phase == "bwd"] == [0, 1, 2, 3]
+
+
+def test_double_ring_inside_usp():
+    if "double-ring" not in strategies.names():
+        pytest.skip("double-ring not registered yet")
+    # 2-way Ulysses inside a node leaves rings [0,2,4,6]... with 2 members per node
+    st = _build(8, 4, rank=2, batch=1, seqlen=64, heads=8, head_dim=8, ulysses_degree=2,
+                ring_impl="double-ring")
+    assert st.groups["inner"].ranks == (0, 2) and not st.groups["inner"].crosses_nodes
+    assert st.groups["outer"].ranks == (2, 6) and st.groups["outer"].crosses_nodes
+    assert st.ring.attn.heads == 4
+
+
+def test_default_degree():
+    assert default_ulysses_degree(heads=32, world=16, ranks_per_node=8) == 8
+    assert default_ulysses_degree(heads=4, world=8, ranks_per_node=8) == 4
+    assert default_ulysses_degree(heads=6, world=8, ranks_per_node=4) == 2
+    assert default_ulysses_degree(heads=8, world=8, ranks_per_node=1) == 1
+    st = _build(8, 2, batch=1, seqlen=64, heads=8, head_dim=8)
+    assert (st.ulysses_degree, st.ring_degree, st.ring_impl) == (2, 4, "zigzag")
+
+
+def test_impossible_splits():
+    with pytest.raises(ValueError, match="ulysses x ring splits that work: 1x8, 2x4, 4x2, 8x1"):
+        _build(8, 4, batch=1, seqlen=64, heads=8, head_dim=8, ulysses_degree=3)
+    with pytest.raises(ValueError, match="ulysses x ring splits that work: 1x8, 2x4, 4x2$"):
+        _build(8, 4, batch=1, seqlen=64, heads=4, head_dim=8, ulysses_degree=8)
+    with pytest.raises(ValueError, match="try --seqlen 64"):
+        _build(8, 4, batch=1, seqlen=60, heads=8, head_dim=8)
+    with pytest.raises(ValueError, match="zigzag"):  # the ring strategy's own check (2R chunks)
+        _build(8, 1, batch=1, seqlen=8, heads=8, head_dim=8, ulysses_degree=1)
+
+
+def test_variants_are_modest_and_distinct():
+    for world, rpn in ((2, 1), (4, 2), (8, 4), (8, 2), (32, 8)):
+        vs = Usp.variants(Topology(world_size=world, ranks_per_node=rpn))
+        assert len(vs) == len(set(vs)) <= 5
+        assert Usp.Options() in vs
+
+
+def test_a2a_p2p_is_head_first_over_megatron_cp():
+    if "megatron-cp" not in strategies.names():
+        pytest.skip("megatron-cp not registered yet")
+    b, S, h, d, elt = 1, 64, 8, 8, 2
+    st = _build(8, 4, rank=6, name="megatron-cp-a2a+p2p", batch=b, seqlen=S, heads=h,
+                head_dim=d, dtype="bf16")
+    assert st.ring_impl == "megatron-cp" and st.ulysses_degree == 4
+    assert st.groups["ulysses"].ranks == (4, 5, 6, 7) and not st.groups["ulysses"].crosses_nodes
+    assert st.groups["ring"].ranks == (2, 6) and st.groups["ring"].crosses_nodes
+    uly = _ulysses_bytes(b, S, h, h, d, elt, n=8, u=4)
+    tot = _totals(st)
+    assert tot[("fwd", "a2a", "ulysses")] == uly["fwd"]
+    assert tot[("bwd", "a2a", "ulysses")] == uly["bwd"]
+    # TE's forward ring: R-1 hops of packed K/V for heads/u heads
+    assert tot[("fwd", "p2p", "ring")] == (2 - 1) * 2 * b * (S // 2) * (h // 4) * d * elt
+    with pytest.raises(ValueError, match="splits that work"):
+        _build(8, 4, name="megatron-cp-a2a+p2p", batch=1, seqlen=64, heads=8, head_dim=8,
+               a2a_degree=3)
