@@ -2,4 +2,4 @@ import os
 import sys
 
 # Rank bodies live in plain modules beside the tests so spawned ranks can import them.
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "multirank"))

@@ -52,3 +52,125 @@ class AttentionConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# -- the benchmark run (owned by the driver; the CLI is generated from these fields) ----------
+
+def arg(default, help: str, *, choices: tuple | None = None, parse=None,
+        metavar: str | None = None):
+    """A config field with its CLI help, allowed values and a parser for its text form."""
+    return dataclasses.field(default=default, metadata={
+        "help": help, "choices": choices, "parse": parse, "metavar": metavar})
+
+
+_SIZE_SUFFIX = {"k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
+
+
+def parse_size(text: str) -> int:
+    """A token count: ``524288``, ``8k``, ``128K``, ``1M`` (binary suffixes: 8k = 8192)."""
+    t = str(text).strip().lower()
+    scale = _SIZE_SUFFIX.get(t[-1:], 1)
+    digits = t[:-1] if scale > 1 else t
+    if not digits.lstrip("-").isdigit():
+        raise ValueError(f"cannot read {text!r} as a size; use an integer or a size like "
+                         f"8k, 128K, 1M")
+    return int(digits) * scale
+
+
+def parse_names(text: str) -> tuple[str, ...]:
+    """``zigzag`` / ``ring,zigzag`` / ``all`` → a tuple of names (checked by the driver)."""
+    names = tuple(n.strip() for n in str(text).split(",") if n.strip())
+    if not names:
+        raise ValueError("--strategy needs a name, a comma list of names, or all")
+    return names
+
+
+# Help for AttentionConfig's fields on the command line (the fields themselves stay minimal).
+ATTENTION_HELP = {
+    "batch": "batch size B",
+    "seqlen": "global sequence length S, split over the CP ranks (8k = 8192, 128K, 1M)",
+    "heads": "query heads H",
+    "kv_heads": "key/value heads (GQA; must divide --heads); default: --heads",
+    "head_dim": "head dimension D",
+    "dtype": "activation dtype",
+    "causal": "causal (lower-triangular) mask",
+}
+ATTENTION_PARSE = {"seqlen": parse_size}
+
+# Defaults per device. GPU: seed 001's setting (its 128K row). CPU: small and fp32 (bf16 is
+# 2-3x slower on CPUs without native bf16), sized so `make bench` runs every strategy in well
+# under a minute on 2 cores.
+GPU_ATTENTION = {"batch": 1, "seqlen": 131072, "heads": 40, "head_dim": 128, "dtype": "bf16",
+                 "causal": True}
+CPU_ATTENTION = {"batch": 1, "seqlen": 1024, "heads": 8, "head_dim": 64, "dtype": "fp32",
+                 "causal": True}
+GPU_ITERS = {"warmup": 5, "iters": 20}
+CPU_ITERS = {"warmup": 2, "iters": 5}
+
+FORMATS = ("table", "markdown", "csv", "json")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """How a benchmark runs and is measured; the attention problem is ``AttentionConfig`` and
+    each strategy's options its own ``Options``. ``None`` fields are filled per device by
+    ``resolved()`` before anything runs, so a record always holds concrete values."""
+
+    strategy: tuple[str, ...] = arg(("all",), "a strategy name, a comma list, or all "
+                                    "(see `cpbench strategies`)", parse=parse_names,
+                                    metavar="NAME[,NAME...]|all")
+    kernel: str = arg("auto", "attention kernel backend (auto: flash-attn on CUDA, sdpa-cpu "
+                      "on CPU)")
+    device: str = arg("auto", "where ranks compute (auto: cuda under torchrun when a GPU is "
+                      "present, else cpu; --nproc always runs on cpu)", choices=DEVICES)
+    ranks_per_node: int | None = arg(None, "ranks per (emulated) node; default: "
+                                     "LOCAL_WORLD_SIZE under torchrun, a value giving >= 2 "
+                                     "nodes with --nproc")
+    warmup: int | None = arg(None, "untimed iterations first (default: 5 GPU, 2 CPU)")
+    iters: int | None = arg(None, "timed iterations (default: 20 GPU, 5 CPU)")
+    fwd_only: bool = arg(False, "time the forward only")
+    check: bool = arg(False, "first compare out, lse, dq, dk, dv with the float64 reference "
+                      "(small --seqlen only); a FAIL exits non-zero")
+    seed: int = arg(0, "random seed of the inputs")
+    out: str | None = arg(None, "append JSONL records here (default: "
+                          "runs/<utc>_<strategy>_<seqlen>/results.jsonl; 'none': no file)",
+                          metavar="FILE.jsonl")
+    format: str = arg("table", "how the summary prints", choices=FORMATS)
+    nproc: int | None = arg(None, "start this many local CPU ranks (gloo) instead of running "
+                            "under torchrun (default: 4)")
+    timeout: float = arg(3600.0, "seconds before a stuck run is stopped (--nproc) and a "
+                         "rank stops waiting for a peer")
+
+    def __post_init__(self):
+        for name in ("ranks_per_node", "iters", "nproc"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be a positive integer, got {value}")
+        if self.warmup is not None and self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.timeout <= 0:
+            raise ValueError(f"--timeout must be positive, got {self.timeout}")
+        for name, allowed in (("format", FORMATS), ("device", DEVICES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name} must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
+
+    def resolved(self, device: str) -> "RunConfig":
+        """Fill per-device defaults (``device`` is "cpu" or "cuda")."""
+        iters = GPU_ITERS if device == "cuda" else CPU_ITERS
+        return dataclasses.replace(
+            self, device=device,
+            warmup=iters["warmup"] if self.warmup is None else self.warmup,
+            iters=iters["iters"] if self.iters is None else self.iters)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["strategy"] = list(self.strategy)
+        return d
+
+
+def default_attention(device: str) -> dict:
+    """The attention shape used where the command line leaves a field out."""
+    return dict(GPU_ATTENTION if device == "cuda" else CPU_ATTENTION)

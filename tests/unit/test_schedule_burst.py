@@ -10,11 +10,8 @@ import pytest
 from cpbench import kernels
 from cpbench.bench.flops import attention_flops
 from cpbench.config import AttentionConfig
-from cpbench.launch import run_ranks
 from cpbench.strategies.burst import Burst
 from cpbench.topology import Topology
-
-from strategy_matrix import check_cases
 
 B, S, H, HK, D = 2, 96, 4, 2, 16
 
@@ -112,9 +109,3 @@ def test_flops_sum_to_the_global_problem(world, rpn, double_ring, causal):
 def test_validate():
     with pytest.raises(ValueError, match="try --seqlen 96"):
         _plan(8, 4, 0, _attn(seqlen=90))
-
-
-def test_single_rank_matches_reference():
-    cases = [(_attn(dtype, causal), Burst.Options(opt_bwd=opt))
-             for dtype in ("fp32", "bf16") for causal in (True, False) for opt in (True, False)]
-    assert run_ranks(check_cases, 1, "burst", 1, cases, timeout=120) == [[]]

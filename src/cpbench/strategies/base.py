@@ -119,6 +119,12 @@ class Strategy(ABC):
     def cp_size(self) -> int:
         return len(self.cp_lists[0])
 
+    @property
+    def ranks_per_problem(self) -> int:
+        """Ranks that share one attention problem: per-GPU TFLOPs divide its FLOPs by this.
+        Every rank for a CP strategy; 1 for a no-CP baseline (each rank solves it alone)."""
+        return self.world_size
+
     def cp_index(self, rank: int) -> int:
         """``rank``'s position in its CP ring: what its sequence shard is keyed by."""
         return next(ranks.index(rank) for ranks in self.cp_lists if rank in ranks)

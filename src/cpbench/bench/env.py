@@ -1,0 +1,113 @@
+"""What a result was measured on: versions, devices, hosts, launch, code revision, time.
+
+Goes into every record, so a number can be traced back to its machine and commit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+# A rank process costs roughly this much RAM before it holds any tensor (torch, gloo).
+RANK_OVERHEAD_BYTES = 400 * 2 ** 20
+RANKS_PER_CORE = 8  # beyond this, ranks mostly wait for a core and timings mean little
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or another launcher setting its env)."""
+    return all(v in os.environ for v in TORCHRUN_VARS)
+
+
+def torchrun_world() -> tuple[int, int, int]:
+    """(rank, world size, local world size) from torchrun's environment."""
+    return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+            int(os.environ["LOCAL_WORLD_SIZE"]))
+
+
+def max_local_ranks() -> int:
+    """How many CPU ranks this machine can start: bounded by cores and by available RAM."""
+    cores = os.cpu_count() or 1
+    limit = RANKS_PER_CORE * cores
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        limit = min(limit, int(info["MemAvailable"].split()[0]) * 1024 // RANK_OVERHEAD_BYTES)
+    except (OSError, KeyError, ValueError):
+        pass
+    return max(1, limit)
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _version(dist_name: str) -> str | None:
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "-C", str(here), *args], capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def device_name(device: str) -> str:
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def capture(*, device: str, launcher: str, hostnames: list[str], world_size: int,
+            ranks_per_node: int) -> dict:
+    """The environment record of this run (called on rank 0; ``hostnames`` by rank)."""
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            version = torch.cuda.nccl.version()  # a tuple in recent torch, an int in old ones
+            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except Exception:  # NCCL absent from this build
+            nccl = None
+    sha = _git("rev-parse", "HEAD")
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if sha else None
+    return {
+        "utc": utc_now(),
+        "cpbench": _version("cpbench"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+        "flash_attn": _version("flash-attn") or _version("flash_attn"),
+        "device": device,
+        "device_name": device_name(device),
+        "cpu_count": os.cpu_count(),
+        "threads_per_rank": torch.get_num_threads(),
+        "hostnames": hostnames,
+        "world_size": world_size,
+        "ranks_per_node": ranks_per_node,
+        "num_nodes": world_size // ranks_per_node,
+        "launcher": launcher,
+        "git_sha": sha,
+        "git_dirty": dirty,
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+    }

@@ -1,0 +1,117 @@
+"""Peak memory of one step, and the up-front estimate that rejects sizes that cannot fit.
+
+GPU: ``torch.cuda.max_memory_allocated`` after resetting the peak — every byte the caching
+allocator handed out to tensors at the worst moment of the step (inputs included, the
+allocator's cached-but-free blocks excluded), as the seed tables report it.
+
+CPU: torch keeps no allocator statistics, and tracemalloc / RSS deltas miss tensor memory
+(tensor storage is not Python-allocated, and freed blocks stay in the process). So the meter
+is a ``TorchDispatchMode`` that sees every tensor an aten op takes or returns during the
+step, counts its *storage* once (views share it), and uncounts it when the storage is freed
+(a weakref finalizer on the storage object, which torch keeps alive exactly as long as the
+storage). What the CPU figure counts: the storages of the tensors handed in as the step's
+inputs, plus every storage an aten op created, read or wrote during the step (from its first
+use until it is freed), at the moment their live sum peaked. Not counted: scratch memory a
+kernel allocates outside tensors, buffers inside gloo, Python objects, and allocator
+overhead/fragmentation. It is therefore comparable across strategies on CPU (same inputs,
+same kernels) but not byte for byte with the GPU figure.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+MB = 2 ** 20  # the seeds' "MB" is MiB: 40 heads × 128 × 4096 tokens × 2 bytes = 40.00 MB
+
+
+class _StorageMeter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key, nbytes = storage._cdata, storage.nbytes()
+        if nbytes == 0 or key in self.live:
+            return
+        self.live[key] = nbytes
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._freed, key)
+
+    def _freed(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for t in tree_flatten((out, args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
+
+
+def peak_bytes(fn: Callable[[], object], *, device: str,
+               inputs: Iterable[torch.Tensor] = ()) -> int:
+    """Peak bytes held during ``fn()`` on this rank (see the module docstring for what counts).
+    ``inputs``: tensors alive before the step that belong to it (counted on CPU; on GPU the
+    allocator sees them anyway)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated())
+    meter = _StorageMeter()
+    for t in inputs:
+        meter.track(t)
+    with meter:
+        fn()
+    return meter.peak
+
+
+# -- estimates before anything runs ----------------------------------------------------------
+
+def step_lower_bound(*, batch: int, local_seqlen: int, heads: int, kv_heads: int,
+                     head_dim: int, element_size: int) -> int:
+    """Bytes a rank cannot do without in a forward + backward: q, out, dout, dq and k, v, dk,
+    dv of its shard in the activation dtype (no buffers, no accumulators: a lower bound, so
+    a rejection is never wrong)."""
+    tokens = batch * local_seqlen * head_dim * element_size
+    return tokens * (4 * heads + 4 * kv_heads)
+
+
+def check_bytes(*, batch: int, seqlen: int, heads: int, kv_heads: int, head_dim: int,
+                element_size: int) -> tuple[int, int]:
+    """(per rank, rank 0 extra) bytes of ``--check``: every rank holds the global q, k, v,
+    dout; rank 0 also builds the float64 reference one head at a time, whose S×S score,
+    probability and gradient matrices (about 5 live at once) dominate."""
+    per_rank = batch * seqlen * head_dim * element_size * (2 * heads + 2 * kv_heads)
+    reference = 5 * batch * seqlen * seqlen * 8
+    return per_rank, reference
+
+
+def available_bytes(device: str, local_ranks: int) -> int | None:
+    """Memory one rank can count on: the GPU's total, or the machine's available RAM shared
+    by the ``local_ranks`` ranks on it. None when unknown."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024 // max(1, local_ranks)
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2 ** 30:.1f} GiB"

@@ -1,0 +1,226 @@
+"""``cpbench``: run benchmarks, list strategies, re-render results.
+
+    cpbench run --strategy zigzag --seqlen 8k --nproc 4 --check     # local CPU ranks
+    torchrun --nproc-per-node 8 benchmarks/run.py --strategy all     # GPUs (same flags)
+    cpbench strategies                                              # names, options
+    cpbench report runs/…/results.jsonl --format markdown
+
+The ``run`` flags are generated from the config dataclasses (``AttentionConfig``,
+``RunConfig``) and from every registered strategy's ``Options``; values are validated by
+those dataclasses, the registry and the strategies themselves. Bad input is one line on
+stderr saying the fix, exit status 2, before any process starts or any collective runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import types
+import typing
+
+from cpbench import strategies
+from cpbench.config import (ATTENTION_HELP, ATTENTION_PARSE, CPU_ATTENTION, DTYPES,
+                            GPU_ATTENTION, AttentionConfig, RunConfig)
+
+USAGE_ERROR = 2
+_OPT_PREFIX = "opt_"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line with the fix, not argparse's usage block
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _base_type(annotation):
+    """int for ``int | None``; the annotation itself otherwise."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0]
+    return annotation
+
+
+def _converter(parse, what: str):
+    def convert(text):
+        try:
+            return parse(text)
+        except (TypeError, ValueError) as e:
+            if parse in (int, float):
+                raise argparse.ArgumentTypeError(f"cannot read {text!r} as {what}") from None
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = what
+    return convert
+
+
+def _add_field(group, name: str, typ, help: str, *, choices=None, parse=None, metavar=None,
+               dest: str | None = None):
+    flag, dest = "--" + name.replace("_", "-"), dest or name
+    if typ is bool:
+        group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+                           default=None, help=help)
+        return
+    parse = parse or typ
+    what = {int: "an integer", float: "a number"}.get(parse, typ.__name__)
+    group.add_argument(flag, dest=dest, type=_converter(parse, what), choices=choices,
+                       default=None, metavar=metavar or (None if choices else name.upper()),
+                       help=help)
+
+
+def _add_dataclass(group, cls, *, help_map=None, parse_map=None, choices_map=None,
+                   defaults_note=None):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        help = meta.get("help") or (help_map or {}).get(f.name, "")
+        note = defaults_note(f) if defaults_note else None
+        if note:
+            help = f"{help} ({note})"
+        choices = meta.get("choices") or (choices_map or {}).get(f.name)
+        _add_field(group, f.name, _base_type(hints[f.name]), help, choices=choices,
+                   parse=meta.get("parse") or (parse_map or {}).get(f.name),
+                   metavar=meta.get("metavar"))
+
+
+def _strategy_options() -> dict[str, list[tuple[str, dataclasses.Field, type]]]:
+    """Option name → [(strategy, field, type)] over every registered strategy."""
+    found: dict[str, list] = {}
+    for name in sorted(strategies.names()):
+        cls = strategies.get(name)
+        hints = typing.get_type_hints(cls.Options)
+        for f in dataclasses.fields(cls.Options):
+            found.setdefault(f.name, []).append((name, f, _base_type(hints[f.name])))
+    return found
+
+
+def _attention_default(f) -> str | None:
+    cpu, gpu = CPU_ATTENTION.get(f.name), GPU_ATTENTION.get(f.name)
+    if f.name not in CPU_ATTENTION:
+        return None
+    return f"default {cpu} on CPU, {gpu} on GPU" if cpu != gpu else f"default {cpu}"
+
+
+def _run_default(f) -> str | None:
+    if f.default is None or isinstance(f.default, bool):
+        return None
+    value = ",".join(f.default) if isinstance(f.default, tuple) else f.default
+    return f"default {value}"
+
+
+def _run_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("run", help="run strategies and print the seed-format tables",
+                       description="Run context-parallel attention strategies: check, time, "
+                                   "measure memory; print seed-format tables; append JSONL.")
+    _add_dataclass(p.add_argument_group("attention problem"), AttentionConfig,
+                   help_map=ATTENTION_HELP, parse_map=ATTENTION_PARSE,
+                   choices_map={"dtype": tuple(DTYPES)}, defaults_note=_attention_default)
+    _add_dataclass(p.add_argument_group("run"), RunConfig, defaults_note=_run_default)
+    reserved = {f.name for f in dataclasses.fields(AttentionConfig)} | \
+        {f.name for f in dataclasses.fields(RunConfig)}
+    group = p.add_argument_group("strategy options (passed to the strategies that take them)")
+    for opt, owners in _strategy_options().items():
+        assert opt not in reserved, f"strategy option {opt!r} clashes with a run flag"
+        typ = owners[0][2]
+        choices = tuple(dict.fromkeys(c for _, f, _ in owners
+                                      for c in f.metadata.get("choices") or ()))
+        where = "; ".join(f"{s}: default {f.default}" for s, f, _ in owners)
+        help = f"{owners[0][1].metadata.get('help', '')} [{where}]"
+        _add_field(group, opt, typ, help, choices=choices or None,
+                   metavar=None if choices else opt.upper(), dest=_OPT_PREFIX + opt)
+    p.set_defaults(func=cmd_run)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="cpbench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _run_parser(sub)
+    s = sub.add_parser("strategies", help="list every strategy, its description and options")
+    s.set_defaults(func=cmd_strategies)
+    r = sub.add_parser("report", help="re-render the tables from JSONL records")
+    r.add_argument("files", nargs="+", metavar="FILE.jsonl")
+    r.add_argument("--format", choices=("table", "markdown", "csv", "json"), default="table")
+    r.set_defaults(func=cmd_report)
+    return parser
+
+
+def _request(args) -> tuple[RunConfig, dict, dict]:
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    run = RunConfig(**{f.name: given[f.name] for f in dataclasses.fields(RunConfig)
+                       if f.name in given})
+    attention = {f.name: given[f.name] for f in dataclasses.fields(AttentionConfig)
+                 if f.name in given}
+    options = {k[len(_OPT_PREFIX):]: v for k, v in given.items() if k.startswith(_OPT_PREFIX)}
+    return run, attention, options
+
+
+def _fail(prog: str, e: Exception) -> int:
+    sys.stderr.write(f"{prog}: error: {' '.join(str(e).split())}\n")
+    return USAGE_ERROR
+
+
+def cmd_run(args) -> int:
+    from cpbench.bench import driver
+    from cpbench.bench.env import torchrun_world, under_torchrun
+    from cpbench.launch import LaunchTimeout, RankError
+
+    launcher = "torchrun" if under_torchrun() else "self"
+    try:
+        run, attention, options = _request(args)
+        plan = driver.plan(run, attention, options, launcher=launcher)
+    except ValueError as e:
+        if launcher == "self" or torchrun_world()[0] == 0:  # rank 0 speaks
+            return _fail("cpbench run", e)
+        return USAGE_ERROR
+    if launcher == "torchrun":
+        return driver.torchrun_main(plan)
+    try:
+        return driver.launch(plan)
+    except (RankError, LaunchTimeout) as e:
+        sys.stderr.write(f"cpbench run: {e}\n")
+        return 1
+
+
+def cmd_strategies(args) -> int:
+    lines = []
+    for name in sorted(strategies.names()):
+        cls = strategies.get(name)
+        lines.append(f"{name:<22} {cls.description}")
+        hints = typing.get_type_hints(cls.Options)
+        for f in dataclasses.fields(cls.Options):
+            typ = _base_type(hints[f.name])
+            flag = "--" + f.name.replace("_", "-")
+            if typ is bool:
+                flag = f"{flag}/--no-{f.name.replace('_', '-')}"
+            choices = f.metadata.get("choices")
+            values = f" {{{','.join(map(str, choices))}}}" if choices else \
+                ("" if typ is bool else f" {typ.__name__.upper()}")
+            lines.append(f"{'':<24}{flag}{values}  default {f.default}: "
+                         f"{f.metadata.get('help', '')}")
+        if cls.causal_only:
+            lines.append(f"{'':<24}(causal attention only)")
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from cpbench import report, results
+
+    logging.basicConfig(level=logging.WARNING, format="cpbench report: %(message)s",
+                        stream=sys.stderr)
+    try:
+        records = [r for path in args.files for r in results.read(path)]
+    except (OSError, ValueError) as e:
+        return _fail("cpbench report", e)
+    sys.stdout.write(report.report(records, args.format))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

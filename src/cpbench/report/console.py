@@ -1,0 +1,61 @@
+"""Rank 0's console: progress lines and results, through ``logging`` (configured once per
+process; ``print`` is never rebound). Logger ``cpbench`` carries progress, ``cpbench.out``
+the tables. Other ranks stay silent: what they have to say reaches rank 0 as data.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+class Progress(logging.Handler):
+    """Writes records to ``stream``. On a terminal, records marked ``transient`` overwrite one
+    status line; elsewhere (logs, pipes) they are dropped, or printed as a plain line when
+    marked ``transient="plain"``."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.pending = False
+
+    def emit(self, record):
+        if self.stream is None:
+            return
+        try:
+            self._write(self.format(record), record)
+        except BrokenPipeError:  # e.g. `| head`: stop printing, finish the run and its records
+            self.stream = None
+
+    def _write(self, msg, record):
+        transient = getattr(record, "transient", False)
+        if transient and self.tty:
+            self.stream.write("\r\033[K" + msg)
+            self.pending = True
+            self.stream.flush()
+            return
+        if transient is True:
+            return
+        if self.pending:
+            self.stream.write("\r\033[K")
+            self.pending = False
+        self.stream.write(msg + "\n")
+        self.stream.flush()
+
+
+def setup(rank: int, fmt: str) -> None:
+    """Configure logging once per process: rank 0 speaks, other ranks stay quiet. Results go
+    to stdout; progress too for the table formats, to stderr for csv/json (parseable stdout)."""
+    log, out_log = logging.getLogger("cpbench"), logging.getLogger("cpbench.out")
+    for logger, stream in ((log, sys.stdout if fmt in ("table", "markdown") else sys.stderr),
+                           (out_log, sys.stdout)):
+        logger.handlers.clear()
+        logger.propagate = False
+        if rank == 0:
+            handler = Progress(stream)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+        else:
+            logger.setLevel(logging.CRITICAL + 1)

@@ -1,0 +1,253 @@
+"""The tables users know from the seeds, rendered from records.
+
+- ``summary``: seed 001's table — Dtype | QKV Format | B | Seq Len | CP | Window | FWD (ms) |
+  FWD+BWD (ms) | Memory (MB) | TFLOPs/s — with Strategy, Placement (the options that set a row
+  apart), World and Nodes×GPUs added (and Check when one ran), then the CP efficiency of
+  every CP row against the no-CP baseline of the same problem. An OOM row prints OOM in its
+  time *and* TFLOPs columns (seed 001 printed OOM beside a measured time; we never do).
+- ``detail``: seed 000's "Benchmark Results for …" block (Configuration, Performance), without
+  its FlashAttention Kernel % lines (a profiler ratio that was not what it said).
+- markdown / csv / json: the same rows (with the CP efficiency as a column).
+
+Rows are built with pandas from ``results.to_frame`` (every figure derived from the raw
+samples); the efficiency joins each CP row to its baseline on the problem's columns.
+
+"Window" is the attention's sliding window as the seeds print it; cpbench runs full
+attention, so it is None. (double-ring's ``--window``, its inner ring size, shows under
+Placement.) TFLOPs/s is per GPU for FWD+BWD (FWD alone with --fwd-only); every figure is
+recomputed from the record's raw samples by ``cpbench.results.derive``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+from cpbench import results
+from cpbench.reference import Comparison
+from cpbench.results import FAILED, OK, OOM, derive, options_label
+
+FORMATS = ("table", "markdown", "csv", "json")
+_RULE = 50
+
+
+def _missing(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))  # pandas' NaN too
+
+
+def _ms(x) -> str:
+    return "-" if _missing(x) else f"{x:.2f}"
+
+
+def _tflops(x) -> str:
+    if _missing(x):
+        return "-"
+    return f"{x:.2f}" if abs(x) >= 1 else f"{x:.3g}"  # CPU rates are fractions of a TFLOP
+
+
+def _label(record: dict) -> str:
+    opts = options_label(record)
+    name = record["config"]["strategy"]
+    return name if opts == "-" else f"{name} ({opts})"
+
+
+_PROBLEM = ["dtype", "batch", "seqlen", "heads", "kv_heads", "head_dim", "causal", "world",
+            "ranks_per_node", "kernel", "device"]
+
+
+def frame(records: list[dict]):
+    """The rows as a pandas DataFrame (``results.to_frame``: every figure derived from the
+    raw samples), plus each CP row's efficiency against the no-CP baseline
+    (ranks_per_problem == 1) of the same problem: T_local / (N · T_cp), FWD+BWD where both
+    have it, else FWD."""
+    df = results.to_frame(records)
+    if df.empty:
+        return df
+    ok = df["status"] == OK
+    base = (df[ok & (df["ranks_per_problem"] == 1)]
+            .drop_duplicates(_PROBLEM)[_PROBLEM + ["strategy", "fwd_ms", "fwd_bwd_ms"]]
+            .rename(columns={"strategy": "baseline", "fwd_ms": "base_fwd_ms",
+                             "fwd_bwd_ms": "base_fwd_bwd_ms"}))
+    df = df.merge(base, on=_PROBLEM, how="left")  # keeps the records' order
+    both = df["fwd_bwd_ms"].notna() & df["base_fwd_bwd_ms"].notna()
+    t_cp = df["fwd_bwd_ms"].where(both, df["fwd_ms"])
+    t_base = df["base_fwd_bwd_ms"].where(both, df["base_fwd_ms"])
+    cp_row = ok & (df["ranks_per_problem"] > 1)
+    df["cp_efficiency"] = (t_base / (df["ranks_per_problem"] * t_cp)).where(cp_row)
+    df["efficiency_phase"] = both.map({True: "FWD+BWD", False: "FWD"})
+    return df
+
+
+def efficiencies(records: list[dict]) -> list[tuple[str, int, str, str, float]]:
+    """(row label, N, baseline, timed phase, efficiency) for every CP row with a baseline."""
+    df = frame(records)
+    if df.empty:
+        return []
+    out = []
+    for row in df[df["cp_efficiency"].notna()].to_dict("records"):
+        label = row["strategy"] + ("" if row["options"] == "-" else f" ({row['options']})")
+        out.append((label, int(row["ranks_per_problem"]), row["baseline"],
+                    row["efficiency_phase"], float(row["cp_efficiency"])))
+    return out
+
+
+def rows(records: list[dict]) -> list[dict]:
+    """Display rows: column title → cell text, in table order."""
+    df = frame(records)
+    with_check = any(r.get("check") for r in records)
+    out = []
+    for row in df.to_dict("records"):
+        if row["status"] == OK:
+            fwd, both = _ms(row["fwd_ms"]), _ms(row["fwd_bwd_ms"])
+            mem = _ms(row["memory_mb"])
+            tf = _tflops(row["fwd_tflops"] if row["fwd_only"] else row["fwd_bwd_tflops"])
+        else:
+            fwd = both = tf = row["status"]  # OOM / failed in every time column and in TFLOPs
+            mem = "-"
+            if row["fwd_only"]:
+                both = "-"
+        cells = {
+            "Strategy": row["strategy"], "Placement": row["options"],
+            "Dtype": row["dtype"], "QKV Format": "bshd", "B": str(row["batch"]),
+            "Seq Len": str(row["seqlen"]), "World": str(row["world"]),
+            "Nodes×GPUs": f"{row['nodes']}×{row['ranks_per_node']}",
+            "CP": str(row["ranks_per_problem"] > 1), "Window": "None",
+            "FWD (ms)": fwd, "FWD+BWD (ms)": both, "Memory (MB)": mem, "TFLOPs/s": tf,
+        }
+        if with_check:
+            passed = row["check_passed"]
+            cells["Check"] = "-" if _missing(passed) else "PASS" if passed else "FAIL"
+        cells["CP Efficiency"] = ("-" if _missing(row["cp_efficiency"])
+                                  else f"{100 * row['cp_efficiency']:.1f} %")
+        out.append(cells)
+    return out
+
+
+def _seed_table(table_rows: list[dict]) -> list[str]:
+    """Seed 001's layout: centred cells between '|', '=' rules around, '-' under the header."""
+    cols = list(table_rows[0])
+    widths = [max(len(c), *(len(r[c]) for r in table_rows)) + 2 for c in cols]
+
+    def line(cells):
+        return "|".join(str(cell).center(w) for cell, w in zip(cells, widths)).rstrip()
+
+    total = sum(widths) + len(widths) - 1
+    out = ["=" * total, line(cols), "-" * total]
+    out += [line(r[c] for c in cols) for r in table_rows]
+    out.append("=" * total)
+    return out
+
+
+def _efficiency_lines(records: list[dict]) -> list[str]:
+    effs = efficiencies(records)
+    if not effs:
+        return []
+    phases = {phase for *_, phase, _ in effs}
+    out = [f"CP efficiency = T_local / (N · T_cp), {' or '.join(sorted(phases))}, against "
+           f"{effs[0][2]}:"]
+    width = max(len(label) for label, *_ in effs)
+    for label, n, _, _, eff in effs:
+        out.append(f"  {label:<{width}}  N={n:<3} {100 * eff:6.1f} %")
+    return out
+
+
+def summary(records: list[dict], fmt: str = "table") -> str:
+    """The summary of ``records`` in ``fmt`` (table, markdown, csv or json)."""
+    if not records:
+        return "no records\n"
+    if fmt == "table":
+        table_rows = [{k: v for k, v in r.items() if k != "CP Efficiency"} for r in rows(records)]
+        lines = ["Benchmark Summary:", *_seed_table(table_rows)]
+        eff_lines = _efficiency_lines(records)
+        if eff_lines:
+            lines += ["", *eff_lines]
+        return "\n".join(lines) + "\n"
+    if fmt == "markdown":
+        table_rows = rows(records)
+        cols = list(table_rows[0])
+        lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+        lines += ["| " + " | ".join(row[c] for c in cols) + " |" for row in table_rows]
+        return "\n".join(lines) + "\n"
+    data = _data(records)
+    if fmt == "json":
+        records_out = [{k: (None if _missing(v) else v) for k, v in row.items()}
+                       for row in data.to_dict("records")]
+        return json.dumps(records_out, indent=1) + "\n"
+    if fmt == "csv":
+        buf = io.StringIO()
+        data.to_csv(buf, index=False)
+        return buf.getvalue()
+    raise ValueError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+
+
+def _data(records: list[dict]):
+    """Machine-readable rows: numbers as numbers, status in its own column."""
+    df = frame(records).rename(columns={"options": "placement", "ranks_per_node": "gpus_per_node",
+                                        "check_passed": "check"})
+    df["qkv_format"] = "bshd"
+    df["cp"] = df["ranks_per_problem"] > 1
+    df["tflops"] = df["fwd_tflops"].where(df["fwd_only"], df["fwd_bwd_tflops"])
+    cols = ["strategy", "placement", "dtype", "qkv_format", "batch", "seqlen", "heads",
+            "kv_heads", "head_dim", "causal", "world", "nodes", "gpus_per_node", "cp", "status",
+            "fwd_ms", "bwd_ms", "fwd_bwd_ms", "memory_mb", "tflops", "check", "cp_efficiency",
+            "error"]
+    return df[cols]
+
+
+def detail(record: dict) -> str:
+    """Seed 000's per-run block."""
+    cfg, d, topo = record["config"], derive(record), record["topology"]
+    a, run = cfg["attention"], cfg["run"]
+    kv = a["kv_heads"] or a["heads"]
+    opts = ", ".join(f"{k}={v}" for k, v in cfg["options"].items()) or "none"
+    lines = ["=" * _RULE, f"Benchmark Results for {_label(record)}", "=" * _RULE,
+             "Configuration:",
+             f"  - Dtype: {a['dtype']}", "  - QKV Format: bshd",
+             f"  - Batch Size: {a['batch']}", f"  - Sequence Length: {a['seqlen']}",
+             f"  - Num Heads: {a['heads']}", f"  - Num KV Heads: {kv}",
+             f"  - Head Dimension: {a['head_dim']}",
+             f"  - Attention Mask: {'causal' if a['causal'] else 'full'}",
+             "  - Window Size: (-1, -1)",
+             f"  - Context Parallel: {record['ranks_per_problem'] > 1}",
+             f"  - World Size: {topo['world_size']} ({topo['num_nodes']} node(s) × "
+             f"{topo['ranks_per_node']} ranks)",
+             f"  - Strategy Options: {opts}",
+             f"  - Kernel: {record['kernel']} on {run['device']}",
+             f"  - Iterations: {run['iters']} timed after {run['warmup']} warm-up "
+             f"(median of the slowest rank)",
+             "", "Performance:"]
+    status = record["status"]
+    if status == OK:
+        lines.append(f"  - Forward Time: {_ms(d['fwd_ms'])} ms")
+        if d.get("fwd_bwd_ms") is not None:
+            lines += [f"  - Backward Time: {_ms(d['bwd_ms'])} ms",
+                      f"  - Forward+Backward Time: {_ms(d['fwd_bwd_ms'])} ms"]
+        lines.append(f"  - Memory Usage: {_ms(d.get('memory_mb'))} MB")
+        if d.get("fwd_bwd_ms") is not None:
+            lines.append(f"  - Performance: {_tflops(d['fwd_bwd_tflops'])} TFLOPs/s "
+                         f"(forward {_tflops(d['fwd_tflops'])}, backward "
+                         f"{_tflops(d['bwd_tflops'])})")
+            lines.append(f"  - Slowest Rank: {d['slowest_rank_fwd_bwd']}")
+        else:
+            lines.append(f"  - Performance: {_tflops(d['fwd_tflops'])} TFLOPs/s (forward)")
+            lines.append(f"  - Slowest Rank: {d['slowest_rank_fwd']}")
+    else:
+        label = "OOM" if status == OOM else "failed"
+        lines += [f"  - Forward Time: {label}", f"  - Forward+Backward Time: {label}",
+                  f"  - Performance: {label}"]
+        if status == FAILED or record.get("error"):
+            lines.append(f"  - Error: {record.get('error')}")
+    if record.get("check"):
+        lines += ["", "Check against the float64 reference:"]
+        lines += ["  " + Comparison(**c).line() for c in record["check"]]
+    lines.append("=" * _RULE)
+    return "\n".join(lines) + "\n"
+
+
+def report(records: list[dict], fmt: str = "table") -> str:
+    """What ``cpbench run`` printed for these records: each detail block, then the summary
+    (table format); the summary rows alone in the other formats."""
+    if fmt != "table":
+        return summary(records, fmt)
+    return "".join(detail(r) + "\n" for r in records) + summary(records, fmt)

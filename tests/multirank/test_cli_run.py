@@ -1,0 +1,56 @@
+"""End to end, as a user types it: ``cpbench run`` with --nproc, ``cpbench report`` on its
+JSONL, and ``torchrun benchmarks/run.py``."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--seqlen", "256", "--heads", "2", "--head-dim", "16", "--warmup", "0",
+         "--iters", "2", "--check"]
+
+
+def _cpbench(*args, timeout=120):
+    cmd = [sys.executable, "-c", "import sys; from cpbench.cli import main; sys.exit(main())",
+           *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def _summary(text: str) -> str:
+    """From the summary title to the end of the efficiency block."""
+    tail = text[text.index("Benchmark Summary:"):]
+    return tail.split("\nrecords: ")[0].rstrip("\n")
+
+
+def test_run_then_report_reproduces_the_table(tmp_path):
+    out = tmp_path / "r.jsonl"
+    run = _cpbench("run", "--strategy", "zigzag,local", "--nproc", "2", *SMALL,
+                   "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    assert "PASS" in run.stdout and "FAIL" not in run.stdout
+    rep = _cpbench("report", str(out))
+    assert rep.returncode == 0, rep.stderr
+    assert _summary(rep.stdout) == _summary(run.stdout)
+    for block in rep.stdout.split("\n\n" + "=" * 50)[:-1]:  # every detail block, verbatim
+        assert block.strip("=\n") in run.stdout
+    csv = _cpbench("report", str(out), "--format", "csv")
+    df = pd.read_csv(io.StringIO(csv.stdout))
+    assert list(df["strategy"]) == ["zigzag", "local"] and df["cp_efficiency"].notna()[0]
+
+
+def test_torchrun_entry(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", str(REPO / "benchmarks" / "run.py"), "--strategy", "ring",
+           *SMALL, "--out", str(tmp_path / "r.jsonl")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("Benchmark Results for ring") == 1  # rank 0 alone prints
+    assert "PASS" in done.stdout and "Benchmark Summary:" in done.stdout

@@ -1,0 +1,192 @@
+"""The command line: flags generated from the configs and the registry; every bad input is one
+line with the fix, exit status 2, and nothing is launched."""
+
+import dataclasses
+import typing
+
+import pytest
+
+from cpbench import cli, strategies
+from cpbench.bench import driver
+from cpbench.config import RunConfig, parse_size
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fail the test if anything would start ranks or create a process group."""
+    import torch.distributed as dist
+
+    import cpbench.launch
+
+    def forbidden(*a, **k):
+        raise AssertionError("a process was launched or a process group created")
+
+    monkeypatch.setattr(cpbench.launch, "run_ranks", forbidden)
+    monkeypatch.setattr(dist, "init_process_group", forbidden)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _error(capsys, *args):
+    try:
+        code = cli.main(["run", *args, "--out", "none"])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def _option_not_taken_by(name):
+    takes = {f.name for f in dataclasses.fields(strategies.get(name).Options)}
+    for other in strategies.names():
+        for f in dataclasses.fields(strategies.get(other).Options):
+            if f.name not in takes:
+                return f
+    return None
+
+
+def _needs(name):
+    if name not in strategies.names():
+        pytest.skip(f"strategy {name} is not registered")
+
+
+def test_parse_size():
+    assert parse_size("8k") == 8192 and parse_size("128K") == 131072
+    assert parse_size("1M") == 2 ** 20 and parse_size("524288") == 524288
+    with pytest.raises(ValueError, match="8k, 128K, 1M"):
+        parse_size("8q")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--strategy", "nope"], "unknown strategy 'nope'; choose from:"),
+    (["--strategy", "ring", "--seqlen", "1001"], "try --seqlen 1000"),
+    (["--kv-heads", "3"], "must divide heads 8; use one of: 1, 2, 4, 8"),
+    (["--ranks-per-node", "3"], "does not divide world size 4; use one of: 1, 2, 4"),
+    (["--kernel", "flash-attn"], "use --kernel"),
+    (["--seqlen", "0"], "seqlen must be a positive integer"),
+    (["--batch", "-1"], "batch must be a positive integer"),
+    (["--head-dim", "0"], "head_dim must be a positive integer"),
+    (["--iters", "0"], "--iters must be a positive integer"),
+    (["--nproc", "100000"], "use --nproc"),
+    (["--strategy", "ring", "--seqlen", "64M"], "(an estimate)"),
+    (["--strategy", "ring", "--seqlen", "256k", "--check"], "without --check"),
+    (["--seqlen", "8q"], "cannot read '8q' as a size"),
+    (["--dtype", "fp64"], "invalid choice: 'fp64'"),
+    (["--device", "cuda"], "torchrun"),
+])
+def test_bad_input_is_one_line_exit_2(no_launch, capsys, args, needle):
+    assert needle in _error(capsys, *args)
+
+
+def test_heads_not_divisible_by_ulysses_degree(no_launch, capsys):
+    _needs("ulysses")
+    assert "heads" in _error(capsys, "--strategy", "ulysses", "--heads", "6")
+
+
+def test_window_not_dividing_the_ring(no_launch, capsys):
+    _needs("double-ring")
+    assert "does not divide" in _error(capsys, "--strategy", "double-ring", "--window", "3")
+
+
+def test_option_given_to_a_strategy_that_does_not_take_it(no_launch, capsys):
+    f = _option_not_taken_by("ring")
+    if f is None:
+        pytest.skip("no registered strategy has options")
+    flag = "--" + f.name.replace("_", "-")
+    value = [] if isinstance(f.default, bool) else [str(f.default)]
+    err = _error(capsys, "--strategy", "ring", flag, *value)
+    assert f"does not take {flag}" in err
+
+
+def test_nproc_under_torchrun(no_launch, capsys, monkeypatch):
+    for var, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2",
+                           MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(var, value)
+    assert "drop --nproc" in _error(capsys, "--strategy", "ring", "--nproc", "2")
+
+
+def test_only_rank_0_prints_a_bad_input_under_torchrun(no_launch, capsys, monkeypatch):
+    for var, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                           MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(var, value)
+    assert cli.main(["run", "--strategy", "nope"]) == 2
+    assert capsys.readouterr().err == ""
+
+
+def test_every_strategy_option_has_a_flag():
+    parser = cli.build_parser()
+    run = next(a for a in parser._subparsers._group_actions[0].choices.values()
+               if a.prog.endswith(" run"))
+    flags = set(run._option_string_actions)
+    for name in strategies.names():
+        cls = strategies.get(name)
+        hints = typing.get_type_hints(cls.Options)
+        for f in dataclasses.fields(cls.Options):
+            flag = "--" + f.name.replace("_", "-")
+            assert flag in flags
+            if hints[f.name] is bool:
+                assert "--no-" + f.name.replace("_", "-") in flags
+    for f in dataclasses.fields(RunConfig):
+        assert "--" + f.name.replace("_", "-") in flags
+
+
+def test_strategies_lists_names_descriptions_options(capsys):
+    assert cli.main(["strategies"]) == 0
+    out = capsys.readouterr().out
+    for name in strategies.names():
+        cls = strategies.get(name)
+        assert f"{name} " in out and cls.description in out
+        for f in dataclasses.fields(cls.Options):
+            assert "--" + f.name.replace("_", "-") in out and f"default {f.default}" in out
+
+
+def _plan(attention=None, options=None, **run_kw):
+    return driver.plan(RunConfig(out="none", **run_kw), attention or {}, options or {},
+                       launcher="self")
+
+
+@pytest.mark.parametrize("nproc,rpn", [(1, 1), (2, 1), (3, 1), (4, 2), (8, 4)])
+def test_self_launch_emulates_at_least_two_nodes(nproc, rpn):
+    p = _plan({"seqlen": 768}, strategy=("ring",), nproc=nproc)
+    assert p.ranks_per_node == rpn
+
+
+def test_all_runs_every_strategy_and_variant_baselines_last():
+    p = _plan(strategy=("all",), nproc=4)
+    topo = p.topo
+    expected = {(n, v) for n in strategies.names() for v in strategies.get(n).variants(topo)}
+    assert {(c.strategy, c.options) for c in p.cases} == expected
+    kernel = driver.kernels.get(p.kernel)
+    per_problem = [strategies.get(c.strategy)(p.attn, topo, 0, kernel=kernel, options=c.options,
+                                              create_groups=False).ranks_per_problem
+                   for c in p.cases]
+    assert 1 in per_problem and per_problem == sorted(per_problem, reverse=True)
+
+
+def test_option_applies_to_the_strategies_that_take_it():
+    _needs("usp")
+    p = _plan(options={"placement": "ring-first"}, strategy=("usp", "ring"), nproc=4)
+    usp = [c.options for c in p.cases if c.strategy == "usp"]
+    assert usp and all(o.placement == "ring-first" for o in usp)
+    assert [c.strategy for c in p.cases].count("ring") == 1
+
+
+def test_defaults_follow_the_device():
+    p = _plan(strategy=("ring",), nproc=2)
+    assert p.run.device == "cpu" and p.attn.dtype == "fp32"
+    assert p.run.warmup is not None and p.run.iters is not None
+    assert p.out is None and p.run.ranks_per_node == 1 and p.run.nproc == 2
+
+
+def test_all_skips_what_the_config_does_not_allow_but_a_named_strategy_errors():
+    _needs("zigzag")
+    p = _plan({"seqlen": 1004}, strategy=("all",), nproc=4)  # ring splits 1004, zigzag cannot
+    names = {c.strategy for c in p.cases}
+    assert "ring" in names and "zigzag" not in names
+    assert any(s.startswith("zigzag") and "try --seqlen 1008" in s for s in p.skipped)
+    with pytest.raises(ValueError, match="try --seqlen 1008"):
+        _plan({"seqlen": 1004}, strategy=("ring", "zigzag"), nproc=4)
+    with pytest.raises(ValueError, match="try --seqlen 1000"):  # only the baseline would run
+        _plan({"seqlen": 1001}, strategy=("all",), nproc=4)

@@ -1,0 +1,175 @@
+"""Seed-format tables from records: columns, OOM / failed rows, CP efficiency, formats."""
+
+import io
+import json
+
+import pandas as pd
+import pytest
+
+from cpbench import report
+from test_results import fake_record
+
+SEED_COLUMNS = ["Dtype", "QKV Format", "B", "Seq Len", "CP", "Window", "FWD (ms)",
+                "FWD+BWD (ms)", "Memory (MB)", "TFLOPs/s"]
+
+
+def _records():
+    return [
+        fake_record("zigzag"),
+        fake_record("megatron-cp", status="OOM", error="rank 1: OutOfMemoryError: CUDA out"),
+        fake_record("burst", status="failed", error="rank 0: RuntimeError: boom"),
+        fake_record("local", ranks_per_problem=1, fwd=[[20.0, 20.0, 20.0]] * 4,
+                    fwd_bwd=[[62.0, 62.0, 62.0]] * 4),
+    ]
+
+
+def _cells(line):
+    return [c.strip() for c in line.split("|")]
+
+
+def test_summary_is_seed_001_with_added_columns():
+    text = report.summary(_records())
+    lines = text.splitlines()
+    assert lines[0] == "Benchmark Summary:"
+    assert set(lines[1]) == {"="} and set(lines[3]) == {"-"}
+    header = _cells(lines[2])
+    assert header[:2] == ["Strategy", "Placement"]
+    assert [h for h in header if h in SEED_COLUMNS] == SEED_COLUMNS  # seed order kept
+    assert {"World", "Nodes×GPUs"} <= set(header)
+    rows = {(_cells(line)[0]): dict(zip(header, _cells(line))) for line in lines[4:8]}
+    z = rows["zigzag"]
+    assert (z["FWD (ms)"], z["FWD+BWD (ms)"], z["Memory (MB)"]) == ("11.00", "31.00", "1.00")
+    assert z["CP"] == "True" and z["Window"] == "None" and z["Nodes×GPUs"] == "2×2"
+    assert rows["local"]["CP"] == "False"
+
+
+def test_oom_row_has_oom_in_every_time_and_tflops_column():
+    lines = report.summary(_records()).splitlines()
+    header = _cells(lines[2])
+    oom = dict(zip(header, _cells(lines[5])))
+    assert oom["Strategy"] == "megatron-cp"
+    assert [oom[c] for c in ("FWD (ms)", "FWD+BWD (ms)", "TFLOPs/s")] == ["OOM"] * 3
+    failed = dict(zip(header, _cells(lines[6])))
+    assert failed["FWD (ms)"] == failed["TFLOPs/s"] == "failed"
+
+
+def test_cp_efficiency():
+    effs = report.efficiencies(_records())
+    assert len(effs) == 1
+    label, n, base, phase, eff = effs[0]
+    assert (label, n, base, phase) == ("zigzag", 4, "local", "FWD+BWD")
+    assert eff == pytest.approx(62.0 / (4 * 31.0))
+    text = report.summary(_records())
+    assert "CP efficiency = T_local / (N · T_cp)" in text and "50.0 %" in text
+
+
+def test_efficiency_needs_the_same_problem():
+    other = fake_record("local", ranks_per_problem=1, seqlen=2048)
+    assert report.efficiencies([fake_record("zigzag"), other]) == []
+
+
+def test_efficiency_falls_back_to_fwd_when_a_side_has_no_backward():
+    recs = [fake_record("zigzag", fwd_only=True),
+            fake_record("local", ranks_per_problem=1, fwd=[[44.0] * 3] * 4)]
+    (label, n, base, phase, eff), = report.efficiencies(recs)
+    assert phase == "FWD" and eff == pytest.approx(44.0 / (4 * 11.0))
+
+
+def test_frame_is_pandas_with_every_figure():
+    df = report.tables.frame(_records())
+    assert list(df["strategy"]) == ["zigzag", "megatron-cp", "burst", "local"]
+    assert df.loc[0, "fwd_bwd_ms"] == 31.0 and df.loc[0, "cp_efficiency"] == pytest.approx(0.5)
+    assert pd.isna(df.loc[1, "cp_efficiency"]) and pd.isna(df.loc[3, "cp_efficiency"])
+
+
+def test_detail_block_like_seed_000():
+    text = report.detail(fake_record("zigzag", check=[
+        {"tensor": "out", "max_abs": 1e-6, "max_rel": 1e-7, "passed": True}]))
+    assert "Benchmark Results for zigzag" in text
+    for line in ("  - Sequence Length: 1024", "  - Forward Time: 11.00 ms",
+                 "  - Backward Time: 20.00 ms", "  - Forward+Backward Time: 31.00 ms",
+                 "  - Memory Usage: 1.00 MB"):
+        assert line in text.splitlines()
+    assert "Kernel:" in text and "FlashAttention Kernel" not in text and "%" not in text
+    assert "PASS" in text
+    oom = report.detail(fake_record(status="OOM", error="rank 0: OutOfMemoryError"))
+    assert "  - Forward+Backward Time: OOM" in oom.splitlines()
+
+
+def test_other_formats_have_the_same_rows():
+    recs = _records()
+    md = report.summary(recs, "markdown").splitlines()
+    assert md[0].startswith("| Strategy | Placement | Dtype") and len(md) == 2 + len(recs)
+    assert "| OOM |" in md[3]
+    df = pd.read_csv(io.StringIO(report.summary(recs, "csv")))
+    assert list(df["strategy"]) == [r["config"]["strategy"] for r in recs]
+    assert list(df["status"]) == ["ok", "OOM", "failed", "ok"]
+    assert df.loc[0, "fwd_bwd_ms"] == 31.0 and pd.isna(df.loc[1, "fwd_bwd_ms"])
+    data = json.loads(report.summary(recs, "json"))
+    assert data[0]["cp_efficiency"] == pytest.approx(0.5) and data[1]["tflops"] is None
+
+
+def test_fwd_only_rows():
+    lines = report.summary([fake_record(fwd_only=True), fake_record("ring")]).splitlines()
+    row = dict(zip(_cells(lines[2]), _cells(lines[4])))
+    assert row["FWD (ms)"] == "11.00" and row["FWD+BWD (ms)"] == "-"
+    assert "nan" not in "\n".join(lines).lower()
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self):
+        return self.tty
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_lines_plain_when_not_a_terminal(tty):
+    import logging
+
+    from cpbench.report.console import Progress
+
+    stream = _Stream(tty)
+    handler = Progress(stream)
+    logger = logging.getLogger(f"cpbench.test.{tty}")
+    logger.handlers, logger.propagate, logger.level = [handler], False, logging.INFO
+    logger.info("[1/2] ring", extra={"transient": "plain"})
+    logger.info("[1/2] ring: timing FWD", extra={"transient": True})
+    logger.info("[1/2] ring: done")
+    if tty:  # one status line, overwritten in place, then the permanent line
+        assert stream.getvalue() == ("\r\033[K[1/2] ring\r\033[K[1/2] ring: timing FWD"
+                                     "\r\033[K[1/2] ring: done\n")
+    else:
+        assert stream.getvalue() == "[1/2] ring\n[1/2] ring: done\n"
+
+
+@pytest.fixture
+def restore_loggers():
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("cpbench", "cpbench.out")]
+    saved = [(lg.handlers[:], lg.propagate, lg.level) for lg in loggers]
+    yield
+    for lg, (handlers, propagate, level) in zip(loggers, saved):
+        lg.handlers, lg.propagate, lg.level = handlers, propagate, level
+
+
+def test_console_routes_progress_off_stdout_for_machine_formats(monkeypatch, restore_loggers):
+    import logging
+    import sys
+
+    from cpbench.report import console
+
+    out, err = _Stream(False), _Stream(False)
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    console.setup(0, "csv")
+    logging.getLogger("cpbench").info("progress")
+    logging.getLogger("cpbench.out").info("a,b")
+    assert out.getvalue() == "a,b\n" and err.getvalue() == "progress\n"
+    console.setup(1, "table")  # other ranks say nothing
+    logging.getLogger("cpbench").info("progress")
+    logging.getLogger("cpbench.out").info("a,b")
+    assert out.getvalue() == "a,b\n" and err.getvalue() == "progress\n"

@@ -1,0 +1,106 @@
+"""JSONL records: whole-line appends, a torn last line skipped with a warning, derived figures
+recomputed from the raw samples."""
+
+import json
+import logging
+
+import pytest
+
+from cpbench import results
+
+
+def fake_record(strategy="zigzag", *, status="ok", fwd=None, fwd_bwd=None, memory=None,
+                ranks_per_problem=4, options=None, defaults=None, seqlen=1024, check=None,
+                fwd_only=False, error=None):
+    """A record as the driver writes it (4 ranks, 2 × 2), with given per-rank samples."""
+    world = 4
+    fwd = fwd if fwd is not None else [[10.0, 11.0, 12.0]] * world
+    fwd_bwd = fwd_bwd if fwd_bwd is not None else [[30.0, 31.0, 35.0]] * world
+    ok = status == "ok"
+    record = {
+        "schema_version": results.SCHEMA_VERSION,
+        "config": {"strategy": strategy, "options": options or {},
+                   "option_defaults": defaults if defaults is not None else (options or {}),
+                   "attention": {"batch": 1, "seqlen": seqlen, "heads": 8, "kv_heads": None,
+                                 "head_dim": 32, "dtype": "fp32", "causal": True},
+                   "run": {"device": "cpu", "warmup": 1, "iters": 3, "fwd_only": fwd_only,
+                           "kernel": "auto", "check": check is not None, "seed": 0}},
+        "kernel": "sdpa-cpu",
+        "topology": {"world_size": world, "ranks_per_node": 2, "num_nodes": 2},
+        "ranks_per_problem": ranks_per_problem,
+        "env": {"utc": "2025-01-01T00:00:00Z", "git_sha": "abc"},
+        "status": status, "error": error,
+        "samples_ms": ({"fwd": fwd, "fwd_bwd": None if fwd_only else fwd_bwd} if ok else None),
+        "memory_bytes": (memory or [2 ** 20] * world) if ok else None,
+        "check": check,
+    }
+    record["derived"] = results.derive(record)
+    return record
+
+
+def test_append_read_roundtrip(tmp_path):
+    path = tmp_path / "sub" / "r.jsonl"
+    recs = [fake_record("ring"), fake_record("zigzag", status="OOM")]
+    for r in recs:
+        results.append(path, r)
+    lines = path.read_bytes().split(b"\n")
+    assert lines[-1] == b"" and len(lines) == 3  # whole lines, newline-terminated
+    assert results.read(path) == recs
+
+
+def test_torn_last_line_skipped_with_warning(tmp_path, caplog):
+    path = tmp_path / "r.jsonl"
+    results.append(path, fake_record("ring"))
+    line = json.dumps(fake_record("zigzag"))
+    with open(path, "a") as f:
+        f.write(line[: len(line) // 2])  # a run killed mid-write
+    with caplog.at_level(logging.WARNING, logger="cpbench"):
+        got = results.read(path)
+    assert [r["config"]["strategy"] for r in got] == ["ring"]
+    assert "torn last line" in caplog.text
+
+
+def test_damaged_middle_line_and_newer_schema_are_errors(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text("{not json\n" + json.dumps(fake_record()) + "\n")
+    with pytest.raises(ValueError, match=":1: not a JSON record"):
+        results.read(path)
+    newer = dict(fake_record(), schema_version=results.SCHEMA_VERSION + 1)
+    path.write_text(json.dumps(newer) + "\n")
+    with pytest.raises(ValueError, match="upgrade cpbench"):
+        results.read(path)
+
+
+def test_derive_median_of_slowest_rank():
+    fwd = [[10.0, 20.0, 30.0], [12.0, 18.0, 50.0], [11.0, 19.0, 29.0], [9.0, 21.0, 1.0]]
+    both = [[40.0, 60.0, 50.0]] * 3 + [[41.0, 61.0, 51.0]]
+    r = fake_record(fwd=fwd, fwd_bwd=both, memory=[1, 2 ** 21, 3, 4])
+    d = results.derive(r)
+    assert d["fwd_ms"] == 21.0  # slowest per iteration: 12, 21, 50
+    assert d["fwd_bwd_ms"] == 51.0  # 41, 61, 51
+    assert d["bwd_ms"] == 30.0  # FWD+BWD - FWD
+    assert d["memory_mb"] == 2.0
+    assert d["slowest_rank_fwd_bwd"] == 3
+    assert d["fwd_bwd_tflops"] == pytest.approx(
+        results.problem_flops(r["config"]["attention"], "fwd_bwd") / 4 / 0.051 / 1e12)
+
+
+def test_derive_failed_and_fwd_only():
+    assert "fwd_ms" not in results.derive(fake_record(status="OOM"))
+    d = results.derive(fake_record(fwd_only=True))
+    assert d["fwd_ms"] == 11.0 and "fwd_bwd_ms" not in d
+
+
+def test_options_label():
+    r = fake_record("usp", options={"placement": "ring-first", "ulysses_degree": 2,
+                                    "ring_impl": "zigzag"},
+                    defaults={"placement": "head-first", "ulysses_degree": 0,
+                              "ring_impl": "zigzag"})
+    assert results.options_label(r) == "ring-first ulysses_degree=2"
+    assert results.options_label(fake_record("ring")) == "-"
+
+
+def test_to_frame():
+    df = results.to_frame([fake_record("ring"), fake_record("local", ranks_per_problem=1)])
+    assert list(df["strategy"]) == ["ring", "local"]
+    assert df.loc[0, "fwd_ms"] == 11.0 and df.loc[1, "ranks_per_problem"] == 1
