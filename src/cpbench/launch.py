@@ -51,6 +51,7 @@ def _worker(fn, rank, nproc, port, args, results, threads, pg_timeout_s):
         dist.init_process_group("gloo", rank=rank, world_size=nproc,
                                 timeout=timedelta(seconds=pg_timeout_s))
         out = fn(rank, nproc, *args)
+        dist.barrier()  # leave together: gloo can abort when peers close connections first
         results.put((rank, "ok", out))
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
         results.put((rank, "error", traceback.format_exc()))

@@ -256,7 +256,11 @@ def torchrun_main(p: Plan) -> int:
     dist.init_process_group("nccl" if p.run.device == "cuda" else "gloo",
                             timeout=timedelta(seconds=p.run.timeout))
     try:
-        return rank_main(rank, world, p)
+        status = rank_main(rank, world, p)
+        # leave together: a gloo rank whose peers already closed their connections can
+        # abort in its teardown ("terminate called without an active exception")
+        dist.barrier()
+        return status
     finally:
         dist.destroy_process_group()
 

@@ -34,13 +34,13 @@ def _load() -> None:
 
 def names() -> list[str]:
     _load()
-    return list(_REGISTRY)
+    return sorted(_REGISTRY)
 
 
 def get(name: str) -> type[Strategy]:
     _load()
     if name not in _REGISTRY:
-        raise ValueError(f"unknown strategy {name!r}; choose from: {', '.join(_REGISTRY)}")
+        raise ValueError(f"unknown strategy {name!r}; choose from: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
 
 
