@@ -161,14 +161,14 @@ def _fail(prog: str, e: Exception) -> int:
 
 
 def cmd_run(args) -> int:
-    from cpbench.bench import driver
+    from cpbench.bench import driver, plan as planning
     from cpbench.bench.env import torchrun_world, under_torchrun
     from cpbench.launch import LaunchTimeout, RankError
 
     launcher = "torchrun" if under_torchrun() else "self"
     try:
         run, attention, options = _request(args)
-        plan = driver.plan(run, attention, options, launcher=launcher)
+        plan = planning.plan(run, attention, options, launcher=launcher)
     except ValueError as e:
         if launcher == "self" or torchrun_world()[0] == 0:  # rank 0 speaks
             return _fail("cpbench run", e)

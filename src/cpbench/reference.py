@@ -36,6 +36,29 @@ def reference_attention(q_bshd, k_bshd, v_bshd, dout_bshd, *, causal: bool,
     return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
 
 
+def reference_by_head(inputs: dict, *, heads: int, kv_heads: int, causal: bool,
+                      softmax_scale: float) -> dict[str, torch.Tensor]:
+    """The float64 reference one query head at a time (heads are independent), so its S×S
+    matrices exist for one head only; dK/dV of a shared KV head sum over its query heads."""
+    group = heads // kv_heads
+    parts: dict[str, list] = {"out": [], "lse": [], "dq": []}
+    b, s, _, d = inputs["k"].shape
+    dk = torch.zeros(b, s, kv_heads, d, dtype=torch.float64,
+                     device=inputs["k"].device)
+    dv = torch.zeros_like(dk)
+    for h in range(heads):
+        j = h // group
+        ref = reference_attention(inputs["q"][:, :, h:h + 1], inputs["k"][:, :, j:j + 1],
+                                  inputs["v"][:, :, j:j + 1], inputs["dout"][:, :, h:h + 1],
+                                  causal=causal, softmax_scale=softmax_scale)
+        for name in parts:
+            parts[name].append(ref[name])
+        dk[:, :, j:j + 1] += ref["dk"]
+        dv[:, :, j:j + 1] += ref["dv"]
+    return {"out": torch.cat(parts["out"], 2), "lse": torch.cat(parts["lse"], 1),
+            "dq": torch.cat(parts["dq"], 2), "dk": dk, "dv": dv}
+
+
 @dataclass(frozen=True)
 class Comparison:
     tensor: str

@@ -10,6 +10,7 @@ import torch
 
 from cpbench import report, results, strategies
 from cpbench.bench import driver
+from cpbench.bench import plan as planning
 from cpbench.config import RunConfig
 from cpbench.launch import run_ranks
 from cpbench.strategies.ring import Ring
@@ -50,7 +51,7 @@ def run_driver(rank, world, names, out, check, inject):
         strategies.register(InjectedOom)
         strategies.register(InjectedFailure)
         strategies.register(InjectedError)
-    plan = driver.plan(RunConfig(strategy=names, nproc=world, check=check, out=out, warmup=1,
+    plan = planning.plan(RunConfig(strategy=names, nproc=world, check=check, out=out, warmup=1,
                                  iters=2), dict(SMALL), {}, launcher="self")
     stdout, sys.stdout = sys.stdout, io.StringIO()
     try:

@@ -7,7 +7,8 @@ import typing
 import pytest
 
 from cpbench import cli, strategies
-from cpbench.bench import driver
+from cpbench import kernels
+from cpbench.bench import plan as planning
 from cpbench.config import RunConfig, parse_size
 
 
@@ -143,7 +144,7 @@ def test_strategies_lists_names_descriptions_options(capsys):
 
 
 def _plan(attention=None, options=None, **run_kw):
-    return driver.plan(RunConfig(out="none", **run_kw), attention or {}, options or {},
+    return planning.plan(RunConfig(out="none", **run_kw), attention or {}, options or {},
                        launcher="self")
 
 
@@ -158,7 +159,7 @@ def test_all_runs_every_strategy_and_variant_baselines_last():
     topo = p.topo
     expected = {(n, v) for n in strategies.names() for v in strategies.get(n).variants(topo)}
     assert {(c.strategy, c.options) for c in p.cases} == expected
-    kernel = driver.kernels.get(p.kernel)
+    kernel = kernels.get(p.kernel)
     per_problem = [strategies.get(c.strategy)(p.attn, topo, 0, kernel=kernel, options=c.options,
                                               create_groups=False).ranks_per_problem
                    for c in p.cases]

@@ -1,0 +1,208 @@
+"""Validate a ``cpbench run`` request before any process group exists.
+
+Strategy names, options, topology, kernel and dtype, each strategy's own ``validate()`` (built
+with ``create_groups=False`` for every rank), and sizes that obviously cannot fit. A bad
+request is one ValueError whose message says the fix. Variants a strategy suggests (and,
+under ``all``, whole strategies) that the config does not allow are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cpbench import kernels, strategies
+from cpbench.bench import env as env_mod
+from cpbench.bench import memory
+from cpbench.config import AttentionConfig, RunConfig, default_attention
+from cpbench.topology import Topology, divisors
+
+DEFAULT_NPROC = 4
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row: a strategy and one set of its options."""
+
+    strategy: str
+    options: Any
+
+    @property
+    def label(self) -> str:
+        fields = dataclasses.asdict(self.options)
+        return f"{self.strategy} ({', '.join(f'{k}={v}' for k, v in fields.items())})" \
+            if fields else self.strategy
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A validated run: what every rank executes."""
+
+    attn: AttentionConfig
+    run: RunConfig  # resolved: concrete device, warmup, iters
+    world_size: int
+    ranks_per_node: int
+    kernel: str  # the resolved backend's name
+    cases: tuple[Case, ...]
+    out: str | None
+    launcher: str  # "torchrun" or "self"
+    skipped: tuple[str, ...] = ()  # variants the config does not allow, and why
+
+    @property
+    def topo(self) -> Topology:
+        return Topology(world_size=self.world_size, ranks_per_node=self.ranks_per_node)
+
+
+def _device(run: RunConfig, launcher: str) -> str:
+    if run.device == "auto":
+        return "cuda" if launcher == "torchrun" and torch.cuda.is_available() else "cpu"
+    if run.device == "cuda" and launcher == "self":
+        raise ValueError("--nproc starts CPU ranks (gloo); for GPUs launch with torchrun: "
+                         "torchrun --nproc-per-node N benchmarks/run.py ...")
+    if run.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is visible here; use --device cpu")
+    return run.device
+
+
+def _world(run: RunConfig, launcher: str) -> tuple[int, int]:
+    """(world size, default ranks per node)."""
+    if launcher == "torchrun":
+        if run.nproc is not None:
+            raise ValueError("--nproc starts local ranks itself; under torchrun the world is "
+                             "torchrun's (--nnodes × --nproc-per-node): drop --nproc")
+        _, world, local = env_mod.torchrun_world()
+        return world, local
+    nproc = run.nproc or DEFAULT_NPROC
+    limit = env_mod.max_local_ranks()
+    if nproc > limit:
+        raise ValueError(f"--nproc {nproc} is more ranks than this machine can run "
+                         f"({os.cpu_count()} cores; at most {limit}); use --nproc {limit} or "
+                         f"fewer, or torchrun across machines")
+    # >= 2 emulated nodes wherever possible, so inter-node placements really differ
+    return nproc, max([d for d in divisors(nproc) if nproc // d >= 2] or [nproc])
+
+
+def _cases(names: tuple[str, ...], given: dict, topo: Topology) -> list[Case]:
+    if "all" in names:
+        names = tuple(sorted(strategies.names()))
+    classes = [strategies.get(n) for n in dict.fromkeys(names)]  # unknown → lists the names
+    takes = {cls.name: {f.name for f in dataclasses.fields(cls.Options)} for cls in classes}
+    for opt in given:
+        if not any(opt in t for t in takes.values()):
+            if len(classes) == 1:
+                strategies.make_options(classes[0], given)  # raises, naming what it takes
+            owners = [n for n in strategies.names()
+                      if opt in {f.name for f in dataclasses.fields(strategies.get(n).Options)}]
+            flag = "--" + opt.replace("_", "-")
+            raise ValueError(f"no selected strategy takes {flag} (it is an option of "
+                             f"{', '.join(owners) or 'no strategy'}); drop it or add one "
+                             f"of those to --strategy")
+    cases = []
+    for cls in classes:
+        mine = {k: v for k, v in given.items() if k in takes[cls.name]}
+        strategies.make_options(cls, mine)  # checks choices
+        variants = [dataclasses.replace(v, **mine) for v in cls.variants(topo)]
+        cases += [Case(cls.name, v) for v in dict.fromkeys(variants)]
+    return cases
+
+
+def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend) -> Any:
+    """Build the strategy on every rank without groups (pure); returns rank 0's instance."""
+    cls = strategies.get(case.strategy)
+    if cls.causal_only and not attn.causal:
+        raise ValueError(f"{case.strategy} only runs causal attention; drop --no-causal")
+    try:
+        built = [cls(attn, topo, r, kernel=backend, options=case.options, create_groups=False)
+                 for r in range(topo.world_size)]
+    except ValueError as e:
+        raise ValueError(f"{case.label}: {e}") from None
+    return built[0]
+
+
+def _runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
+              topo: Topology, backend) -> tuple[list, list[str]]:
+    """The cases the config allows, each with rank 0's strategy, and why the others are left
+    out. Variants a strategy merely suggests (and, under ``all``, whole strategies) that
+    cannot run this config are skipped; a strategy asked for by name with no runnable
+    variant is an error, and so is nothing runnable but a no-CP baseline."""
+    built, skipped, first_error = [], [], {}
+    for case in cases:
+        try:
+            built.append((case, _validate_case(case, attn, topo, backend)))
+        except ValueError as e:
+            skipped.append(str(e))
+            first_error.setdefault(case.strategy, e)
+    ran = {case.strategy for case, _ in built}
+    for name in names:
+        if name != "all" and name not in ran and name in first_error:
+            raise first_error[name]
+    if first_error and not any(strat.ranks_per_problem > 1 for _, strat in built):
+        raise next(iter(first_error.values()))  # a baseline alone compares with nothing
+    return built, skipped
+
+
+def _check_fits(plan_cases, attn: AttentionConfig, topo: Topology, device: str,
+                local_ranks: int, check: bool) -> None:
+    cap = memory.available_bytes(device, local_ranks)
+    if cap is None:
+        return
+    shape = dict(batch=attn.batch, heads=attn.heads, kv_heads=attn.num_kv_heads,
+                 head_dim=attn.head_dim, element_size=attn.element_size)
+    for case, strat in plan_cases:
+        need = memory.step_lower_bound(local_seqlen=strat.local_seqlen, **shape)
+        if need > cap:
+            raise ValueError(
+                f"{case.label}: seqlen {attn.seqlen} needs at least {memory.gib(need)} per "
+                f"rank for q, k, v, out and their gradients alone (an estimate), more than "
+                f"the {memory.gib(cap)} a rank has here; use a smaller --seqlen or --batch, "
+                f"or more ranks")
+    if check:
+        per_rank, reference = memory.check_bytes(seqlen=attn.seqlen, **shape)
+        sharing = local_ranks if device == "cpu" else 1  # ranks sharing rank 0's memory
+        if per_rank * sharing + reference > cap * sharing:
+            raise ValueError(
+                f"--check builds the global tensors on every rank and a float64 reference "
+                f"on rank 0: at seqlen {attn.seqlen} that is about "
+                f"{memory.gib(per_rank * sharing + reference)} (an estimate), more than the "
+                f"{memory.gib(cap * sharing)} available here; check at a small --seqlen "
+                f"(e.g. 8k) and time this size without --check")
+
+
+def _default_out(run: RunConfig, attn: AttentionConfig) -> str:
+    utc = env_mod.utc_now().replace("-", "").replace(":", "")
+    names = "+".join(run.strategy).replace("/", "_")
+    return str(Path("runs") / f"{utc}_{names}_{attn.seqlen}" / "results.jsonl")
+
+
+def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str) -> Plan:
+    """Validate a request and resolve its defaults. ``attention``: the AttentionConfig fields
+    given on the command line; ``options``: the strategy options given. Pure apart from
+    reading the machine; raises ValueError with the fix for anything it cannot run."""
+    device = _device(run, launcher)
+    run = run.resolved(device)
+    attn = AttentionConfig(**{**default_attention(device), **attention})
+    world, default_rpn = _world(run, launcher)
+    topo = Topology(world_size=world, ranks_per_node=run.ranks_per_node or default_rpn)
+    run = dataclasses.replace(run, ranks_per_node=topo.ranks_per_node,
+                              nproc=world if launcher == "self" else None)
+    backend = kernels.resolve(run.kernel, device=device, dtype=attn.torch_dtype,
+                              head_dim=attn.head_dim, heads=attn.heads,
+                              kv_heads=attn.num_kv_heads)
+    built, skipped = _runnable(_cases(run.strategy, options, topo), run.strategy, attn, topo,
+                               backend)
+    if "all" in run.strategy:  # baselines after the CP rows they are compared with
+        built.sort(key=lambda cb: cb[1].ranks_per_problem == 1)
+    cases = [case for case, _ in built]
+    local_ranks = topo.ranks_per_node if launcher == "torchrun" else world
+    _check_fits(built, attn, topo, device, local_ranks, run.check)
+    out = None if (run.out or "").lower() == "none" else (run.out or _default_out(run, attn))
+    if out is not None and Path(out).is_dir():
+        raise ValueError(f"--out {out} is a directory; give a file such as {out}/results.jsonl")
+    return Plan(attn=attn, run=run, world_size=world, ranks_per_node=topo.ranks_per_node,
+                kernel=backend.name, cases=tuple(cases), out=out, launcher=launcher,
+                skipped=tuple(skipped))
