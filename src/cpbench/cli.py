@@ -16,19 +16,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
 import sys
 import types
 import typing
 
 from cpbench import strategies
-from cpbench.config import (ATTENTION_HELP, ATTENTION_PARSE, CPU_ATTENTION, DTYPES,
-                            GPU_ATTENTION, AttentionConfig, RunConfig)
+from cpbench.config import (ATTENTION_HELP, ATTENTION_PARSE, CPU_ATTENTION, DTYPES, FORMATS,
+                            GPU_ATTENTION, AttentionConfig, RunConfig, flag)
 
 USAGE_ERROR = 2
 _OPT_PREFIX = "opt_"
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # "-8k" is a (negative) value, not a flag: let the size parser reject it with the fix
+        # rather than argparse saying "expected one argument"
+        self._negative_number_matcher = re.compile(r"^-\d+[kKmMgG]?$|^-\d*\.\d+$")
+
     def error(self, message):  # one line with the fix, not argparse's usage block
         self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
@@ -56,14 +63,14 @@ def _converter(parse, what: str):
 
 def _add_field(group, name: str, typ, help: str, *, choices=None, parse=None, metavar=None,
                dest: str | None = None):
-    flag, dest = "--" + name.replace("_", "-"), dest or name
+    dest = dest or name
     if typ is bool:
-        group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+        group.add_argument(flag(name), dest=dest, action=argparse.BooleanOptionalAction,
                            default=None, help=help)
         return
     parse = parse or typ
     what = {int: "an integer", float: "a number"}.get(parse, typ.__name__)
-    group.add_argument(flag, dest=dest, type=_converter(parse, what), choices=choices,
+    group.add_argument(flag(name), dest=dest, type=_converter(parse, what), choices=choices,
                        default=None, metavar=metavar or (None if choices else name.upper()),
                        help=help)
 
@@ -83,15 +90,27 @@ def _add_dataclass(group, cls, *, help_map=None, parse_map=None, choices_map=Non
                    metavar=meta.get("metavar"))
 
 
+def _options_of(cls) -> list[tuple[dataclasses.Field, type]]:
+    """A strategy's option fields, each with its type (``int`` for ``int | None``)."""
+    hints = typing.get_type_hints(cls.Options)
+    return [(f, _base_type(hints[f.name])) for f in dataclasses.fields(cls.Options)]
+
+
 def _strategy_options() -> dict[str, list[tuple[str, dataclasses.Field, type]]]:
     """Option name → [(strategy, field, type)] over every registered strategy."""
     found: dict[str, list] = {}
     for name in sorted(strategies.names()):
-        cls = strategies.get(name)
-        hints = typing.get_type_hints(cls.Options)
-        for f in dataclasses.fields(cls.Options):
-            found.setdefault(f.name, []).append((name, f, _base_type(hints[f.name])))
+        for f, typ in _options_of(strategies.get(name)):
+            found.setdefault(f.name, []).append((name, f, typ))
     return found
+
+
+def _option_usage(name: str, typ, choices) -> str:
+    """How an option is written: ``--window WINDOW``, ``--placement {a,b}``, ``--x/--no-x``."""
+    if typ is bool:
+        return f"{flag(name)}/--no-{flag(name)[2:]}"
+    return f"{flag(name)} " + (f"{{{','.join(map(str, choices))}}}" if choices
+                               else name.upper())
 
 
 def _attention_default(f) -> str | None:
@@ -126,8 +145,7 @@ def _run_parser(sub) -> argparse.ArgumentParser:
                                       for c in f.metadata.get("choices") or ()))
         where = "; ".join(f"{s}: default {f.default}" for s, f, _ in owners)
         help = f"{owners[0][1].metadata.get('help', '')} [{where}]"
-        _add_field(group, opt, typ, help, choices=choices or None,
-                   metavar=None if choices else opt.upper(), dest=_OPT_PREFIX + opt)
+        _add_field(group, opt, typ, help, choices=choices or None, dest=_OPT_PREFIX + opt)
     p.set_defaults(func=cmd_run)
     return p
 
@@ -140,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_strategies)
     r = sub.add_parser("report", help="re-render the tables from JSONL records")
     r.add_argument("files", nargs="+", metavar="FILE.jsonl")
-    r.add_argument("--format", choices=("table", "markdown", "csv", "json"), default="table")
+    r.add_argument("--format", choices=FORMATS, default="table")
     r.set_defaults(func=cmd_report)
     return parser
 
@@ -178,7 +196,9 @@ def cmd_run(args) -> int:
     try:
         return driver.launch(plan)
     except (RankError, LaunchTimeout) as e:
-        sys.stderr.write(f"cpbench run: {e}\n")
+        why = f"{e} (--deadline)" if isinstance(e, LaunchTimeout) else str(e)
+        kept = f"; records written so far are in {plan.out}" if plan.out else ""
+        sys.stderr.write(f"cpbench run: {why}{kept}\n")
         return 1
 
 
@@ -187,17 +207,9 @@ def cmd_strategies(args) -> int:
     for name in sorted(strategies.names()):
         cls = strategies.get(name)
         lines.append(f"{name:<22} {cls.description}")
-        hints = typing.get_type_hints(cls.Options)
-        for f in dataclasses.fields(cls.Options):
-            typ = _base_type(hints[f.name])
-            flag = "--" + f.name.replace("_", "-")
-            if typ is bool:
-                flag = f"{flag}/--no-{f.name.replace('_', '-')}"
-            choices = f.metadata.get("choices")
-            values = f" {{{','.join(map(str, choices))}}}" if choices else \
-                ("" if typ is bool else f" {typ.__name__.upper()}")
-            lines.append(f"{'':<24}{flag}{values}  default {f.default}: "
-                         f"{f.metadata.get('help', '')}")
+        for f, typ in _options_of(cls):
+            usage = _option_usage(f.name, typ, f.metadata.get("choices"))
+            lines.append(f"{'':<24}{usage}  default {f.default}: {f.metadata.get('help', '')}")
         if cls.causal_only:
             lines.append(f"{'':<24}(causal attention only)")
     sys.stdout.write("\n".join(lines) + "\n")

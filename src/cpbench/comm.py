@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -55,13 +56,19 @@ class RingComm:
     ``send_recv`` queues a send to the next rank and a receive from the previous one
     (``reverse=True`` swaps the direction); ``commit`` posts everything queued as one batch
     so transfers overlap the compute that follows; ``wait`` blocks until they are done.
+
+    One batch per ProcessGroup at a time: two rings in flight together (K/V and dK/dV) must
+    be on different groups. NCCL ignores p2p tags and orders a communicator's operations, so
+    a second ring on the same group would queue behind the first; ``commit`` enforces this,
+    so the CPU tests catch what would silently serialize on GPUs.
     """
 
-    def __init__(self, group: Group, *, tag: int = 0):
-        # Distinct tags keep concurrent rings on one group (K/V and dK/dV) from matching each
-        # other's messages on backends that honour tags (gloo); NCCL orders them by stream.
+    # RingComms with a committed, unwaited batch; weak, so a ring abandoned by an exception
+    # (an OOM the driver records before going on) does not block the next case
+    _in_flight: weakref.WeakSet[RingComm] = weakref.WeakSet()
+
+    def __init__(self, group: Group):
         self.group = group
-        self.tag = tag
         self._ops: list[dist.P2POp] = []
         self._reqs: list = []
 
@@ -71,20 +78,26 @@ class RingComm:
         dst, src = (g.prev_rank, g.next_rank) if reverse else (g.next_rank, g.prev_rank)
         to_send = to_send.contiguous()
         recv = torch.empty_like(to_send) if recv_buf is None else recv_buf
-        self._ops.append(dist.P2POp(dist.isend, to_send, dst, g.pg, self.tag))
-        self._ops.append(dist.P2POp(dist.irecv, recv, src, g.pg, self.tag))
+        self._ops.append(dist.P2POp(dist.isend, to_send, dst, g.pg))
+        self._ops.append(dist.P2POp(dist.irecv, recv, src, g.pg))
         _record("p2p", g, nbytes(to_send))
         return recv
 
     def commit(self) -> None:
         assert not self._reqs, "wait() for the previous batch before committing another"
         if self._ops:
+            busy = [c.group.name for c in RingComm._in_flight if c.group.pg is self.group.pg]
+            assert not busy, (f"group {self.group.name!r} shares its ProcessGroup with ring "
+                              f"{busy[0]!r}, still in flight: concurrent rings need their own "
+                              f"groups")
             self._reqs = dist.batch_isend_irecv(self._ops)
+            RingComm._in_flight.add(self)
         self._ops = []
 
     def wait(self) -> None:
         for req in self._reqs:
             req.wait()
+        RingComm._in_flight.discard(self)
         self._reqs = []
 
 

@@ -8,6 +8,13 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FORMATS = ("table", "markdown", "csv", "json")  # how results print (cpbench run and report)
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a config or option field: ``head_dim`` → ``--head-dim``."""
+    return "--" + name.replace("_", "-")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,7 +32,8 @@ class AttentionConfig:
     def __post_init__(self):
         for name in ("batch", "seqlen", "heads", "head_dim"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be a positive integer, got "
+                                 f"{getattr(self, name)}; give {flag(name)} 1 or more")
         if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
             raise ValueError(
                 f"kv_heads {self.kv_heads} must divide heads {self.heads}; use one of: "
@@ -67,13 +75,15 @@ _SIZE_SUFFIX = {"k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
 
 
 def parse_size(text: str) -> int:
-    """A token count: ``524288``, ``8k``, ``128K``, ``1M`` (binary suffixes: 8k = 8192)."""
+    """A positive token count: ``524288``, ``8k``, ``128K``, ``1M`` (binary: 8k = 8192)."""
     t = str(text).strip().lower()
     scale = _SIZE_SUFFIX.get(t[-1:], 1)
     digits = t[:-1] if scale > 1 else t
     if not digits.lstrip("-").isdigit():
         raise ValueError(f"cannot read {text!r} as a size; use an integer or a size like "
                          f"8k, 128K, 1M")
+    if int(digits) < 1:
+        raise ValueError(f"a size must be positive, got {text!r}; use e.g. 8k, 128K, 1M")
     return int(digits) * scale
 
 
@@ -107,9 +117,6 @@ CPU_ATTENTION = {"batch": 1, "seqlen": 1024, "heads": 8, "head_dim": 64, "dtype"
 GPU_ITERS = {"warmup": 5, "iters": 20}
 CPU_ITERS = {"warmup": 2, "iters": 5}
 
-FORMATS = ("table", "markdown", "csv", "json")
-DEVICES = ("auto", "cpu", "cuda")
-
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
@@ -139,19 +146,24 @@ class RunConfig:
     format: str = arg("table", "how the summary prints", choices=FORMATS)
     nproc: int | None = arg(None, "start this many local CPU ranks (gloo) instead of running "
                             "under torchrun (default: 4)")
-    timeout: float = arg(3600.0, "seconds before a stuck run is stopped (--nproc) and a "
-                         "rank stops waiting for a peer")
+    collective_timeout: float = arg(600.0, "seconds a rank waits for its peers in one "
+                                    "collective (the process groups' timeout) before the "
+                                    "run is stopped as broken", metavar="SECONDS")
+    deadline: float | None = arg(None, "--nproc only: seconds before the whole run is "
+                                 "stopped (default: none)", metavar="SECONDS")
 
     def __post_init__(self):
         for name in ("ranks_per_node", "iters", "nproc"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be a positive integer, got {value}")
+                raise ValueError(f"{flag(name)} must be a positive integer, got {value}")
         if self.warmup is not None and self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
-        if self.timeout <= 0:
-            raise ValueError(f"--timeout must be positive, got {self.timeout}")
+        for name in ("collective_timeout", "deadline"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{flag(name)} must be a positive number of seconds, "
+                                 f"got {value}")
         for name, allowed in (("format", FORMATS), ("device", DEVICES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name} must be one of {', '.join(allowed)}, "

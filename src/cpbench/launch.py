@@ -1,8 +1,9 @@
 """Start N local CPU ranks with gloo and run a function on each.
 
 Used by the multi-rank tests and by ``cpbench run --nproc N``. Any rank's exception is
-re-raised in the parent with that rank's traceback; a deadline kills the whole group, so a
-rank waiting on a peer that already died can never hang the caller.
+re-raised in the parent with that rank's traceback, and a rank that dies without a word is
+noticed; an optional deadline kills the whole group. A rank waiting on a live peer that
+will never answer is bounded by the process groups' (collective) timeout.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _context():
     return ctx
 
 
-def _worker(fn, rank, nproc, port, args, results, threads, pg_timeout_s):
+def _worker(fn, rank, nproc, port, args, results, threads, pg_timeout_s, leave_together):
     import torch
     import torch.distributed as dist
 
@@ -51,40 +52,51 @@ def _worker(fn, rank, nproc, port, args, results, threads, pg_timeout_s):
         dist.init_process_group("gloo", rank=rank, world_size=nproc,
                                 timeout=timedelta(seconds=pg_timeout_s))
         out = fn(rank, nproc, *args)
-        dist.barrier()  # leave together: gloo can abort when peers close connections first
-        results.put((rank, "ok", out))
+        if leave_together:
+            dist.barrier()  # gloo can abort when peers close connections first
+        report = (rank, "ok", out)
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        report = (rank, "error", traceback.format_exc())
+    # on the wire before the teardown, which can abort the process on a broken group
+    results.put(report)
+    results.close()
+    results.join_thread()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], nproc: int, *args, timeout: float = 300.0,
-              threads: int | None = None) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], nproc: int, *args, timeout: float | None = 300.0,
+              collective_timeout: float | None = None, threads: int | None = None,
+              leave_together: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks; return results by rank.
 
     ``fn`` must be importable by name (defined at module level). Raises RankError with the
-    first failing rank's traceback, or LaunchTimeout after ``timeout`` seconds.
+    first failing rank's traceback, or LaunchTimeout after ``timeout`` seconds (None: no
+    deadline). ``collective_timeout``: the process group's timeout (default: the deadline,
+    at least 30 s; 600 s without one). ``leave_together``: a barrier after ``fn`` (False
+    when ``fn`` leaves by itself, e.g. skipping the barrier on a broken group).
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
+    if collective_timeout is None:
+        collective_timeout = 600.0 if timeout is None else max(30.0, timeout)
     threads = threads or max(1, (os.cpu_count() or 1) // nproc)
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(target=_worker, daemon=True,
-                    args=(fn, r, nproc, port, args, results, threads, max(30.0, timeout)))
+                    args=(fn, r, nproc, port, args, results, threads, collective_timeout,
+                          leave_together))
         for r in range(nproc)
     ]
     for p in procs:
         p.start()
     by_rank: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while len(by_rank) < nproc:
-            left = deadline - time.monotonic()
+            left = 1.0 if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(nproc)) - set(by_rank))
                 raise LaunchTimeout(f"ranks {missing} did not finish within {timeout:.0f} s")

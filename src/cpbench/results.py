@@ -7,9 +7,16 @@ A record holds what is needed to re-run it and to recompute every figure printed
 - ``kernel`` (the backend that ran), ``topology``, ``ranks_per_problem`` (ranks sharing one
   attention problem: the world for CP strategies, 1 for a no-CP baseline);
 - ``env``: versions, device, hosts per rank, launcher, git sha, UTC time, SLURM_JOB_ID;
-- ``status``: "ok", "OOM" or "failed", with ``error`` (and ``traceback`` when failed);
-- raw measurements: ``samples_ms`` {"fwd", "fwd_bwd"}: per rank, per timed iteration;
-  ``memory_bytes`` per rank; ``check``: per tensor max abs / max rel error and verdict;
+- ``resolved``: the options as the strategy resolved them on this topology (e.g. the
+  Ulysses × ring split, a window taken from the node size); the options themselves when the
+  strategy resolves nothing;
+- ``status``: "ok", "OOM" or "failed", with ``error`` (and ``traceback`` when failed): how the
+  build, check and timing went;
+- raw measurements: ``samples_ms`` {"fwd", "fwd_bwd"}: per rank, per timed iteration, each
+  kept as soon as it was measured (a phase that failed later leaves the earlier ones);
+  ``memory_bytes`` per rank, measured after the timings with its own ``memory_status`` and
+  ``memory_error`` (null bytes when that step failed or ran out of memory; the timings stay);
+  ``check``: per tensor max abs / max rel error and verdict;
 - ``derived``: the figures computed from the above by ``derive`` (kept for other tools;
   readers recompute them rather than trust them).
 
@@ -93,10 +100,10 @@ def derive(record: dict) -> dict:
                  "flops_fwd_bwd": problem_flops(attention, "fwd_bwd")}
     checks = record.get("check")
     out["check_passed"] = None if not checks else all(c["passed"] for c in checks)
-    if record["status"] != OK:
-        return out
     n = record["ranks_per_problem"]
-    samples = record["samples_ms"]
+    samples = record.get("samples_ms") or {}
+    if not samples.get("fwd"):
+        return out
     fwd = timer.step_time(samples["fwd"])
     out.update(fwd_ms=fwd, fwd_tflops=flops_mod.tflops_per_gpu(out["flops_fwd"], n, fwd / 1e3),
                slowest_rank_fwd=timer.slowest_rank(samples["fwd"]))
@@ -114,22 +121,25 @@ def derive(record: dict) -> dict:
 
 
 def options_label(record: dict) -> str:
-    """The options that set this row apart: a placement bare, others as k=v when they differ
-    from the strategy's defaults; "-" when none do."""
+    """The options that set this row apart, as the strategy resolved them: a placement bare,
+    the others as k=v where they differ from the strategy's defaults (an automatic 0 that
+    resolved to 2 shows as 2) or are not options at all (e.g. a ring degree the strategy
+    derived); "-" when none do."""
     cfg = record["config"]
-    opts, defaults = cfg["options"], cfg.get("option_defaults", {})
-    parts = [str(opts["placement"])] if "placement" in opts else []
-    parts += [f"{k}={v}" for k, v in opts.items()
+    shown = {**cfg["options"], **(record.get("resolved") or {})}
+    defaults = cfg.get("option_defaults", {})
+    parts = [str(shown["placement"])] if "placement" in shown else []
+    parts += [f"{k}={option_text(v)}" for k, v in shown.items()
               if k != "placement" and (k not in defaults or defaults[k] != v)]
     return " ".join(parts) or "-"
 
 
-def same_problem(a: dict, b: dict) -> bool:
-    """Whether two records measured the same attention problem on the same ranks and kernel."""
-    ca, cb = a["config"], b["config"]
-    return (ca["attention"] == cb["attention"] and a["topology"] == b["topology"]
-            and a["kernel"] == b["kernel"]
-            and ca["run"]["device"] == cb["run"]["device"])
+def option_text(value) -> str:
+    """An option's value as labels print it; nested options (a composite strategy's inner
+    one) as ``{k=v,…}``."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}={option_text(v)}" for k, v in value.items()) + "}"
+    return str(value)
 
 
 def to_frame(records: Iterable[dict]):
@@ -150,6 +160,7 @@ def to_frame(records: Iterable[dict]):
             "ranks_per_problem": r["ranks_per_problem"], "kernel": r["kernel"],
             "device": cfg["run"]["device"], "fwd_only": cfg["run"]["fwd_only"],
             "status": r["status"], "error": r.get("error"),
+            "memory_status": r.get("memory_status"), "memory_error": r.get("memory_error"),
             **{k: d.get(k) for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "memory_mb",
                                      "fwd_tflops", "bwd_tflops", "fwd_bwd_tflops",
                                      "check_passed")},

@@ -14,6 +14,7 @@ Placement semantics (the USP mesh of ``ulysses_degree`` × ``ring_degree``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Sequence
 
 HEAD_FIRST = "head-first"
@@ -31,6 +32,9 @@ class Topology:
 
     world_size: int
     ranks_per_node: int
+    # Timeout of the groups strategies create. torch's new_group() does not inherit the world
+    # group's: unset, it falls back to torch's defaults (30 min on gloo, 10 min on NCCL).
+    group_timeout_s: float | None = None
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -123,6 +127,24 @@ def group_of(rank: int, rank_lists: Sequence[Sequence[int]]) -> list[int]:
     raise AssertionError(f"rank {rank} is in none of {rank_lists}")
 
 
+def node_local_block(topo: Topology, rings: Sequence[Sequence[int]], *,
+                     also_divides: int | None = None) -> int:
+    """The largest d dividing the ring length (and ``also_divides``, e.g. the head count)
+    such that cutting every ring into blocks of d consecutive members leaves each block
+    inside one node; 1 always qualifies.
+
+    For a ring of consecutive ranks that is the largest such d dividing ranks per node (a
+    block of 3 on nodes of 4 would straddle ranks 3|4); for a ring that visits one rank per
+    node it is 1. USP head-first uses it as its default Ulysses degree (all-to-alls inside a
+    node), DoubleRing as its default window (inner rings inside a node).
+    """
+    n = len(rings[0])
+    return max(d for d in divisors(n)
+               if (also_divides is None or also_divides % d == 0)
+               and not any(topo.crosses_nodes(ring[s:s + d])
+                           for ring in rings for s in range(0, n, d)))
+
+
 def _check_divides(part: int, whole: int, part_name: str, whole_name: str) -> None:
     if part < 1 or whole % part:
         ok = ", ".join(map(str, divisors(whole)))
@@ -131,7 +153,10 @@ def _check_divides(part: int, whole: int, part_name: str, whole_name: str) -> No
 
 # -- groups ------------------------------------------------------------------------------------
 
-_PG_CACHE: dict[tuple[int, tuple[int, ...]], Any] = {}
+# (role, members) → (the default group it was created under, the group): a group made before
+# a destroy_process_group() is never handed out again
+_PG_CACHE: dict[tuple[str, tuple[int, ...]], tuple[Any, Any]] = {}
+
 
 def plan_group(topo: Topology, name: str, rank: int, rank_lists: Sequence[Sequence[int]]) -> Group:
     """This rank's group among ``rank_lists`` without creating a ProcessGroup."""
@@ -141,20 +166,24 @@ def plan_group(topo: Topology, name: str, rank: int, rank_lists: Sequence[Sequen
 
 def new_groups(topo: Topology, name: str, rank: int, rank_lists: Sequence[Sequence[int]]) -> Group:
     """Create a ProcessGroup for every list (a collective: every rank must call this with the
-    same lists in the same order) and return this rank's ``Group``."""
+    same lists in the same order) and return this rank's ``Group``.
+
+    Every role ``name`` gets its own ProcessGroups, even over the same members as another
+    role: two rings in flight at once (K/V and dK/dV) need two communicators, because NCCL
+    ignores p2p tags and would serialize them on one. Groups are reused across strategies in
+    one job by (role, members): creating a group is a collective with its own connections.
+    """
     import torch.distributed as dist
 
     mine = plan_group(topo, name, rank, rank_lists)
     for ranks in rank_lists:
-        key = tuple(sorted(ranks))
-        if key == tuple(range(topo.world_size)):
-            pg = dist.group.WORLD
-        else:
-            # Reuse groups across strategies in one job: creating a gloo group is a collective
-            # with its own connections, and every rank asks for the same keys in the same order.
-            pg = _PG_CACHE.get((id(dist.group.WORLD), key))
-            if pg is None:
-                pg = _PG_CACHE[(id(dist.group.WORLD), key)] = dist.new_group(list(key))
+        members = tuple(sorted(ranks))
+        world, pg = _PG_CACHE.get((name, members), (None, None))
+        if world is not dist.group.WORLD:
+            timeout = None if topo.group_timeout_s is None else \
+                timedelta(seconds=topo.group_timeout_s)
+            pg = dist.new_group(list(members), timeout=timeout)
+            _PG_CACHE[(name, members)] = (dist.group.WORLD, pg)
         if rank in ranks:
             mine = Group(mine.name, mine.ranks, mine.index, mine.crosses_nodes, pg)
     return mine

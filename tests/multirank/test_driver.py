@@ -1,10 +1,13 @@
 """The driver on real gloo ranks: check, timing, records, the printed tables; an OOM or an
-exception in one strategy becomes its row's status and the run goes on."""
+exception in one strategy becomes its row's status and the run goes on; a failed memory
+measurement keeps the timings; one rank failing inside a ring stops the run in bounded time,
+keeping what was measured."""
 
 from __future__ import annotations
 
 import io
 import sys
+import time
 
 import torch
 
@@ -45,14 +48,43 @@ class InjectedError(Ring):
         return out * 1.5, lse
 
 
-def run_driver(rank, world, names, out, check, inject):
+class InjectedMemoryOom(Ring):
+    """Times fine, then runs out of memory in the memory measurement (the call after the
+    check's and the timed phases': 1 + 2 × (1 warm-up + 2 timed))."""
+
+    name = "test-mem-oom"
+    description = "raises torch.OutOfMemoryError when memory is measured (test)"
+    calls_before_memory = 1 + 2 * (1 + 2)
+
+    def attention(self, q, k, v):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls > self.calls_before_memory:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected, memory step)")
+        return super().attention(q, k, v)
+
+
+class InjectedStall(Ring):
+    """Rank 1 raises before its first ring exchange; rank 0 enters the exchange and waits
+    for a peer that will never send."""
+
+    name = "test-stall"
+    description = "rank 1 raises while rank 0 waits in the ring (test)"
+
+    def attention(self, q, k, v):
+        if self.rank == 1:
+            raise RuntimeError("injected failure on rank 1 inside the ring")
+        return super().attention(q, k, v)
+
+
+def run_driver(rank, world, names, out, check, inject, collective_timeout=600.0):
     """A rank of ``cpbench run``: returns (exit status, what rank 0 printed)."""
     if inject:  # registered in the rank processes only, never in pytest's own registry
-        strategies.register(InjectedOom)
-        strategies.register(InjectedFailure)
-        strategies.register(InjectedError)
+        for cls in (InjectedOom, InjectedFailure, InjectedError, InjectedMemoryOom,
+                    InjectedStall):
+            strategies.register(cls)
     plan = planning.plan(RunConfig(strategy=names, nproc=world, check=check, out=out, warmup=1,
-                                 iters=2), dict(SMALL), {}, launcher="self")
+                                   iters=2, collective_timeout=collective_timeout),
+                         dict(SMALL), {}, launcher="self")
     stdout, sys.stdout = sys.stdout, io.StringIO()
     try:
         code = driver.rank_main(rank, world, plan)
@@ -87,16 +119,45 @@ def test_check_time_record_and_report(tmp_path):
 
 def test_oom_failure_and_wrong_results_do_not_stop_the_run(tmp_path):
     out = str(tmp_path / "r.jsonl")
-    names = ("test-oom", "test-fail", "test-wrong", "ring")
+    names = ("test-oom", "test-fail", "test-wrong", "test-mem-oom", "ring")
     (code, text), (code1, _) = run_ranks(run_driver, 2, names, out, True, True, timeout=120)
     assert code == code1 == 1  # a failed strategy or check makes the run fail, at the end
     records = results.read(out)
-    assert [r["status"] for r in records] == ["OOM", "failed", "ok", "ok"]
-    assert [r["derived"]["check_passed"] for r in records] == [None, None, False, True]
+    assert [r["status"] for r in records] == ["OOM", "failed", "ok", "ok", "ok"]
+    assert [r["derived"]["check_passed"] for r in records] == [None, None, False, True, True]
     assert "injected" in records[0]["error"] and "injected failure" in records[1]["error"]
     assert "RuntimeError" in records[1]["traceback"]
     lines = report.summary(records).splitlines()
     header = [c.strip() for c in lines[2].split("|")]
-    oom = dict(zip(header, (c.strip() for c in lines[4].split("|"))))
-    assert [oom[c] for c in ("FWD (ms)", "FWD+BWD (ms)", "TFLOPs/s")] == ["OOM"] * 3
+    cells = [dict(zip(header, (c.strip() for c in line.split("|")))) for line in lines[4:9]]
+    assert [cells[0][c] for c in ("FWD (ms)", "FWD+BWD (ms)", "TFLOPs/s")] == ["OOM"] * 3
+    # memory ran out of memory after the timings: they stay, memory is null with the reason
+    mem = records[3]
+    assert mem["memory_bytes"] is None and mem["memory_status"] == "OOM"
+    assert "injected, memory step" in mem["memory_error"]
+    assert len(mem["samples_ms"]["fwd"]) == len(mem["samples_ms"]["fwd_bwd"]) == 2
+    assert mem["derived"]["fwd_bwd_ms"] > 0 and "memory_mb" not in mem["derived"]
+    assert cells[3]["Memory (MB)"] == "OOM" and float(cells[3]["FWD+BWD (ms)"]) > 0
+    assert report.summary(records) in text
+
+
+def test_a_rank_failing_inside_a_ring_stops_the_run_in_bounded_time(tmp_path):
+    """Rank 1 raises while rank 0 waits for it in a ring exchange: rank 0's wait times out
+    (5 s), the group is unusable, and the run ends: the earlier case's record kept, the
+    failing case recorded with rank 1's own error, the later case not run, exit 1."""
+    out = str(tmp_path / "r.jsonl")
+    t0 = time.monotonic()
+    (code, text), (code1, _) = run_ranks(run_driver, 2, ("ring", "test-stall", "local"), out,
+                                         False, True, 5.0, timeout=90, collective_timeout=5.0,
+                                         leave_together=False)
+    assert time.monotonic() - t0 < 60  # not the default 600 s collective timeout
+    assert code == code1 == 1
+    records = results.read(out)
+    assert [(r["config"]["strategy"], r["status"]) for r in records] == [
+        ("ring", "ok"), ("test-stall", "failed")]
+    assert records[0]["derived"]["fwd_bwd_ms"] > 0
+    error = records[1]["error"]
+    assert error.startswith("rank 1: RuntimeError: injected failure on rank 1 inside the ring")
+    assert "a collective failed" in error
+    assert "not run: local" in text and "re-run them with --strategy local" in text
     assert report.summary(records) in text

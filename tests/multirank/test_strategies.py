@@ -52,3 +52,32 @@ def test_matches_reference_and_schedule(name, world, rpn):
                                                  timeout=240)
                 for f in rank_failures]
     assert not failures, "\n".join(failures)
+
+
+# Option sets no strategy offers as a variant, and the plain-torch kernel: checked once on
+# 2 nodes × 4 so two-level rings and both placements are real.
+EXTRA_OPTIONS = {
+    "usp": [dict(ring_impl="ring"), dict(ring_impl="ring", placement="ring-first"),
+            dict(ulysses_degree=2, placement="ring-first", ring_impl="double-ring")],
+    "burst": [dict(double_ring=True, opt_bwd=False), dict(double_ring=False, opt_bwd=True)],
+    "double-ring": [dict(window=1), dict(window=8)],
+}
+
+
+@pytest.mark.parametrize("name", strategies.names())
+def test_torch_kernel_and_extra_options(name):
+    cls = strategies.get(name)
+    topo = Topology(world_size=8, ranks_per_node=4)
+    kernel_cases, option_cases = [], []
+    for causal, kv_heads, dtype in ((True, GQA_KV_HEADS, "fp32"), (False, None, "bf16")):
+        if cls.causal_only and not causal:
+            continue
+        attn = AttentionConfig(batch=1, seqlen=SEQLEN, heads=HEADS, kv_heads=kv_heads,
+                               head_dim=16, dtype=dtype, causal=causal)
+        kernel_cases.append((attn, cls.variants(topo)[0]))
+        option_cases += [(attn, cls.Options(**o)) for o in EXTRA_OPTIONS.get(name, [])]
+    failures = run_ranks(check_cases, 8, name, 4, kernel_cases, [], "torch", timeout=240)[0]
+    if option_cases:
+        failures += run_ranks(check_cases, 8, name, 4, option_cases, option_cases[:1],
+                              timeout=240)[0]
+    assert not failures, "\n".join(failures)

@@ -66,7 +66,8 @@ def test_parse_size():
     (["--kv-heads", "3"], "must divide heads 8; use one of: 1, 2, 4, 8"),
     (["--ranks-per-node", "3"], "does not divide world size 4; use one of: 1, 2, 4"),
     (["--kernel", "flash-attn"], "use --kernel"),
-    (["--seqlen", "0"], "seqlen must be a positive integer"),
+    (["--seqlen", "0"], "a size must be positive, got '0'; use e.g. 8k"),
+    (["--seqlen", "-8k"], "a size must be positive, got '-8k'; use e.g. 8k"),
     (["--batch", "-1"], "batch must be a positive integer"),
     (["--head-dim", "0"], "head_dim must be a positive integer"),
     (["--iters", "0"], "--iters must be a positive integer"),
@@ -76,6 +77,8 @@ def test_parse_size():
     (["--seqlen", "8q"], "cannot read '8q' as a size"),
     (["--dtype", "fp64"], "invalid choice: 'fp64'"),
     (["--device", "cuda"], "torchrun"),
+    (["--collective-timeout", "0"], "--collective-timeout must be a positive number"),
+    (["--deadline", "-5"], "--deadline must be a positive number"),
 ])
 def test_bad_input_is_one_line_exit_2(no_launch, capsys, args, needle):
     assert needle in _error(capsys, *args)
@@ -106,6 +109,29 @@ def test_nproc_under_torchrun(no_launch, capsys, monkeypatch):
                            MASTER_ADDR="127.0.0.1").items():
         monkeypatch.setenv(var, value)
     assert "drop --nproc" in _error(capsys, "--strategy", "ring", "--nproc", "2")
+
+
+def test_deadline_under_torchrun(no_launch, capsys, monkeypatch):
+    for var, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2",
+                           MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(var, value)
+    assert "drop --deadline" in _error(capsys, "--strategy", "ring", "--deadline", "60")
+
+
+def test_unwritable_out_is_one_line_exit_2(no_launch, capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code = cli.main(["run", "--strategy", "ring", "--out", str(blocker / "r.jsonl")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "cannot write there" in err and "--out none" in err
+
+
+def test_out_directory_and_file_are_made_before_any_rank_starts(tmp_path):
+    out = tmp_path / "new" / "dir" / "r.jsonl"
+    p = planning.plan(RunConfig(strategy=("ring",), nproc=2, out=str(out)), {}, {},
+                      launcher="self")
+    assert p.out == str(out) and out.is_file() and out.read_text() == ""
 
 
 def test_only_rank_0_prints_a_bad_input_under_torchrun(no_launch, capsys, monkeypatch):
@@ -191,3 +217,29 @@ def test_all_skips_what_the_config_does_not_allow_but_a_named_strategy_errors():
         _plan({"seqlen": 1004}, strategy=("ring", "zigzag"), nproc=4)
     with pytest.raises(ValueError, match="try --seqlen 1000"):  # only the baseline would run
         _plan({"seqlen": 1001}, strategy=("all",), nproc=4)
+
+
+def test_all_skips_a_baseline_that_cannot_fit_but_a_named_one_errors(monkeypatch):
+    # 8 heads × 64 × fp32: a rank needs 16 KiB per token of its shard for q, k, v, out, grads
+    monkeypatch.setattr(planning.memory, "capacity_bytes", lambda *a: 64 * 2 ** 20)
+    p = _plan({"seqlen": 8192}, strategy=("all",), nproc=4)  # CP: 32 MiB; local: 128 MiB
+    assert "local" not in {c.strategy for c in p.cases} and "ring" in {c.strategy for c in p.cases}
+    note, = [s for s in p.skipped if s.startswith("local")]
+    assert "holds the whole sequence on every rank" in note and "more ranks" not in note
+    with pytest.raises(ValueError, match="holds the whole sequence on every rank"):
+        _plan({"seqlen": 8192}, strategy=("ring", "local"), nproc=4)
+    with pytest.raises(ValueError, match="or more ranks"):
+        _plan({"seqlen": 32768}, strategy=("ring",), nproc=4)
+
+
+def test_the_fit_check_reads_fixed_totals(monkeypatch):
+    """Every torchrun rank plans alone: the verdict must not depend on what is free now."""
+    from cpbench.bench import env, memory
+
+    total = env.meminfo_bytes("MemTotal")
+    if total is None:
+        pytest.skip("no /proc/meminfo")
+    assert memory.capacity_bytes("cpu", 4) == total // 4
+    monkeypatch.setattr(memory, "meminfo_bytes",
+                        lambda field: {"MemTotal": total}.get(field, 1))
+    assert memory.capacity_bytes("cpu", 4) == total // 4

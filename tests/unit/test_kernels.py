@@ -3,10 +3,13 @@ of aten's CPU flash kernel that the sdpa-cpu backend and the strategies rely on.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from cpbench import kernels
+from cpbench.kernels.base import check_shapes
 from cpbench.reference import TOLERANCES, compare, reference_attention
 
 RUNNABLE = kernels.available("cpu")
@@ -62,6 +65,15 @@ def test_random_shapes(name, seed):
     _check(kernels.get(name), q, k, v, dout, True, "fp32")
 
 
+@pytest.mark.parametrize("sq,sk", [(5, 9), (9, 5)])
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_causal_unequal_is_top_left_where_declared(name, sq, sk):
+    backend = kernels.get(name)
+    assert backend.causal_unequal  # both CPU backends: query i sees keys 0..i
+    q, k, v, dout = _inputs(1, sq, sk, 4, 2, 16, torch.float32, seed=sq)
+    _check(backend, q, k, v, dout, True, "fp32")
+
+
 def test_tolerances_are_stated_for_every_dtype():
     assert set(TOLERANCES) == {"fp32", "bf16", "fp16"}
 
@@ -109,6 +121,30 @@ def test_sdpa_cpu_lse_is_fp32_for_bf16_inputs():
 def test_auto_picks_sdpa_cpu_on_cpu():
     b = kernels.resolve("auto", device="cpu", dtype=torch.float32, head_dim=64, heads=8, kv_heads=8)
     assert b.name == "sdpa-cpu"
+
+
+def test_causal_unequal_is_refused_where_not_declared(monkeypatch):
+    request = dict(device="cpu", dtype=torch.float32, head_dim=16, heads=4, kv_heads=4)
+    square_only = dataclasses.replace(kernels.get("torch"), name="square-only",
+                                      causal_unequal=False)
+    assert square_only.unsupported_reason(**request, seqlen_q=8, seqlen_k=8, causal=True) is None
+    assert square_only.unsupported_reason(**request, seqlen_q=5, seqlen_k=9) is None
+    assert "causal attention with seqlen_q 5 != seqlen_k 9" in square_only.unsupported_reason(
+        **request, seqlen_q=5, seqlen_k=9, causal=True)
+    monkeypatch.setitem(kernels._BACKENDS, square_only.name, square_only)
+    with pytest.raises(ValueError, match="seqlen_q 5 != seqlen_k 9; use --kernel torch or "
+                                         "sdpa-cpu"):
+        kernels.resolve("square-only", **request, seqlen_q=5, seqlen_k=9, causal=True)
+    # the internal invariant behind it, for a strategy that asks anyway
+    q, k, v, _ = _inputs(1, 5, 9, 4, 4, 16, torch.float32, seed=0)
+    with pytest.raises(AssertionError, match="equal q/k length"):
+        check_shapes(q, k, v, True)
+
+
+def test_flash_attn_declares_no_causal_unequal():
+    from cpbench.kernels.flash_attn import FLASH_ATTN, FLASH_ATTN3
+
+    assert not FLASH_ATTN.causal_unequal and not FLASH_ATTN3.causal_unequal  # bottom-right
 
 
 def test_unsupported_request_names_working_backends():

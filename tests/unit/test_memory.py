@@ -1,5 +1,6 @@
 """The CPU memory meter counts live tensor storage at its peak; the estimates are bounds."""
 
+import pytest
 import torch
 
 from cpbench.bench import memory
@@ -79,3 +80,13 @@ def test_lower_bound_formula():
     per_rank, ref = memory.check_bytes(batch=1, seqlen=1024, heads=8, kv_heads=8, head_dim=32,
                                        element_size=4)
     assert per_rank == 1024 * 32 * 4 * 32 and ref == 5 * 1024 * 1024 * 8
+
+
+def test_meminfo_read_once_for_both_users():
+    from cpbench.bench import env
+
+    total, available = env.meminfo_bytes("MemTotal"), env.meminfo_bytes("MemAvailable")
+    if total is None:
+        pytest.skip("no /proc/meminfo")
+    assert 0 < available <= total
+    assert env.meminfo_bytes("NoSuchField") is None

@@ -109,6 +109,30 @@ def test_other_formats_have_the_same_rows():
     assert data[0]["cp_efficiency"] == pytest.approx(0.5) and data[1]["tflops"] is None
 
 
+def test_a_failed_memory_step_keeps_the_row_and_a_measured_fwd_shows():
+    recs = [fake_record("ring", memory_status="OOM", memory_error="rank 1: OutOfMemoryError"),
+            fake_record("zigzag", status="OOM", error="rank 0: OutOfMemoryError",
+                        samples={"fwd": [[10.0, 11.0, 12.0]] * 4, "fwd_bwd": None})]
+    lines = report.summary(recs).splitlines()
+    header = _cells(lines[2])
+    mem, oom = (dict(zip(header, _cells(line))) for line in lines[4:6])
+    assert (mem["FWD+BWD (ms)"], mem["Memory (MB)"]) == ("31.00", "OOM")
+    assert mem["TFLOPs/s"] not in ("OOM", "-")
+    assert (oom["FWD (ms)"], oom["FWD+BWD (ms)"], oom["TFLOPs/s"]) == ("11.00", "OOM", "OOM")
+    assert "  - Memory Usage: OOM (rank 1: OutOfMemoryError)" in report.detail(recs[0])
+    assert "  - Forward Time: 11.00 ms" in report.detail(recs[1])
+    data = json.loads(report.summary(recs, "json"))
+    assert data[0]["memory_status"] == "OOM" and data[0]["memory_mb"] is None
+
+
+def test_resolved_options_show_in_placement_and_detail():
+    rec = fake_record("double-ring", options={"window": 0}, resolved={"window": 2})
+    row = dict(zip(_cells(report.summary([rec]).splitlines()[2]),
+                   _cells(report.summary([rec]).splitlines()[4])))
+    assert row["Placement"] == "window=2"
+    assert "  - Strategy Options: window=0 (resolved: window=2)" in report.detail(rec)
+
+
 def test_fwd_only_rows():
     lines = report.summary([fake_record(fwd_only=True), fake_record("ring")]).splitlines()
     row = dict(zip(_cells(lines[2]), _cells(lines[4])))

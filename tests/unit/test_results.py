@@ -11,7 +11,8 @@ from cpbench import results
 
 def fake_record(strategy="zigzag", *, status="ok", fwd=None, fwd_bwd=None, memory=None,
                 ranks_per_problem=4, options=None, defaults=None, seqlen=1024, check=None,
-                fwd_only=False, error=None):
+                fwd_only=False, error=None, resolved=None, memory_status=None,
+                memory_error=None, samples=None):
     """A record as the driver writes it (4 ranks, 2 × 2), with given per-rank samples."""
     world = 4
     fwd = fwd if fwd is not None else [[10.0, 11.0, 12.0]] * world
@@ -30,8 +31,11 @@ def fake_record(strategy="zigzag", *, status="ok", fwd=None, fwd_bwd=None, memor
         "ranks_per_problem": ranks_per_problem,
         "env": {"utc": "2025-01-01T00:00:00Z", "git_sha": "abc"},
         "status": status, "error": error,
-        "samples_ms": ({"fwd": fwd, "fwd_bwd": None if fwd_only else fwd_bwd} if ok else None),
-        "memory_bytes": (memory or [2 ** 20] * world) if ok else None,
+        "resolved": resolved,
+        "samples_ms": samples if samples is not None else
+        ({"fwd": fwd, "fwd_bwd": None if fwd_only else fwd_bwd} if ok else None),
+        "memory_bytes": (memory or [2 ** 20] * world) if ok and not memory_status else None,
+        "memory_status": memory_status, "memory_error": memory_error,
         "check": check,
     }
     record["derived"] = results.derive(record)
@@ -89,6 +93,28 @@ def test_derive_failed_and_fwd_only():
     assert "fwd_ms" not in results.derive(fake_record(status="OOM"))
     d = results.derive(fake_record(fwd_only=True))
     assert d["fwd_ms"] == 11.0 and "fwd_bwd_ms" not in d
+
+
+def test_what_was_measured_before_a_failure_is_derived():
+    r = fake_record(status="OOM", samples={"fwd": [[10.0, 11.0, 12.0]] * 4, "fwd_bwd": None})
+    d = results.derive(r)
+    assert d["fwd_ms"] == 11.0 and "fwd_bwd_ms" not in d
+    m = fake_record(memory_status="OOM", memory_error="rank 0: OutOfMemoryError")
+    assert results.derive(m)["fwd_bwd_ms"] == 31.0 and "memory_mb" not in results.derive(m)
+
+
+def test_options_label_shows_what_the_strategy_resolved():
+    defaults = {"placement": "head-first", "ulysses_degree": 0, "ring_impl": "zigzag"}
+    r = fake_record("usp", options=defaults, defaults=defaults,
+                    resolved={**defaults, "ulysses_degree": 2, "ring_degree": 2})
+    assert results.options_label(r) == "head-first ulysses_degree=2 ring_degree=2"
+    w = fake_record("double-ring", options={"window": 0}, resolved={"window": 2})
+    assert results.options_label(w) == "window=2"
+    nested = fake_record("usp", options=defaults, defaults=defaults,
+                         resolved={**defaults, "ulysses_degree": 2, "ring_impl": "double-ring",
+                                   "ring_options": {"window": 2}})
+    assert results.options_label(nested) == \
+        "head-first ulysses_degree=2 ring_impl=double-ring ring_options={window=2}"
 
 
 def test_options_label():

@@ -1,5 +1,5 @@
 """double-ring's declared schedule against hand-computed byte counts, node crossings and FLOPs
-(planned groups only, no processes), plus a one-rank run against the reference."""
+(planned groups only, no processes)."""
 
 from __future__ import annotations
 
@@ -7,32 +7,12 @@ from collections import Counter
 
 import pytest
 
-from cpbench import kernels
 from cpbench.bench.flops import attention_flops
-from cpbench.config import AttentionConfig
-from cpbench.strategies.double_ring import DoubleRing
-from cpbench.topology import Topology
-
-B, S, H, HK, D = 2, 96, 4, 2, 16
+from schedule_helpers import B, D, H, HK, S, attn, plan, totals
 
 
-def _attn(dtype="bf16", causal=True, seqlen=S):
-    return AttentionConfig(batch=B, seqlen=seqlen, heads=H, kv_heads=HK, head_dim=D,
-                           dtype=dtype, causal=causal)
-
-
-def _plan(world, rpn, rank, attn=None, **opts):
-    return DoubleRing(attn or _attn(), Topology(world_size=world, ranks_per_node=rpn), rank,
-                      kernel=kernels.get("torch"), options=DoubleRing.Options(**opts),
-                      create_groups=False)
-
-
-def _bytes(steps):
-    total = Counter()
-    for step in steps:
-        for m in step.messages:
-            total[(step.phase, m.group)] += m.nbytes
-    return total
+def _plan(world, rpn, rank, problem=None, **opts):
+    return plan("double-ring", world, rpn, rank, problem, **opts)
 
 
 @pytest.mark.parametrize("world,rpn", [(8, 4), (8, 2), (4, 2)])
@@ -44,34 +24,39 @@ def test_bytes_match_hand_formula(world, rpn, dtype, elt):
     kv = 2 * B * s * HK * D * elt  # one K and one V block
     dkv = 2 * B * s * HK * D * 4  # their gradients, fp32
     for rank in range(world):
-        got = _bytes(_plan(world, rpn, rank, _attn(dtype)).schedule())
+        got = totals(_plan(world, rpn, rank, attn(dtype)))
         assert got == {
             ("fwd", "outer"): (m - 1) * kv,  # the base block, once per window but the last
             ("fwd", "inner"): m * (w - 1) * kv,
-            ("bwd", "outer"): (m - 1) * kv + m * dkv,  # dK/dV take one outer hop per window
-            ("bwd", "inner"): m * (w - 1) * kv + m * w * dkv,  # and w inner hops per window
+            ("bwd", "outer"): (m - 1) * kv,
+            ("bwd", "inner"): m * (w - 1) * kv,
+            # dK/dV on their own groups: one outer hop and w inner hops per window
+            ("bwd", "outer_dkv"): m * dkv,
+            ("bwd", "inner_dkv"): m * w * dkv,
         }, rank
 
 
 def test_inner_rings_stay_in_a_node_outer_cross():
     for rank in range(8):
         st = _plan(8, 4, rank)
-        assert st.window == 4
-        assert st.groups["inner"].ranks == ((0, 1, 2, 3) if rank < 4 else (4, 5, 6, 7))
-        assert st.groups["outer"].ranks == (rank % 4, rank % 4 + 4)
+        assert st.window == 4 and st.resolved_options() == {"window": 4}
+        for role in ("inner", "inner_dkv"):
+            assert st.groups[role].ranks == ((0, 1, 2, 3) if rank < 4 else (4, 5, 6, 7))
+        for role in ("outer", "outer_dkv"):
+            assert st.groups[role].ranks == (rank % 4, rank % 4 + 4)
         for step in st.schedule():
             for msg in step.messages:
-                assert msg.crosses_nodes == (msg.group == "outer")
+                assert msg.crosses_nodes == msg.group.startswith("outer")
 
 
 def test_window_option():
     st = _plan(8, 2, 0, window=4)  # inner rings of 4 span 2 nodes of 2
     assert st.groups["inner"].crosses_nodes and st.groups["outer"].crosses_nodes
     st = _plan(8, 4, 5, window=8)  # one inner ring: a plain zigzag ring, no outer group
-    assert set(st.groups) == {"inner"} and st.groups["inner"].crosses_nodes
+    assert set(st.groups) == {"inner", "inner_dkv"} and st.groups["inner"].crosses_nodes
     st = _plan(8, 4, 5, window=1)  # one outer ring
-    assert set(st.groups) == {"outer"}
-    assert _bytes(st.schedule())[("fwd", "outer")] == 7 * 2 * B * (S // 8) * HK * D * 2
+    assert set(st.groups) == {"outer", "outer_dkv"}
+    assert totals(st)[("fwd", "outer")] == 7 * 2 * B * (S // 8) * HK * D * 2
 
 
 def test_exposed_messages():
@@ -79,16 +64,17 @@ def test_exposed_messages():
     exposed = Counter(m.group for step in st.schedule() for m in step.messages
                       if not m.overlapped)
     # the last dK/dV inner hop of each window is awaited at once; the last outer hop ends it
-    assert exposed == {"inner": 4, "outer": 1}
+    assert exposed == {"inner_dkv": 4, "outer_dkv": 1}
 
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("world,rpn", [(8, 2), (4, 2), (1, 1)])
 def test_flops_sum_to_the_global_problem(world, rpn, causal):
-    attn = _attn(causal=causal)
+    problem = attn(causal=causal)
     for phase in ("fwd", "bwd"):
         total = sum(step.flops for rank in range(world)
-                    for step in _plan(world, rpn, rank, attn).schedule() if step.phase == phase)
+                    for step in _plan(world, rpn, rank, problem).schedule()
+                    if step.phase == phase)
         assert total == attention_flops(batch=B, seqlen_q=S, seqlen_k=S, heads=H, head_dim=D,
                                         causal=causal, mode=phase)
 
@@ -97,4 +83,4 @@ def test_validate():
     with pytest.raises(ValueError, match="window 3 does not divide"):
         _plan(8, 4, 0, window=3)
     with pytest.raises(ValueError, match="try --seqlen 96"):
-        _plan(8, 4, 0, _attn(seqlen=100))
+        _plan(8, 4, 0, attn(seqlen=100))

@@ -4,22 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from cpbench import kernels
-from cpbench.bench.flops import attention_flops
 from cpbench.config import AttentionConfig
 from cpbench.strategies.base import BWD, FWD
-from cpbench.strategies.megatron_cp import MegatronCP, _bwd_src, _fwd_src
-from cpbench.topology import Topology
+from cpbench.strategies.megatron_cp import _bwd_src, _fwd_src
+from schedule_helpers import plan, step_bytes
 
 
 def _plan(attn, world, rpn, rank, cp_lists=None):
-    topo = Topology(world_size=world, ranks_per_node=rpn)
-    return MegatronCP(attn, topo, rank, kernel=kernels.get("sdpa-cpu"), create_groups=False,
-                      cp_lists=cp_lists)
-
-
-def _step_bytes(st, phase):
-    return [sum(m.nbytes for m in s.messages) for s in st.schedule() if s.phase == phase]
+    return plan("megatron-cp", world, rpn, rank, attn, cp_lists=cp_lists)
 
 
 @pytest.mark.parametrize("b,seqlen,h,hk,d,dtype,elt,world", [
@@ -35,10 +27,10 @@ def test_bytes(b, seqlen, h, hk, d, dtype, elt, world):
     for rank in range(world):
         st = _plan(attn, world, 2, rank)
         # forward: N-1 hops of the packed K/V
-        assert _step_bytes(st, FWD) == [kv] * (n - 1) + [0]
+        assert step_bytes(st, FWD) == [kv] * (n - 1) + [0]
         # backward: K/V only, then K/V + dK/dV (activation dtype, same size), then dK/dV only
-        assert _step_bytes(st, BWD) == [kv] + [2 * kv] * (n - 2) + [kv]
-        assert sum(_step_bytes(st, BWD)) == (n - 1) * 2 * kv
+        assert step_bytes(st, BWD) == [kv] + [2 * kv] * (n - 2) + [kv]
+        assert sum(step_bytes(st, BWD)) == (n - 1) * 2 * kv
         # one message per step at most, all hidden behind that step's tile
         assert all(len(s.messages) <= 1 and all(m.overlapped for m in s.messages)
                    for s in st.schedule())
@@ -48,8 +40,8 @@ def test_bytes_example():
     # b=2, s_local=24, hk=2, d=16, bf16: K+V = 2*(2*24*2*16*2) = 6144 bytes
     attn = AttentionConfig(batch=2, seqlen=96, heads=4, kv_heads=2, head_dim=16, dtype="bf16")
     st = _plan(attn, 4, 2, 2)
-    assert sum(_step_bytes(st, FWD)) == 3 * 6144
-    assert sum(_step_bytes(st, BWD)) == 6144 + 2 * 12288 + 6144
+    assert sum(step_bytes(st, FWD)) == 3 * 6144
+    assert sum(step_bytes(st, BWD)) == 6144 + 2 * 12288 + 6144
 
 
 def test_crosses_nodes():
@@ -62,7 +54,7 @@ def test_crosses_nodes():
     assert all(m.crosses_nodes for s in st.schedule() for m in s.messages)
     st = _plan(attn, 8, 4, 5, cp_lists=[[0, 1, 2, 3], [4, 5, 6, 7]])
     assert not any(m.crosses_nodes for s in st.schedule() for m in s.messages)
-    assert sum(_step_bytes(st, FWD)) == 3 * 2 * (1 * 16 * 4 * 8 * 2)
+    assert sum(step_bytes(st, FWD)) == 3 * 2 * (1 * 16 * 4 * 8 * 2)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
@@ -76,18 +68,3 @@ def test_ring_directions(n):
             # next rank in backward
             assert _fwd_src(me, step + 1, n) == _fwd_src((me - 1) % n, step, n)
             assert _bwd_src(me, step + 1, n) == _bwd_src((me + 1) % n, step, n)
-
-
-def test_validate_names_nearest_seqlen():
-    attn = AttentionConfig(batch=1, seqlen=90, heads=4, head_dim=8)
-    with pytest.raises(ValueError, match="multiple of 8.*--seqlen 88"):
-        _plan(attn, 4, 2, 0)
-
-
-def test_ring_of_one_sends_nothing():
-    attn = AttentionConfig(batch=1, seqlen=64, heads=4, head_dim=8, dtype="bf16")
-    st = _plan(attn, 4, 2, 2, cp_lists=[[0], [1], [2], [3]])
-    steps = st.schedule()
-    assert [(s.phase, s.messages) for s in steps] == [(FWD, ()), (BWD, ())]
-    assert steps[1].flops == attention_flops(batch=1, seqlen_q=64, seqlen_k=64, heads=4,
-                                             head_dim=8, causal=True, mode="bwd")

@@ -3,8 +3,6 @@ pure pieces: K/V replication for GQA and the validation message."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -12,20 +10,15 @@ from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
 from cpbench.strategies.ulysses import _RepeatKV, kv_replicas
 from cpbench.topology import Topology
+from schedule_helpers import build, totals
 
 
 def _build(world, rpn, rank=0, **attn):
-    topo = Topology(world_size=world, ranks_per_node=rpn)
-    return strategies.get("ulysses")(AttentionConfig(**attn), topo, rank,
-                                     kernel=kernels.get("sdpa-cpu"), create_groups=False)
+    return build("ulysses", world, rpn, rank, **attn)
 
 
 def _totals(st):
-    out = Counter()
-    for step in st.schedule():
-        for m in step.messages:
-            out[(step.phase, m.op, m.group)] += m.nbytes
-    return out
+    return totals(st, ("phase", "op", "group"))
 
 
 @pytest.mark.parametrize("kv_heads,kv_per_rank_total", [(None, 8), (8, 8), (4, 4), (2, 4), (1, 4)])
@@ -82,8 +75,12 @@ def test_replica_gradients_sum_in_fp32():
 
 
 def test_heads_must_divide_by_ranks():
-    with pytest.raises(ValueError, match=r"heads \(4\) divisible by 8; ulysses degrees that "
-                                         r"would work: 1, 2, 4"):
+    # what works: the world sizes dividing the heads, or usp's split of these ranks
+    with pytest.raises(ValueError, match=r"heads \(6\) divisible by 4: it runs on 1, 2, 3 or 6 "
+                                         r"ranks \(--nproc\); on 4 ranks use --strategy usp "
+                                         r"--ulysses-degree 2 \(degrees that work here: 1, 2\)"):
+        _build(4, 2, batch=1, seqlen=64, heads=6, head_dim=8)
+    with pytest.raises(ValueError, match=r"runs on 1, 2 or 4 ranks.*--ulysses-degree 4 "):
         _build(8, 4, batch=1, seqlen=64, heads=4, head_dim=8)
     with pytest.raises(ValueError, match="try --seqlen 64"):
         _build(4, 2, batch=1, seqlen=66, heads=4, head_dim=8)

@@ -4,30 +4,20 @@ the default degree and the errors for impossible splits. No processes."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 
-from cpbench import kernels, strategies
-from cpbench.config import AttentionConfig
-from cpbench.strategies.usp import Usp, default_ulysses_degree
+from cpbench import strategies
+from cpbench.strategies.usp import Usp
 from cpbench.topology import Topology
+from schedule_helpers import build, totals
 
 
 def _build(world, rpn, rank=0, name="usp", **kw):
-    opts = {k: kw.pop(k) for k in ("ulysses_degree", "placement", "ring_impl", "a2a_degree")
-            if k in kw}
-    cls = strategies.get(name)
-    return cls(AttentionConfig(**kw), Topology(world_size=world, ranks_per_node=rpn), rank,
-               kernel=kernels.get("sdpa-cpu"), options=cls.Options(**opts), create_groups=False)
+    return build(name, world, rpn, rank, **kw)
 
 
 def _totals(st):
-    out = Counter()
-    for step in st.schedule():
-        for m in step.messages:
-            out[(step.phase, m.op, m.group)] += m.nbytes
-    return out
+    return totals(st, ("phase", "op", "group"))
 
 
 def _ulysses_bytes(b, S, h, kv_total, d, elt, n, u):
@@ -41,9 +31,14 @@ def _ulysses_bytes(b, S, h, kv_total, d, elt, n, u):
 
 def _ring_bytes(b, S, kv_heads_ring, d, elt, r):
     """Ring/zigzag over R positions, each holding S/R tokens of heads/u heads: R-1 K/V hops in
-    each pass, R dK/dV hops (fp32) in backward."""
+    each pass, R dK/dV hops (fp32) in backward on their own group."""
     block = 2 * b * (S // r) * kv_heads_ring * d
-    return {"fwd": (r - 1) * block * elt, "bwd": (r - 1) * block * elt + r * block * 4}
+    return {"fwd": (r - 1) * block * elt, "bwd": (r - 1) * block * elt, "dkv": r * block * 4}
+
+
+def _ring_totals(ring):
+    return {("fwd", "p2p", "ring"): ring["fwd"], ("bwd", "p2p", "ring"): ring["bwd"],
+            ("bwd", "p2p", "ring_dkv"): ring["dkv"]}
 
 
 @pytest.mark.parametrize("ring_impl", ["ring", "zigzag"])
@@ -56,13 +51,11 @@ def test_bytes_hand_computed(ring_impl, kv_heads, kv_total):
     uly = _ulysses_bytes(b, S, h, kv_total, d, elt, n=8, u=4)
     ring = _ring_bytes(b, S, kv_total // 4, d, elt, r=2)
     assert _totals(st) == {("fwd", "a2a", "ulysses"): uly["fwd"],
-                           ("bwd", "a2a", "ulysses"): uly["bwd"],
-                           ("fwd", "p2p", "ring"): ring["fwd"],
-                           ("bwd", "p2p", "ring"): ring["bwd"]}
+                           ("bwd", "a2a", "ulysses"): uly["bwd"], **_ring_totals(ring)}
     if kv_heads is None and ring_impl == "ring":  # the numbers, once
         assert uly == {"fwd": 3 * 2 * 8 * 8 * 16 * 2 // 4 * 4 + 3 * 2 * 8 * 8 * 4 // 4,
                        "bwd": 3 * 2 * 8 * 8 * 16 * 2 // 4 * 4}
-        assert ring == {"fwd": 2 * 2 * 32 * 2 * 16 * 2, "bwd": 8192 + 2 * 8192 * 2}
+        assert ring == {"fwd": 2 * 2 * 32 * 2 * 16 * 2, "bwd": 8192, "dkv": 2 * 8192 * 2}
 
 
 def test_pure_ring_and_pure_ulysses_ends():
@@ -70,8 +63,7 @@ def test_pure_ring_and_pure_ulysses_ends():
     ring_only = _build(8, 4, batch=b, seqlen=S, heads=h, head_dim=d, ulysses_degree=1,
                        ring_impl="ring")
     ring = _ring_bytes(b, S, h, d, elt, r=8)
-    assert _totals(ring_only) == {("fwd", "p2p", "ring"): ring["fwd"],
-                                  ("bwd", "p2p", "ring"): ring["bwd"]}
+    assert _totals(ring_only) == _ring_totals(ring)
     uly_only = _build(8, 4, batch=b, seqlen=S, heads=h, head_dim=d, ulysses_degree=8)
     assert uly_only.ring is None and set(uly_only.groups) == {"ulysses"}
     uly = _ulysses_bytes(b, S, h, h, d, elt, n=8, u=8)
@@ -87,7 +79,8 @@ def test_node_crossing_by_placement(placement, uly_crosses, ring_crosses):
                     ulysses_degree=4, placement=placement)
         for step in st.schedule():
             for m in step.messages:
-                assert m.crosses_nodes is {"ulysses": uly_crosses, "ring": ring_crosses}[m.group]
+                want = {"ulysses": uly_crosses, "ring": ring_crosses, "ring_dkv": ring_crosses}
+                assert m.crosses_nodes is want[m.group]
                 if m.op == "a2a":  # the ring needs their result: nothing to hide behind
                     assert not m.overlapped
 
@@ -114,12 +107,37 @@ def test_double_ring_inside_usp():
 
 
 def test_default_degree():
-    assert default_ulysses_degree(heads=32, world=16, ranks_per_node=8) == 8
-    assert default_ulysses_degree(heads=4, world=8, ranks_per_node=8) == 4
-    assert default_ulysses_degree(heads=6, world=8, ranks_per_node=4) == 2
-    assert default_ulysses_degree(heads=8, world=8, ranks_per_node=1) == 1
+    def default(heads, world, rpn):
+        return _build(world, rpn, batch=1, seqlen=8 * world, heads=heads, head_dim=8,
+                      ulysses_degree=0).ulysses_degree
+
+    assert default(heads=32, world=16, rpn=8) == 8
+    assert default(heads=4, world=8, rpn=8) == 4
+    assert default(heads=6, world=8, rpn=4) == 2
+    assert default(heads=8, world=8, rpn=1) == 1
     st = _build(8, 2, batch=1, seqlen=64, heads=8, head_dim=8)
     assert (st.ulysses_degree, st.ring_degree, st.ring_impl) == (2, 4, "zigzag")
+    assert st.resolved_options() == dict(ulysses_degree=2, ring_degree=4,
+                                         placement="head-first", ring_impl="zigzag")
+
+
+@pytest.mark.parametrize("name", ["usp", "megatron-cp-a2a+p2p"])
+def test_default_degree_stays_in_a_node(name):
+    # 3 divides 12 ranks and 6 heads, but a group of 3 on nodes of 4 straddles [3, 4, 5]
+    for rank in range(12):
+        st = _build(12, 4, rank, name=name, batch=1, seqlen=96, heads=6, head_dim=8)
+        assert st.ulysses_degree == 2 and st.ring_degree == 6
+        assert not st.groups["ulysses"].crosses_nodes
+
+
+def test_resolved_options_of_the_ring_inside():
+    st = _build(8, 4, rank=2, batch=1, seqlen=64, heads=8, head_dim=8, ulysses_degree=2,
+                ring_impl="double-ring")
+    assert st.resolved_options() == dict(ulysses_degree=2, ring_degree=4,
+                                         placement="head-first", ring_impl="double-ring",
+                                         ring_options={"window": 2})
+    a2a = _build(8, 4, name="megatron-cp-a2a+p2p", batch=1, seqlen=64, heads=8, head_dim=8)
+    assert a2a.resolved_options() == {"a2a_degree": 4, "p2p_degree": 2}
 
 
 def test_impossible_splits():

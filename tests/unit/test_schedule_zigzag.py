@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from cpbench import kernels
 from cpbench.bench.flops import attention_flops
 from cpbench.config import AttentionConfig
 from cpbench.strategies.base import BWD, FWD
-from cpbench.strategies.zigzag import Zigzag
-from cpbench.topology import Topology
+from schedule_helpers import plan, totals
 
 
 def _plan(attn, world, rpn, rank, cp_lists=None):
-    topo = Topology(world_size=world, ranks_per_node=rpn)
-    return Zigzag(attn, topo, rank, kernel=kernels.get("sdpa-cpu"), create_groups=False,
-                  cp_lists=cp_lists)
+    return plan("zigzag", world, rpn, rank, attn, cp_lists=cp_lists)
 
 
 def _bytes(st, phase):
-    return sum(m.nbytes for s in st.schedule() if s.phase == phase for m in s.messages)
+    return totals(st, ("phase",))[phase]
 
 
 @pytest.mark.parametrize("b,seqlen,h,hk,d,dtype,elt,world", [
@@ -39,6 +35,9 @@ def test_bytes(b, seqlen, h, hk, d, dtype, elt, world):
         dkv = n * 2 * b * s * kv_heads * d * 4
         assert _bytes(st, FWD) == kv
         assert _bytes(st, BWD) == kv + dkv
+        # dK/dV on their own group (same members): both rings are in flight together
+        assert totals(st)[(BWD, "ring_dkv")] == dkv
+        assert st.groups["ring_dkv"].ranks == st.groups["ring"].ranks
         steps = st.schedule()
         assert [s.index for s in steps if s.phase == FWD] == list(range(n))
         # only the final dK/dV hop is exposed
@@ -84,18 +83,3 @@ def test_flops_sum_to_global(world, causal):
             assert step.flops == mode * (full / 2 if causal else full)
     assert totals[FWD] == attention_flops(**g, mode="fwd")
     assert totals[BWD] == attention_flops(**g, mode="bwd")
-
-
-def test_validate_names_nearest_seqlen():
-    attn = AttentionConfig(batch=1, seqlen=90, heads=4, head_dim=8)
-    with pytest.raises(ValueError, match="multiple of 8.*--seqlen 88"):
-        _plan(attn, 4, 2, 0)
-
-
-def test_ring_of_one_sends_nothing():
-    attn = AttentionConfig(batch=1, seqlen=64, heads=4, head_dim=8, dtype="bf16")
-    st = _plan(attn, 4, 2, 2, cp_lists=[[0], [1], [2], [3]])
-    steps = st.schedule()
-    assert [(s.phase, s.messages) for s in steps] == [(FWD, ()), (BWD, ())]
-    assert steps[0].flops == attention_flops(batch=1, seqlen_q=64, seqlen_k=64, heads=4,
-                                             head_dim=8, causal=True)

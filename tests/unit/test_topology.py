@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cpbench.topology import (HEAD_FIRST, RING_FIRST, Topology, contiguous_groups,
-                              double_ring_groups, plan_group, strided_groups, usp_mesh)
+                              double_ring_groups, new_groups, node_local_block, plan_group,
+                              strided_groups, usp_mesh)
 
 
 def test_nodes():
@@ -72,3 +73,49 @@ def test_plan_group_neighbours():
     g = plan_group(topo, "ring", 5, strided_groups(8, 4))
     assert g.ranks == (1, 3, 5, 7) and g.index == 2
     assert g.next_rank == 7 and g.prev_rank == 3 and g.crosses_nodes
+
+
+def test_node_local_block():
+    t = Topology(world_size=12, ranks_per_node=4)
+    every = [list(range(12))]
+    assert node_local_block(t, every) == 4
+    # 3 divides 12 ranks and 6 heads, but the block [3, 4, 5] straddles two nodes
+    assert node_local_block(t, every, also_divides=6) == 2
+    assert node_local_block(t, every, also_divides=3) == 1
+    # rings that visit one rank per node (USP head-first rings) have no in-node block
+    assert node_local_block(t, strided_groups(12, 3)) == 1
+    # rings of consecutive pairs (USP ring-first under u = 6) fit whole
+    assert node_local_block(t, contiguous_groups(12, 2)) == 2
+    assert node_local_block(Topology(world_size=8, ranks_per_node=8), [list(range(8))]) == 8
+
+
+@pytest.fixture
+def one_rank_world(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    yield Topology(world_size=1, ranks_per_node=1)
+    dist.destroy_process_group()
+
+
+def test_groups_are_per_role(one_rank_world):
+    """Two roles over the same members get two ProcessGroups (NCCL ignores tags: rings in
+    flight together need their own communicators); a role asked for again is reused."""
+    ring = new_groups(one_rank_world, "ring", 0, [[0]])
+    dkv = new_groups(one_rank_world, "ring_dkv", 0, [[0]])
+    assert ring.pg is not None and dkv.pg is not None and ring.pg is not dkv.pg
+    assert new_groups(one_rank_world, "ring", 0, [[0]]).pg is ring.pg
+    assert (ring.name, dkv.name) == ("ring", "ring_dkv") and ring.ranks == dkv.ranks
+
+
+def test_groups_do_not_outlive_their_world(tmp_path):
+    import torch.distributed as dist
+
+    pgs = []
+    for i in range(2):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store{i}", rank=0,
+                                world_size=1)
+        pgs.append(new_groups(Topology(world_size=1, ranks_per_node=1), "ring", 0, [[0]]).pg)
+        dist.destroy_process_group()
+    assert pgs[0] is not pgs[1]

@@ -7,17 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpbench import kernels, strategies
+from cpbench import strategies
 from cpbench.config import AttentionConfig
-from cpbench.topology import HEAD_FIRST, RING_FIRST, Topology, group_of
+from cpbench.topology import HEAD_FIRST, RING_FIRST, group_of
+from schedule_helpers import plan
 
 
 def _all_ranks(world, rpn, name="usp", heads=8, seqlen=None, **opts):
-    cls = strategies.get(name)
-    topo = Topology(world_size=world, ranks_per_node=rpn)
     attn = AttentionConfig(batch=1, seqlen=seqlen or 4 * world, heads=heads, head_dim=8)
-    return [cls(attn, topo, r, kernel=kernels.get("sdpa-cpu"), options=cls.Options(**opts),
-                create_groups=False) for r in range(world)]
+    return [plan(name, world, rpn, r, attn, **opts) for r in range(world)]
 
 
 @pytest.mark.parametrize("nodes,per_node", [(2, 4), (4, 8)])
@@ -42,6 +40,13 @@ def test_ring_first_keeps_rings_in_a_node(nodes, per_node, degree):
     if degree == "nodes":  # ring degree = ranks per node: each ring is exactly one node
         assert sorted(map(sorted, sts[0].ring_lists)) == [
             list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)]
+
+
+def test_default_degree_never_straddles_nodes():
+    # 12 ranks on nodes of 4, 6 heads: 3 divides both, but [3, 4, 5] would cross a node
+    sts = _all_ranks(12, 4, heads=6, seqlen=96)
+    assert {st.ulysses_degree for st in sts} == {2}
+    assert not any(st.groups["ulysses"].crosses_nodes for st in sts)
 
 
 SPLITS = [  # (world, rpn, options)

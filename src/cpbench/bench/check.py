@@ -51,7 +51,9 @@ def _reference(inputs: dict, attn: AttentionConfig) -> dict[str, torch.Tensor]:
 def check_strategy(strategy: Strategy, seed: int, *, device="cpu",
                    cache: dict | None = None) -> list[Comparison]:
     """Collective: every rank calls it and gets the same comparisons. ``cache`` keeps rank
-    0's reference for the last problem, so variants of one problem share it."""
+    0's reference for the last problem, so variants of one problem share it. The cached
+    reference lives on the CPU (computed where the inputs are, fast on a GPU): left on the
+    GPU it would count in every later case's ``max_memory_allocated``."""
     attn = strategy.attn
     inputs = global_inputs(attn, seed, device)
     local = run_local(strategy, inputs)
@@ -64,8 +66,8 @@ def check_strategy(strategy: Strategy, seed: int, *, device="cpu",
         key = (attn, seed)
         if key not in cache:
             cache.clear()  # one problem at a time: never hold two references
-            cache[key] = _reference(inputs, attn)
-        found = [[compare(n, full[n], cache[key][n], attn.dtype) for n in TENSORS]]
+            cache[key] = {n: t.cpu() for n, t in _reference(inputs, attn).items()}
+        found = [[compare(n, full[n].cpu(), cache[key][n], attn.dtype) for n in TENSORS]]
     if strategy.world_size > 1:
         dist.broadcast_object_list(found, src=0)
     return found[0]

@@ -31,16 +31,24 @@ def torchrun_world() -> tuple[int, int, int]:
             int(os.environ["LOCAL_WORLD_SIZE"]))
 
 
-def max_local_ranks() -> int:
-    """How many CPU ranks this machine can start: bounded by cores and by available RAM."""
-    cores = os.cpu_count() or 1
-    limit = RANKS_PER_CORE * cores
+def meminfo_bytes(field: str) -> int | None:
+    """A ``/proc/meminfo`` figure (``MemTotal``, ``MemAvailable``, …) in bytes; None where
+    there is no such file or field (not Linux)."""
     try:
         with open("/proc/meminfo") as f:
             info = dict(line.split(":", 1) for line in f)
-        limit = min(limit, int(info["MemAvailable"].split()[0]) * 1024 // RANK_OVERHEAD_BYTES)
+        return int(info[field].split()[0]) * 1024  # the kernel prints kB (KiB)
     except (OSError, KeyError, ValueError):
-        pass
+        return None
+
+
+def max_local_ranks() -> int:
+    """How many CPU ranks this machine can start: bounded by cores and by available RAM
+    (decided once, by the process that starts them)."""
+    limit = RANKS_PER_CORE * (os.cpu_count() or 1)
+    available = meminfo_bytes("MemAvailable")
+    if available is not None:
+        limit = min(limit, available // RANK_OVERHEAD_BYTES)
     return max(1, limit)
 
 

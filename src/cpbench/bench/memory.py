@@ -26,6 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from cpbench.bench.env import meminfo_bytes
+
 MB = 2 ** 20  # the seeds' "MB" is MiB: 40 heads × 128 × 4096 tokens × 2 bytes = 40.00 MB
 
 
@@ -64,11 +66,12 @@ def peak_bytes(fn: Callable[[], object], *, device: str,
     ``inputs``: tensors alive before the step that belong to it (counted on CPU; on GPU the
     allocator sees them anyway)."""
     if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        gpu = torch.cuda.current_device()
+        torch.cuda.synchronize(gpu)
+        torch.cuda.reset_peak_memory_stats(gpu)  # the peak so far is an earlier case's
         fn()
-        torch.cuda.synchronize()
-        return int(torch.cuda.max_memory_allocated())
+        torch.cuda.synchronize(gpu)
+        return int(torch.cuda.max_memory_allocated(gpu))
     meter = _StorageMeter()
     for t in inputs:
         meter.track(t)
@@ -98,19 +101,17 @@ def check_bytes(*, batch: int, seqlen: int, heads: int, kv_heads: int, head_dim:
     return per_rank, reference
 
 
-def available_bytes(device: str, local_ranks: int) -> int | None:
-    """Memory one rank can count on: the GPU's total, or the machine's available RAM shared
-    by the ``local_ranks`` ranks on it. None when unknown."""
+def capacity_bytes(device: str, local_ranks: int) -> int | None:
+    """The most memory one rank could have: the GPU's total, or the machine's total RAM
+    shared by the ``local_ranks`` ranks on it; None when unknown. Totals, not what is free
+    now: under torchrun every rank runs this check on its own, and a figure that moves
+    (MemAvailable) could let one rank accept a size that another rejects."""
     if device == "cuda":
         if not torch.cuda.is_available():
             return None
         return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024 // max(1, local_ranks)
-    except (OSError, KeyError, ValueError):
-        return None
+    total = meminfo_bytes("MemTotal")
+    return None if total is None else total // max(1, local_ranks)
 
 
 def gib(nbytes: float) -> str:

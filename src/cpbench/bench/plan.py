@@ -1,9 +1,15 @@
 """Validate a ``cpbench run`` request before any process group exists.
 
 Strategy names, options, topology, kernel and dtype, each strategy's own ``validate()`` (built
-with ``create_groups=False`` for every rank), and sizes that obviously cannot fit. A bad
-request is one ValueError whose message says the fix. Variants a strategy suggests (and,
-under ``all``, whole strategies) that the config does not allow are skipped with a note.
+with ``create_groups=False`` for every rank), sizes that obviously cannot fit, and the
+``--out`` file. A bad request is one ValueError whose message says the fix. Variants a
+strategy suggests (and, under ``all``, whole strategies) that the config does not allow or
+that cannot fit are skipped with a note.
+
+Under torchrun every rank plans on its own, so every verdict must come out the same on every
+rank: each is computed from the request and fixed facts of the machine (total memory, not
+what happens to be free). The one exception is ``--out``, opened by rank 0 alone (only it
+writes); if that fails, rank 0 exits 2 and torchrun stops the others.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 from cpbench import kernels, strategies
 from cpbench.bench import env as env_mod
 from cpbench.bench import memory
-from cpbench.config import AttentionConfig, RunConfig, default_attention
+from cpbench.config import AttentionConfig, RunConfig, default_attention, flag
 from cpbench.topology import Topology, divisors
 
 DEFAULT_NPROC = 4
@@ -55,7 +61,8 @@ class Plan:
 
     @property
     def topo(self) -> Topology:
-        return Topology(world_size=self.world_size, ranks_per_node=self.ranks_per_node)
+        return Topology(world_size=self.world_size, ranks_per_node=self.ranks_per_node,
+                        group_timeout_s=self.run.collective_timeout)
 
 
 def _device(run: RunConfig, launcher: str) -> str:
@@ -98,8 +105,7 @@ def _cases(names: tuple[str, ...], given: dict, topo: Topology) -> list[Case]:
                 strategies.make_options(classes[0], given)  # raises, naming what it takes
             owners = [n for n in strategies.names()
                       if opt in {f.name for f in dataclasses.fields(strategies.get(n).Options)}]
-            flag = "--" + opt.replace("_", "-")
-            raise ValueError(f"no selected strategy takes {flag} (it is an option of "
+            raise ValueError(f"no selected strategy takes {flag(opt)} (it is an option of "
                              f"{', '.join(owners) or 'no strategy'}); drop it or add one "
                              f"of those to --strategy")
     cases = []
@@ -111,8 +117,10 @@ def _cases(names: tuple[str, ...], given: dict, topo: Topology) -> list[Case]:
     return cases
 
 
-def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend) -> Any:
-    """Build the strategy on every rank without groups (pure); returns rank 0's instance."""
+def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend,
+                   capacity: int | None) -> Any:
+    """Build the strategy on every rank without groups (pure) and check that a rank's shard
+    can fit in ``capacity`` bytes; returns rank 0's instance."""
     cls = strategies.get(case.strategy)
     if cls.causal_only and not attn.causal:
         raise ValueError(f"{case.strategy} only runs causal attention; drop --no-causal")
@@ -121,19 +129,35 @@ def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend) -
                  for r in range(topo.world_size)]
     except ValueError as e:
         raise ValueError(f"{case.label}: {e}") from None
-    return built[0]
+    strat = built[0]
+    need = memory.step_lower_bound(local_seqlen=max(b.local_seqlen for b in built),
+                                   **_shape(attn))
+    if capacity is not None and need > capacity:
+        fix = "use a smaller --seqlen or --batch" + (
+            ", or more ranks" if strat.ranks_per_problem > 1
+            else f" ({case.strategy} holds the whole sequence on every rank)")
+        raise ValueError(
+            f"{case.label}: seqlen {attn.seqlen} needs at least {memory.gib(need)} per rank "
+            f"for q, k, v, out and their gradients alone (an estimate), more than the "
+            f"{memory.gib(capacity)} a rank has here; {fix}")
+    return strat
+
+
+def _shape(attn: AttentionConfig) -> dict:
+    return dict(batch=attn.batch, heads=attn.heads, kv_heads=attn.num_kv_heads,
+                head_dim=attn.head_dim, element_size=attn.element_size)
 
 
 def _runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
-              topo: Topology, backend) -> tuple[list, list[str]]:
+              topo: Topology, backend, capacity: int | None) -> tuple[list, list[str]]:
     """The cases the config allows, each with rank 0's strategy, and why the others are left
     out. Variants a strategy merely suggests (and, under ``all``, whole strategies) that
-    cannot run this config are skipped; a strategy asked for by name with no runnable
-    variant is an error, and so is nothing runnable but a no-CP baseline."""
+    cannot run this config or cannot fit are skipped; a strategy asked for by name with no
+    runnable variant is an error, and so is nothing runnable but a no-CP baseline."""
     built, skipped, first_error = [], [], {}
     for case in cases:
         try:
-            built.append((case, _validate_case(case, attn, topo, backend)))
+            built.append((case, _validate_case(case, attn, topo, backend, capacity)))
         except ValueError as e:
             skipped.append(str(e))
             first_error.setdefault(case.strategy, e)
@@ -146,31 +170,39 @@ def _runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
     return built, skipped
 
 
-def _check_fits(plan_cases, attn: AttentionConfig, topo: Topology, device: str,
-                local_ranks: int, check: bool) -> None:
-    cap = memory.available_bytes(device, local_ranks)
-    if cap is None:
+def _reference_fits(attn: AttentionConfig, device: str, local_ranks: int,
+                    capacity: int | None) -> None:
+    """``--check``'s global tensors and rank 0's float64 reference must fit too."""
+    if capacity is None:
         return
-    shape = dict(batch=attn.batch, heads=attn.heads, kv_heads=attn.num_kv_heads,
-                 head_dim=attn.head_dim, element_size=attn.element_size)
-    for case, strat in plan_cases:
-        need = memory.step_lower_bound(local_seqlen=strat.local_seqlen, **shape)
-        if need > cap:
-            raise ValueError(
-                f"{case.label}: seqlen {attn.seqlen} needs at least {memory.gib(need)} per "
-                f"rank for q, k, v, out and their gradients alone (an estimate), more than "
-                f"the {memory.gib(cap)} a rank has here; use a smaller --seqlen or --batch, "
-                f"or more ranks")
-    if check:
-        per_rank, reference = memory.check_bytes(seqlen=attn.seqlen, **shape)
-        sharing = local_ranks if device == "cpu" else 1  # ranks sharing rank 0's memory
-        if per_rank * sharing + reference > cap * sharing:
-            raise ValueError(
-                f"--check builds the global tensors on every rank and a float64 reference "
-                f"on rank 0: at seqlen {attn.seqlen} that is about "
-                f"{memory.gib(per_rank * sharing + reference)} (an estimate), more than the "
-                f"{memory.gib(cap * sharing)} available here; check at a small --seqlen "
-                f"(e.g. 8k) and time this size without --check")
+    per_rank, reference = memory.check_bytes(seqlen=attn.seqlen, **_shape(attn))
+    sharing = local_ranks if device == "cpu" else 1  # ranks sharing rank 0's memory
+    if per_rank * sharing + reference > capacity * sharing:
+        raise ValueError(
+            f"--check builds the global tensors on every rank and a float64 reference "
+            f"on rank 0: at seqlen {attn.seqlen} that is about "
+            f"{memory.gib(per_rank * sharing + reference)} (an estimate), more than the "
+            f"{memory.gib(capacity * sharing)} here; check at a small --seqlen "
+            f"(e.g. 8k) and time this size without --check")
+
+
+def _open_out(out: str) -> None:
+    """Create ``out``'s directory and open it for appending, so that a path the run could
+    not write is an error now rather than after the first case."""
+    path = Path(out)
+    if path.is_dir():
+        raise ValueError(f"--out {out} is a directory; give a file such as "
+                         f"{path / 'results.jsonl'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        blocker = next((a for a in (path.parent, *path.parent.parents)
+                        if a.exists() and not a.is_dir()), None)
+        why = f"{blocker} is a file, not a directory" if blocker else (e.strerror or str(e))
+        raise ValueError(f"--out {out}: cannot write there ({why}); give a writable path, "
+                         f"or --out none for no file") from None
 
 
 def _default_out(run: RunConfig, attn: AttentionConfig) -> str:
@@ -182,27 +214,33 @@ def _default_out(run: RunConfig, attn: AttentionConfig) -> str:
 def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str) -> Plan:
     """Validate a request and resolve its defaults. ``attention``: the AttentionConfig fields
     given on the command line; ``options``: the strategy options given. Pure apart from
-    reading the machine; raises ValueError with the fix for anything it cannot run."""
+    reading the machine and creating the ``--out`` file (empty, on rank 0); raises
+    ValueError with the fix for anything it cannot run."""
     device = _device(run, launcher)
     run = run.resolved(device)
     attn = AttentionConfig(**{**default_attention(device), **attention})
     world, default_rpn = _world(run, launcher)
     topo = Topology(world_size=world, ranks_per_node=run.ranks_per_node or default_rpn)
+    if launcher == "torchrun" and run.deadline is not None:
+        raise ValueError("--deadline stops a --nproc self-launch; under torchrun use the "
+                         "scheduler's time limit (e.g. sbatch --time): drop --deadline")
     run = dataclasses.replace(run, ranks_per_node=topo.ranks_per_node,
                               nproc=world if launcher == "self" else None)
     backend = kernels.resolve(run.kernel, device=device, dtype=attn.torch_dtype,
                               head_dim=attn.head_dim, heads=attn.heads,
                               kv_heads=attn.num_kv_heads)
+    local_ranks = topo.ranks_per_node if launcher == "torchrun" else world
+    capacity = memory.capacity_bytes(device, local_ranks)
     built, skipped = _runnable(_cases(run.strategy, options, topo), run.strategy, attn, topo,
-                               backend)
+                               backend, capacity)
     if "all" in run.strategy:  # baselines after the CP rows they are compared with
         built.sort(key=lambda cb: cb[1].ranks_per_problem == 1)
     cases = [case for case, _ in built]
-    local_ranks = topo.ranks_per_node if launcher == "torchrun" else world
-    _check_fits(built, attn, topo, device, local_ranks, run.check)
+    if run.check:
+        _reference_fits(attn, device, local_ranks, capacity)
     out = None if (run.out or "").lower() == "none" else (run.out or _default_out(run, attn))
-    if out is not None and Path(out).is_dir():
-        raise ValueError(f"--out {out} is a directory; give a file such as {out}/results.jsonl")
+    if out is not None and (launcher == "self" or env_mod.torchrun_world()[0] == 0):
+        _open_out(out)
     return Plan(attn=attn, run=run, world_size=world, ranks_per_node=topo.ranks_per_node,
                 kernel=backend.name, cases=tuple(cases), out=out, launcher=launcher,
                 skipped=tuple(skipped))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from cpbench.kernels import sdpa_cpu, torch_ref
-from cpbench.kernels.base import KernelBackend, dtype_name
+from cpbench.kernels.base import KernelBackend
 
 _BACKENDS: dict[str, KernelBackend] = {
     b.name: b for b in (torch_ref.BACKEND, sdpa_cpu.BACKEND)
@@ -49,19 +49,24 @@ def resolve(
     head_dim: int,
     heads: int,
     kv_heads: int,
+    seqlen_q: int | None = None,
+    seqlen_k: int | None = None,
+    causal: bool = False,
 ) -> KernelBackend:
     """The backend for ``name`` (``auto`` allowed) that can run this request.
 
     Raises ValueError naming the backends that would work.
     """
-    request = dict(device=device, dtype=dtype, head_dim=head_dim, heads=heads, kv_heads=kv_heads)
+    request = dict(device=device, dtype=dtype, head_dim=head_dim, heads=heads, kv_heads=kv_heads,
+                   seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=causal)
     if name == AUTO:
         order = ["flash-attn3", "flash-attn"] if device == "cuda" else ["sdpa-cpu"]
         for candidate in [*order, "torch"]:
             b = _BACKENDS.get(candidate)
             if b is not None and b.unsupported_reason(**request) is None:
                 return b
-        raise ValueError(f"no kernel backend runs {dtype_name(dtype)} on {device}")
+        reasons = "; ".join(b.unsupported_reason(**request) for b in _BACKENDS.values())
+        raise ValueError(f"no kernel backend runs this request: {reasons}")
     backend = get(name)
     reason = backend.unsupported_reason(**request)
     if reason is not None:

@@ -7,7 +7,10 @@ Conventions shared by all backends:
 - tensors are (batch, seq, heads, head_dim) — "bshd";
 - ``lse`` is fp32, shape (batch, heads, seq_q), natural log;
 - ``causal`` with seq_q == seq_k is the usual diagonal mask; strategies only ask for causal
-  on equal-length blocks (others are either fully visible or skipped);
+  on equal-length blocks (others are either fully visible or skipped). With seq_q != seq_k
+  a backend that declares ``causal_unequal`` aligns the mask top-left (query i sees keys
+  0..i, as the float64 reference does); flash-attn aligns it bottom-right and declares
+  False, so ``resolve`` refuses such a request for it;
 - k/v may have fewer heads than q (GQA, heads % kv_heads == 0); dk/dv come back with kv_heads;
 - ``backward`` receives the *final* (merged) out and lse, as flash-attention's backward does,
   so a block's probabilities are exp(s - lse_global) and the block gradients add up exactly.
@@ -37,7 +40,7 @@ class KernelBackend:
     max_head_dim: int = 1024
     head_dim_multiple: int = 1
     gqa: bool = True
-    causal_unequal: bool = True
+    causal_unequal: bool = False  # causal with seq_q != seq_k, top-left aligned
     is_importable: Callable[[], bool] = field(default=lambda: True)
 
     def is_available(self, device: str | None = None) -> bool:
@@ -56,8 +59,12 @@ class KernelBackend:
         head_dim: int,
         heads: int,
         kv_heads: int,
+        seqlen_q: int | None = None,
+        seqlen_k: int | None = None,
+        causal: bool = False,
     ) -> str | None:
-        """Why this backend cannot run the request, or None if it can."""
+        """Why this backend cannot run the request, or None if it can. The sequence
+        lengths only matter for causal attention with seqlen_q != seqlen_k."""
         if not self.is_importable():
             return f"{self.name} is not installed"
         if device not in self.devices:
@@ -71,6 +78,9 @@ class KernelBackend:
             )
         if kv_heads != heads and not self.gqa:
             return f"{self.name} does not support GQA (kv_heads != heads)"
+        if causal and seqlen_q != seqlen_k and not self.causal_unequal:
+            return (f"{self.name} does not support causal attention with seqlen_q "
+                    f"{seqlen_q} != seqlen_k {seqlen_k}")
         return None
 
 
@@ -90,10 +100,14 @@ def _device_present(device: str) -> bool:
     return False
 
 
-def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
-    """Invariants every backend relies on; violations are programming errors in a strategy."""
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, *,
+                 causal_unequal: bool = False) -> None:
+    """Invariants every backend relies on; violations are programming errors in a strategy
+    (a user's request was checked by ``unsupported_reason`` before). ``causal_unequal``: the
+    backend's own declaration."""
     assert q.dim() == 4 and k.dim() == 4 and v.dim() == 4, "expected (batch, seq, heads, dim)"
     assert k.shape == v.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
     assert q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3]
     assert q.shape[2] % k.shape[2] == 0, "heads must be a multiple of kv_heads"
-    assert not causal or q.shape[1] == k.shape[1], "causal blocks must have equal q/k length"
+    assert not causal or causal_unequal or q.shape[1] == k.shape[1], (
+        "this backend needs causal blocks of equal q/k length")

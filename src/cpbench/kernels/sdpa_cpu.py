@@ -28,7 +28,7 @@ def _bhsd(x_bshd: torch.Tensor) -> torch.Tensor:
 
 
 def forward(q, k, v, *, causal: bool, softmax_scale: float):
-    check_shapes(q, k, v, causal)
+    check_shapes(q, k, v, causal, causal_unequal=True)
     out_bhsd, lse_bhs = getattr(torch.ops.aten, _FWD)(
         _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=softmax_scale
     )
@@ -36,7 +36,7 @@ def forward(q, k, v, *, causal: bool, softmax_scale: float):
 
 
 def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
-    check_shapes(q, k, v, causal)
+    check_shapes(q, k, v, causal, causal_unequal=True)
     dq, dk, dv = getattr(torch.ops.aten, _BWD)(
         _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out.to(q.dtype)),
         lse.float().contiguous(), 0.0, causal, scale=softmax_scale,
@@ -51,5 +51,6 @@ BACKEND = KernelBackend(
     backward=backward,
     devices=frozenset({"cpu"}),
     dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}),
+    causal_unequal=True,  # top-left aligned, as the float64 reference
     is_importable=_importable,
 )

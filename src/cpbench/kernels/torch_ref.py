@@ -21,7 +21,7 @@ def _scores(q_bshd, k_bshd, causal, softmax_scale):
 
 
 def forward(q, k, v, *, causal: bool, softmax_scale: float):
-    check_shapes(q, k, v, causal)
+    check_shapes(q, k, v, causal, causal_unequal=True)
     heads = q.shape[2]
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
     s_bhqk = _scores(q, k, causal, softmax_scale)
@@ -32,7 +32,7 @@ def forward(q, k, v, *, causal: bool, softmax_scale: float):
 
 
 def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
-    check_shapes(q, k, v, causal)
+    check_shapes(q, k, v, causal, causal_unequal=True)
     heads, kv_heads = q.shape[2], k.shape[2]
     ke, ve = _expand_kv(k, heads).float(), _expand_kv(v, heads).float()
     s_bhqk = _scores(q, ke, causal, softmax_scale)
@@ -59,4 +59,5 @@ BACKEND = KernelBackend(
     backward=backward,
     devices=frozenset({"cpu", "cuda"}),
     dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}),
+    causal_unequal=True,  # top-left aligned, as the float64 reference
 )

@@ -4,7 +4,10 @@
   FWD+BWD (ms) | Memory (MB) | TFLOPs/s — with Strategy, Placement (the options that set a row
   apart), World and Nodes×GPUs added (and Check when one ran), then the CP efficiency of
   every CP row against the no-CP baseline of the same problem. An OOM row prints OOM in its
-  time *and* TFLOPs columns (seed 001 printed OOM beside a measured time; we never do).
+  time *and* TFLOPs columns (seed 001 printed OOM beside a measured time; we never do),
+  except a FWD time measured before the FWD+BWD step ran out of memory. A memory
+  measurement that failed or ran out of memory prints as such in Memory (MB) alone: the
+  row's timings stand.
 - ``detail``: seed 000's "Benchmark Results for …" block (Configuration, Performance), without
   its FlashAttention Kernel % lines (a profiler ratio that was not what it said).
 - markdown / csv / json: the same rows (with the CP efficiency as a column).
@@ -25,10 +28,10 @@ import json
 import math
 
 from cpbench import results
+from cpbench.config import FORMATS
 from cpbench.reference import Comparison
-from cpbench.results import FAILED, OK, OOM, derive, options_label
+from cpbench.results import FAILED, OK, OOM, derive, option_text, options_label
 
-FORMATS = ("table", "markdown", "csv", "json")
 _RULE = 50
 
 
@@ -98,15 +101,14 @@ def rows(records: list[dict]) -> list[dict]:
     with_check = any(r.get("check") for r in records)
     out = []
     for row in df.to_dict("records"):
-        if row["status"] == OK:
-            fwd, both = _ms(row["fwd_ms"]), _ms(row["fwd_bwd_ms"])
-            mem = _ms(row["memory_mb"])
-            tf = _tflops(row["fwd_tflops"] if row["fwd_only"] else row["fwd_bwd_tflops"])
-        else:
-            fwd = both = tf = row["status"]  # OOM / failed in every time column and in TFLOPs
-            mem = "-"
-            if row["fwd_only"]:
-                both = "-"
+        status = row["status"]
+        # a time that was measured shows; OOM / failed in every other time column and TFLOPs
+        fwd = status if _missing(row["fwd_ms"]) else _ms(row["fwd_ms"])
+        both = "-" if row["fwd_only"] else \
+            status if _missing(row["fwd_bwd_ms"]) else _ms(row["fwd_bwd_ms"])
+        tf = status if status != OK else \
+            _tflops(row["fwd_tflops"] if row["fwd_only"] else row["fwd_bwd_tflops"])
+        mem = _memory_cell(row["memory_mb"], row["memory_status"])
         cells = {
             "Strategy": row["strategy"], "Placement": row["options"],
             "Dtype": row["dtype"], "QKV Format": "bshd", "B": str(row["batch"]),
@@ -122,6 +124,12 @@ def rows(records: list[dict]) -> list[dict]:
                                   else f"{100 * row['cp_efficiency']:.1f} %")
         out.append(cells)
     return out
+
+
+def _memory_cell(memory_mb, memory_status) -> str:
+    if not _missing(memory_mb):
+        return _ms(memory_mb)
+    return memory_status if memory_status in (OOM, FAILED) else "-"
 
 
 def _seed_table(table_rows: list[dict]) -> list[str]:
@@ -191,7 +199,7 @@ def _data(records: list[dict]):
     cols = ["strategy", "placement", "dtype", "qkv_format", "batch", "seqlen", "heads",
             "kv_heads", "head_dim", "causal", "world", "nodes", "gpus_per_node", "cp", "status",
             "fwd_ms", "bwd_ms", "fwd_bwd_ms", "memory_mb", "tflops", "check", "cp_efficiency",
-            "error"]
+            "error", "memory_status", "memory_error"]
     return df[cols]
 
 
@@ -201,6 +209,9 @@ def detail(record: dict) -> str:
     a, run = cfg["attention"], cfg["run"]
     kv = a["kv_heads"] or a["heads"]
     opts = ", ".join(f"{k}={v}" for k, v in cfg["options"].items()) or "none"
+    resolved = record.get("resolved")
+    if resolved and resolved != cfg["options"]:
+        opts += f" (resolved: {', '.join(f'{k}={option_text(v)}' for k, v in resolved.items())})"
     lines = ["=" * _RULE, f"Benchmark Results for {_label(record)}", "=" * _RULE,
              "Configuration:",
              f"  - Dtype: {a['dtype']}", "  - QKV Format: bshd",
@@ -223,7 +234,7 @@ def detail(record: dict) -> str:
         if d.get("fwd_bwd_ms") is not None:
             lines += [f"  - Backward Time: {_ms(d['bwd_ms'])} ms",
                       f"  - Forward+Backward Time: {_ms(d['fwd_bwd_ms'])} ms"]
-        lines.append(f"  - Memory Usage: {_ms(d.get('memory_mb'))} MB")
+        lines.append(f"  - Memory Usage: {_memory_text(record, d)}")
         if d.get("fwd_bwd_ms") is not None:
             lines.append(f"  - Performance: {_tflops(d['fwd_bwd_tflops'])} TFLOPs/s "
                          f"(forward {_tflops(d['fwd_tflops'])}, backward "
@@ -234,7 +245,8 @@ def detail(record: dict) -> str:
             lines.append(f"  - Slowest Rank: {d['slowest_rank_fwd']}")
     else:
         label = "OOM" if status == OOM else "failed"
-        lines += [f"  - Forward Time: {label}", f"  - Forward+Backward Time: {label}",
+        fwd = label if d.get("fwd_ms") is None else f"{_ms(d['fwd_ms'])} ms"
+        lines += [f"  - Forward Time: {fwd}", f"  - Forward+Backward Time: {label}",
                   f"  - Performance: {label}"]
         if status == FAILED or record.get("error"):
             lines.append(f"  - Error: {record.get('error')}")
@@ -243,6 +255,14 @@ def detail(record: dict) -> str:
         lines += ["  " + Comparison(**c).line() for c in record["check"]]
     lines.append("=" * _RULE)
     return "\n".join(lines) + "\n"
+
+
+def _memory_text(record: dict, d: dict) -> str:
+    if d.get("memory_mb") is not None:
+        return f"{_ms(d['memory_mb'])} MB"
+    if record.get("memory_status") in (OOM, FAILED):
+        return f"{record['memory_status']} ({record.get('memory_error')})"
+    return "- MB"
 
 
 def report(records: list[dict], fmt: str = "table") -> str:

@@ -4,18 +4,27 @@ strategies from the ``cpbench.strategies`` entry-point group. The driver only se
 from __future__ import annotations
 
 import importlib
+import logging
 import pkgutil
 from importlib.metadata import entry_points
 
 from cpbench.strategies.base import Strategy
 
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "cpbench.strategies"
 _REGISTRY: dict[str, type[Strategy]] = {}
 _SUPPORT_MODULES = {"base", "layout"}
 _loaded = False
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
-    assert cls.name not in _REGISTRY or _REGISTRY[cls.name] is cls, f"duplicate {cls.name}"
+    """Class decorator: make ``cls`` available under ``cls.name``."""
+    other = _REGISTRY.get(cls.name)
+    if other is not None and other is not cls:
+        raise ValueError(f"two strategies are named {cls.name!r}: "
+                         f"{other.__module__}.{other.__qualname__} and "
+                         f"{cls.__module__}.{cls.__qualname__}; rename or uninstall one")
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -24,12 +33,23 @@ def _load() -> None:
     global _loaded
     if _loaded:
         return
-    _loaded = True
     for mod in pkgutil.iter_modules(__path__):
         if mod.name not in _SUPPORT_MODULES and not mod.name.startswith("_"):
             importlib.import_module(f"{__name__}.{mod.name}")
-    for ep in entry_points(group="cpbench.strategies"):
-        register(ep.load())
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        # a broken plug-in must not take every command down with it
+        try:
+            cls = ep.load()
+        except Exception as e:  # noqa: BLE001 - whatever its import raises
+            log.warning("skipping strategy entry point %r (%s): %s: %s", ep.name, ep.value,
+                        type(e).__name__, e)
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+            log.warning("skipping strategy entry point %r (%s): %r is not a Strategy "
+                        "subclass", ep.name, ep.value, cls)
+            continue
+        register(cls)
+    _loaded = True
 
 
 def names() -> list[str]:

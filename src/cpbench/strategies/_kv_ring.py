@@ -6,7 +6,9 @@ the whole block is in the future and skipped). Everything else is this one ring:
 Forward: K/V circulate, packed in one message; step i+1's transfer is posted before step i
 computes (double buffer); results merge by LSE in fp32.
 Backward: K/V go round again; each block's dK/dV partial sum follows it one hop behind in
-fp32 and is home after N hops; dQ stays local.
+fp32 and is home after N hops; dQ stays local. The dK/dV ring has its own group
+("ring_dkv", same members): both rings are in flight at once, and on one communicator NCCL
+would serialize them.
 """
 
 from __future__ import annotations
@@ -15,16 +17,18 @@ import torch
 
 from cpbench.comm import RingComm
 from cpbench.merge import OutLseAccumulator
-from cpbench.strategies.base import BWD, FWD, Message, Step
+from cpbench.strategies.base import BWD, FWD, Message, Step, save_for_backward
+from cpbench.strategies.layout import slice_len
+
+
+def kv_ring_lists(cp_lists: list[list[int]]) -> dict[str, list[list[int]]]:
+    """The K/V ring and the dK/dV ring: the same members, their own groups."""
+    return {"ring": cp_lists, "ring_dkv": cp_lists}
 
 
 def src_of(me: int, step: int, n: int) -> int:
     """Ring position whose K/V block ``me`` holds at ``step`` (blocks move to the next rank)."""
     return (me - step) % n
-
-
-def _len(part: slice, total: int) -> int:
-    return len(range(total)[part])
 
 
 class KVRingAttention(torch.autograd.Function):
@@ -49,9 +53,7 @@ class KVRingAttention(torch.autograd.Function):
                 comm.wait()
                 kv = nxt
         out, lse = acc.result(q.dtype)
-        ctx.strat = strat
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mark_non_differentiable(lse)
+        save_for_backward(ctx, strat, q, k, v, out, lse, lse=lse)
         return out, lse
 
     @staticmethod
@@ -64,7 +66,7 @@ class KVRingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
         kv = torch.stack([k, v])
-        kv_comm, dkv_comm = RingComm(g, tag=0), RingComm(g, tag=1)
+        kv_comm, dkv_comm = RingComm(g), RingComm(strat.groups["ring_dkv"])
         for step in range(n):
             if step + 1 < n:
                 nxt_kv = kv_comm.send_recv(kv)
@@ -94,7 +96,7 @@ class KVRingAttention(torch.autograd.Function):
 
 def kv_ring_schedule(strat) -> list[Step]:
     """Steps of ``KVRingAttention`` for ``strat``'s rank: the block FLOPs and K/V messages."""
-    g = strat.groups["ring"]
+    g, g_dkv = strat.groups["ring"], strat.groups["ring_dkv"]
     n, me, s = g.size, g.index, strat.local_seqlen
     kv = 2 * strat.kv_bytes(s)
     dkv = 2 * strat.kv_bytes(s) * 4 // strat.attn.element_size
@@ -103,12 +105,13 @@ def kv_ring_schedule(strat) -> list[Step]:
         for step in range(n):
             blk = strat.block(me, src_of(me, step, n), s)
             flops = 0.0 if blk is None else strat.block_flops(
-                _len(blk.q, s), _len(blk.kv, s), blk.causal, phase)
+                slice_len(blk.q, s), slice_len(blk.kv, s), blk.causal, phase)
             msgs = []
             if step + 1 < n:
-                msgs.append(Message("p2p", "ring", kv, g.crosses_nodes))
+                msgs.append(Message("p2p", g.name, kv, g.crosses_nodes))
             if phase == BWD and n > 1:
                 # the last dK/dV hop has nothing left to hide behind
-                msgs.append(Message("p2p", "ring", dkv, g.crosses_nodes, overlapped=step + 1 < n))
+                msgs.append(Message("p2p", g_dkv.name, dkv, g_dkv.crosses_nodes,
+                                    overlapped=step + 1 < n))
             steps.append(Step(phase, step, flops, tuple(msgs)))
     return steps

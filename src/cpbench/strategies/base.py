@@ -59,6 +59,14 @@ def option(default, help: str, choices: tuple | None = None):
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
+def save_for_backward(ctx, strat: "Strategy", *tensors: torch.Tensor, lse: torch.Tensor) -> None:
+    """What every strategy's autograd forward keeps: the strategy (its groups and options),
+    the tensors its backward reads, and ``lse`` marked as an output without a gradient."""
+    ctx.strat = strat
+    ctx.save_for_backward(*tensors)
+    ctx.mark_non_differentiable(lse)
+
+
 class Strategy(ABC):
     name: ClassVar[str]
     description: ClassVar[str]
@@ -108,6 +116,11 @@ class Strategy(ABC):
     @abstractmethod
     def schedule(self) -> list[Step]:
         """This rank's forward and backward steps: FLOPs and messages."""
+
+    def resolved_options(self) -> dict:
+        """The options as actually used, defaults resolved (e.g. a window of 0 → ranks per
+        node): what a result record stores beside the options given."""
+        return dataclasses.asdict(self.opts)
 
     # -- shared helpers -----------------------------------------------------------------------
 

@@ -1,12 +1,13 @@
 """burst: BurstAttention (arXiv 2403.09347, OpenBMB/thunlp BurstAttention).
 
 Forward: the zigzag K/V ring. With ``double_ring`` (default) it is the two-level ring of
-``double-ring`` (shared code: inner rings within a node, the outer hop across nodes posted a
-whole inner ring ahead); without, one flat ring over the CP ranks.
+``double-ring`` (shared code in ``_rings``: inner rings within a node, the outer hop across
+nodes posted a whole inner ring ahead); without, one flat ring over the CP ranks.
 Backward turns the ring around: K and V stay on their owner and the *queries* travel, with
 everything their gradient needs: Q, dO, lse and delta = rowsum(O ⊙ dO). Each rank adds the
 dK/dV of its own keys locally (fp32); the dQ partial sum of the queries it holds follows them
-one hop behind and comes home like dK/dV do in double-ring (fp32).
+one hop behind and comes home like dK/dV do in double-ring (fp32), on its own groups
+("inner_dq"/"outer_dq", flat: "ring_dq") so it never queues behind the query ring.
 ``opt_bwd`` (default): delta, one fp32 per query row, travels instead of O (a whole
 activation), and nobody needs O again. Our kernels take O rather than delta but use it only
 through rowsum(O ⊙ dO), so a receiver hands them the projection of O onto dO,
@@ -21,11 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from cpbench.strategies import register
-from cpbench.strategies.base import BWD, Step, Strategy, option
-from cpbench.strategies.double_ring import (HomeBound, Rings, circulate, double_ring_lists,
-                                            forward_schedule, node_window, zigzag_forward)
-from cpbench.strategies.layout import check_divisible, zigzag_block, zigzag_index
-from cpbench.topology import Topology
+from cpbench.strategies._rings import (HomeBound, Rings, circulate, double_ring_lists,
+                                       forward_schedule, zigzag_forward)
+from cpbench.strategies.base import BWD, Step, Strategy, option, save_for_backward
+from cpbench.strategies.layout import ZigzagLayout, slice_len, zigzag_block
+from cpbench.topology import Topology, node_local_block
 
 
 def _pack(*parts: torch.Tensor) -> torch.Tensor:
@@ -56,18 +57,12 @@ def _out_seen_by_kernel(delta_bhs: torch.Tensor, dout_bshd: torch.Tensor) -> tor
     return (scale.unsqueeze(-1) * do).to(dout_bshd.dtype)
 
 
-def _len(part: slice, total: int) -> int:
-    return len(range(total)[part])
-
-
 class _BurstAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, strat: "Burst", q, k, v):
         out, lse = zigzag_forward(strat, strat.rings, q, k, v)
-        ctx.strat = strat
         # with opt_bwd, O is needed once more (for delta) but never sent
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mark_non_differentiable(lse)
+        save_for_backward(ctx, strat, q, k, v, out, lse, lse=lse)
         return out, lse
 
     @staticmethod
@@ -80,8 +75,8 @@ class _BurstAttention(torch.autograd.Function):
         mine = (lse, _delta(out, dout), q, dout) if opt_bwd else (lse, q, dout, out)
         dk = torch.zeros_like(k, dtype=torch.float32)
         dv = torch.zeros_like(v, dtype=torch.float32)
-        dq_home = HomeBound(rings, tag=1)  # tag 0 is the query ring on the same groups
-        for j, t, bundle in circulate(rings, _pack(*mine), tag=0):
+        dq_home = HomeBound(strat.dq_rings)
+        for j, t, bundle in circulate(rings, _pack(*mine)):
             if opt_bwd:
                 their_lse, their_delta, their_q, their_dout = _unpack(bundle, mine)
                 their_out = _out_seen_by_kernel(their_delta, their_dout)
@@ -102,7 +97,7 @@ class _BurstAttention(torch.autograd.Function):
 
 
 @register
-class Burst(Strategy):
+class Burst(ZigzagLayout, Strategy):
     name = "burst"
     description = ("BurstAttention: zigzag K/V (double) ring forward; backward keeps K/V home "
                    "and circulates Q, dO, lse, delta with dQ following")
@@ -119,41 +114,46 @@ class Burst(Strategy):
         return [cls.Options(double_ring=True, opt_bwd=True),
                 cls.Options(double_ring=False, opt_bwd=False)]
 
-    def validate(self) -> None:
-        n = self.cp_size
-        check_divisible(self.attn.seqlen, 2 * n, f"zigzag over {n} ranks (2 chunks per rank)")
-
     @property
     def window(self) -> int:
-        return node_window(self.topo, self.cp_lists) if self.opts.double_ring else self.cp_size
+        """Ranks per inner ring: those of a node with ``double_ring``, else the whole ring."""
+        if self.opts.double_ring:
+            return node_local_block(self.topo, self.cp_lists)
+        return self.cp_size
+
+    def resolved_options(self) -> dict:
+        return {**super().resolved_options(), "window": self.window}
 
     def group_lists(self):
         if self.opts.double_ring:
-            return double_ring_lists(self.cp_lists, self.window)
-        return {"ring": self.cp_lists} if self.cp_size > 1 else {}
+            return double_ring_lists(self.cp_lists, self.window, home="dq")
+        return {"ring": self.cp_lists, "ring_dq": self.cp_lists} if self.cp_size > 1 else {}
 
     @property
     def rings(self) -> Rings:
+        """K/V forward, the query bundle backward."""
         if self.opts.double_ring:
-            return Rings(self.cp_index(self.rank), self.window, self.cp_size // self.window,
-                         self.groups.get("inner"), self.groups.get("outer"))
-        return Rings(self.cp_index(self.rank), self.cp_size, 1, self.groups.get("ring"), None)
+            return Rings.of(self, self.window)
+        return Rings.of(self, self.cp_size, ("ring", None))
 
-    def seq_index(self, rank: int) -> torch.Tensor:
-        return zigzag_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))
+    @property
+    def dq_rings(self) -> Rings:
+        if self.opts.double_ring:
+            return Rings.of(self, self.window, ("inner_dq", "outer_dq"))
+        return Rings.of(self, self.cp_size, ("ring_dq", None))
 
     def attention(self, q, k, v):
         return _BurstAttention.apply(self, q, k, v)
 
     def schedule(self) -> list[Step]:
-        rings, s = self.rings, self.local_seqlen
+        rings, home, s = self.rings, self.dq_rings, self.local_seqlen
         row = self.lse_bytes(s)  # lse, and delta: one fp32 per query row and head
         bundle = row + 2 * self.q_bytes(s) + (row if self.opts.opt_bwd else self.q_bytes(s))
         dq = self.q_bytes(s, element_size=4)
         steps = forward_schedule(self, rings)
         for index, (j, t) in enumerate(rings.steps()):
             blk = zigzag_block(rings.source(j, t), rings.position, s, self.attn.causal)
-            flops = self.block_flops(_len(blk.q, s), _len(blk.kv, s), blk.causal, BWD)
-            msgs = rings.circulate_messages(j, t, bundle) + rings.home_messages(j, t, dq)
+            flops = self.block_flops(slice_len(blk.q, s), slice_len(blk.kv, s), blk.causal, BWD)
+            msgs = rings.circulate_messages(j, t, bundle) + home.home_messages(j, t, dq)
             steps.append(Step(BWD, index, flops, tuple(msgs)))
         return steps

@@ -21,6 +21,11 @@ def zigzag_index(seqlen: int, n: int, r: int) -> torch.Tensor:
                       torch.arange((2 * n - 1 - r) * c, (2 * n - r) * c)])
 
 
+def slice_len(part: slice, total: int) -> int:
+    """How many of ``total`` positions ``part`` selects (a Block's query or key count)."""
+    return len(range(total)[part])
+
+
 @dataclass(frozen=True)
 class Block:
     """Which local queries meet which part of a received K/V block, and whether the
@@ -61,3 +66,16 @@ def check_divisible(seqlen: int, multiple: int, why: str) -> None:
             f"seqlen {seqlen} cannot be split: {why} needs a multiple of {multiple}; "
             f"try --seqlen {nearest_multiple(seqlen, multiple)}"
         )
+
+
+class ZigzagLayout:
+    """Mixin for a strategy on the zigzag layout over its CP ring (put it before
+    ``Strategy`` in the bases): the layout, and the sequence-length check it needs."""
+
+    def validate(self) -> None:
+        n = self.cp_size
+        check_divisible(self.attn.seqlen, 2 * n,
+                        f"{self.name} over {n} ranks (zigzag: 2 chunks per rank)")
+
+    def seq_index(self, rank: int) -> torch.Tensor:
+        return zigzag_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))

@@ -29,8 +29,8 @@ import torch
 
 from cpbench.comm import RingComm
 from cpbench.strategies import register
-from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy
-from cpbench.strategies.layout import check_divisible, zigzag_block, zigzag_index
+from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, save_for_backward
+from cpbench.strategies.layout import ZigzagLayout, slice_len, zigzag_block
 
 
 def _fwd_src(me: int, step: int, n: int) -> int:
@@ -42,10 +42,6 @@ def _bwd_src(me: int, step: int, n: int) -> int:
     """Backward: starts from the forward's last block (me+1's) and moves to the previous rank,
     so the rank's own block (the diagonal tile) arrives at the last step."""
     return (me + 1 + step) % n
-
-
-def _len(part: slice, total: int) -> int:
-    return len(range(total)[part])
 
 
 def _rows(x_bhs: torch.Tensor) -> torch.Tensor:
@@ -85,9 +81,7 @@ class _TEP2PAttention(torch.autograd.Function):
         for blk, o, l in zip(blocks, out_steps, lse_steps):
             out[:, blk.q] += o.float() * _rows(torch.exp(l.float() - lse[:, :, blk.q]))
         out = out.to(q.dtype)
-        ctx.strat = strat
-        ctx.save_for_backward(q, kv_bufs[-1], out, lse)
-        ctx.mark_non_differentiable(lse)
+        save_for_backward(ctx, strat, q, kv_bufs[-1], out, lse, lse=lse)
         return out, lse
 
     @staticmethod
@@ -128,20 +122,13 @@ class _TEP2PAttention(torch.autograd.Function):
 
 
 @register
-class MegatronCP(Strategy):
+class MegatronCP(ZigzagLayout, Strategy):
     name = "megatron-cp"
     description = ("TransformerEngine p2p CP (Megatron): zigzag layout, packed K/V ring, kept "
                    "per-step outputs, reverse ring with K/V+dK/dV in the activation dtype")
 
-    def validate(self) -> None:
-        check_divisible(self.attn.seqlen, 2 * self.cp_size,
-                        f"megatron-cp over {self.cp_size} ranks (2 chunks per rank)")
-
     def group_lists(self):
         return {"ring": self.cp_lists}
-
-    def seq_index(self, rank: int) -> torch.Tensor:
-        return zigzag_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))
 
     def attention(self, q, k, v):
         return _TEP2PAttention.apply(self, q, k, v)
@@ -154,7 +141,8 @@ class MegatronCP(Strategy):
         for phase, src_of in ((FWD, _fwd_src), (BWD, _bwd_src)):
             for step in range(n):
                 blk = zigzag_block(me, src_of(me, step, n), s, self.attn.causal)
-                flops = self.block_flops(_len(blk.q, s), _len(blk.kv, s), blk.causal, phase)
+                flops = self.block_flops(slice_len(blk.q, s), slice_len(blk.kv, s), blk.causal,
+                                         phase)
                 nbytes = 0
                 if phase == FWD and step + 1 < n:
                     nbytes = kv

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from cpbench.strategies import register
 from cpbench.strategies.base import option
-from cpbench.strategies.usp import Usp, default_ulysses_degree
+from cpbench.strategies.usp import Usp
 from cpbench.topology import HEAD_FIRST
 
 
@@ -35,13 +35,14 @@ class MegatronCPA2AP2P(Usp):
     @dataclass(frozen=True, kw_only=True)
     class Options:
         a2a_degree: int = option(0, "level-1 (all-to-all) group size; 0: the largest divisor "
-                                 "of heads and world within a node")
+                                 "of heads whose groups stay in a node")
 
     @classmethod
     def variants(cls, topo):
         return [cls.Options()]
 
     def _plan(self) -> tuple[int, str, str]:
-        u = self.opts.a2a_degree or default_ulysses_degree(self.attn.heads, self.cp_size,
-                                                           self.topo.ranks_per_node)
-        return u, HEAD_FIRST, "megatron-cp"
+        return self.opts.a2a_degree or self.default_ulysses_degree(), HEAD_FIRST, "megatron-cp"
+
+    def resolved_options(self) -> dict:
+        return {"a2a_degree": self.ulysses_degree, "p2p_degree": self.ring_degree}

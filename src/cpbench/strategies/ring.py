@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from cpbench.strategies import register
-from cpbench.strategies._kv_ring import KVRingAttention, kv_ring_schedule
+from cpbench.strategies._kv_ring import KVRingAttention, kv_ring_lists, kv_ring_schedule
 from cpbench.strategies.base import Step, Strategy
 from cpbench.strategies.layout import Block, check_divisible, contiguous_index
 
@@ -25,7 +25,7 @@ class Ring(Strategy):
         check_divisible(self.attn.seqlen, self.cp_size, f"ring over {self.cp_size} ranks")
 
     def group_lists(self):
-        return {"ring": self.cp_lists}
+        return kv_ring_lists(self.cp_lists)
 
     def seq_index(self, rank: int) -> torch.Tensor:
         return contiguous_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))

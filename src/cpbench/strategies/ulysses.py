@@ -25,7 +25,7 @@ import torch
 
 from cpbench.comm import all_to_all
 from cpbench.strategies import register
-from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy
+from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, save_for_backward
 from cpbench.strategies.layout import check_divisible, contiguous_index
 from cpbench.topology import Group, divisors
 
@@ -74,9 +74,7 @@ class _LocalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, strat: Strategy, q, k, v):
         out, lse = strat.kernel_call("forward", q, k, v, causal=strat.attn.causal)
-        ctx.strat = strat
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mark_non_differentiable(lse)
+        save_for_backward(ctx, strat, q, k, v, out, lse, lse=lse)
         return out, lse
 
     @staticmethod
@@ -135,9 +133,14 @@ class Ulysses(Strategy):
     def validate(self) -> None:
         n, h = self.cp_size, self.attn.heads
         if h % n:
-            ok = ", ".join(str(d) for d in divisors(h))
-            raise ValueError(f"ulysses over {n} ranks needs heads ({h}) divisible by {n}; "
-                             f"ulysses degrees that would work: {ok} (or usp for more ranks)")
+            *most, last = map(str, divisors(h))
+            worlds = f"{', '.join(most)} or {last}" if most else last
+            # usp splits the same ranks into Ulysses groups of d (d | heads) × a ring
+            degrees = [d for d in divisors(n) if h % d == 0]
+            raise ValueError(f"ulysses over {n} ranks needs heads ({h}) divisible by {n}: it "
+                             f"runs on {worlds} ranks (--nproc); on {n} ranks use --strategy "
+                             f"usp --ulysses-degree {max(degrees)} (degrees that work here: "
+                             f"{', '.join(map(str, degrees))})")
         check_divisible(self.attn.seqlen, n, f"ulysses over {n} ranks")
 
     def group_lists(self):

@@ -40,14 +40,10 @@ from cpbench.strategies.base import BWD, FWD, Step, Strategy, option
 from cpbench.strategies.layout import check_divisible, contiguous_index
 from cpbench.strategies.ulysses import (kv_replicas, local_attention, ulysses_attention,
                                         ulysses_messages)
-from cpbench.topology import HEAD_FIRST, PLACEMENTS, RING_FIRST, divisors, group_of, usp_mesh
+from cpbench.topology import (HEAD_FIRST, PLACEMENTS, RING_FIRST, divisors, group_of,
+                              node_local_block, usp_mesh)
 
 RING_IMPLS = ("zigzag", "ring", "double-ring")
-
-
-def default_ulysses_degree(heads: int, world: int, ranks_per_node: int) -> int:
-    """The largest degree dividing heads and world that keeps a Ulysses group in a node."""
-    return max(d for d in divisors(world) if heads % d == 0 and d <= ranks_per_node)
 
 
 @register
@@ -59,7 +55,8 @@ class Usp(Strategy):
     @dataclass(frozen=True, kw_only=True)
     class Options:
         ulysses_degree: int = option(0, "ranks per Ulysses group (the rest is ring); 0: the "
-                                     "largest divisor of heads and world within a node")
+                                     "largest divisor of heads whose head-first groups stay "
+                                     "in a node")
         placement: str = option(HEAD_FIRST, "which groups are consecutive ranks (stay in a "
                                 "node)", PLACEMENTS)
         ring_impl: str = option("zigzag", "ring strategy run over the ring groups", RING_IMPLS)
@@ -74,7 +71,7 @@ class Usp(Strategy):
     @classmethod
     def variants(cls, topo):
         n = topo.world_size
-        u_node = max(d for d in divisors(n) if d <= topo.ranks_per_node)
+        u_node = node_local_block(topo, [list(range(n))])
         out = [cls.Options()]
         if 1 < u_node < n:  # a real 2-D mesh: the two placements differ
             out.append(cls.Options(placement=RING_FIRST))
@@ -89,16 +86,26 @@ class Usp(Strategy):
 
     # -- the mesh ----------------------------------------------------------------------------
 
+    def default_ulysses_degree(self) -> int:
+        """The largest degree dividing the heads whose head-first (consecutive) Ulysses
+        groups stay inside a node, so the all-to-alls never cross nodes."""
+        return node_local_block(self.topo, self.cp_lists, also_divides=self.attn.heads)
+
     def _plan(self) -> tuple[int, str, str]:
         """(ulysses degree, placement, ring impl); the a2a+p2p alias fixes the last two."""
         o = self.opts
-        u = o.ulysses_degree or default_ulysses_degree(self.attn.heads, self.cp_size,
-                                                       self.topo.ranks_per_node)
-        return u, o.placement, o.ring_impl
+        return o.ulysses_degree or self.default_ulysses_degree(), o.placement, o.ring_impl
+
+    def resolved_options(self) -> dict:
+        resolved = {"ulysses_degree": self.ulysses_degree, "ring_degree": self.ring_degree,
+                    "placement": self.placement, "ring_impl": self.ring_impl}
+        if self.ring is not None and self.ring.resolved_options():
+            resolved["ring_options"] = self.ring.resolved_options()  # e.g. double-ring's window
+        return resolved
 
     def validate(self) -> None:
         a, n = self.attn, self.cp_size
-        self.ulysses_degree, placement, self.ring_impl = self._plan()
+        self.ulysses_degree, self.placement, self.ring_impl = self._plan()
         u = self.ulysses_degree
         if u < 1 or n % u or a.heads % u:
             ok = ", ".join(f"{d}x{n // d}" for d in divisors(n) if a.heads % d == 0)
@@ -109,7 +116,7 @@ class Usp(Strategy):
         check_divisible(a.seqlen, n, f"{self.name} {u}x{self.ring_degree} "
                         f"(S/{self.ring_degree} tokens per ring position cut in {u})")
         # the mesh of each CP list, by position in it, mapped back to ranks
-        uly_pos, ring_pos = usp_mesh(n, u, placement)
+        uly_pos, ring_pos = usp_mesh(n, u, self.placement)
         self.ulysses_lists = [[cp[i] for i in g] for cp in self.cp_lists for g in uly_pos]
         self.ring_lists = [[cp[i] for i in g] for cp in self.cp_lists for g in ring_pos]
         self.replicas = kv_replicas(a.num_kv_heads, u)

@@ -14,28 +14,19 @@ dQ local) is shared with ``ring`` in ``_kv_ring``.
 
 from __future__ import annotations
 
-import torch
-
 from cpbench.strategies import register
-from cpbench.strategies._kv_ring import KVRingAttention, kv_ring_schedule
+from cpbench.strategies._kv_ring import KVRingAttention, kv_ring_lists, kv_ring_schedule
 from cpbench.strategies.base import Step, Strategy
-from cpbench.strategies.layout import Block, check_divisible, zigzag_block, zigzag_index
+from cpbench.strategies.layout import Block, ZigzagLayout, zigzag_block
 
 
 @register
-class Zigzag(Strategy):
+class Zigzag(ZigzagLayout, Strategy):
     name = "zigzag"
     description = "zigzag layout (chunks r and 2N-1-r), K/V ring: causal work balanced over ranks"
 
-    def validate(self) -> None:
-        check_divisible(self.attn.seqlen, 2 * self.cp_size,
-                        f"zigzag over {self.cp_size} ranks (2 chunks per rank)")
-
     def group_lists(self):
-        return {"ring": self.cp_lists}
-
-    def seq_index(self, rank: int) -> torch.Tensor:
-        return zigzag_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))
+        return kv_ring_lists(self.cp_lists)
 
     def block(self, me: int, src: int, local_len: int) -> Block:
         return zigzag_block(me, src, local_len, self.attn.causal)
