@@ -150,15 +150,46 @@ def _run_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _sweep_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("sweep", help="run a YAML sweep, one launch per case, resumable",
+                       description="Run every case of a sweep config (configs/*.yaml) in its "
+                                   "own launch, appending to one JSONL file; cases already "
+                                   "recorded ok are skipped.")
+    p.add_argument("config", metavar="CONFIG.yaml")
+    p.add_argument("--out", required=True, metavar="FILE.jsonl",
+                   help="results file (appended to; read first to skip finished cases)")
+    p.add_argument("--rerun-failed", action="store_true",
+                   help="also retry cases recorded failed / OOM / timeout")
+    p.add_argument("--timeout", type=_converter(float, "a number"), metavar="SECONDS",
+                   help="per-case time limit, overriding the config's")
+    p.add_argument("--launcher", metavar="CMD",
+                   help="command prefix that starts benchmarks/run.py for each case, e.g. "
+                        "'srun ... torchrun --nnodes 4 --nproc-per-node 8 ...'")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate and print each case's command line; run nothing")
+    p.set_defaults(func=cmd_sweep)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cpbench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _run_parser(sub)
+    _sweep_parser(sub)
     s = sub.add_parser("strategies", help="list every strategy, its description and options")
     s.set_defaults(func=cmd_strategies)
     r = sub.add_parser("report", help="re-render the tables from JSONL records")
     r.add_argument("files", nargs="+", metavar="FILE.jsonl")
     r.add_argument("--format", choices=FORMATS, default="table")
+    r.add_argument("--view", choices=("auto", "run", "sweep"), default="auto",
+                   help="run: each detail block and the summary, as `cpbench run` printed "
+                        "them; sweep: seed 001's tables grouped by strategy, then a pivot by "
+                        "Seq Len; auto: run when every record is from one run, else sweep")
+    r.add_argument("--compare", choices=("placement",),
+                   help="each strategy's placements (windows, degrees) side by side per "
+                        "topology, with their TFLOPs ratio")
+    r.add_argument("--plot", metavar="OUT.png",
+                   help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib)")
     r.set_defaults(func=cmd_report)
     return parser
 
@@ -225,8 +256,64 @@ def cmd_report(args) -> int:
         records = [r for path in args.files for r in results.read(path)]
     except (OSError, ValueError) as e:
         return _fail("cpbench report", e)
-    sys.stdout.write(report.report(records, args.format))
+    if args.compare and args.format not in ("table", "markdown"):
+        return _fail("cpbench report", ValueError(
+            f"--compare prints tables; use --format table or markdown, not {args.format}"))
+    if args.plot:
+        from cpbench.report import plot
+        try:
+            plot.require_matplotlib()  # before any output: the fix, not half a report
+        except ValueError as e:
+            return _fail("cpbench report", e)
+    sweep_view = args.view == "sweep" or (args.view == "auto" and records
+                                          and not report.sweep.one_launch(records))
+    if args.compare == "placement":
+        text = report.sweep.compare_placement(records, args.format)
+    elif sweep_view and args.format in ("table", "markdown"):
+        text = report.sweep.sweep_report(records, args.format)
+    else:  # csv / json: every row, whatever the view
+        text = report.report(records, args.format)
+    sys.stdout.write(text)
+    if args.plot:
+        try:
+            plot.plot(records, args.plot)
+        except (OSError, ValueError) as e:
+            return _fail("cpbench report", e)
+        sys.stderr.write(f"cpbench report: plot written to {args.plot}\n")
     return 0
+
+
+def cmd_sweep(args) -> int:
+    import shlex
+
+    from cpbench import sweep
+
+    try:
+        if args.timeout is not None and args.timeout <= 0:
+            raise ValueError(f"--timeout must be a positive number of seconds, "
+                             f"got {args.timeout:g}")
+        config = sweep.load(args.config)
+        commands = [sweep.command(config, case, args.out, args.launcher)
+                    for case in config.cases]
+    except sweep.SweepError as e:
+        sys.stderr.write(f"cpbench sweep: {e}\n")
+        return USAGE_ERROR
+    except ValueError as e:
+        return _fail("cpbench sweep", e)
+    if args.dry_run:
+        for case, cmd in zip(config.cases, commands):
+            sys.stdout.write(f"[{case.index}] {case.label}: {shlex.join(cmd)}\n")
+        return 0
+    try:
+        return sweep.run(config, args.out, rerun_failed=args.rerun_failed,
+                         timeout=args.timeout, launcher=args.launcher)
+    except KeyboardInterrupt:
+        sys.stderr.write("cpbench sweep: interrupted; the running case was stopped (rows it "
+                         "had finished are kept, the rest not recorded); re-run the same "
+                         "command to finish the missing cases\n")
+        return 130
+    except (OSError, ValueError) as e:  # e.g. an --out that is damaged or not writable
+        return _fail("cpbench sweep", e)
 
 
 def main(argv: list[str] | None = None) -> int:

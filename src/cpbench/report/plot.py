@@ -1,0 +1,66 @@
+"""``cpbench report --plot out.png``: TFLOPs/s per GPU against Seq Len, a line per strategy
+(placement, and topology when the records hold several); OOM and failed cases as red marks
+on the x axis, labelled. matplotlib is imported here only (``pip install cpbench[plot]``)."""
+
+from __future__ import annotations
+
+from cpbench.report.sweep import _row_key, latest_frame, size_text
+from cpbench.results import OK
+
+INSTALL_HINT = "--plot needs matplotlib: pip install 'cpbench[plot]'"
+
+
+def require_matplotlib():
+    """matplotlib.pyplot on the Agg backend (files, no display); ValueError with the install
+    line when it is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError(INSTALL_HINT) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(records: list[dict], path: str) -> None:
+    """Write the plot of ``records`` to ``path`` (the format from its suffix)."""
+    plt = require_matplotlib()
+    df = latest_frame(records)
+    if df.empty:
+        raise ValueError("no records to plot")
+    df = df.assign(row=_row_key(df))
+    df["rate"] = df["fwd_tflops"].where(df["fwd_only"], df["fwd_bwd_tflops"])
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
+    marks = []  # (seqlen, status, colour) of the cases with no rate, drawn last
+    for row, g in df.groupby("row", sort=False):
+        g = g.sort_values("seqlen")
+        ok = g[(g["status"] == OK) & g["rate"].notna()]
+        line, = ax.plot(ok["seqlen"], ok["rate"], marker="o", label=row)
+        bad = g[(g["status"] != OK) | g["rate"].isna()]
+        marks += [(s, st, line.get_color()) for s, st in zip(bad["seqlen"], bad["status"])]
+    if marks:
+        ax.scatter([m[0] for m in marks], [0] * len(marks), marker="x", s=70, color="red",
+                   zorder=3, clip_on=False, label="OOM / failed (at 0)")
+        stacked: dict = {}
+        for s, status, colour in marks:  # one label per case, stacked where they share a Seq Len
+            k = stacked[s] = stacked.get(s, -1) + 1
+            ax.annotate(status, (s, 0), textcoords="offset points", xytext=(0, 8 + 10 * k),
+                        ha="center", fontsize=7, color=colour)
+    seqlens = sorted(df["seqlen"].unique())
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(seqlens, [size_text(int(s)) for s in seqlens])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
+    phase = "FWD" if df["fwd_only"].all() else "FWD+BWD"
+    ax.set_xlabel("Seq Len (global)")
+    ax.set_ylabel(f"TFLOPs/s per GPU ({phase})")
+    a = df.iloc[0]
+    topo = ", ".join(dict.fromkeys(df["topo"]))
+    ax.set_title(f"{a['dtype']}, B={a['batch']}, H={a['heads']}, D={a['head_dim']}, "
+                 f"{'causal' if a['causal'] else 'full'} — {topo} GPUs", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

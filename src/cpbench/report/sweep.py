@@ -1,0 +1,190 @@
+"""Reports over many runs (a sweep's JSONL): seed 001's tables grouped by strategy, a pivot
+(strategy × Seq Len → TFLOPs/s per GPU, FWD+BWD ms, memory), and placements side by side.
+
+- ``grouped``: as seed 001 prints a sweep — a ``### <strategy (placement)> on N×G GPUs``
+  heading and one seed-format table per strategy, placement and topology, rows by Seq Len.
+- ``pivot``: one table per figure, a row per strategy (and placement, and topology when the
+  records hold several), a column per Seq Len; OOM / failed cells say so.
+- ``compare_placement``: per strategy, topology and problem, the variants a strategy ran
+  (USP head-first / ring-first, double-ring windows, a2a degrees, …) side by side, TFLOPs/s per
+  GPU, with each variant's ratio to the first.
+
+A case recorded more than once (a sweep re-run after a failure) counts once: its last record.
+Figures come from ``tables.frame`` (recomputed from the raw samples).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from cpbench.report import tables
+from cpbench.results import OK
+
+# a case: the options as asked (not as resolved: a failure record written by the sweep has no
+# resolved options), the problem, the topology
+_CASE = ["strategy", "_asked", *tables._PROBLEM, "fwd_only"]
+
+
+def one_launch(records: list[dict]) -> bool:
+    """Whether every record came from one ``cpbench run`` (they share its captured env)."""
+    return len({json.dumps(r.get("env"), sort_keys=True) for r in records}) <= 1
+
+
+def size_text(n: int) -> str:
+    """131072 → 128K, 1048576 → 1M; other values as they are."""
+    for unit, scale in (("M", 2 ** 20), ("K", 2 ** 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def _natural(text: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
+
+
+def latest_frame(records: list[dict]):
+    """``tables.frame`` with its display cells, one row per case (the last record of each),
+    in first-seen order; ``label`` is strategy (options), ``topo`` N×G."""
+    df = tables.frame(records)
+    if df.empty:
+        return df
+    cells = tables.rows(records)
+    for col in ("FWD (ms)", "FWD+BWD (ms)", "Memory (MB)", "TFLOPs/s", "CP Efficiency"):
+        df[col] = [c[col] for c in cells]
+    df["_cells"] = cells
+    df["_asked"] = [json.dumps(r["config"]["options"], sort_keys=True) for r in records]
+    df["label"] = [s if o == "-" else f"{s} ({o})" for s, o in zip(df["strategy"], df["options"])]
+    df["topo"] = [f"{n}×{g}" for n, g in zip(df["nodes"], df["ranks_per_node"])]
+    first = df.drop_duplicates(_CASE, keep="first").index
+    last = df.drop_duplicates(_CASE, keep="last")
+    order = {tuple(df.loc[i, _CASE]): k for k, i in enumerate(first)}
+    last = last.assign(_order=[order[tuple(r)] for r in last[_CASE].itertuples(index=False)])
+    return last.sort_values("_order", kind="stable").drop(columns="_order")
+
+
+def _render(title: str | None, table_rows: list[dict], fmt: str) -> list[str]:
+    out = [f"### {title}"] if title else []
+    if fmt == "markdown":
+        cols = list(table_rows[0])
+        out += ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+        out += ["| " + " | ".join(r[c] for c in cols) + " |" for r in table_rows]
+    else:
+        out += tables._seed_table(table_rows)
+    return out
+
+
+def grouped(records: list[dict], fmt: str = "table") -> str:
+    """Seed 001's layout: a heading and a table per strategy (placement) and topology."""
+    df = latest_frame(records)
+    if df.empty:
+        return "no records\n"
+    lines: list[str] = []
+    for (label, topo), g in df.groupby(["label", "topo"], sort=False):
+        g = g.sort_values("seqlen", kind="stable")
+        drop = {"Strategy", "Placement", "Nodes×GPUs"}
+        if (g["CP Efficiency"] == "-").all():
+            drop.add("CP Efficiency")
+        if "Check" in g["_cells"].iloc[0] and all(c["Check"] == "-" for c in g["_cells"]):
+            drop.add("Check")
+        table_rows = [{k: v for k, v in c.items() if k not in drop} for c in g["_cells"]]
+        if lines:
+            lines.append("")
+        lines += _render(f"{label} on {topo} GPUs", table_rows, fmt)
+    return "\n".join(lines) + "\n"
+
+
+def _row_key(df):
+    several = df["topo"].nunique() > 1
+    return [f"{lab} [{t}]" if several else lab for lab, t in zip(df["label"], df["topo"])]
+
+
+_PIVOTS = (("TFLOPs/s per GPU", "TFLOPs/s"), ("FWD+BWD (ms)", "FWD+BWD (ms)"),
+           ("Memory (MB)", "Memory (MB)"))
+
+
+def pivot(records: list[dict], fmt: str = "table") -> str:
+    """Strategy (placement[, topology]) × Seq Len → TFLOPs/s per GPU, FWD+BWD ms, memory."""
+    df = latest_frame(records)
+    if df.empty:
+        return "no records\n"
+    df = df.assign(row=_row_key(df))
+    if df["fwd_only"].all():  # a forward-only sweep: its time is the FWD column
+        pivots = (_PIVOTS[0], ("FWD (ms)", "FWD (ms)"), _PIVOTS[2])
+    else:
+        pivots = _PIVOTS
+    seqlens = sorted(df["seqlen"].unique())
+    lines: list[str] = []
+    for title, col in pivots:
+        table = df.pivot_table(index="row", columns="seqlen", values=col, aggfunc="last",
+                               sort=False)
+        table_rows = []
+        for row in dict.fromkeys(df["row"]):
+            cells = {"Strategy": row}
+            for s in seqlens:
+                value = table.at[row, s] if s in table.columns else None
+                cells[size_text(int(s))] = "-" if not isinstance(value, str) else value
+            table_rows.append(cells)
+        if lines:
+            lines.append("")
+        lines += _render(f"{title} by Seq Len", table_rows, fmt)
+    return "\n".join(lines) + "\n"
+
+
+def compare_placement(records: list[dict], fmt: str = "table") -> str:
+    """Each strategy's variants side by side per topology and problem: TFLOPs/s per GPU and
+    each variant's ratio to the first (> 1: faster than the first)."""
+    df = latest_frame(records)
+    if df.empty:
+        return "no records\n"
+    problem = [c for c in tables._PROBLEM if c != "seqlen"]
+    lines: list[str] = []
+    for _, g in df.groupby(["strategy", "topo", *problem, "fwd_only"], sort=False,
+                           dropna=False):
+        variants = sorted(dict.fromkeys(g["options"]), key=_natural)
+        if len(variants) < 2:
+            continue
+        short, common = _distinct(variants)
+        first = variants[0]
+        table_rows = []
+        for seqlen, at in g.groupby("seqlen", sort=True):
+            by = {o: r for o, r in zip(at["options"], at.to_dict("records"))}
+            cells = {"Seq Len": str(seqlen)}
+            for v in variants:
+                cells[short[v]] = by[v]["TFLOPs/s"] if v in by else "-"
+            base = by.get(first)
+            for v in variants[1:]:
+                r = by.get(v)
+                ok = base and r and base["status"] == r["status"] == OK
+                rate = "fwd_tflops" if g["fwd_only"].iloc[0] else "fwd_bwd_tflops"
+                cells[f"{short[v]} / {short[first]}"] = (f"{r[rate] / base[rate]:.2f}x"
+                                          if ok and base[rate] else "-")
+            table_rows.append(cells)
+        a = g.iloc[0]
+        title = (f"{a['strategy']}{' (' + common + ')' if common else ''} on {a['topo']} GPUs: "
+                 f"TFLOPs/s per GPU by placement "
+                 f"({a['dtype']}, B={a['batch']}, H={a['heads']}, D={a['head_dim']}, "
+                 f"{'causal' if a['causal'] else 'full'})")
+        if lines:
+            lines.append("")
+        lines += _render(title, table_rows, fmt)
+    if not lines:
+        return ("no strategy ran more than one placement (or window, or degree) on the same "
+                "topology and problem\n")
+    return "\n".join(lines) + "\n"
+
+
+def _distinct(labels: list[str]) -> tuple[dict[str, str], str]:
+    """Each label without the words all of them share, and those shared words:
+    ``head-first u=8 r=4`` / ``ring-first u=8 r=4`` → ``head-first`` / ``ring-first``,
+    shared ``u=8 r=4``."""
+    words = [label.split() for label in labels]
+    common = [w for w in words[0] if all(w in ws for ws in words[1:])]
+    short = {label: " ".join(w for w in ws if w not in common) or label
+             for label, ws in zip(labels, words)}
+    return short, " ".join(common)
+
+
+def sweep_report(records: list[dict], fmt: str = "table") -> str:
+    """The grouped tables, then the pivot."""
+    return grouped(records, fmt) + "\n" + pivot(records, fmt)

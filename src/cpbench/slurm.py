@@ -1,0 +1,249 @@
+"""Slurm: the command lines ``scripts/slurm/cpbench.sbatch`` runs, the ``SLURM_*``
+environment read as a torchrun world, and the ``sbatch`` lines that submit a sweep.
+
+The sbatch script is plain bash (it must run before any Python environment is known); the
+functions here build the same lines, so a test can hold the script to them, and
+``submit_sweep`` (``scripts/slurm/submit_sweep.py``) uses them to submit cases:
+
+- as a job array: one array task per case, each its own allocation;
+- as one allocation: the cases run in turn inside it, each its own ``srun`` launch, so a crash
+  of one case does not stop the others;
+- a YAML sweep in one allocation: ``cpbench sweep CONFIG`` on the first node with
+  ``--launcher`` set to the srun + torchrun prefix (``sweep_launcher``); the sweep itself
+  skips finished cases and records failed / OOM / timed-out ones.
+
+Cases are lines of ``benchmarks/run.py`` (= ``cpbench run``) flags, whitespace-separated.
+Nothing here has been run on a real Slurm cluster (see README, "Slurm").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Mapping, Sequence
+
+SBATCH_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "slurm" / "cpbench.sbatch"
+DEFAULT_PORT = 29500
+DEFAULT_GPUS_PER_NODE = 8
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's compact host list, expanded like ``scontrol show hostnames``:
+    ``g[045-046,072],h1`` → ``g045 g046 g072 h1`` (zero padding kept, several bracket
+    groups in one name multiply out)."""
+    hosts: list[str] = []
+    for name in _split_top(nodelist):
+        hosts += _expand_name(name)
+    return hosts
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_name(name: str) -> list[str]:
+    m = re.search(r"\[([^\]]*)\]", name)
+    if not m:
+        return [name]
+    head, tail = name[:m.start()], name[m.end():]
+    out = []
+    for item in m.group(1).split(","):
+        lo, _, hi = item.partition("-")
+        if not hi:
+            values = [lo]
+        else:
+            width = len(lo)
+            values = [str(v).zfill(width) for v in range(int(lo), int(hi) + 1)]
+        for v in values:
+            out += _expand_name(head + v + tail)
+    return out
+
+
+def _gpus(value: str) -> int:
+    """``8``, ``h100:8`` or ``gpu:h100:8`` → 8 (SLURM_GPUS_PER_NODE's forms)."""
+    return int(value.split("(")[0].split(":")[-1])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlurmWorld:
+    """Where this task sits in a Slurm job, as torchrun needs it (one task per node)."""
+
+    job_id: str
+    num_nodes: int
+    node_rank: int
+    gpus_per_node: int
+    master_addr: str  # the first node: the c10d rendezvous host
+    array_task_id: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+
+def slurm_world(environ: Mapping[str, str] | None = None) -> SlurmWorld:
+    """Read ``SLURM_*``: job id, nodes, this node's rank, GPUs per node, the first host.
+    GPUs per node: ``CPBENCH_GPUS_PER_NODE``, else ``SLURM_GPUS_ON_NODE``, else
+    ``SLURM_GPUS_PER_NODE``, else 8 — the same order as the sbatch script."""
+    env = os.environ if environ is None else environ
+    missing = [v for v in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST") if v not in env]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} not set: not inside a Slurm job; submit with "
+                         f"sbatch (or srun) first")
+    hosts = expand_nodelist(env["SLURM_JOB_NODELIST"])
+    num_nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or len(hosts))
+    gpus = env.get("CPBENCH_GPUS_PER_NODE") or env.get("SLURM_GPUS_ON_NODE")
+    gpus_per_node = (int(gpus) if gpus else _gpus(env["SLURM_GPUS_PER_NODE"])
+                     if env.get("SLURM_GPUS_PER_NODE") else DEFAULT_GPUS_PER_NODE)
+    node_rank = int(env.get("SLURM_NODEID") or env.get("SLURM_PROCID") or 0)
+    array = env.get("SLURM_ARRAY_TASK_ID")
+    return SlurmWorld(job_id=env["SLURM_JOB_ID"], num_nodes=num_nodes, node_rank=node_rank,
+                      gpus_per_node=gpus_per_node, master_addr=hosts[0],
+                      array_task_id=int(array) if array else None)
+
+
+def torchrun_command(world: SlurmWorld, args: Sequence[str] = (), *, rdzv_id: str | None = None,
+                     port: int = DEFAULT_PORT, torchrun: str = "torchrun",
+                     entry: str = "benchmarks/run.py") -> list[str]:
+    """One node's torchrun: c10d rendezvous on the first node, the job id as rendezvous id."""
+    return [torchrun, f"--nnodes={world.num_nodes}", f"--nproc-per-node={world.gpus_per_node}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={world.master_addr}:{port}",
+            f"--rdzv-id={rdzv_id or world.job_id}", entry, *args]
+
+
+def srun_command(world: SlurmWorld, args: Sequence[str] = (), **torchrun_kw) -> list[str]:
+    """The job step the sbatch script runs: one task per node, each a torchrun; one failed
+    node ends the step."""
+    return ["srun", f"--nodes={world.num_nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            *torchrun_command(world, args, **torchrun_kw)]
+
+
+def sweep_launcher(world: SlurmWorld, **torchrun_kw) -> str:
+    """``cpbench sweep --launcher``'s value inside an allocation: the srun + torchrun prefix
+    each case's ``benchmarks/run.py`` follows (what the sbatch script passes with
+    ``CPBENCH_SWEEP``)."""
+    return shlex.join(srun_command(world, **torchrun_kw)[:-1])  # without the entry
+
+
+def read_cases(path: str | os.PathLike) -> list[list[str]]:
+    """A cases file as the sbatch script reads it: one case a line, whitespace-separated
+    flags (no quoting), ``#`` comments and blank lines skipped."""
+    cases = []
+    for line in Path(path).read_text().splitlines():
+        args = line.split("#", 1)[0].split()
+        if args:
+            cases.append(args)
+    return cases
+
+
+def sbatch_command(*, nodes: int, cases_file: str | None = None, sweep: str | None = None,
+                   num_cases: int | None = None,
+                   array: bool = False, max_parallel: int | None = None,
+                   gpus_per_node: int | None = None, time: str | None = None,
+                   partition: str | None = None, account: str | None = None,
+                   job_name: str = "cpbench", sbatch_options: Sequence[str] = (),
+                   args: Sequence[str] = (), script: str | os.PathLike = SBATCH_SCRIPT
+                   ) -> tuple[list[str], dict[str, str]]:
+    """``(argv, environment additions)`` submitting one case (``args``), or a cases file as a
+    job array (``array``, one task per case, at most ``max_parallel`` at once) or as one
+    allocation, or a YAML sweep (``sweep``: ``cpbench sweep`` in one allocation). ``args`` go
+    after the script: to the one case, appended to every case, or to ``cpbench sweep``."""
+    if nodes < 1:
+        raise ValueError(f"--nodes must be 1 or more, got {nodes}")
+    if array and not cases_file:
+        raise ValueError("a job array needs a cases file (--cases)")
+    if sweep and cases_file:
+        raise ValueError("give a cases file (--cases) or a sweep config (--sweep), not both")
+    argv = ["sbatch", f"--job-name={job_name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
+    env = {}
+    if gpus_per_node:
+        argv.append(f"--gpus-per-node={gpus_per_node}")
+        env["CPBENCH_GPUS_PER_NODE"] = str(gpus_per_node)
+    for flag, value in (("time", time), ("partition", partition), ("account", account)):
+        if value:
+            argv.append(f"--{flag}={value}")
+    if sweep:
+        env["CPBENCH_SWEEP"] = str(Path(sweep).resolve())
+    if cases_file:
+        env["CPBENCH_CASES"] = str(Path(cases_file).resolve())
+        if array:
+            n = num_cases if num_cases is not None else len(read_cases(cases_file))
+            if n < 1:
+                raise ValueError(f"{cases_file} has no cases")
+            throttle = f"%{max_parallel}" if max_parallel else ""
+            argv += [f"--array=0-{n - 1}{throttle}", "--output=%x-%A_%a.out"]
+    argv += [*sbatch_options, str(script), *args]
+    return argv, env
+
+
+def submit(argv: Sequence[str], env: Mapping[str, str]) -> str:
+    """Run ``sbatch`` (``--export=ALL`` is its default: the additions reach the job); the
+    job id it printed."""
+    done = subprocess.run(list(argv), env={**os.environ, **env}, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"sbatch failed ({done.returncode}): {done.stderr.strip()}")
+    m = re.search(r"Submitted batch job (\d+)", done.stdout)
+    return m.group(1) if m else done.stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``submit_sweep.py``: submit a case, or a cases file as an array or one allocation."""
+    p = argparse.ArgumentParser(
+        prog="submit_sweep.py",
+        description="Submit cpbench cases to Slurm through scripts/slurm/cpbench.sbatch. "
+                    "Arguments after -- go to every case (e.g. -- --out results.jsonl).")
+    p.add_argument("--cases", metavar="FILE", help="one case a line: cpbench run flags")
+    p.add_argument("--sweep", metavar="CONFIG.yaml",
+                   help="a sweep config, run by `cpbench sweep` in one allocation")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=None)
+    p.add_argument("--array", action="store_true",
+                   help="one array task per case (default: all cases in one allocation)")
+    p.add_argument("--max-parallel", type=int, default=None, help="array tasks at once")
+    p.add_argument("--time")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--job-name", default="cpbench")
+    p.add_argument("--sbatch-option", action="append", default=[], metavar="OPT",
+                   help="passed to sbatch as is (repeatable), e.g. --sbatch-option=--qos=high")
+    p.add_argument("--dry-run", action="store_true", help="print the command, submit nothing")
+    p.add_argument("args", nargs="*", help="cpbench run flags (after --)")
+    a = p.parse_args(argv)
+    try:
+        cmd, env = sbatch_command(
+            nodes=a.nodes, cases_file=a.cases, sweep=a.sweep, array=a.array,
+            max_parallel=a.max_parallel,
+            gpus_per_node=a.gpus_per_node, time=a.time, partition=a.partition,
+            account=a.account, job_name=a.job_name, sbatch_options=a.sbatch_option,
+            args=a.args)
+    except (ValueError, OSError) as e:
+        sys.stderr.write(f"submit_sweep.py: error: {e}\n")
+        return 2
+    line = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd)])
+    if a.dry_run:
+        sys.stdout.write(line + "\n")
+        return 0
+    try:
+        job = submit(cmd, env)
+    except (RuntimeError, OSError) as e:
+        sys.stderr.write(f"submit_sweep.py: {e}\n")
+        return 1
+    sys.stdout.write(f"submitted job {job}: {line}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""``cpbench sweep`` end to end with real launches (2 local gloo ranks, tiny shapes): failures
+recorded and passed over, a re-run that launches nothing, ``--rerun-failed``, Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cpbench import results, sweep
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = "base: {nproc: 2, heads: 2, head_dim: 16, seqlen: 256, warmup: 0, iters: 1}\n"
+
+
+def _sweep(*args, timeout=120):
+    cmd = [sys.executable, "-m", "cpbench.cli", "sweep", *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=env)
+
+
+def _statuses(out: Path) -> list[tuple[str, int, str]]:
+    return [(r["config"]["strategy"], r["config"]["run"]["seed"], r["status"])
+            for r in results.read(out)]
+
+
+def test_failures_recorded_then_resume_then_rerun_failed(tmp_path):
+    config, out = tmp_path / "s.yaml", tmp_path / "r.jsonl"
+    # case 1 dies at run time (its --deadline stops the launch before any rank reports),
+    # case 2 outlives its timeout; case 3 runs: one bad case must not cost the others
+    config.write_text(BASE + """cases:
+  - {strategy: ring, seed: 1, deadline: 0.5}
+  - {strategy: ring, seed: 2, timeout: 0.5}
+  - {strategy: zigzag, seed: 3}
+""")
+    first = _sweep(config, "--out", out)
+    assert first.returncode == 1, first.stdout + first.stderr
+    assert _statuses(out) == [("ring", 1, results.FAILED), ("ring", 2, sweep.TIMEOUT),
+                              ("zigzag", 3, results.OK)]
+    failed, timed_out = results.read(out)[:2]
+    assert "exited 1" in failed["error"] and "deadline" in failed["error"]
+    assert "timeout of 0.5 s" in timed_out["error"]
+    lines = first.stdout.splitlines()  # not a tty: one plain line per case, no \r
+    assert [line.split(":")[0] for line in lines[:3]] == ["[1/3] strategy=ring seed=1 "
+                                                          "deadline=0.5", "[2/3] strategy=ring "
+                                                          "seed=2 timeout=0.5",
+                                                          "[3/3] strategy=zigzag seed=3"]
+    assert "elapsed 0:00:" in lines[2] and "left" in lines[2] and "\r" not in first.stdout
+
+    before = out.read_bytes()
+    again = _sweep(config, "--out", out)  # nothing to do: no launch, no record
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert out.read_bytes() == before
+    assert "0 case(s) run, 3 skipped" in again.stdout
+    assert again.stdout.count("--rerun-failed retries it") == 2
+    assert "[3/3] strategy=zigzag seed=3: done earlier" in again.stdout
+
+    # case 2's cause gone (the same row: a timeout is not part of a row's key); case 1 still
+    # fails: --rerun-failed retries both, and only them
+    config.write_text(BASE + """cases:
+  - {strategy: ring, seed: 1, deadline: 0.5}
+  - {strategy: ring, seed: 2}
+  - {strategy: zigzag, seed: 3}
+""")
+    rerun = _sweep(config, "--out", out, "--rerun-failed")
+    assert rerun.returncode == 1, rerun.stdout + rerun.stderr
+    assert _statuses(out)[3:] == [("ring", 1, results.FAILED), ("ring", 2, results.OK)]
+    assert "2 case(s) run, 1 skipped" in rerun.stdout
+    assert "[3/3] strategy=zigzag seed=3: done earlier" in rerun.stdout
+
+
+def _procs(*, mentioning: str | None = None, group: int | None = None) -> list[int]:
+    """Processes whose command line mentions ``mentioning`` or whose process group is
+    ``group``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            state, pgid = stat[0], int(stat[2])
+        except (OSError, IndexError, ValueError):
+            continue
+        if state != "Z" and ((mentioning and mentioning.encode() in cmdline)
+                             or pgid == group):  # zombies are gone, only not yet reaped
+            found.append(int(pid))
+    return found
+
+
+def test_ctrl_c_stops_the_case_and_leaves_a_readable_file(tmp_path):
+    config, out = tmp_path / "s.yaml", tmp_path / "r.jsonl"
+    config.write_text(BASE + "cases: [{strategy: ring, iters: 100000}]\n")
+    cmd = [sys.executable, "-m", "cpbench.cli", "sweep", str(config), "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    deadline, group = time.monotonic() + 60, None
+    while time.monotonic() < deadline:  # until the case's launch has started its 2 ranks
+        leaders = [p for p in _procs(mentioning=str(out)) if p != proc.pid]  # `cpbench run`
+        group = os.getpgid(leaders[0]) if leaders else None
+        if group is not None and len(_procs(group=group)) >= 3:
+            break
+        time.sleep(0.2)
+    assert group is not None and len(_procs(group=group)) >= 3, "the case did not start"
+    assert group != os.getpgid(proc.pid)  # the launch leads its own group: it and its ranks
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stdout + stderr
+    assert "interrupted" in stderr
+    assert not out.exists() or results.read(out) == []  # the interrupted case wrote nothing
+    assert _procs(group=group) == []  # the whole process group was stopped

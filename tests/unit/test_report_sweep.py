@@ -1,0 +1,147 @@
+"""``cpbench report`` over a sweep's records (written to real JSONL files by ``results.append``):
+seed 001's tables grouped by strategy, the pivot, placements compared, the plot, and the
+run view kept for a single run's file."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from cpbench import report, results
+from cpbench.cli import main
+from test_results import fake_record
+
+SEQLENS = (131072, 262144, 524288)
+
+
+def _rec(strategy, seqlen, ms, *, status="ok", options=None, defaults=None, launch=None):
+    r = fake_record(strategy, seqlen=seqlen, status=status, options=options, defaults=defaults,
+                    fwd=[[ms / 3] * 3] * 4, fwd_bwd=[[ms] * 3] * 4,
+                    error=None if status == "ok" else "rank 0: OutOfMemoryError")
+    r["env"] = {**r["env"], "utc": launch or f"{strategy}-{options}-{seqlen}"}  # own launch
+    r["derived"] = results.derive(r)
+    return r
+
+
+def _sweep(path):
+    """Seed 001's shape: megatron-cp OOM at 512K, double-ring, USP in both placements; the
+    OOM case first recorded as failed, then re-run (the last record counts)."""
+    results.append(path, _rec("usp", SEQLENS[0], 999.0, status="failed",
+                              options={"placement": "ring-first"}))
+    for s, f in zip(SEQLENS, (1, 3.5, 13)):
+        results.append(path, _rec("megatron-cp", s, 330 * f,
+                                  status="OOM" if s == SEQLENS[-1] else "ok"))
+        results.append(path, _rec("double-ring", s, 180 * f))
+        results.append(path, _rec("usp", s, 310 * f, options={"placement": "ring-first"}))
+        results.append(path, _rec("usp", s, 140 * f, options={"placement": "head-first"}))
+    return results.read(path)
+
+
+def _cells(line):
+    return [c.strip() for c in line.split("|")]
+
+
+def test_grouped_tables_like_seed_001(tmp_path):
+    text = report.sweep.grouped(_sweep(tmp_path / "r.jsonl"))
+    headings = [line for line in text.splitlines() if line.startswith("### ")]
+    assert headings == ["### usp (ring-first) on 2×2 GPUs",  # in the order first recorded
+                        "### megatron-cp on 2×2 GPUs", "### double-ring on 2×2 GPUs",
+                        "### usp (head-first) on 2×2 GPUs"]
+    block = text.split("### ")[2].splitlines()
+    header = _cells(block[2])
+    assert header[:4] == ["Dtype", "QKV Format", "B", "Seq Len"]
+    assert header[-4:] == ["FWD (ms)", "FWD+BWD (ms)", "Memory (MB)", "TFLOPs/s"]
+    rows = [dict(zip(header, _cells(line))) for line in block[4:7]]
+    assert [r["Seq Len"] for r in rows] == [str(s) for s in SEQLENS]
+    assert rows[0]["FWD+BWD (ms)"] == "330.00"
+    assert (rows[2]["FWD+BWD (ms)"], rows[2]["TFLOPs/s"]) == ("OOM", "OOM")
+    usp = text.split("### ")[1].splitlines()  # the failed first try was re-run: ok now
+    assert dict(zip(header, _cells(usp[4])))["FWD+BWD (ms)"] == "310.00"
+    assert "failed" not in text
+
+
+def test_pivot_strategy_by_seqlen(tmp_path):
+    text = report.sweep.pivot(_sweep(tmp_path / "r.jsonl"))
+    blocks = text.split("### ")[1:]
+    assert [b.splitlines()[0] for b in blocks] == [
+        "TFLOPs/s per GPU by Seq Len", "FWD+BWD (ms) by Seq Len", "Memory (MB) by Seq Len"]
+    lines = blocks[1].splitlines()
+    assert _cells(lines[2]) == ["Strategy", "128K", "256K", "512K"]
+    table = {_cells(line)[0]: _cells(line)[1:] for line in lines[4:8]}
+    assert list(table)[0] == "usp (ring-first)"
+    assert table["megatron-cp"] == ["330.00", "1155.00", "OOM"]
+    assert table["usp (head-first)"] == ["140.00", "490.00", "1820.00"]
+    tflops = {_cells(line)[0]: _cells(line)[1:] for line in blocks[0].splitlines()[4:8]}
+    assert tflops["megatron-cp"][2] == "OOM" and float(tflops["double-ring"][0]) > 0
+
+
+def test_compare_placement_side_by_side_with_ratio(tmp_path):
+    recs = _sweep(tmp_path / "r.jsonl")
+    text = report.sweep.compare_placement(recs)
+    assert text.startswith("### usp on 2×2 GPUs: TFLOPs/s per GPU by placement")
+    lines = text.splitlines()
+    assert _cells(lines[2]) == ["Seq Len", "head-first", "ring-first",
+                                "ring-first / head-first"]
+    for line in lines[4:7]:
+        assert _cells(line)[3] == f"{140 / 310:.2f}x"  # same FLOPs: the time ratio inverted
+    # double-ring windows are variants too, ordered by number (2 before 16)
+    windows = [_rec("double-ring", s, ms, options={"window": w}, defaults={"window": 0})
+               for s in SEQLENS[:2] for w, ms in ((16, 100.0), (2, 200.0))]
+    text = report.sweep.compare_placement(windows)
+    assert _cells(text.splitlines()[2])[1:] == ["window=2", "window=16", "window=16 / window=2"]
+    assert _cells(text.splitlines()[5])[3] == "2.00x"
+    assert "no strategy ran more than one" in report.sweep.compare_placement(recs[1:3])
+    # words every variant shares move to the heading
+    degrees = [_rec("usp", SEQLENS[0], 100.0, options={"placement": p, "ulysses_degree": 2},
+                    defaults={"placement": "head-first", "ulysses_degree": 0})
+               for p in ("head-first", "ring-first")]
+    text = report.sweep.compare_placement(degrees).splitlines()
+    assert text[0].startswith("### usp (ulysses_degree=2) on 2×2 GPUs")
+    assert _cells(text[2])[1:] == ["head-first", "ring-first", "ring-first / head-first"]
+
+
+def test_cli_views(tmp_path, capsys):
+    path = tmp_path / "sweep.jsonl"
+    _sweep(path)
+    assert main(["report", str(path)]) == 0  # many launches: the sweep view
+    out = capsys.readouterr().out
+    assert "### double-ring on 2×2 GPUs" in out and "### FWD+BWD (ms) by Seq Len" in out
+    assert "Benchmark Results for" not in out
+    assert main(["report", str(path), "--view", "run"]) == 0
+    assert "Benchmark Summary:" in capsys.readouterr().out
+    assert main(["report", str(path), "--format", "markdown"]) == 0
+    md = capsys.readouterr().out
+    assert "### usp (head-first) on 2×2 GPUs\n| Dtype | QKV Format |" in md
+    assert main(["report", str(path), "--compare", "placement"]) == 0
+    assert "ring-first / head-first" in capsys.readouterr().out
+    assert main(["report", str(path), "--compare", "placement", "--format", "csv"]) == 2
+    assert "use --format table or markdown" in capsys.readouterr().err
+
+    one = tmp_path / "run.jsonl"  # one run's file: what `cpbench run` printed, as before
+    for s in ("ring", "zigzag"):
+        results.append(one, _rec(s, 1024, 30.0, launch="same run"))
+    assert main(["report", str(one)]) == 0
+    out = capsys.readouterr().out
+    assert out == report.report(results.read(one))
+    assert "Benchmark Results for ring" in out and "### " not in out
+
+
+def test_plot_written_with_failed_points_marked(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path, png = tmp_path / "sweep.jsonl", tmp_path / "p.png"
+    _sweep(path)
+    assert main(["report", str(path), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert f"plot written to {png}" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_one_line_with_the_install(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "sweep.jsonl"
+    _sweep(path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    assert main(["report", str(path), "--plot", str(tmp_path / "p.png")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert "pip install 'cpbench[plot]'" in err
+    assert not (tmp_path / "p.png").exists()

@@ -1,0 +1,230 @@
+"""Slurm without a cluster: the sbatch script run by bash under fake ``srun`` / ``scontrol`` /
+``sbatch`` executables (each records its argv and environment), held to the command lines
+``cpbench.slurm`` builds; SLURM_* parsing; the submit helper."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpbench import slurm
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "slurm" / "cpbench.sbatch"
+SUBMIT = REPO / "scripts" / "slurm" / "submit_sweep.py"
+
+# records argv and the environment it saw as one JSON line; fails on a case marked to fail
+_RECORDER = """#!{python}
+import json, os, sys
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({{"argv": [os.path.basename(sys.argv[0])] + sys.argv[1:],
+                        "env": {{k: v for k, v in os.environ.items()
+                                if k.startswith(("SLURM_", "NCCL_", "TORCH_", "CPBENCH_",
+                                                 "CUDA_", "OMP_"))}}}}) + "\\n")
+{tail}
+"""
+_SCONTROL_TAIL = """from cpbench.slurm import expand_nodelist
+assert sys.argv[1:3] == ["show", "hostnames"], sys.argv
+print("\\n".join(expand_nodelist(sys.argv[3])))"""
+_SRUN_TAIL = """sys.exit(3 if "--fail-me" in sys.argv else 0)"""
+# sbatch: record, then run the script as Slurm would on the first node of a 4-node job
+_SBATCH_TAIL = """import subprocess
+args = sys.argv[1:]
+script_at = next(i for i, a in enumerate(args) if not a.startswith("-"))
+env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="g[045-046,072],h1",
+           SLURM_JOB_NUM_NODES="4", SLURM_NODEID="0", SLURM_SUBMIT_DIR=os.getcwd())
+subprocess.run(["bash", args[script_at], *args[script_at + 1:]], env=env, check=True)
+print("Submitted batch job 4242")"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    """Fake srun, scontrol and sbatch first on PATH; returns a reader of what they recorded."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, tail in (("srun", _SRUN_TAIL), ("scontrol", _SCONTROL_TAIL),
+                       ("sbatch", _SBATCH_TAIL)):
+        exe = bin_dir / name
+        exe.write_text(_RECORDER.format(python=sys.executable, tail=tail))
+        exe.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    for var in list(os.environ):
+        if var.startswith(("SLURM_", "CPBENCH_", "NCCL_")):
+            monkeypatch.delenv(var)
+
+    def calls(name=None):
+        if not log.exists():
+            return []
+        got = [json.loads(line) for line in log.read_text().splitlines()]
+        return [c for c in got if name is None or c["argv"][0] == name]
+
+    return calls
+
+
+JOB_4x8 = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "g[045-046,072],h1",
+           "SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "8"}
+
+
+def _run_script(tmp_path, *args, env=None):
+    full = dict(os.environ, SLURM_SUBMIT_DIR=str(tmp_path), **JOB_4x8, **(env or {}))
+    return subprocess.run(["bash", str(SCRIPT), *args], env=full, capture_output=True,
+                          text=True, timeout=30, cwd=tmp_path)
+
+
+def test_script_passes_bash_n():
+    done = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+def test_script_passes_shellcheck():
+    done = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_exact_torchrun_command_for_4_nodes_x_8_gpus(fake_slurm, tmp_path):
+    done = _run_script(tmp_path, "--strategy", "all", "--seqlen", "512K", "--out", "r.jsonl")
+    assert done.returncode == 0, done.stderr
+    (call,) = fake_slurm("srun")
+    assert call["argv"] == [
+        "srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+        "torchrun", "--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
+        "--rdzv-endpoint=g045:29500", "--rdzv-id=4242", f"{tmp_path}/benchmarks/run.py",
+        "--strategy", "all", "--seqlen", "512K", "--out", "r.jsonl"]
+    # the Python side builds the same line from the same environment
+    world = slurm.slurm_world(JOB_4x8)
+    assert call["argv"] == slurm.srun_command(
+        world, ["--strategy", "all", "--seqlen", "512K", "--out", "r.jsonl"],
+        entry=f"{tmp_path}/benchmarks/run.py")
+    env = call["env"]
+    assert env["NCCL_DEBUG"] == "WARN" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_environment_overrides_defaults(fake_slurm, tmp_path):
+    done = _run_script(tmp_path, "--strategy", "ring", env={
+        "NCCL_DEBUG": "INFO", "CPBENCH_GPUS_PER_NODE": "4", "CPBENCH_RDZV_PORT": "29611",
+        "CPBENCH_TORCHRUN": "/opt/bin/torchrun", "CPBENCH_ENTRY": "/x/run.py"})
+    assert done.returncode == 0, done.stderr
+    (call,) = fake_slurm("srun")
+    assert call["argv"][4:11] == ["/opt/bin/torchrun", "--nnodes=4", "--nproc-per-node=4",
+                                  "--rdzv-backend=c10d", "--rdzv-endpoint=g045:29611",
+                                  "--rdzv-id=4242", "/x/run.py"]
+    assert call["env"]["NCCL_DEBUG"] == "INFO"
+
+
+def test_cases_file_as_array_task_and_as_one_allocation(fake_slurm, tmp_path):
+    cases = tmp_path / "cases.txt"
+    cases.write_text("# seed 001\n--strategy ring --seqlen 128K\n\n"
+                     "--strategy zigzag --seqlen 256K --fail-me  # crashes\n"
+                     "--strategy usp --placement head-first\n")
+    done = _run_script(tmp_path, "--out", "r.jsonl",
+                       env={"CPBENCH_CASES": str(cases), "SLURM_ARRAY_TASK_ID": "2"})
+    assert done.returncode == 0, done.stderr
+    (call,) = fake_slurm("srun")
+    assert call["argv"][10:] == [f"{tmp_path}/benchmarks/run.py", "--strategy", "usp",
+                                 "--placement", "head-first", "--out", "r.jsonl"]
+    bad = _run_script(tmp_path, env={"CPBENCH_CASES": str(cases), "SLURM_ARRAY_TASK_ID": "3"})
+    assert bad.returncode == 2 and "has 3 cases" in bad.stderr
+
+    os.unlink(os.environ["FAKE_LOG"])
+    done = _run_script(tmp_path, "--out", "r.jsonl", env={"CPBENCH_CASES": str(cases)})
+    assert done.returncode == 1 and "1 of 3 cases failed" in done.stderr  # the rest ran
+    calls = fake_slurm("srun")
+    assert [c["argv"][9] for c in calls] == ["--rdzv-id=4242-0", "--rdzv-id=4242-1",
+                                            "--rdzv-id=4242-2"]
+    assert [c["argv"][12] for c in calls] == ["ring", "zigzag", "usp"]
+    assert slurm.read_cases(cases)[1] == ["--strategy", "zigzag", "--seqlen", "256K",
+                                          "--fail-me"]
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("g45", ["g45"]),
+    ("g[045-047]", ["g045", "g046", "g047"]),
+    ("g[045-046,072],h1", ["g045", "g046", "g072", "h1"]),
+    ("rack[1-2]-n[08-09]", ["rack1-n08", "rack1-n09", "rack2-n08", "rack2-n09"]),
+])
+def test_expand_nodelist(nodelist, hosts):
+    assert slurm.expand_nodelist(nodelist) == hosts
+
+
+def test_slurm_world_from_environment():
+    w = slurm.slurm_world({**JOB_4x8, "SLURM_NODEID": "3"})
+    assert (w.job_id, w.num_nodes, w.node_rank, w.gpus_per_node, w.master_addr) == \
+        ("4242", 4, 3, 8, "g045")
+    assert w.world_size == 32 and w.array_task_id is None
+    w = slurm.slurm_world({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]",
+                           "SLURM_GPUS_PER_NODE": "h100:4", "SLURM_ARRAY_TASK_ID": "5"})
+    assert (w.num_nodes, w.gpus_per_node, w.array_task_id, w.node_rank) == (2, 4, 5, 0)
+    with pytest.raises(ValueError, match="not inside a Slurm job"):
+        slurm.slurm_world({})
+
+
+def test_sbatch_command_lines(tmp_path):
+    cases = tmp_path / "cases.txt"
+    cases.write_text("--strategy ring\n--strategy zigzag\n# none\n--strategy usp\n")
+    argv, env = slurm.sbatch_command(nodes=4, gpus_per_node=8, cases_file=str(cases),
+                                     array=True, max_parallel=2, time="01:00:00",
+                                     args=["--out", "r.jsonl"])
+    assert argv == ["sbatch", "--job-name=cpbench", "--nodes=4", "--ntasks-per-node=1",
+                    "--gpus-per-node=8", "--time=01:00:00", "--array=0-2%2",
+                    "--output=%x-%A_%a.out", str(slurm.SBATCH_SCRIPT), "--out", "r.jsonl"]
+    assert env == {"CPBENCH_GPUS_PER_NODE": "8", "CPBENCH_CASES": str(cases.resolve())}
+    argv, env = slurm.sbatch_command(nodes=2, cases_file=str(cases))  # one allocation
+    assert not any(a.startswith("--array") for a in argv) and "CPBENCH_CASES" in env
+    with pytest.raises(ValueError, match="needs a cases file"):
+        slurm.sbatch_command(nodes=2, array=True)
+
+
+def test_submit_helper_through_fake_sbatch(fake_slurm, tmp_path):
+    cases = tmp_path / "cases.txt"
+    cases.write_text("--strategy ring\n--strategy zigzag\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    done = subprocess.run([sys.executable, str(SUBMIT), "--nodes", "4", "--gpus-per-node", "8",
+                           "--cases", str(cases), "--", "--out", "r.jsonl"],
+                          capture_output=True, text=True, timeout=30, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("submitted job 4242:")
+    (sb,) = fake_slurm("sbatch")
+    assert sb["argv"][:5] == ["sbatch", "--job-name=cpbench", "--nodes=4",
+                              "--ntasks-per-node=1", "--gpus-per-node=8"]
+    assert sb["env"]["CPBENCH_CASES"] == str(cases.resolve())
+    runs = fake_slurm("srun")  # the job ran both cases, each its own launch
+    assert [c["argv"][11:] for c in runs] == [["--strategy", "ring", "--out", "r.jsonl"],
+                                             ["--strategy", "zigzag", "--out", "r.jsonl"]]
+    assert all(c["argv"][6] == "--nproc-per-node=8" for c in runs)
+    dry = subprocess.run([sys.executable, str(SUBMIT), "--nodes", "4", "--dry-run", "--",
+                          "--strategy", "all"], capture_output=True, text=True, env=env)
+    assert dry.returncode == 0 and dry.stdout.startswith("sbatch --job-name=cpbench --nodes=4")
+    assert len(fake_slurm("sbatch")) == 1  # a dry run submits nothing
+
+
+def test_yaml_sweep_in_one_allocation(fake_slurm, tmp_path):
+    """CPBENCH_SWEEP: `cpbench sweep CONFIG --launcher <srun torchrun prefix> ARGS` on the first
+    node; each case then runs as <prefix> benchmarks/run.py <flags>."""
+    cli = tmp_path / "bin" / "cpbench"
+    cli.write_text(_RECORDER.format(python=sys.executable, tail=""))
+    cli.chmod(0o755)
+    done = _run_script(tmp_path, "--out", "r.jsonl", "--rerun-failed",
+                       env={"CPBENCH_SWEEP": "configs/seed001_32gpu.yaml",
+                            "CPBENCH_CLI": str(cli)})
+    assert done.returncode == 0, done.stderr
+    (call,) = fake_slurm("cpbench")
+    launcher = slurm.sweep_launcher(slurm.slurm_world(JOB_4x8))
+    assert call["argv"] == ["cpbench", "sweep", "configs/seed001_32gpu.yaml",
+                            "--launcher", launcher, "--out", "r.jsonl", "--rerun-failed"]
+    assert launcher == ("srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun "
+                        "--nnodes=4 --nproc-per-node=8 --rdzv-backend=c10d "
+                        "--rdzv-endpoint=g045:29500 --rdzv-id=4242")
+    argv, env = slurm.sbatch_command(nodes=4, sweep="configs/seed001_32gpu.yaml")
+    assert env == {"CPBENCH_SWEEP": str(Path("configs/seed001_32gpu.yaml").resolve())}
+    with pytest.raises(ValueError, match="not both"):
+        slurm.sbatch_command(nodes=4, sweep="a.yaml", cases_file="cases.txt")

@@ -1,0 +1,106 @@
+"""Sweep configs: expansion, validation (every error at once, with its case), keys,
+command lines. No processes are started."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpbench import sweep
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _write(tmp_path, text: str) -> Path:
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_product_then_cases_in_order(tmp_path):
+    cfg = sweep.load(_write(tmp_path, """
+base: {nproc: 2, heads: 2, head_dim: 16, warmup: 0, iters: 1}
+sweep: {strategy: [ring, zigzag], seqlen: [256, 512]}
+cases: [{strategy: usp, seqlen: 1k, timeout: 7}]
+"""))
+    labels = [c.label for c in cfg.cases]
+    assert labels == ["strategy=ring seqlen=256", "strategy=ring seqlen=512",
+                      "strategy=zigzag seqlen=256", "strategy=zigzag seqlen=512",
+                      "strategy=usp seqlen=1k timeout=7"]
+    assert cfg.cases[-1].timeout == 7 and cfg.cases[0].timeout is None
+    assert cfg.cases[-1].settings["seqlen"] == 1024
+    assert len(cfg.cases[-1].keys) == len(cfg.cases[-1].plan.cases)  # a row per variant
+    cmd = sweep.command(cfg, cfg.cases[0], "/tmp/o.jsonl")
+    assert cmd[:4] == [sys.executable, "-m", "cpbench.cli", "run"]
+    assert cmd[4:] == ["--nproc", "2", "--heads", "2", "--head-dim", "16", "--warmup", "0",
+                       "--iters", "1", "--strategy", "ring", "--seqlen", "256",
+                       "--out", "/tmp/o.jsonl"]
+
+
+def test_every_error_listed_with_its_case(tmp_path):
+    path = _write(tmp_path, """
+colour: blue
+base: {nproc: 2, heads: 3, head_dim: 16, seqlenn: 4, out: x.jsonl}
+sweep: {strategy: [ring, ulysses, nosuch], seqlen: [256, 257]}
+cases: [{strategy: ring, causal: maybe}, {strategy: ring, timeout: -1}]
+""")
+    with pytest.raises(sweep.SweepError) as info:
+        sweep.load(path)
+    errors = info.value.errors
+    text = "\n".join(errors)
+    assert "unknown key 'colour'" in text
+    assert "unknown setting 'seqlenn' (did you mean 'seqlen'?)" in text
+    assert "'out' is set by `cpbench sweep`" in text
+    assert any(e.startswith("case 3 (strategy=ulysses seqlen=256):") for e in errors)
+    assert any(e.startswith("case 5 (strategy=nosuch seqlen=256): unknown strategy")
+               for e in errors)
+    assert any(e.startswith("case 2 (strategy=ring seqlen=257):") for e in errors)
+    assert any(e.startswith("case 7 (strategy=ring causal=maybe): causal must be true")
+               for e in errors)
+    assert "case 8 (strategy=ring timeout=-1): timeout must be a positive number" in text
+    assert len(errors) == 10
+    assert not any(e.startswith("case 1 ") for e in errors)  # ring at 256 on 2 ranks is fine
+
+
+def test_repeated_rows_are_an_error(tmp_path):
+    with pytest.raises(sweep.SweepError, match="case 2 .*repeats a row of case 1"):
+        sweep.load(_write(tmp_path, """
+base: {nproc: 2, heads: 2, head_dim: 16}
+cases: [{strategy: ring, seqlen: 256}, {strategy: ring, seqlen: 256, timeout: 3}]
+"""))
+
+
+def test_record_key_matches_plan_key(tmp_path):
+    cfg = sweep.load(_write(tmp_path, """
+base: {nproc: 2, heads: 2, head_dim: 16, warmup: 0, iters: 1}
+cases: [{strategy: ring, seqlen: 256}]
+"""))
+    case = cfg.cases[0]
+    record = sweep._failure_record(case, 0, sweep.TIMEOUT, "late", None, "log")
+    record = json.loads(json.dumps(record))
+    assert sweep.record_key(record) == case.keys[0]
+    record["config"]["run"]["out"] = "elsewhere.jsonl"  # how it was launched is not the key
+    record["config"]["run"]["collective_timeout"] = 5.0
+    assert sweep.record_key(record) == case.keys[0]
+    record["config"]["attention"]["seqlen"] = 512
+    assert sweep.record_key(record) != case.keys[0]
+
+
+@pytest.mark.parametrize("name", ["cpu_smoke.yaml", "node8_sweep.yaml",
+                                  "seed001_32gpu.yaml"])
+def test_shipped_configs_validate(name):
+    cfg = sweep.load(REPO / "configs" / name)
+    assert cfg.cases
+    if name == "seed001_32gpu.yaml":
+        assert (cfg.nodes, cfg.gpus_per_node) == (4, 8)
+        seqlens = {c.settings["seqlen"] for c in cfg.cases}
+        assert seqlens == {2 ** 17, 2 ** 18, 2 ** 19, 2 ** 20}
+        usp = [c for c in cfg.cases if c.settings["strategy"] == ("usp",)][0]
+        assert {c.options.placement for c in usp.plan.cases} == {"head-first", "ring-first"}
+        with pytest.raises(ValueError, match="Slurm"):
+            sweep.command(cfg, cfg.cases[0], "o.jsonl")
+        cmd = sweep.command(cfg, cfg.cases[0], "o.jsonl", launcher="srun torchrun --nnodes 4")
+        assert cmd[:3] == ["srun", "torchrun", "--nnodes"] and cmd[4].endswith("run.py")
