@@ -176,24 +176,6 @@ def plan_keys(p) -> tuple[str, ...]:
 
 # -- loading and validation --------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _as_torchrun(world: int, local: int):
-    """Plan as rank 0 of a torchrun job of this shape would (nothing is started)."""
-    from cpbench.bench.env import TORCHRUN_VARS
-
-    saved = {k: os.environ.get(k) for k in TORCHRUN_VARS}
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(local), MASTER_ADDR="127.0.0.1")
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _validate(settings: dict, topology: tuple | None):
     from cpbench.bench import plan as planning
 
@@ -206,16 +188,10 @@ def _validate(settings: dict, topology: tuple | None):
                if k not in run_names | attn_names and v is not None}
     if topology is None:
         return planning.plan(run, attention, options, launcher="self")
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_as_torchrun(topology[0] * topology[1], topology[1]))
-        import torch
-        if not torch.cuda.is_available():
-            # a GPU sweep checked on a machine without its GPUs: what fits is decided where it
-            # runs (each launch plans again there), not against this host's RAM
-            from unittest import mock
-            stack.enter_context(mock.patch.object(planning.memory, "capacity_bytes",
-                                                  lambda *a, **k: None))
-        return planning.plan(run, attention, options, launcher="torchrun")
+    # planned as its torchrun job would be; what fits is decided where it runs (each launch
+    # plans again there), not against this host's memory
+    return planning.plan(run, attention, options, launcher="torchrun",
+                         job=(topology[0] * topology[1], topology[1]))
 
 
 def load(path: str | os.PathLike) -> Sweep:

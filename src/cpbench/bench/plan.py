@@ -211,15 +211,20 @@ def _default_out(run: RunConfig, attn: AttentionConfig) -> str:
     return str(Path("runs") / f"{utc}_{names}_{attn.seqlen}" / "results.jsonl")
 
 
-def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str) -> Plan:
+def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
+         job: tuple[int, int] | None = None) -> Plan:
     """Validate a request and resolve its defaults. ``attention``: the AttentionConfig fields
     given on the command line; ``options``: the strategy options given. Pure apart from
     reading the machine and creating the ``--out`` file (empty, on rank 0); raises
-    ValueError with the fix for anything it cannot run."""
-    device = _device(run, launcher)
+    ValueError with the fix for anything it cannot run.
+
+    ``job``: (world size, ranks per node) of a torchrun job planned from outside it (a sweep
+    validating GPU cases on another host): memory fit is then left to the job's own plan."""
+    device = _device(run, launcher) if job is None else (
+        "cuda" if run.device == "auto" else run.device)
     run = run.resolved(device)
     attn = AttentionConfig(**{**default_attention(device), **attention})
-    world, default_rpn = _world(run, launcher)
+    world, default_rpn = _world(run, launcher) if job is None else job
     topo = Topology(world_size=world, ranks_per_node=run.ranks_per_node or default_rpn)
     if launcher == "torchrun" and run.deadline is not None:
         raise ValueError("--deadline stops a --nproc self-launch; under torchrun use the "
@@ -230,7 +235,7 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str) -> Pl
                               head_dim=attn.head_dim, heads=attn.heads,
                               kv_heads=attn.num_kv_heads)
     local_ranks = topo.ranks_per_node if launcher == "torchrun" else world
-    capacity = memory.capacity_bytes(device, local_ranks)
+    capacity = memory.capacity_bytes(device, local_ranks) if job is None else None
     built, skipped = _runnable(_cases(run.strategy, options, topo), run.strategy, attn, topo,
                                backend, capacity)
     if "all" in run.strategy:  # baselines after the CP rows they are compared with
@@ -239,7 +244,8 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str) -> Pl
     if run.check:
         _reference_fits(attn, device, local_ranks, capacity)
     out = None if (run.out or "").lower() == "none" else (run.out or _default_out(run, attn))
-    if out is not None and (launcher == "self" or env_mod.torchrun_world()[0] == 0):
+    if out is not None and job is None and (launcher == "self"
+                                            or env_mod.torchrun_world()[0] == 0):
         _open_out(out)
     return Plan(attn=attn, run=run, world_size=world, ranks_per_node=topo.ranks_per_node,
                 kernel=backend.name, cases=tuple(cases), out=out, launcher=launcher,
