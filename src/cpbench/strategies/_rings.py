@@ -24,7 +24,7 @@ import torch
 
 from cpbench.comm import RingComm
 from cpbench.merge import OutLseAccumulator
-from cpbench.strategies.base import FWD, Message, Step, Strategy
+from cpbench.strategies.base import FWD, Message, Step, Strategy, save_for_backward
 from cpbench.strategies.layout import slice_len, zigzag_block
 from cpbench.topology import Group, double_ring_groups
 
@@ -179,6 +179,17 @@ def zigzag_forward(strat: Strategy, rings: Rings, q, k, v):
                                      kv[1][:, blk.kv], causal=blk.causal)
         acc.update(out, lse, blk.q)
     return acc.result(q.dtype)
+
+
+class ZigzagRingsAttention(torch.autograd.Function):
+    """The forward double-ring and burst share (``zigzag_forward`` on ``strat.rings``); each
+    subclasses it with its own backward."""
+
+    @staticmethod
+    def forward(ctx, strat, q, k, v):
+        out, lse = zigzag_forward(strat, strat.rings, q, k, v)
+        save_for_backward(ctx, strat, q, k, v, out, lse, lse=lse)
+        return out, lse
 
 
 def forward_schedule(strat: Strategy, rings: Rings) -> list[Step]:

@@ -23,8 +23,8 @@ import torch
 
 from cpbench.strategies import register
 from cpbench.strategies._rings import (HomeBound, Rings, circulate, double_ring_lists,
-                                       forward_schedule, zigzag_forward)
-from cpbench.strategies.base import BWD, Step, Strategy, option, save_for_backward
+                                       ZigzagRingsAttention, forward_schedule)
+from cpbench.strategies.base import BWD, Step, Strategy, option
 from cpbench.strategies.layout import ZigzagLayout, slice_len, zigzag_block
 from cpbench.topology import Topology, node_local_block
 
@@ -57,14 +57,7 @@ def _out_seen_by_kernel(delta_bhs: torch.Tensor, dout_bshd: torch.Tensor) -> tor
     return (scale.unsqueeze(-1) * do).to(dout_bshd.dtype)
 
 
-class _BurstAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, strat: "Burst", q, k, v):
-        out, lse = zigzag_forward(strat, strat.rings, q, k, v)
-        # with opt_bwd, O is needed once more (for delta) but never sent
-        save_for_backward(ctx, strat, q, k, v, out, lse, lse=lse)
-        return out, lse
-
+class _BurstAttention(ZigzagRingsAttention):
     @staticmethod
     def backward(ctx, dout, _dlse):
         strat = ctx.strat

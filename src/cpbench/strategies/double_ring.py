@@ -20,19 +20,13 @@ import torch
 
 from cpbench.strategies import register
 from cpbench.strategies._rings import (HomeBound, Rings, circulate, double_ring_lists,
-                                       forward_schedule, zigzag_forward)
-from cpbench.strategies.base import BWD, Step, Strategy, option, save_for_backward
+                                       ZigzagRingsAttention, forward_schedule)
+from cpbench.strategies.base import BWD, Step, Strategy, option
 from cpbench.strategies.layout import ZigzagLayout, slice_len, zigzag_block
 from cpbench.topology import Topology, divisors, node_local_block
 
 
-class _DoubleRingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, strat: "DoubleRing", q, k, v):
-        out, lse = zigzag_forward(strat, strat.rings, q, k, v)
-        save_for_backward(ctx, strat, q, k, v, out, lse, lse=lse)
-        return out, lse
-
+class _DoubleRingAttention(ZigzagRingsAttention):
     @staticmethod
     def backward(ctx, dout, _dlse):
         strat = ctx.strat
