@@ -104,8 +104,6 @@ def kv_ring_schedule(strat) -> list[Step]:
     for phase in (FWD, BWD):
         for step in range(n):
             blk = strat.block(me, src_of(me, step, n), s)
-            flops = 0.0 if blk is None else strat.block_flops(
-                slice_len(blk.q, s), slice_len(blk.kv, s), blk.causal, phase)
             msgs = []
             if step + 1 < n:
                 msgs.append(Message("p2p", g.name, kv, g.crosses_nodes))
@@ -113,5 +111,7 @@ def kv_ring_schedule(strat) -> list[Step]:
                 # the last dK/dV hop has nothing left to hide behind
                 msgs.append(Message("p2p", g_dkv.name, dkv, g_dkv.crosses_nodes,
                                     overlapped=step + 1 < n))
-            steps.append(Step(phase, step, flops, tuple(msgs)))
+            steps.append(Step(phase, step, 0.0, tuple(msgs)) if blk is None else
+                         strat.kernel_step(phase, step, slice_len(blk.q, s),
+                                           slice_len(blk.kv, s), blk.causal, msgs))
     return steps

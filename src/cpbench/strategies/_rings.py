@@ -77,8 +77,9 @@ class Rings:
     def circulate_messages(self, j: int, t: int, nbytes: int) -> list[Message]:
         """What ``circulate`` sends at (j, t)."""
         msgs = []
-        if t == 0 and j + 1 < self.windows:
-            msgs.append(Message("p2p", self.outer.name, nbytes, self.outer.crosses_nodes))
+        if t == 0 and j + 1 < self.windows:  # awaited when the next window starts
+            msgs.append(Message("p2p", self.outer.name, nbytes, self.outer.crosses_nodes,
+                                overlap_steps=self.window))
         if t + 1 < self.window:
             msgs.append(Message("p2p", self.inner.name, nbytes, self.inner.crosses_nodes))
         return msgs
@@ -86,14 +87,14 @@ class Rings:
     def home_messages(self, j: int, t: int, nbytes: int) -> list[Message]:
         """What ``HomeBound.add`` sends at (j, t) on these rings. The last inner hop of a
         window is awaited at once (the outer hop needs it) and the last outer hop ends the
-        pass: both exposed."""
+        pass: both exposed. The other outer hops are awaited a window later."""
         msgs = []
         if self.window > 1:
             msgs.append(Message("p2p", self.inner.name, nbytes, self.inner.crosses_nodes,
                                 overlapped=t + 1 < self.window))
         if t + 1 == self.window and self.windows > 1:
             msgs.append(Message("p2p", self.outer.name, nbytes, self.outer.crosses_nodes,
-                                overlapped=j + 1 < self.windows))
+                                overlapped=j + 1 < self.windows, overlap_steps=self.window))
         return msgs
 
 
@@ -141,9 +142,6 @@ class HomeBound:
 
     def add(self, j: int, t: int, partial: torch.Tensor) -> None:
         """This rank's contribution to the block it holds at (j, t); ``partial`` is consumed."""
-        if t == 0 and j > 0:  # what earlier windows summed for this window's base
-            self.outer.wait()
-            partial += self.from_outer
         if t > 0:
             self.inner.wait()
             partial += self.from_inner
@@ -154,6 +152,11 @@ class HomeBound:
             if self.inner:
                 self.inner.wait()
                 partial = self.from_inner  # the whole window's sum for our base block
+            if j > 0:
+                # what earlier windows summed for the same base block: added only now, so
+                # its outer hop had this whole window to arrive in
+                self.outer.wait()
+                partial += self.from_outer
             if self.outer:
                 self.from_outer = self.outer.send_recv(partial)
                 self.outer.commit()
@@ -199,6 +202,6 @@ def forward_schedule(strat: Strategy, rings: Rings) -> list[Step]:
     steps = []
     for index, (j, t) in enumerate(rings.steps()):
         blk = zigzag_block(rings.position, rings.source(j, t), s, strat.attn.causal)
-        flops = strat.block_flops(slice_len(blk.q, s), slice_len(blk.kv, s), blk.causal, FWD)
-        steps.append(Step(FWD, index, flops, tuple(rings.circulate_messages(j, t, kv))))
+        steps.append(strat.kernel_step(FWD, index, slice_len(blk.q, s), slice_len(blk.kv, s),
+                                       blk.causal, rings.circulate_messages(j, t, kv)))
     return steps

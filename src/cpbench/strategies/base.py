@@ -30,23 +30,30 @@ FWD, BWD = "fwd", "bwd"
 
 @dataclass(frozen=True)
 class Message:
-    """Bytes this rank sends in one step over one group. ``op``: "p2p" or "a2a"."""
+    """Bytes this rank sends in one step over one group. ``op``: "p2p" or "a2a".
+    ``overlapped``: in flight during compute (False: exposed, nothing hides it);
+    ``overlap_steps``: how many steps' compute it has to arrive in (posted now, awaited that
+    many steps later: a double ring's outer hop has a whole inner window)."""
 
     op: str
     group: str
     nbytes: int
     crosses_nodes: bool
-    overlapped: bool = True  # hidden behind compute when possible; False: exposed
+    overlapped: bool = True
+    overlap_steps: int = 1
 
 
 @dataclass(frozen=True)
 class Step:
-    """One step of a rank's schedule: the kernel FLOPs it computes and what it sends."""
+    """One step of a rank's schedule: the kernel FLOPs it computes, the shape of that kernel
+    call (``block``: seqlen_q, seqlen_k, causal; None when the step computes nothing) and what
+    it sends. The simulator prices the FLOPs at the kernel's speed for that shape."""
 
     phase: str
     index: int
     flops: float
     messages: tuple[Message, ...] = ()
+    block: tuple[int, int, bool] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +124,12 @@ class Strategy(ABC):
     def schedule(self) -> list[Step]:
         """This rank's forward and backward steps: FLOPs and messages."""
 
+    def held_bytes(self) -> int:
+        """Bytes this rank keeps alive beyond the step that made them, at their peak (e.g.
+        every received block kept to the end of the forward): the simulator's memory model
+        adds them to the per-step buffers the schedule implies. Default: none."""
+        return 0
+
     def resolved_options(self) -> dict:
         """The options as actually used, defaults resolved (e.g. a window of 0 → ranks per
         node): what a result record stores beside the options given."""
@@ -165,6 +178,12 @@ class Strategy(ABC):
         return attention_flops(batch=self.attn.batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                heads=self.attn.heads, head_dim=self.attn.head_dim,
                                causal=causal, mode=mode)
+
+    def kernel_step(self, phase: str, index: int, seqlen_q: int, seqlen_k: int, causal: bool,
+                    messages=(), *, head_share: int = 1) -> Step:
+        """A step computing one (seqlen_q × seqlen_k) block on 1/``head_share`` of the heads."""
+        flops = self.block_flops(seqlen_q, seqlen_k, causal, phase) / head_share
+        return Step(phase, index, flops, tuple(messages), (seqlen_q, seqlen_k, causal))
 
     def kv_bytes(self, seqlen: int) -> int:
         """Bytes of one K (or V) block of ``seqlen`` tokens in the activation dtype."""

@@ -146,7 +146,7 @@ class Burst(ZigzagLayout, Strategy):
         steps = forward_schedule(self, rings)
         for index, (j, t) in enumerate(rings.steps()):
             blk = zigzag_block(rings.source(j, t), rings.position, s, self.attn.causal)
-            flops = self.block_flops(slice_len(blk.q, s), slice_len(blk.kv, s), blk.causal, BWD)
             msgs = rings.circulate_messages(j, t, bundle) + home.home_messages(j, t, dq)
-            steps.append(Step(BWD, index, flops, tuple(msgs)))
+            steps.append(self.kernel_step(BWD, index, slice_len(blk.q, s), slice_len(blk.kv, s),
+                                          blk.causal, msgs))
         return steps

@@ -103,7 +103,7 @@ class DoubleRing(ZigzagLayout, Strategy):
         steps = forward_schedule(self, rings)
         for index, (j, t) in enumerate(rings.steps()):
             blk = zigzag_block(rings.position, rings.source(j, t), s, self.attn.causal)
-            flops = self.block_flops(slice_len(blk.q, s), slice_len(blk.kv, s), blk.causal, BWD)
             msgs = rings.circulate_messages(j, t, kv) + home.home_messages(j, t, dkv)
-            steps.append(Step(BWD, index, flops, tuple(msgs)))
+            steps.append(self.kernel_step(BWD, index, slice_len(blk.q, s), slice_len(blk.kv, s),
+                                          blk.causal, msgs))
         return steps

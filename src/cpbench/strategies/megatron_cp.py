@@ -133,6 +133,16 @@ class MegatronCP(ZigzagLayout, Strategy):
     def attention(self, q, k, v):
         return _TEP2PAttention.apply(self, q, k, v)
 
+    def held_bytes(self) -> int:
+        """At the end of the forward: every received K/V buffer and every step's output and
+        lse (TE rescales and sums the outputs only once the final lse is known)."""
+        g = self.groups["ring"]
+        n, me, s = g.size, g.index, self.attn.seqlen // g.size
+        rows = [slice_len(zigzag_block(me, _fwd_src(me, step, n), s, self.attn.causal).q, s)
+                for step in range(n)]
+        return (n - 1) * 2 * self.kv_bytes(s) + sum(self.q_bytes(r) + self.lse_bytes(r)
+                                                     for r in rows)
+
     def schedule(self) -> list[Step]:
         g = self.groups["ring"]
         n, me, s = g.size, g.index, self.attn.seqlen // g.size
@@ -141,8 +151,6 @@ class MegatronCP(ZigzagLayout, Strategy):
         for phase, src_of in ((FWD, _fwd_src), (BWD, _bwd_src)):
             for step in range(n):
                 blk = zigzag_block(me, src_of(me, step, n), s, self.attn.causal)
-                flops = self.block_flops(slice_len(blk.q, s), slice_len(blk.kv, s), blk.causal,
-                                         phase)
                 nbytes = 0
                 if phase == FWD and step + 1 < n:
                     nbytes = kv
@@ -150,5 +158,6 @@ class MegatronCP(ZigzagLayout, Strategy):
                     nbytes = kv if step in (0, n - 1) else 2 * kv
                 # every message, the last dK/dV included, is in flight during that step's tile
                 msgs = (Message("p2p", "ring", nbytes, g.crosses_nodes),) if nbytes else ()
-                steps.append(Step(phase, step, flops, msgs))
+                steps.append(self.kernel_step(phase, step, slice_len(blk.q, s),
+                                              slice_len(blk.kv, s), blk.causal, msgs))
         return steps

@@ -164,8 +164,7 @@ class Ulysses(Strategy):
         steps = []
         for phase in (FWD, BWD):
             # each rank computes the whole sequence for 1/N of the heads
-            flops = self.block_flops(s_full, s_full, self.attn.causal, phase) / n
             steps += [Step(phase, 0, 0.0, msgs[f"{phase}_in"]),
-                      Step(phase, 1, flops),
+                      self.kernel_step(phase, 1, s_full, s_full, self.attn.causal, head_share=n),
                       Step(phase, 2, 0.0, msgs[f"{phase}_out"])]
         return steps

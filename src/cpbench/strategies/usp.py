@@ -96,6 +96,9 @@ class Usp(Strategy):
         o = self.opts
         return o.ulysses_degree or self.default_ulysses_degree(), o.placement, o.ring_impl
 
+    def held_bytes(self) -> int:
+        return 0 if self.ring is None else self.ring.held_bytes()
+
     def resolved_options(self) -> dict:
         resolved = {"ulysses_degree": self.ulysses_degree, "ring_degree": self.ring_degree,
                     "placement": self.placement, "ring_impl": self.ring_impl}
@@ -157,7 +160,7 @@ class Usp(Strategy):
         a = self.attn
         msgs = ulysses_messages(self, g, a.seqlen // self.cp_size, a.num_kv_heads * self.replicas)
         if self.ring is None:
-            inner = [Step(p, 0, self.block_flops(a.seqlen, a.seqlen, a.causal, p) / g.size)
+            inner = [self.kernel_step(p, 0, a.seqlen, a.seqlen, a.causal, head_share=g.size)
                      for p in (FWD, BWD)]
         else:
             inner = self.ring.schedule()  # its FLOPs already count heads/u heads

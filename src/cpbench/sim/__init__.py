@@ -1,0 +1,1 @@
+"""The cluster-scale simulator: ``cpbench simulate`` (see ``model`` for the assumptions)."""

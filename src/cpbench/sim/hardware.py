@@ -1,0 +1,117 @@
+"""Hardware presets for the simulator: ``configs/hardware/*.yaml``.
+
+A preset is a machine, not a strategy: the attention kernel's attained speed as a function of
+the block it is given, the links between GPUs, and memory. Every number in a preset says
+where it comes from (a datasheet, or a fit to a published run) in the YAML itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+PRESET_DIR = Path(__file__).resolve().parents[3] / "configs" / "hardware"
+GB = 1e9  # link speeds are decimal: GB/s as datasheets print them
+
+
+@dataclass(frozen=True)
+class KernelCurve:
+    """Attained TFLOP/s of one attention kernel call against its block's side
+    L = sqrt(seqlen_q · seqlen_k), log-linear between points, flat beyond the ends."""
+
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self):
+        sides = [side for side, _ in self.points]
+        if not self.points or sides != sorted(sides) or len(set(sides)) != len(sides):
+            raise ValueError("a kernel curve needs [side, tflops] points with increasing sides")
+        if any(side <= 0 or tflops <= 0 for side, tflops in self.points):
+            raise ValueError("kernel curve sides and TFLOP/s must be positive")
+
+    def tflops(self, side: float) -> float:
+        pts = self.points
+        if side <= pts[0][0]:
+            return pts[0][1]
+        if side >= pts[-1][0]:
+            return pts[-1][1]
+        i = bisect.bisect_right([p[0] for p in pts], side)
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        w = (math.log(side) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        return y0 + w * (y1 - y0)
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth_gbs: float  # per GPU, one direction
+    latency_us: float
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    description: str
+    gpus_per_node: int  # the default topology's node size
+    nodes: int  # the default topology's node count
+    memory_gib: float  # per GPU, what the allocator can hand out
+    peak_tflops: float  # dense bf16/fp16, datasheet
+    kernel_fwd: KernelCurve
+    kernel_bwd: KernelCurve
+    step_overhead_us: float  # per kernel step: launch, stream waits, p2p posting
+    intra: Link  # inside a node (NVLink / NVSwitch)
+    inter: Link  # one GPU's share of the inter-node network when it alone sends
+    node_inter_gbs: float  # all of a node's NICs together, one direction
+    dtypes: tuple[str, ...] = ("bf16", "fp16")
+
+    def kernel(self, phase: str) -> KernelCurve:
+        return self.kernel_fwd if phase == "fwd" else self.kernel_bwd
+
+
+def _curve(points, what: str) -> KernelCurve:
+    try:
+        return KernelCurve(tuple((float(s), float(t)) for s, t in points))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
+def from_dict(d: dict, source: str = "preset") -> Hardware:
+    try:
+        k, intra, inter = d["kernel"], d["intra_node"], d["inter_node"]
+        hw = Hardware(
+            name=d["name"], description=d.get("description", ""),
+            gpus_per_node=int(d["gpus_per_node"]), nodes=int(d.get("nodes", 1)),
+            memory_gib=float(d["memory_gib"]), peak_tflops=float(d["peak_tflops_bf16"]),
+            kernel_fwd=_curve(k["fwd"], f"{source}: kernel.fwd"),
+            kernel_bwd=_curve(k["bwd"], f"{source}: kernel.bwd"),
+            step_overhead_us=float(k.get("step_overhead_us", 0.0)),
+            intra=Link(float(intra["bandwidth_gbs"]), float(intra["latency_us"])),
+            inter=Link(float(inter["bandwidth_gbs_per_gpu"]), float(inter["latency_us"])),
+            node_inter_gbs=float(inter["node_bandwidth_gbs"]),
+        )
+    except KeyError as e:
+        raise ValueError(f"{source}: missing field {e.args[0]!r} (see configs/hardware/"
+                         f"a800-sxm.yaml for a complete preset)") from None
+    top = max(t for _, t in hw.kernel_fwd.points + hw.kernel_bwd.points)
+    if top > hw.peak_tflops:
+        raise ValueError(f"{source}: a kernel curve reaches {top:g} TFLOP/s, above the "
+                         f"peak {hw.peak_tflops:g}")
+    return hw
+
+
+def names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def load(name_or_path: str) -> Hardware:
+    """A preset by name (``a800-sxm``) or a YAML file path."""
+    path = Path(name_or_path)
+    if not (path.suffix in (".yaml", ".yml") and path.exists()):
+        path = PRESET_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        raise ValueError(f"no hardware preset {name_or_path!r}; choose one of "
+                         f"{', '.join(names())} or give a YAML file")
+    with open(path) as f:
+        return from_dict(yaml.safe_load(f), str(path))

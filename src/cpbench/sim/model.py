@@ -1,0 +1,248 @@
+"""Predict a strategy's FWD / FWD+BWD time and peak memory per GPU on a cluster it never ran on.
+
+Nothing here knows a strategy by name. Each rank's work and traffic come from the schedule
+the strategy itself declares (``Strategy.schedule()``: per step, the kernel block it computes
+and the bytes it sends over which group), which the multi-rank tests hold equal to the bytes
+the code really sends and whose FLOPs sum to the one FLOP formula. The machine comes from a
+hardware preset (``cpbench.sim.hardware``). Modelling assumptions, and where they come from:
+
+1. Lock-step. Ring neighbours exchange every step and collectives synchronise their group,
+   so a step lasts as long as its slowest rank; a phase is the sum of its steps. (Ring
+   attention papers and ring-flash-attention's per-step ``wait()``.) The causal imbalance of
+   ``ring`` shows up here: its last rank computes a full block at every step.
+2. A rank's step costs ``max(compute, overlapped communication) + exposed communication``.
+   Messages the schedule marks overlapped (the next K/V block, a partial dK/dV sum moving on)
+   are in flight while the kernel runs; exposed ones (all-to-alls, the last backward hop)
+   wait for or are waited on by the compute. (The strategies' own code: ``commit`` before
+   the kernel, ``wait`` after.)
+3. Compute: each kernel step costs its FLOPs at the preset's attained kernel rate for its
+   block side sqrt(seqlen_q · seqlen_k), forward and backward curves separately, plus a fixed
+   per-step overhead (kernel launches, stream waits, posting the p2p batch). The curves are
+   measured end to end per step, so they include the LSE merge / fp32 accumulation that goes
+   with each block. Heads and batch only scale the FLOPs (FlashAttention parallelises over
+   them; at the block sizes CP runs, ≥ 1k tokens, the grid fills the GPU).
+4. Links: a message inside a node moves at the intra-node link rate (NVSwitch: every GPU has
+   its own full-rate port); one crossing nodes at min(the GPU's own share of the network,
+   the node's NIC total divided among the node's GPUs sending across at that step): the
+   node's inter-node bytes of the step over its NIC bandwidth. Concurrent messages of a rank
+   on different groups share these links (their bytes add); each transfer pays the link
+   latency once. A ring hop counts as inter-node for a rank when either of its neighbours
+   is on another node (it sends to one and receives from the other); an all-to-all sends
+   (n-1) parts, those to members on other nodes cross.
+5. Memory per rank: q, k, v, out, dout and their gradients in the activation dtype, lse and
+   one fp32 accumulator (out in forward, dQ in backward), plus at the worst step the send
+   and receive buffers of every message in flight (2 × bytes), plus what a strategy keeps
+   beyond a step (``Strategy.held_bytes``, e.g. megatron-cp's received K/V blocks). OOM when
+   over the preset's memory. Allocator fragmentation and kernel workspaces are not counted,
+   so this is a lower bound (within ~20-30 % of seed 000/001's measured memory).
+
+Everything scales exactly with the sequence length and batch (bytes with S·B, FLOPs with
+S²·B), so a schedule is built once per (strategy, options, heads, dims, dtype, topology) and
+re-scaled for other lengths: a thousand configurations take well under a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from cpbench import kernels, strategies
+from cpbench.config import AttentionConfig
+from cpbench.sim.hardware import GB, Hardware
+from cpbench.strategies.base import BWD, FWD, Strategy
+from cpbench.topology import Topology
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """One rank's step at the compiled size: kernel FLOPs and block side, and the bytes it
+    moves inside / across nodes, overlapped or exposed."""
+
+    flops: float
+    side: float
+    intra_ov: float = 0.0
+    inter_ov: float = 0.0
+    intra_exp: float = 0.0
+    inter_exp: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    """Every distinct rank view of one step, and the busiest node's inter-node bytes."""
+
+    phase: str
+    ranks: tuple[RankStep, ...]
+    node_ov: float
+    node_exp: float
+
+
+@dataclass(frozen=True)
+class Compiled:
+    seqlen: int
+    batch: int
+    steps: tuple[StepLoad, ...]
+    resident_bytes: float  # held through the whole step
+    buffer_bytes: float  # the worst step's message buffers
+    ranks_per_problem: int
+    resolved: dict
+
+
+@dataclass(frozen=True)
+class Prediction:
+    fwd_s: float
+    bwd_s: float
+    fwd_compute_s: float  # the slowest rank's kernel time, summed over forward steps
+    bwd_compute_s: float
+    memory_bytes: float
+    capacity_bytes: float
+    ranks_per_problem: int
+    resolved: dict
+
+    @property
+    def fwd_bwd_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+    @property
+    def oom(self) -> bool:
+        return self.memory_bytes > self.capacity_bytes
+
+
+_KERNEL = kernels.get("torch")  # schedules never call the kernel; constructors want one
+
+
+def build(name: str, options, attn: AttentionConfig, topo: Topology, rank: int = 0) -> Strategy:
+    """``rank``'s strategy with planned groups (no processes); ValueError if it cannot run."""
+    cls = strategies.get(name)
+    if cls.causal_only and not attn.causal:
+        raise ValueError(f"{name} only runs causal attention")
+    return cls(attn, topo, rank, kernel=_KERNEL, options=options, create_groups=False)
+
+
+def _rank_loads(strat: Strategy, schedule, topo: Topology) -> list[tuple[RankStep, float, float]]:
+    """Per step: this rank's view, and the bytes it sends out of its node (overlapped,
+    exposed). A message with ``overlap_steps`` k is spread evenly over its step and the k-1
+    after it (the link carries it while they compute)."""
+    me = topo.node_of(strat.rank)
+    moved = [[0.0] * 4 for _ in schedule]  # intra_ov, inter_ov, intra_exp, inter_exp
+    leaving = [[0.0, 0.0] for _ in schedule]
+    for i, step in enumerate(schedule):
+        for m in step.messages:
+            g = strat.groups[m.group]
+            if m.op == "p2p":
+                remote = float(topo.node_of(g.next_rank) != me or topo.node_of(g.prev_rank) != me)
+                out = float(topo.node_of(g.next_rank) != me)
+            else:  # all-to-all: nbytes is the n-1 parts sent to the others
+                remote = out = sum(topo.node_of(r) != me for r in g.ranks) / (g.size - 1)
+            span = [j for j in range(i, min(i + m.overlap_steps, len(schedule)))
+                    if schedule[j].phase == step.phase] if m.overlapped else [i]
+            kind = 0 if m.overlapped else 2
+            for j in span:
+                share = m.nbytes / len(span)
+                moved[j][kind] += share * (1 - remote)
+                moved[j][kind + 1] += share * remote
+                leaving[j][kind // 2] += share * out
+    views = []
+    for step, bytes_, out in zip(schedule, moved, leaving):
+        side = math.sqrt(step.block[0] * step.block[1]) if step.block else 0.0
+        views.append((RankStep(step.flops, side, *bytes_), out[0], out[1]))
+    return views
+
+
+def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) -> Compiled:
+    """Every rank's schedule, reduced to what the timing model reads."""
+    ranks = [build(name, options, attn, topo, r) for r in range(topo.world_size)]
+    schedules = [s.schedule() for s in ranks]
+    assert len({len(s) for s in schedules}) == 1, f"{name}: ranks disagree on the step count"
+    assert len({tuple(st.phase for st in s) for s in schedules}) == 1, \
+        f"{name}: ranks disagree on the phases of their steps"
+    loads = [_rank_loads(strat, sched, topo) for strat, sched in zip(ranks, schedules)]
+    buffers = max(2.0 * sum(m.nbytes for m in step.messages)
+                  for sched in schedules for step in sched)
+    steps = []
+    for i, first in enumerate(schedules[0]):
+        node_out: dict[int, list[float]] = {}
+        for strat, rank_loads in zip(ranks, loads):
+            acc = node_out.setdefault(topo.node_of(strat.rank), [0.0, 0.0])
+            acc[0] += rank_loads[i][1]
+            acc[1] += rank_loads[i][2]
+        views = {rank_loads[i][0] for rank_loads in loads}
+        steps.append(StepLoad(first.phase, tuple(sorted(views, key=dataclasses.astuple)),
+                              max(v[0] for v in node_out.values()),
+                              max(v[1] for v in node_out.values())))
+    rank0 = ranks[0]
+    return Compiled(attn.seqlen, attn.batch, tuple(steps),
+                    _resident_bytes(rank0) + max(s.held_bytes() for s in ranks), buffers,
+                    rank0.ranks_per_problem, rank0.resolved_options())
+
+
+def _resident_bytes(strat: Strategy) -> float:
+    """q, k, v, out, dout, dq, dk, dv in the activation dtype, lse, one fp32 accumulator."""
+    s = strat.local_seqlen
+    q, kv = strat.q_bytes(s), strat.kv_bytes(s)
+    return 4 * q + 4 * kv + strat.lse_bytes(s) + strat.q_bytes(s, element_size=4)
+
+
+@lru_cache(maxsize=4096)
+def _compiled(name: str, options, attn: AttentionConfig, world: int, rpn: int) -> Compiled:
+    return compile_schedule(name, options, attn, Topology(world_size=world, ranks_per_node=rpn))
+
+
+_REFERENCE: dict[tuple, AttentionConfig] = {}  # shape → the first problem compiled for it
+
+
+def compiled_for(name: str, options, attn: AttentionConfig, topo: Topology) -> Compiled:
+    """The compiled schedule of this shape and topology, built at the first (seqlen, batch)
+    seen and re-scaled from there (exact: see the module docstring)."""
+    build(name, options, attn, topo)  # this seqlen's own validation
+    shape = dataclasses.replace(attn, seqlen=1, batch=1)
+    key = (name, options, shape, topo.world_size, topo.ranks_per_node)
+    reference = _REFERENCE.setdefault(key, attn)
+    return _compiled(name, options, reference, topo.world_size, topo.ranks_per_node)
+
+
+def _comm_s(hw: Hardware, intra: float, inter: float, node: float) -> float:
+    t_intra = intra / (hw.intra.bandwidth_gbs * GB) + hw.intra.latency_us * 1e-6 if intra else 0.0
+    t_inter = 0.0
+    if inter:
+        t_inter = max(inter / (hw.inter.bandwidth_gbs * GB), node / (hw.node_inter_gbs * GB)) \
+            + hw.inter.latency_us * 1e-6
+    return max(t_intra, t_inter)
+
+
+def predict(name: str, options, attn: AttentionConfig, topo: Topology, hw: Hardware
+            ) -> Prediction:
+    """The predicted step times and memory of ``name`` on ``topo`` with ``hw``; ValueError
+    when the strategy cannot run this configuration."""
+    if attn.dtype not in hw.dtypes:
+        raise ValueError(f"the {hw.name} preset models {'/'.join(hw.dtypes)} attention "
+                         f"kernels; simulate with --dtype {hw.dtypes[0]}")
+    c = compiled_for(name, options, attn, topo)
+    linear = (attn.batch / c.batch) * (attn.seqlen / c.seqlen)
+    square = linear * (attn.seqlen / c.seqlen)
+    length = attn.seqlen / c.seqlen
+    total = {FWD: 0.0, BWD: 0.0}
+    compute_total = {FWD: 0.0, BWD: 0.0}
+    overhead = hw.step_overhead_us * 1e-6
+    for step in c.steps:
+        curve = hw.kernel(step.phase)
+        node_ov, node_exp = step.node_ov * linear, step.node_exp * linear
+        worst = worst_compute = 0.0
+        for r in step.ranks:
+            compute = 0.0
+            if r.flops:
+                compute = r.flops * square / (curve.tflops(r.side * length) * 1e12) + overhead
+            ov = _comm_s(hw, r.intra_ov * linear, r.inter_ov * linear, node_ov)
+            exp = _comm_s(hw, r.intra_exp * linear, r.inter_exp * linear, node_exp)
+            worst = max(worst, max(compute, ov) + exp)
+            worst_compute = max(worst_compute, compute)
+        total[step.phase] += worst
+        compute_total[step.phase] += worst_compute
+    memory = (c.resident_bytes + c.buffer_bytes) * linear
+    return Prediction(fwd_s=total[FWD], bwd_s=total[BWD], fwd_compute_s=compute_total[FWD],
+                      bwd_compute_s=compute_total[BWD], memory_bytes=memory,
+                      capacity_bytes=hw.memory_gib * GIB,
+                      ranks_per_problem=c.ranks_per_problem, resolved=c.resolved)
