@@ -23,7 +23,8 @@ import typing
 
 from cpbench import strategies
 from cpbench.config import (ATTENTION_HELP, ATTENTION_PARSE, CPU_ATTENTION, DTYPES, FORMATS,
-                            GPU_ATTENTION, AttentionConfig, RunConfig, flag)
+                            GPU_ATTENTION, AttentionConfig, RunConfig, flag, parse_names,
+                            parse_size)
 
 USAGE_ERROR = 2
 _OPT_PREFIX = "opt_"
@@ -137,6 +138,12 @@ def _run_parser(sub) -> argparse.ArgumentParser:
     _add_dataclass(p.add_argument_group("run"), RunConfig, defaults_note=_run_default)
     reserved = {f.name for f in dataclasses.fields(AttentionConfig)} | \
         {f.name for f in dataclasses.fields(RunConfig)}
+    _add_strategy_options(p, reserved)
+    p.set_defaults(func=cmd_run)
+    return p
+
+
+def _add_strategy_options(p, reserved: set[str]) -> None:
     group = p.add_argument_group("strategy options (passed to the strategies that take them)")
     for opt, owners in _strategy_options().items():
         assert opt not in reserved, f"strategy option {opt!r} clashes with a run flag"
@@ -146,7 +153,49 @@ def _run_parser(sub) -> argparse.ArgumentParser:
         where = "; ".join(f"{s}: default {f.default}" for s, f, _ in owners)
         help = f"{owners[0][1].metadata.get('help', '')} [{where}]"
         _add_field(group, opt, typ, help, choices=choices or None, dest=_OPT_PREFIX + opt)
-    p.set_defaults(func=cmd_run)
+
+
+def _parse_sizes(text: str) -> tuple[int, ...]:
+    return tuple(parse_size(t) for t in text.split(",") if t.strip()) or (parse_size(text),)
+
+
+def _simulate_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("simulate", help="predict the run tables for a GPU cluster (no GPU needed)",
+                       description="Predict FWD / FWD+BWD time, memory and TFLOPs per GPU of "
+                                   "each strategy on a cluster from the strategies' own "
+                                   "schedules and a hardware preset (configs/hardware/).")
+    attention = p.add_argument_group("attention problem (default: seed 001's)")
+    for f in dataclasses.fields(AttentionConfig):
+        if f.name == "seqlen":
+            attention.add_argument("--seqlen", type=_converter(_parse_sizes, "sizes"),
+                                   metavar="S[,S...]", help="global sequence length(s), e.g. "
+                                   f"128K,256K,512K (default {GPU_ATTENTION['seqlen']})")
+        else:
+            _add_field(attention, f.name, _base_type(typing.get_type_hints(AttentionConfig)
+                                                     [f.name]), ATTENTION_HELP[f.name],
+                       choices=tuple(DTYPES) if f.name == "dtype" else None)
+    g = p.add_argument_group("cluster")
+    g.add_argument("--hardware", default="a800-sxm", metavar="PRESET|FILE.yaml",
+                   help="hardware preset (configs/hardware/<name>.yaml) or a YAML file "
+                        "(default a800-sxm)")
+    g.add_argument("--nodes", type=_converter(int, "an integer"),
+                   help="nodes (default: the preset's)")
+    g.add_argument("--gpus-per-node", type=_converter(int, "an integer"),
+                   help="GPUs per node (default: the preset's)")
+    s = p.add_argument_group("what to simulate")
+    s.add_argument("--strategy", type=_converter(parse_names, "names"), default=("all",),
+                   metavar="NAME[,NAME...]|all", help="strategies (default all)")
+    s.add_argument("--compare-placements", action="store_true",
+                   help="every valid placement / split / window of the strategies side by "
+                        "side, fastest first")
+    s.add_argument("--validate", metavar="FILE.csv",
+                   help="predict published rows (configs/validation/*.csv) and print the "
+                        "relative errors; ignores the other flags but --hardware")
+    s.add_argument("--plot", metavar="OUT.png",
+                   help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib)")
+    s.add_argument("--format", choices=FORMATS, default="table")
+    _add_strategy_options(p, {f.name for f in dataclasses.fields(AttentionConfig)})
+    p.set_defaults(func=cmd_simulate)
     return p
 
 
@@ -176,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _run_parser(sub)
     _sweep_parser(sub)
+    _simulate_parser(sub)
     s = sub.add_parser("strategies", help="list every strategy, its description and options")
     s.set_defaults(func=cmd_strategies)
     r = sub.add_parser("report", help="re-render the tables from JSONL records")
@@ -314,6 +364,59 @@ def cmd_sweep(args) -> int:
         return 130
     except (OSError, ValueError) as e:  # e.g. an --out that is damaged or not writable
         return _fail("cpbench sweep", e)
+
+
+def cmd_simulate(args) -> int:
+    from cpbench.sim import command, hardware, validate
+    from cpbench.topology import Topology
+
+    prog = "cpbench simulate"
+    try:
+        hw = hardware.load(args.hardware)
+        if args.validate:
+            text = validate.report(validate.run(validate.load(args.validate), hw), hw)
+            sys.stdout.write(text)
+            return 0
+        topo = Topology(world_size=(args.nodes or hw.nodes) * (args.gpus_per_node
+                                                               or hw.gpus_per_node),
+                        ranks_per_node=args.gpus_per_node or hw.gpus_per_node)
+        given = {k: v for k, v in vars(args).items() if v is not None}
+        attention = {**GPU_ATTENTION, **{f.name: given[f.name]
+                                         for f in dataclasses.fields(AttentionConfig)
+                                         if f.name in given and f.name != "seqlen"}}
+        AttentionConfig(**attention)  # one line for a bad shape, before anything is built
+        options = {k[len(_OPT_PREFIX):]: v for k, v in given.items()
+                   if k.startswith(_OPT_PREFIX)}
+        seqlens = list(args.seqlen or (GPU_ATTENTION["seqlen"],))
+        if args.plot:
+            from cpbench.report import plot
+            plot.require_matplotlib()
+        cases = None
+        if args.compare_placements:
+            if options:
+                raise ValueError("--compare-placements tries every option value itself; "
+                                 "drop the strategy options")
+            cases = command.placement_cases(args.strategy, topo)
+        records, skipped = command.simulate(args.strategy, options, attention, seqlens, topo,
+                                            hw, cases=cases)
+    except (OSError, ValueError) as e:
+        return _fail(prog, e)
+    if args.compare_placements:
+        text = command.render_comparison(command.compare_placements(records), hw, topo,
+                                         "markdown" if args.format == "markdown" else "table")
+    else:
+        text = command.render(records, hw, topo, args.format)
+        if skipped and args.format in ("table", "markdown"):
+            text += "not simulated (the configuration does not allow them):\n" + \
+                "".join(f"  {why}\n" for why in skipped)
+    sys.stdout.write(text)
+    if args.plot:
+        try:
+            plot.plot(records, args.plot, title_note=f"simulated on {hw.name}")
+        except (OSError, ValueError) as e:
+            return _fail(prog, e)
+        sys.stderr.write(f"{prog}: plot written to {args.plot}\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,7 +94,7 @@ def _world(run: RunConfig, launcher: str) -> tuple[int, int]:
     return nproc, max([d for d in divisors(nproc) if nproc // d >= 2] or [nproc])
 
 
-def _cases(names: tuple[str, ...], given: dict, topo: Topology) -> list[Case]:
+def expand_cases(names: tuple[str, ...], given: dict, topo: Topology) -> list[Case]:
     if "all" in names:
         names = tuple(sorted(strategies.names()))
     classes = [strategies.get(n) for n in dict.fromkeys(names)]  # unknown → lists the names
@@ -236,8 +236,8 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
                               kv_heads=attn.num_kv_heads)
     local_ranks = topo.ranks_per_node if launcher == "torchrun" else world
     capacity = memory.capacity_bytes(device, local_ranks) if job is None else None
-    built, skipped = _runnable(_cases(run.strategy, options, topo), run.strategy, attn, topo,
-                               backend, capacity)
+    built, skipped = _runnable(expand_cases(run.strategy, options, topo), run.strategy, attn,
+                               topo, backend, capacity)
     if "all" in run.strategy:  # baselines after the CP rows they are compared with
         built.sort(key=lambda cb: cb[1].ranks_per_problem == 1)
     cases = [case for case, _ in built]

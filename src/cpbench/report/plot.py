@@ -23,8 +23,9 @@ def require_matplotlib():
     return plt
 
 
-def plot(records: list[dict], path: str) -> None:
-    """Write the plot of ``records`` to ``path`` (the format from its suffix)."""
+def plot(records: list[dict], path: str, title_note: str | None = None) -> None:
+    """Write the plot of ``records`` to ``path`` (the format from its suffix);
+    ``title_note`` is appended to the title (e.g. that the figures are simulated)."""
     plt = require_matplotlib()
     df = latest_frame(records)
     if df.empty:
@@ -58,7 +59,8 @@ def plot(records: list[dict], path: str) -> None:
     a = df.iloc[0]
     topo = ", ".join(dict.fromkeys(df["topo"]))
     ax.set_title(f"{a['dtype']}, B={a['batch']}, H={a['heads']}, D={a['head_dim']}, "
-                 f"{'causal' if a['causal'] else 'full'} — {topo} GPUs", fontsize=10)
+                 f"{'causal' if a['causal'] else 'full'} — {topo} GPUs"
+                 + (f" ({title_note})" if title_note else ""), fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()

@@ -122,6 +122,18 @@ def build(name: str, options, attn: AttentionConfig, topo: Topology, rank: int =
     return cls(attn, topo, rank, kernel=_KERNEL, options=options, create_groups=False)
 
 
+def _shares(g, op: str, me: int, topo: Topology) -> tuple[float, float]:
+    """(share of a message on ``g`` that crosses nodes for this rank, share that leaves its
+    node): a ring hop crosses when either neighbour is on another node (it sends to one and
+    receives from the other) and leaves the node when the next one is; an all-to-all sends
+    n-1 equal parts, those to members on other nodes cross."""
+    if op == "p2p":
+        leaves = float(topo.node_of(g.next_rank) != me)
+        return float(leaves or topo.node_of(g.prev_rank) != me), leaves
+    remote = sum(topo.node_of(r) != me for r in g.ranks) / (g.size - 1)
+    return remote, remote
+
+
 def _rank_loads(strat: Strategy, schedule, topo: Topology) -> list[tuple[RankStep, float, float]]:
     """Per step: this rank's view, and the bytes it sends out of its node (overlapped,
     exposed). A message with ``overlap_steps`` k is spread evenly over its step and the k-1
@@ -129,19 +141,20 @@ def _rank_loads(strat: Strategy, schedule, topo: Topology) -> list[tuple[RankSte
     me = topo.node_of(strat.rank)
     moved = [[0.0] * 4 for _ in schedule]  # intra_ov, inter_ov, intra_exp, inter_exp
     leaving = [[0.0, 0.0] for _ in schedule]
+    shares: dict[tuple[str, str], tuple[float, float]] = {}
     for i, step in enumerate(schedule):
         for m in step.messages:
-            g = strat.groups[m.group]
-            if m.op == "p2p":
-                remote = float(topo.node_of(g.next_rank) != me or topo.node_of(g.prev_rank) != me)
-                out = float(topo.node_of(g.next_rank) != me)
-            else:  # all-to-all: nbytes is the n-1 parts sent to the others
-                remote = out = sum(topo.node_of(r) != me for r in g.ranks) / (g.size - 1)
-            span = [j for j in range(i, min(i + m.overlap_steps, len(schedule)))
-                    if schedule[j].phase == step.phase] if m.overlapped else [i]
+            key = (m.op, m.group)
+            if key not in shares:
+                shares[key] = _shares(strat.groups[m.group], m.op, me, topo)
+            remote, out = shares[key]
+            span = [i]
+            if m.overlapped and m.overlap_steps > 1:
+                span = [j for j in range(i, min(i + m.overlap_steps, len(schedule)))
+                        if schedule[j].phase == step.phase]
             kind = 0 if m.overlapped else 2
+            share = m.nbytes / len(span)
             for j in span:
-                share = m.nbytes / len(span)
                 moved[j][kind] += share * (1 - remote)
                 moved[j][kind + 1] += share * remote
                 leaving[j][kind // 2] += share * out
@@ -192,15 +205,17 @@ def _compiled(name: str, options, attn: AttentionConfig, world: int, rpn: int) -
 
 
 _REFERENCE: dict[tuple, AttentionConfig] = {}  # shape → the first problem compiled for it
+_BY_SIZE = {2: "bf16", 4: "fp32"}
 
 
 def compiled_for(name: str, options, attn: AttentionConfig, topo: Topology) -> Compiled:
     """The compiled schedule of this shape and topology, built at the first (seqlen, batch)
     seen and re-scaled from there (exact: see the module docstring)."""
     build(name, options, attn, topo)  # this seqlen's own validation
-    shape = dataclasses.replace(attn, seqlen=1, batch=1)
+    # bf16 and fp16 schedules are the same bytes: one compile serves both
+    shape = dataclasses.replace(attn, seqlen=1, batch=1, dtype=_BY_SIZE[attn.element_size])
     key = (name, options, shape, topo.world_size, topo.ranks_per_node)
-    reference = _REFERENCE.setdefault(key, attn)
+    reference = _REFERENCE.setdefault(key, dataclasses.replace(attn, dtype=shape.dtype))
     return _compiled(name, options, reference, topo.world_size, topo.ranks_per_node)
 
 
@@ -246,3 +261,9 @@ def predict(name: str, options, attn: AttentionConfig, topo: Topology, hw: Hardw
                       bwd_compute_s=compute_total[BWD], memory_bytes=memory,
                       capacity_bytes=hw.memory_gib * GIB,
                       ranks_per_problem=c.ranks_per_problem, resolved=c.resolved)
+
+
+def clear_cache() -> None:
+    """Forget every compiled schedule (e.g. to time a cold start)."""
+    _compiled.cache_clear()
+    _REFERENCE.clear()

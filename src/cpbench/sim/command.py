@@ -1,0 +1,190 @@
+"""``cpbench simulate``: the tables ``cpbench run`` prints, predicted for a cluster.
+
+Cases expand exactly as for ``run`` (``--strategy all`` and each strategy's variants, options
+checked by the same code); each case becomes a result record (schema v1, ``env.simulated``
+set, one "sample" per phase: the prediction) so the run, sweep and plot views print it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import typing
+
+from cpbench import results, strategies
+from cpbench.report import tables
+from cpbench.bench.env import utc_now
+from cpbench.bench.plan import Case, expand_cases
+from cpbench.config import AttentionConfig, RunConfig
+from cpbench.sim import model
+from cpbench.sim.hardware import Hardware
+from cpbench.topology import Topology, divisors
+
+
+def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
+            p: model.Prediction) -> dict:
+    cls = strategies.get(case.strategy)
+    run = RunConfig(strategy=(case.strategy,), device="cuda", kernel="simulated",
+                    ranks_per_node=topo.ranks_per_node, out="none").resolved("cuda")
+    oom = p.oom
+    record = {
+        "schema_version": results.SCHEMA_VERSION,
+        "config": {"strategy": case.strategy, "options": dataclasses.asdict(case.options),
+                   "option_defaults": dataclasses.asdict(cls.Options()),
+                   "attention": attn.to_dict(), "run": run.to_dict()},
+        "kernel": f"simulated: {hw.name}",
+        "topology": {"world_size": topo.world_size, "ranks_per_node": topo.ranks_per_node,
+                     "num_nodes": topo.num_nodes},
+        "ranks_per_problem": p.ranks_per_problem, "resolved": p.resolved,
+        "env": {"simulated": True, "hardware": hw.name, "utc": utc_now(), "git_sha": None},
+        "status": results.OOM if oom else results.OK,
+        "error": (f"needs {p.memory_bytes / 2**30:.1f} GiB per GPU, {hw.name} has "
+                  f"{p.capacity_bytes / 2**30:.1f} GiB" if oom else None),
+        "traceback": None,
+        # a predicted OOM has no time: nothing would have run to completion
+        "samples_ms": None if oom else {"fwd": [[p.fwd_s * 1e3]],
+                                        "fwd_bwd": [[p.fwd_bwd_s * 1e3]]},
+        "memory_bytes": [int(p.memory_bytes)], "memory_status": None, "memory_error": None,
+        "check": None,
+        "simulation": {"fwd_compute_ms": p.fwd_compute_s * 1e3,
+                       "bwd_compute_ms": p.bwd_compute_s * 1e3,
+                       "capacity_bytes": p.capacity_bytes},
+    }
+    record["derived"] = results.derive(record)
+    return record
+
+
+def simulate(names: tuple[str, ...], options: dict, attention: dict, seqlens: list[int],
+             topo: Topology, hw: Hardware, *, cases: list[Case] | None = None
+             ) -> tuple[list[dict], list[str]]:
+    """Records for every case × seqlen, and why the cases that cannot run were skipped.
+    ValueError when a strategy asked for by name runs at none of them."""
+    cases = cases if cases is not None else expand_cases(names, options, topo)
+    records, skipped, ran = [], [], set()
+    first_error: dict[str, ValueError] = {}
+    for seqlen, case in itertools.product(seqlens, cases):
+        attn = AttentionConfig(**{**attention, "seqlen": seqlen})
+        try:
+            p = model.predict(case.strategy, case.options, attn, topo, hw)
+        except ValueError as e:
+            skipped.append(f"{case.label} at seqlen {seqlen}: {e}")
+            first_error.setdefault(case.strategy, e)
+            continue
+        ran.add(case.strategy)
+        records.append(_record(case, attn, topo, hw, p))
+    for name in names:
+        if name != "all" and name not in ran and name in first_error:
+            raise first_error[name]
+    if not records:
+        raise next(iter(first_error.values()), ValueError("nothing to simulate"))
+    # baselines after the CP rows they are compared with, as `cpbench run` orders them
+    records.sort(key=lambda r: r["ranks_per_problem"] == 1)
+    return records, skipped
+
+
+def option_grid(cls, topo: Topology) -> list:
+    """Every option set worth comparing on ``topo``: each field's choices, both values of a
+    flag, 0 (automatic) and every divisor of the world size for a size; plus the variants.
+    Sets the strategy rejects are dropped by the caller."""
+    hints = typing.get_type_hints(cls.Options)
+    axes = []
+    for f in dataclasses.fields(cls.Options):
+        choices = f.metadata.get("choices")
+        typ = hints[f.name]
+        if choices:
+            axes.append([(f.name, c) for c in choices])
+        elif typ is bool:
+            axes.append([(f.name, True), (f.name, False)])
+        elif typ is int:
+            axes.append([(f.name, d) for d in (0, *divisors(topo.world_size))])
+        else:
+            axes.append([(f.name, f.default)])
+    grid = [cls.Options(**dict(combo)) for combo in itertools.product(*axes)]
+    return list(dict.fromkeys([*cls.variants(topo), *grid]))
+
+
+def placement_cases(names: tuple[str, ...], topo: Topology) -> list[Case]:
+    if "all" in names:
+        names = tuple(strategies.names())
+    return [Case(n, o) for n in dict.fromkeys(names) for o in option_grid(strategies.get(n), topo)]
+
+
+def compare_placements(records: list[dict]) -> list[list[dict]]:
+    """Per seqlen, the distinct resolved placements (first of each), fastest FWD+BWD first,
+    OOM last."""
+    by_seqlen: dict[int, dict] = {}
+    for r in records:
+        key = (r["config"]["strategy"], results.options_label(r))
+        by_seqlen.setdefault(r["config"]["attention"]["seqlen"], {}).setdefault(key, r)
+    out = []
+    for seqlen in sorted(by_seqlen):
+        rows = list(by_seqlen[seqlen].values())
+        rows.sort(key=lambda r: (r["status"] != results.OK,
+                                 r["derived"].get("fwd_bwd_ms") or float("inf")))
+        out.append(rows)
+    return out
+
+
+def _banner(hw: Hardware, topo: Topology) -> str:
+    return (f"Simulated, not measured: {hw.name}, {topo.num_nodes} node(s) x "
+            f"{topo.ranks_per_node} GPUs (cpbench simulate; model: cpbench.sim.model)")
+
+
+def breakdown(records: list[dict]) -> str:
+    """Where each row's predicted time goes: the slowest rank's kernels, and the rest
+    (communication nothing hides, stragglers), per phase."""
+    lines = ["Where the time goes (kernel time of the slowest rank per step | the rest: "
+             "exposed communication):"]
+    width = max(len(tables._label(r)) for r in records)
+    for r in records:
+        d, sim = r["derived"], r["simulation"]
+        label = tables._label(r)
+        seqlen = r["config"]["attention"]["seqlen"]
+        if r["status"] != results.OK:
+            lines.append(f"  {label:<{width}}  {seqlen:>8}  {r['error']}")
+            continue
+        fwd, bwd = d["fwd_ms"], d["bwd_ms"]
+        lines.append(
+            f"  {label:<{width}}  {seqlen:>8}  FWD {sim['fwd_compute_ms']:9.2f} | "
+            f"{fwd - sim['fwd_compute_ms']:8.2f} ms   BWD {sim['bwd_compute_ms']:9.2f} | "
+            f"{bwd - sim['bwd_compute_ms']:8.2f} ms")
+    return "\n".join(lines) + "\n"
+
+
+def render(records: list[dict], hw: Hardware, topo: Topology, fmt: str) -> str:
+    from cpbench.report import sweep
+
+    if fmt in ("csv", "json"):
+        return tables.summary(records, fmt)
+    several = len({r["config"]["attention"]["seqlen"] for r in records}) > 1
+    body = sweep.sweep_report(records, fmt) if several else tables.summary(records, fmt)
+    return f"{_banner(hw, topo)}\n\n{body}\n{breakdown(records)}"
+
+
+def render_comparison(groups: list[list[dict]], hw: Hardware, topo: Topology, fmt: str) -> str:
+    out = [_banner(hw, topo), ""]
+    for rows in groups:
+        a = rows[0]["config"]["attention"]
+        best = next((r["derived"]["fwd_bwd_ms"] for r in rows if r["status"] == results.OK),
+                    None)
+        table = []
+        for i, r in enumerate(rows, start=1):
+            cells = tables.rows([r])[0]
+            d = r["derived"]
+            table.append({
+                "#": str(i), "Strategy": cells["Strategy"], "Placement": cells["Placement"],
+                "FWD (ms)": cells["FWD (ms)"], "FWD+BWD (ms)": cells["FWD+BWD (ms)"],
+                "Memory (MB)": cells["Memory (MB)"], "TFLOPs/s": cells["TFLOPs/s"],
+                "vs best": (f"{best / d['fwd_bwd_ms']:.2f}x" if r["status"] == results.OK
+                            and best else "-")})
+        title = (f"Placements at Seq Len {a['seqlen']} ({a['dtype']}, B={a['batch']}, "
+                 f"H={a['heads']}, D={a['head_dim']}, "
+                 f"{'causal' if a['causal'] else 'full'}), fastest first")
+        if fmt == "markdown":
+            cols = list(table[0])
+            out += [f"### {title}", "", "| " + " | ".join(cols) + " |",
+                    "|" + "|".join("---" for _ in cols) + "|",
+                    *["| " + " | ".join(t[c] for c in cols) + " |" for t in table], ""]
+        else:
+            out += [title, *tables._seed_table(table), ""]
+    return "\n".join(out)

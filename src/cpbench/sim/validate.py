@@ -1,0 +1,184 @@
+"""``cpbench simulate --validate FILE.csv``: published rows against the simulator.
+
+A validation CSV has one published measurement per row (configs/validation/ holds seed 000's
+and seed 001's): ``implementation`` (as published), ``strategy`` and ``options`` (``k=v;k=v``:
+the cpbench strategy that runs that algorithm), the problem (``seqlen``, ``batch``, ``heads``,
+``kv_heads``, ``head_dim``, ``dtype``, ``causal``), the topology (``nodes``,
+``gpus_per_node``), the published ``fwd_ms``, ``fwd_bwd_ms`` and ``tflops`` (per GPU,
+FWD+BWD), ``score`` (no: shown, left out of the statistics, with the reason in ``note``),
+``printed_tflops`` and ``source``.
+
+What is scored is per-GPU FWD+BWD TFLOP/s, both sides from cpbench's one FLOP formula (the
+published column where it is consistent with the published time; the note says where it was
+not). Ranking: at each sequence length, every pair of implementations whose published values
+differ by more than ``RANK_TOLERANCE`` must come out in the same order; closer pairs are
+within the tables' own run-to-run noise and are not a ranking.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import statistics
+from dataclasses import dataclass
+
+from cpbench import strategies
+from cpbench.bench.flops import attention_flops, tflops_per_gpu
+from cpbench.config import AttentionConfig
+from cpbench.sim import model
+from cpbench.sim.hardware import Hardware
+from cpbench.topology import Topology
+
+RANK_TOLERANCE = 0.05
+_REQUIRED = ("implementation", "strategy", "options", "seqlen", "nodes", "gpus_per_node",
+             "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "tflops")
+_TRUE = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+@dataclass(frozen=True)
+class Row:
+    implementation: str
+    strategy: str
+    options: object
+    attn: AttentionConfig
+    topo: Topology
+    published: float  # TFLOP/s per GPU, FWD+BWD
+    published_fwd_ms: float | None
+    scored: bool
+    note: str
+
+
+@dataclass(frozen=True)
+class Result:
+    row: Row
+    prediction: model.Prediction
+
+    @property
+    def predicted(self) -> float:
+        a = self.row.attn
+        flops = attention_flops(batch=a.batch, seqlen_q=a.seqlen, seqlen_k=a.seqlen,
+                                heads=a.heads, head_dim=a.head_dim, causal=a.causal,
+                                mode="fwd_bwd")
+        return tflops_per_gpu(flops, self.prediction.ranks_per_problem,
+                              self.prediction.fwd_bwd_s)
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.row.published - 1
+
+
+def parse_options(name: str, text: str):
+    """``k=v;k=v`` → the strategy's Options (booleans and integers read as such)."""
+    cls = strategies.get(name)
+    given = {}
+    for item in filter(None, (p.strip() for p in (text or "").split(";"))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"option {item!r} is not key=value")
+        value = value.strip()
+        given[key.strip().replace("-", "_")] = _TRUE.get(value.lower(), int(value)
+                                                        if value.lstrip("-").isdigit() else value)
+    return strategies.make_options(cls, given)
+
+
+def load(path: str) -> list[Row]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in _REQUIRED if c not in (reader.fieldnames or ())]
+        if missing:
+            raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; see "
+                             f"configs/validation/seed001_a800_4x8.csv")
+        rows = []
+        for line, r in enumerate(reader, start=2):
+            try:
+                rows.append(_row(r))
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"{path}:{line}: {e}") from None
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows
+
+
+def _row(r: dict) -> Row:
+    attn = AttentionConfig(batch=int(r["batch"]), seqlen=int(r["seqlen"]), heads=int(r["heads"]),
+                           kv_heads=int(r["kv_heads"]), head_dim=int(r["head_dim"]),
+                           dtype=r["dtype"], causal=_TRUE[r["causal"].strip().lower()])
+    gpn = int(r["gpus_per_node"])
+    topo = Topology(world_size=int(r["nodes"]) * gpn, ranks_per_node=gpn)
+    fwd = r.get("fwd_ms") or ""
+    return Row(r["implementation"], r["strategy"], parse_options(r["strategy"], r["options"]),
+               attn, topo, float(r["tflops"]), float(fwd) if fwd.strip() else None,
+               _TRUE.get((r.get("score") or "yes").strip().lower(), True),
+               (r.get("note") or "").strip())
+
+
+def run(rows: list[Row], hw: Hardware) -> list[Result]:
+    return [Result(row, model.predict(row.strategy, row.options, row.attn, row.topo, hw))
+            for row in rows]
+
+
+def rank_violations(results: list[Result]) -> list[tuple[Result, Result]]:
+    """Pairs (same seqlen and topology, both scored) that published clearly ordered one way
+    and the simulator orders the other way."""
+    scored = [r for r in results if r.row.scored]
+    bad = []
+    for i, a in enumerate(scored):
+        for b in scored[i + 1:]:
+            if (a.row.attn.seqlen, a.row.topo) != (b.row.attn.seqlen, b.row.topo):
+                continue
+            hi, lo = (a, b) if a.row.published >= b.row.published else (b, a)
+            if hi.row.published > lo.row.published * (1 + RANK_TOLERANCE) \
+                    and hi.predicted <= lo.predicted:
+                bad.append((hi, lo))
+    return bad
+
+
+def report(results: list[Result], hw: Hardware, tolerance: float = 0.15) -> str:
+    rows = []
+    for r in results:
+        p = r.prediction
+        rows.append({
+            "Implementation": r.row.implementation, "cpbench": _label(r.row),
+            "Seq Len": str(r.row.attn.seqlen), "Nodes×GPUs": r.row.topo.describe(),
+            "FWD (ms) pub / sim": f"{_num(r.row.published_fwd_ms)} / {p.fwd_s * 1e3:.2f}",
+            "TFLOPs/s published": f"{r.row.published:.2f}",
+            "TFLOPs/s simulated": f"{r.predicted:.2f}",
+            "Rel. error": f"{100 * r.error:+.1f} %" + ("" if r.row.scored else " (not scored)"),
+        })
+    scored = [abs(r.error) for r in results if r.row.scored]
+    worst = max((r for r in results if r.row.scored), key=lambda r: abs(r.error), default=None)
+    lines = [f"Validation against published rows — simulated on {hw.name}", *_table(rows)]
+    if scored:
+        within = sum(e <= tolerance for e in scored)
+        lines += [f"scored rows: {len(scored)}; within {100 * tolerance:.0f} %: {within}; "
+                  f"median |error| {100 * statistics.median(scored):.1f} %; worst "
+                  f"{100 * abs(worst.error):.1f} % ({worst.row.implementation}, "
+                  f"{worst.row.attn.seqlen})"]
+    bad = rank_violations(results)
+    lines.append("ranking at each sequence length (pairs > "
+                 f"{100 * RANK_TOLERANCE:.0f} % apart): "
+                 + ("preserved" if not bad else f"{len(bad)} pair(s) out of order"))
+    for hi, lo in bad:
+        lines.append(f"  {hi.row.attn.seqlen}: published {hi.row.implementation} "
+                     f"{hi.row.published:.1f} > {lo.row.implementation} {lo.row.published:.1f}"
+                     f", simulated {hi.predicted:.1f} <= {lo.predicted:.1f}")
+    notes = [(r.row.implementation, r.row.attn.seqlen, r.row.note) for r in results if r.row.note]
+    if notes:
+        lines += ["notes:"] + [f"  {impl} {s}: {n}" for impl, s, n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def _label(row: Row) -> str:
+    opts = {k: v for k, v in dataclasses.asdict(row.options).items()
+            if v != getattr(type(row.options)(), k)}
+    return row.strategy + (" " + " ".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _table(rows: list[dict]) -> list[str]:
+    from cpbench.report.tables import _seed_table  # the seeds' layout, one implementation
+
+    return _seed_table(rows)

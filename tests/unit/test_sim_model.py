@@ -1,0 +1,226 @@
+"""The simulator's timing and memory model against hand-computed cases: a machine whose links
+are free prices only the kernels, one whose kernels are free prices only the messages, and
+the NIC sharing, overlap windows, lock-step imbalance and re-scaling rules of
+``cpbench.sim.model`` each change the prediction exactly as the formulas say."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from cpbench import strategies
+from cpbench.bench.flops import attention_flops
+from cpbench.config import AttentionConfig
+from cpbench.sim import hardware, model
+from cpbench.topology import Topology
+
+FAST = 1e15  # GB/s or TFLOP/s: too fast to matter
+
+H, D = 8, 64
+
+
+def machine(*, tflops=FAST, intra=FAST, inter=FAST, node=FAST, overhead_us=0.0,
+            latency_us=0.0, memory_gib=80.0, fwd=None, bwd=None) -> hardware.Hardware:
+    flat = [[1, tflops], [2, tflops]]
+    return hardware.from_dict({
+        "name": "test", "gpus_per_node": 4, "nodes": 2, "memory_gib": memory_gib,
+        "peak_tflops_bf16": 2 * FAST,
+        "kernel": {"fwd": fwd or flat, "bwd": bwd or flat, "step_overhead_us": overhead_us},
+        "intra_node": {"bandwidth_gbs": intra, "latency_us": latency_us},
+        "inter_node": {"bandwidth_gbs_per_gpu": inter, "node_bandwidth_gbs": node,
+                       "latency_us": latency_us}})
+
+
+def problem(seqlen=4096, causal=True, **kw) -> AttentionConfig:
+    return AttentionConfig(**{**dict(batch=1, seqlen=seqlen, heads=H, head_dim=D,
+                                     dtype="bf16", causal=causal), **kw})
+
+
+def predict(name, attn, world, rpn, hw, **opts):
+    cls = strategies.get(name)
+    return model.predict(name, cls.Options(**opts), attn, Topology(world_size=world,
+                                                                   ranks_per_node=rpn), hw)
+
+
+def flops(attn, mode="fwd"):
+    return attention_flops(batch=attn.batch, seqlen_q=attn.seqlen, seqlen_k=attn.seqlen,
+                           heads=attn.heads, head_dim=attn.head_dim, causal=attn.causal,
+                           mode=mode)
+
+
+@pytest.fixture(autouse=True)
+def cold():
+    model.clear_cache()
+    yield
+    model.clear_cache()
+
+
+def test_kernel_curve_is_log_linear_between_points_and_flat_beyond():
+    c = hardware.KernelCurve(((1024.0, 100.0), (4096.0, 200.0)))
+    assert c.tflops(1024) == 100 and c.tflops(4096) == 200
+    assert c.tflops(2048) == pytest.approx(150)  # halfway in log2
+    assert c.tflops(10) == 100 and c.tflops(1e6) == 200
+    with pytest.raises(ValueError, match="increasing"):
+        hardware.KernelCurve(((4096.0, 1.0), (1024.0, 2.0)))
+
+
+def test_every_preset_loads_and_an_unknown_one_lists_them():
+    for name in hardware.names():
+        hw = hardware.load(name)
+        assert hw.kernel_fwd.tflops(1e9) <= hw.peak_tflops
+    assert {"a800-sxm", "h100-sxm", "h200-sxm"} <= set(hardware.names())
+    with pytest.raises(ValueError, match="a800-sxm"):
+        hardware.load("tpu-v9")
+
+
+def test_a_kernel_faster_than_the_peak_is_rejected():
+    with pytest.raises(ValueError, match="above the peak"):
+        machine(fwd=[[1, 3 * FAST], [2, 3 * FAST]])
+
+
+@pytest.mark.parametrize("name", ["zigzag", "megatron-cp", "double-ring", "burst"])
+def test_free_links_balanced_strategies_cost_their_share_of_the_flops(name):
+    """Zigzag-layout strategies give every rank 1/N of the work at every step."""
+    attn, rate = problem(), 100.0
+    p = predict(name, attn, 8, 4, machine(tflops=rate))
+    assert p.fwd_s == pytest.approx(flops(attn) / 8 / (rate * 1e12), rel=1e-9)
+    assert p.bwd_s == pytest.approx(flops(attn, "bwd") / 8 / (rate * 1e12), rel=1e-9)
+
+
+def test_free_links_ring_pays_its_causal_imbalance_in_lock_step():
+    """The last ring position computes a full block at every step (its own: half): N - 1/2
+    blocks of (S/N)² against the balanced share of N/2 blocks."""
+    attn, rate, n = problem(), 100.0, 8
+    p = predict("ring", attn, n, 4, machine(tflops=rate))
+    block = flops(problem(seqlen=attn.seqlen // n, causal=False))
+    assert p.fwd_s == pytest.approx((n - 1 + 0.5) * block / (rate * 1e12), rel=1e-9)
+
+
+def test_step_overhead_is_paid_once_per_kernel_step():
+    attn = problem()
+    base = predict("zigzag", attn, 8, 4, machine(tflops=100.0))
+    slow = predict("zigzag", attn, 8, 4, machine(tflops=100.0, overhead_us=50.0))
+    assert slow.fwd_s - base.fwd_s == pytest.approx(8 * 50e-6, rel=1e-9)
+
+
+def test_free_kernels_a_flat_ring_costs_its_slowest_hop():
+    """2 nodes of 4: one hop per node crosses. Forward: N-1 K/V blocks, each at the
+    inter-node rate (plus latency) on the ranks next to a node boundary."""
+    attn, n = problem(), 8
+    kv = 2 * (attn.seqlen // n) * H * D * 2
+    p = predict("zigzag", attn, n, 4, machine(inter=10.0, latency_us=5.0))
+    assert p.fwd_s == pytest.approx((n - 1) * (kv / 10e9 + 5e-6), rel=1e-9)
+
+
+def test_nic_sharing_binds_when_every_gpu_of_a_node_crosses():
+    """USP head-first with 2 × 4: Ulysses groups are the nodes, every ring hop crosses, so
+    four GPUs share the node's NICs: per hop 4 · bytes over the node rate. A flat ring has
+    one crossing hop per node, which the node rate does not slow."""
+    attn = problem()
+    kv = 2 * (attn.seqlen // 2) * (H // 4) * D * 2  # a ring position's K/V, heads/4
+    shared = predict("usp", attn, 8, 4, machine(inter=10.0, node=20.0), placement="head-first")
+    # a ring of 2 has one forward hop; the node's 4 GPUs make it at once over 20 GB/s (each
+    # alone could do 10 GB/s); the all-to-alls stay inside the node, free here
+    assert shared.fwd_s == pytest.approx(4 * kv / 20e9, rel=1e-9)
+    flat = predict("zigzag", attn, 8, 4, machine(inter=10.0, node=20.0))
+    alone = predict("zigzag", attn, 8, 4, machine(inter=10.0, node=FAST))
+    assert flat.fwd_s == pytest.approx(alone.fwd_s, rel=1e-12)
+
+
+def test_an_outer_hop_is_spread_over_its_window():
+    """double-ring on 2 × 4: the forward's one outer hop has the whole inner window (4 steps)
+    to arrive in. When 4 steps' compute covers it, nothing is exposed; at half that rate the
+    forward is the hop's time. All 4 GPUs of a node send their outer hop at once."""
+    attn = problem()
+    step = predict("double-ring", attn, 8, 4, machine(tflops=100.0)).fwd_s / 8
+    kv = 2 * (attn.seqlen // 8) * H * D * 2
+    just_hidden = kv / (4 * step) / 1e9 * 1.01  # GB/s that moves it in 4 steps' compute
+    p = predict("double-ring", attn, 8, 4, machine(tflops=100.0, inter=just_hidden,
+                                                   node=4 * just_hidden))
+    assert p.fwd_s == pytest.approx(8 * step, rel=1e-9)
+    half = just_hidden / 2
+    slower = predict("double-ring", attn, 8, 4, machine(tflops=100.0, inter=half,
+                                                        node=4 * half))
+    # the window's 4 steps each carry a quarter of the hop; the second window has none
+    assert slower.fwd_s == pytest.approx(kv / (half * 1e9) + 4 * step, rel=1e-9)
+
+
+def test_exposed_all_to_alls_add_to_the_compute():
+    """Ulysses over 2 nodes of 2: every all-to-all is exposed; with compute free, the
+    forward is its two all-to-alls (q, k, v in; out, lse back) at the rates they cross."""
+    attn = problem(heads=4)
+    n, s = 4, attn.seqlen // 4
+    q = s * 4 * D * 2
+    lse = 4 * s * 4
+    part = (n - 1) / n
+    remote = 2 / 3  # of the 3 others, 2 are on the other node
+    into = (3 * q) * part
+    back = (q + lse) * part
+    hw = machine(intra=50.0, inter=10.0)
+    p = predict("ulysses", attn, n, 2, hw)
+    want = sum(max(b * (1 - remote) / 50e9, b * remote / 10e9) for b in (into, back))
+    assert p.fwd_s == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("name,opts", [("zigzag", {}), ("usp", {"placement": "ring-first"}),
+                                       ("burst", {}), ("megatron-cp", {}), ("ring", {})])
+def test_rescaled_schedules_equal_fresh_ones(name, opts):
+    """A schedule compiled at one (seqlen, batch) and scaled is exact: the prediction equals
+    the one from a schedule compiled at the other size."""
+    hw = hardware.load("a800-sxm")
+    small, big = problem(seqlen=4096), problem(seqlen=16384, batch=3)
+    predict(name, small, 8, 4, hw, **opts)  # compiles at the small size
+    scaled = predict(name, big, 8, 4, hw, **opts)
+    model.clear_cache()
+    fresh = predict(name, big, 8, 4, hw, **opts)
+    for field in ("fwd_s", "bwd_s", "memory_bytes", "fwd_compute_s", "bwd_compute_s"):
+        assert getattr(scaled, field) == pytest.approx(getattr(fresh, field), rel=1e-9), field
+
+
+@pytest.mark.parametrize("name", strategies.names())
+def test_every_byte_a_rank_sends_is_priced_once(name):
+    """Spreading over overlap windows moves bytes between steps, never loses or adds any."""
+    cls = strategies.get(name)
+    topo = Topology(world_size=8, ranks_per_node=4)
+    for opts in cls.variants(topo):
+        for rank in (0, 5):
+            st = model.build(name, opts, problem(), topo, rank)
+            sched = st.schedule()
+            views = model._rank_loads(st, sched, topo)
+            priced = sum(v.intra_ov + v.inter_ov + v.intra_exp + v.inter_exp for v, _, _ in views)
+            sent = sum(m.nbytes for step in sched for m in step.messages)
+            assert priced == pytest.approx(sent, rel=1e-12), (name, opts, rank)
+
+
+def test_memory_counts_what_a_rank_holds_and_oom_is_over_capacity():
+    attn = problem(seqlen=1 << 20, heads=32, head_dim=128)
+    zig = predict("zigzag", attn, 8, 4, machine(memory_gib=80.0))
+    s = attn.seqlen // 8
+    q, kv = s * 32 * 128 * 2, s * 32 * 128 * 2
+    resident = 4 * q + 4 * kv + 32 * s * 4 + q * 2  # + lse, + fp32 accumulator
+    biggest_step = 2 * (2 * kv + 2 * kv * 2)  # bwd: K/V and fp32 dK/dV, sent and received
+    assert zig.memory_bytes == pytest.approx(resident + biggest_step)
+    assert not zig.oom
+    # megatron-cp keeps every received K/V block and step output to the end of the forward
+    mcp = predict("megatron-cp", attn, 8, 4, machine(memory_gib=80.0))
+    assert mcp.memory_bytes > zig.memory_bytes + 6 * 2 * kv
+    tight = predict("zigzag", attn, 8, 4, machine(memory_gib=zig.memory_bytes / 2**30 * 0.99))
+    assert tight.oom
+
+
+def test_a_config_a_strategy_rejects_is_a_value_error():
+    with pytest.raises(ValueError, match="divisible"):
+        predict("ulysses", problem(heads=6), 8, 4, machine())
+    with pytest.raises(ValueError, match="models bf16/fp16"):
+        predict("zigzag", problem(dtype="fp32"), 8, 4, machine())
+
+
+def test_bf16_and_fp16_share_one_compile():
+    hw = machine(tflops=100.0)
+    a = predict("zigzag", problem(dtype="bf16"), 8, 4, hw)
+    b = predict("zigzag", problem(dtype="fp16"), 8, 4, hw)
+    assert model._compiled.cache_info().currsize == 1
+    assert dataclasses.astuple(a) == dataclasses.astuple(b)
+    assert math.isfinite(a.fwd_s)
