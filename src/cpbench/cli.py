@@ -370,16 +370,21 @@ def cmd_simulate(args) -> int:
     from cpbench.sim import command, hardware, validate
     from cpbench.topology import Topology
 
+    from cpbench.report import console
+
     prog = "cpbench simulate"
+    console.setup(0, args.format)  # progress on a terminal only; results on stdout
     try:
         hw = hardware.load(args.hardware)
         if args.validate:
             text = validate.report(validate.run(validate.load(args.validate), hw), hw)
             sys.stdout.write(text)
             return 0
-        topo = Topology(world_size=(args.nodes or hw.nodes) * (args.gpus_per_node
-                                                               or hw.gpus_per_node),
-                        ranks_per_node=args.gpus_per_node or hw.gpus_per_node)
+        nodes = hw.nodes if args.nodes is None else args.nodes
+        gpn = hw.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
+        if nodes < 1 or gpn < 1:
+            raise ValueError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} x {gpn}")
+        topo = Topology(world_size=nodes * gpn, ranks_per_node=gpn)
         given = {k: v for k, v in vars(args).items() if v is not None}
         attention = {**GPU_ATTENTION, **{f.name: given[f.name]
                                          for f in dataclasses.fields(AttentionConfig)

@@ -69,3 +69,25 @@ def test_resolved_options_are_plain_data(name, world, rpn):
     for opts in cls.variants(Topology(world_size=world, ranks_per_node=rpn)):
         resolved = plan(cls, world, rpn, 0, attn, **dataclasses.asdict(opts)).resolved_options()
         assert json.loads(json.dumps(resolved)) == resolved  # goes into a JSON record as is
+
+
+@pytest.mark.parametrize("name", strategies.names())
+def test_a_step_computes_exactly_the_block_it_names(name):
+    """The simulator prices a step's FLOPs at the kernel speed of its block: every step that
+    computes names its (seqlen_q, seqlen_k, causal), and its FLOPs are that block's on the
+    full heads or on an integer share of them (Ulysses / USP head shards)."""
+    cls = strategies.get(name)
+    topo = Topology(world_size=8, ranks_per_node=4)
+    attn = AttentionConfig(batch=2, seqlen=96, heads=8, kv_heads=2, head_dim=16, dtype="bf16")
+    for opts in cls.variants(topo):
+        for rank in (0, 7):
+            st = cls(attn, topo, rank, kernel=kernels.get("torch"), options=opts,
+                     create_groups=False)
+            for step in st.schedule():
+                assert (step.flops > 0) == (step.block is not None), (name, opts, step)
+                if step.block:
+                    sq, sk, causal = step.block
+                    share = attention_flops(batch=2, seqlen_q=sq, seqlen_k=sk, heads=8,
+                                            head_dim=16, causal=causal,
+                                            mode=step.phase) / step.flops
+                    assert share == round(share) >= 1, (name, opts, step)

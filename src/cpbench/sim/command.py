@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import typing
 
 from cpbench import results, strategies
@@ -19,6 +20,8 @@ from cpbench.config import AttentionConfig, RunConfig
 from cpbench.sim import model
 from cpbench.sim.hardware import Hardware
 from cpbench.topology import Topology, divisors
+
+log = logging.getLogger("cpbench")
 
 
 def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
@@ -62,7 +65,11 @@ def simulate(names: tuple[str, ...], options: dict, attention: dict, seqlens: li
     cases = cases if cases is not None else expand_cases(names, options, topo)
     records, skipped, ran = [], [], set()
     first_error: dict[str, ValueError] = {}
-    for seqlen, case in itertools.product(seqlens, cases):
+    todo = list(itertools.product(seqlens, cases))
+    for i, (seqlen, case) in enumerate(todo, start=1):
+        # a new (strategy, topology) builds every rank's schedule: seconds at 128 GPUs
+        log.info("simulating %d/%d: %s at seqlen %d", i, len(todo), case.label, seqlen,
+                 extra={"transient": True})
         attn = AttentionConfig(**{**attention, "seqlen": seqlen})
         try:
             p = model.predict(case.strategy, case.options, attn, topo, hw)

@@ -1,0 +1,132 @@
+"""``cpbench simulate`` end to end: the tables, the comparison, the validation, the plot, bad
+input (one line, exit 2) and the speed the issue asks for (1,000 configs in under 5 s)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from cpbench import cli
+from cpbench.sim import command, hardware, model, validate
+from cpbench.topology import Topology
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED_CSV = ROOT / "configs" / "validation" / "seed001_a800_4x8.csv"
+
+
+def run(capsys, *args) -> tuple[int, str, str]:
+    code = cli.main(["simulate", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_default_prints_the_run_table_marked_simulated(capsys):
+    code, out, _ = run(capsys, "--strategy", "zigzag,burst,local")
+    assert code == 0
+    assert out.startswith("Simulated, not measured: A800")
+    assert "Benchmark Summary:" in out
+    header = next(line for line in out.splitlines() if "TFLOPs/s" in line)
+    for col in ("Dtype", "Seq Len", "FWD (ms)", "FWD+BWD (ms)", "Memory (MB)"):
+        assert col in header
+    assert re.search(r"zigzag .*131072 .*\| +32 +\|", out)
+    assert "CP efficiency" in out  # local is the baseline
+    assert "Where the time goes" in out
+
+
+def test_several_seqlens_print_the_sweep_view_and_csv_parses(capsys):
+    code, out, _ = run(capsys, "--strategy", "usp", "--seqlen", "128K,256K")
+    assert code == 0 and "### usp (head-first" in out and "TFLOPs/s per GPU by Seq Len" in out
+    code, out, _ = run(capsys, "--strategy", "zigzag", "--seqlen", "128K,256K",
+                       "--format", "csv")
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert code == 0 and [r["seqlen"] for r in rows] == ["131072", "262144"]
+    assert all(float(r["tflops"]) > 0 for r in rows)
+
+
+def test_out_of_memory_prints_oom_in_every_figure_column(capsys):
+    code, out, _ = run(capsys, "--strategy", "megatron-cp", "--seqlen", "8M")
+    assert code == 0
+    row = next(line for line in out.splitlines() if "8388608" in line)
+    cells = [c.strip() for c in row.split("|")]
+    assert cells.count("OOM") == 3, row  # FWD, FWD+BWD, TFLOPs/s: no time was "measured"
+    assert "GiB per GPU" in out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--hardware", "tpu"], "no hardware preset 'tpu'"),
+    (["--nodes", "0"], "--nodes and --gpus-per-node must be >= 1"),
+    (["--strategy", "ulysses"], "needs heads (40) divisible by 32"),
+    (["--dtype", "fp32"], "models bf16/fp16"),
+    (["--compare-placements", "--window", "4"], "drop the strategy options"),
+    (["--validate", "missing.csv"], "missing.csv"),
+    (["--seqlen", "100", "--strategy", "zigzag"], "try --seqlen"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, args, needle):
+    code, out, err = run(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and needle in err, err
+
+
+def test_compare_placements_fastest_first(capsys):
+    code, out, _ = run(capsys, "--compare-placements", "--strategy", "usp,double-ring")
+    assert code == 0
+    rows = [[c.strip() for c in line.split("|")] for line in out.splitlines()
+            if re.match(r"^ *\d+ +\|", line)]
+    times = [float(r[4]) for r in rows]
+    assert times == sorted(times) and rows[0][-1] == "1.00x"
+    placements = {r[2] for r in rows}
+    assert any("head-first ulysses_degree=8" in p for p in placements)
+    assert any("ring-first ulysses_degree=8" in p for p in placements)
+    assert {"window=2", "window=4", "window=8"} <= placements
+
+
+def test_plot_is_written(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "sim.png"
+    code, _, err = run(capsys, "--strategy", "zigzag,burst", "--seqlen", "128K,256K,512K",
+                       "--plot", str(target))
+    assert code == 0 and "plot written" in err
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_validate_prints_every_published_row_with_its_error(capsys):
+    code, out, _ = run(capsys, "--validate", str(SEED_CSV))
+    assert code == 0
+    rows = list(csv.DictReader(open(SEED_CSV)))
+    errors = re.findall(r"([+-]\d+\.\d) %", out)
+    assert len(errors) == len(rows) == 16
+    assert "scored rows: 15" in out and "median |error|" in out and "worst" in out
+    assert "ranking at each sequence length" in out
+
+
+def test_a_thousand_configs_in_under_five_seconds():
+    """Every strategy and variant × 8 sequence lengths × batch 1/2 × bf16/fp16 on 1, 2, 4 and
+    8 nodes of 8 GPUs, from a cold cache."""
+    model.clear_cache()
+    hw = hardware.load("a800-sxm")
+    start, n = time.perf_counter(), 0
+    for nodes in (1, 2, 4, 8):
+        topo = Topology(world_size=8 * nodes, ranks_per_node=8)
+        for dtype in ("bf16", "fp16"):
+            for batch in (1, 2):
+                records, _ = command.simulate(
+                    ("all",), {}, dict(batch=batch, heads=40, head_dim=128, dtype=dtype,
+                                       causal=True), [2 ** k for k in range(15, 23)], topo, hw)
+                n += len(records)
+    elapsed = time.perf_counter() - start
+    assert n >= 1000
+    assert elapsed < 5.0, f"{n} configs took {elapsed:.1f} s"
+
+
+def test_validation_ranking_check_flags_only_clear_inversions():
+    rows = validate.load(SEED_CSV)
+    results = validate.run(rows, hardware.load("a800-sxm"))
+    for hi, lo in validate.rank_violations(results):
+        assert hi.row.attn.seqlen == lo.row.attn.seqlen
+        assert hi.row.published > lo.row.published * (1 + validate.RANK_TOLERANCE)
+        assert hi.predicted <= lo.predicted
