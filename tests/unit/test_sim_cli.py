@@ -152,3 +152,9 @@ def test_a_validation_csv_without_a_column_says_which(tmp_path):
         validate.strategies.get("burst").Options(double_ring=False, opt_bwd=True)
     with pytest.raises(ValueError, match="does not take --window"):
         validate.parse_options("zigzag", "window=4")
+
+
+def test_machine_readable_rows_say_they_are_simulated(capsys):
+    code, out, _ = run(capsys, "--strategy", "zigzag", "--format", "json")
+    rows = __import__("json").loads(out)
+    assert code == 0 and rows[0]["kernel"].startswith("simulated: A800")
