@@ -396,6 +396,7 @@ def cmd_simulate(args) -> int:
         if args.plot:
             from cpbench.report import plot
             plot.require_matplotlib()
+            plot.check_target(args.plot)  # before any output: the fix, not half a report
         cases = None
         if args.compare_placements:
             if options:
@@ -408,7 +409,7 @@ def cmd_simulate(args) -> int:
         return _fail(prog, e)
     if args.compare_placements:
         text = command.render_comparison(command.compare_placements(records), hw, topo,
-                                         "markdown" if args.format == "markdown" else "table")
+                                         args.format)
     else:
         text = command.render(records, hw, topo, args.format)
         if skipped and args.format in ("table", "markdown"):

@@ -23,6 +23,18 @@ def require_matplotlib():
     return plt
 
 
+def check_target(path: str) -> None:
+    """ValueError with the fix when ``path`` cannot be written, before any work is done."""
+    from pathlib import Path
+
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"--plot {path} is a directory; give a file such as "
+                         f"{target / 'tflops.png'}")
+    if not target.parent.is_dir():
+        raise ValueError(f"--plot {path}: directory {target.parent} does not exist")
+
+
 def plot(records: list[dict], path: str, title_note: str | None = None) -> None:
     """Write the plot of ``records`` to ``path`` (the format from its suffix);
     ``title_note`` is appended to the title (e.g. that the figures are simulated)."""

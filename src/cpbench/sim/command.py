@@ -47,7 +47,8 @@ def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
         # a predicted OOM has no time: nothing would have run to completion
         "samples_ms": None if oom else {"fwd": [[p.fwd_s * 1e3]],
                                         "fwd_bwd": [[p.fwd_bwd_s * 1e3]]},
-        "memory_bytes": [int(p.memory_bytes)], "memory_status": None, "memory_error": None,
+        "memory_bytes": [int(p.memory_bytes)],
+        "memory_status": results.OOM if oom else None, "memory_error": None,
         "check": None,
         "simulation": {"fwd_compute_ms": p.fwd_compute_s * 1e3,
                        "bwd_compute_ms": p.bwd_compute_s * 1e3,
@@ -82,7 +83,8 @@ def simulate(names: tuple[str, ...], options: dict, attention: dict, seqlens: li
     for name in names:
         if name != "all" and name not in ran and name in first_error:
             raise first_error[name]
-    if not records:
+    if not any(r["ranks_per_problem"] > 1 for r in records):
+        # a no-CP baseline alone compares with nothing (as `cpbench run` decides)
         raise next(iter(first_error.values()), ValueError("nothing to simulate"))
     # baselines after the CP rows they are compared with, as `cpbench run` orders them
     records.sort(key=lambda r: r["ranks_per_problem"] == 1)
@@ -117,15 +119,23 @@ def placement_cases(names: tuple[str, ...], topo: Topology) -> list[Case]:
 
 
 def compare_placements(records: list[dict]) -> list[list[dict]]:
-    """Per seqlen, the distinct resolved placements (first of each), fastest FWD+BWD first,
-    OOM last."""
-    by_seqlen: dict[int, dict] = {}
+    """Per seqlen, the distinct placements, fastest FWD+BWD first, OOM last. Options that
+    resolve alike, or that give a strategy the very same predictions (USP with u = 1 under
+    either placement; a window of 1 or of the whole ring), count once: the first."""
+    by_seqlen: dict[int, list[dict]] = {}
+    seen: set[tuple] = set()
     for r in records:
-        key = (r["config"]["strategy"], results.options_label(r))
-        by_seqlen.setdefault(r["config"]["attention"]["seqlen"], {}).setdefault(key, r)
+        seqlen, name, d = r["config"]["attention"]["seqlen"], r["config"]["strategy"], r["derived"]
+        keys = {(seqlen, name, results.options_label(r))}
+        if r["status"] == results.OK:
+            keys.add((seqlen, name, d["fwd_ms"], d["fwd_bwd_ms"], tuple(r["memory_bytes"])))
+        if keys & seen:
+            continue
+        seen |= keys
+        by_seqlen.setdefault(seqlen, []).append(r)
     out = []
     for seqlen in sorted(by_seqlen):
-        rows = list(by_seqlen[seqlen].values())
+        rows = by_seqlen[seqlen]
         rows.sort(key=lambda r: (r["status"] != results.OK,
                                  r["derived"].get("fwd_bwd_ms") or float("inf")))
         out.append(rows)
@@ -169,6 +179,8 @@ def render(records: list[dict], hw: Hardware, topo: Topology, fmt: str) -> str:
 
 
 def render_comparison(groups: list[list[dict]], hw: Hardware, topo: Topology, fmt: str) -> str:
+    if fmt in ("csv", "json"):  # the rows in ranked order, every column
+        return tables.summary([r for rows in groups for r in rows], fmt)
     out = [_banner(hw, topo), ""]
     for rows in groups:
         a = rows[0]["config"]["attention"]

@@ -74,10 +74,13 @@ def _curve(points, what: str) -> KernelCurve:
     try:
         return KernelCurve(tuple((float(s), float(t)) for s, t in points))
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{what}: {e}") from None
+        raise ValueError(f"{what}: {e} (write [[side, tflops], ...])") from None
 
 
 def from_dict(d: dict, source: str = "preset") -> Hardware:
+    if not isinstance(d, dict):
+        raise ValueError(f"{source}: a preset is a YAML mapping (see configs/hardware/"
+                         f"a800-sxm.yaml), not {type(d).__name__}")
     try:
         k, intra, inter = d["kernel"], d["intra_node"], d["inter_node"]
         hw = Hardware(
@@ -94,6 +97,23 @@ def from_dict(d: dict, source: str = "preset") -> Hardware:
     except KeyError as e:
         raise ValueError(f"{source}: missing field {e.args[0]!r} (see configs/hardware/"
                          f"a800-sxm.yaml for a complete preset)") from None
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"{source}: malformed preset ({e}); see configs/hardware/"
+                         f"a800-sxm.yaml") from None
+    positive = {"memory_gib": hw.memory_gib, "peak_tflops_bf16": hw.peak_tflops,
+                "gpus_per_node": hw.gpus_per_node, "nodes": hw.nodes,
+                "intra_node.bandwidth_gbs": hw.intra.bandwidth_gbs,
+                "inter_node.bandwidth_gbs_per_gpu": hw.inter.bandwidth_gbs,
+                "inter_node.node_bandwidth_gbs": hw.node_inter_gbs}
+    not_negative = {"kernel.step_overhead_us": hw.step_overhead_us,
+                    "intra_node.latency_us": hw.intra.latency_us,
+                    "inter_node.latency_us": hw.inter.latency_us}
+    for name, value in positive.items():
+        if not value > 0:
+            raise ValueError(f"{source}: {name} must be positive, got {value:g}")
+    for name, value in not_negative.items():
+        if not value >= 0:
+            raise ValueError(f"{source}: {name} must be >= 0, got {value:g}")
     top = max(t for _, t in hw.kernel_fwd.points + hw.kernel_bwd.points)
     if top > hw.peak_tflops:
         raise ValueError(f"{source}: a kernel curve reaches {top:g} TFLOP/s, above the "
@@ -113,5 +133,9 @@ def load(name_or_path: str) -> Hardware:
     if not path.exists():
         raise ValueError(f"no hardware preset {name_or_path!r}; choose one of "
                          f"{', '.join(names())} or give a YAML file")
-    with open(path) as f:
-        return from_dict(yaml.safe_load(f), str(path))
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    return from_dict(data, str(path))

@@ -23,21 +23,26 @@ hardware preset (``cpbench.sim.hardware``). Modelling assumptions, and where the
    them; at the block sizes CP runs, ≥ 1k tokens, the grid fills the GPU).
 4. Links: a message inside a node moves at the intra-node link rate (NVSwitch: every GPU has
    its own full-rate port). A message crossing nodes takes the longer of its bytes over the
-   GPU's own share of the network (one NIC) and the node's inter-node bytes of that step
+   GPU's own share of the network (one NIC) and its node's inter-node bytes of that step
    (every GPU of the node that sends across then) over the node's NIC total: the NICs are
    shared. Concurrent messages of a rank on different groups share these links (their bytes
-   add); each transfer pays the link latency once. A ring hop counts as inter-node for a
-   rank when either neighbour is on another node (it sends to one, receives from the other);
-   an all-to-all sends n-1 equal parts, those to members on other nodes cross.
-5. Overlap windows: a message posted at one step and awaited ``overlap_steps`` later (a
-   double ring's outer hop has a whole inner window) is spread evenly over those steps.
+   add); a step pays each link's latency once (inside / across nodes, overlapped / exposed).
+   A ring hop counts as inter-node for a rank when either neighbour is on another node (it
+   sends to one, receives from the other); an all-to-all sends n-1 equal parts, those to
+   members on other nodes cross.
+5. Overlap windows: a message awaited ``overlap_steps`` steps after it is posted (a double
+   ring's outer hop has a whole inner window) is spread evenly over the kernels it overlaps:
+   its own step's and the next ones, or only the next ones when it is posted after its
+   step's kernel (``after_compute``: a partial sum moving on).
 6. Memory per rank: q, k, v, out, dout and their gradients in the activation dtype, lse and
-   one fp32 accumulator (out in forward, dQ in backward), plus at the worst step the send
-   and receive buffers of every message in flight (2 × bytes), plus what a strategy keeps
-   beyond a step (``Strategy.held_bytes``, e.g. megatron-cp's received K/V blocks). OOM when
-   over the preset's memory. Allocator fragmentation, kernel workspaces and framework
-   buffers are not counted, so this is a lower bound: 12-33 % under the memory seeds 000 and
-   001 measured.
+   one fp32 accumulator (out in forward, dQ in backward), plus, at the worst step, a send and
+   a receive buffer for every message in flight (posted and not yet awaited), plus what a
+   strategy keeps beyond a step (``Strategy.held_bytes``, e.g. megatron-cp's received K/V
+   blocks). OOM when over the preset's memory. An estimate: allocator fragmentation and
+   kernel workspaces are not counted, and a send buffer that is a tensor the rank holds
+   anyway is counted again. Against the memory seeds 000/001 measured: -12 % to +7 % for
+   USP, Ulysses and zigzag, +48 % for the double ring (ours keeps K/V and fp32 dK/dV blocks
+   in flight on both rings at a window's end; LoongTrain's measured run held less).
 
 Everything scales exactly with the sequence length and batch (bytes with S·B, FLOPs with
 S²·B), and bf16 and fp16 move the same bytes, so a schedule is built once per (strategy,
@@ -63,8 +68,9 @@ GIB = 2 ** 30
 
 @dataclass(frozen=True)
 class RankStep:
-    """One rank's step at the compiled size: kernel FLOPs and block side, and the bytes it
-    moves inside / across nodes, overlapped or exposed."""
+    """One rank's step at the compiled size: kernel FLOPs and block side, the bytes it moves
+    inside / across nodes, overlapped or exposed, and what its node sends across in all
+    (the NICs it shares)."""
 
     flops: float
     side: float
@@ -72,16 +78,16 @@ class RankStep:
     inter_ov: float = 0.0
     intra_exp: float = 0.0
     inter_exp: float = 0.0
+    node_ov: float = 0.0
+    node_exp: float = 0.0
 
 
 @dataclass(frozen=True)
 class StepLoad:
-    """Every distinct rank view of one step, and the busiest node's inter-node bytes."""
+    """Every distinct rank view of one step."""
 
     phase: str
     ranks: tuple[RankStep, ...]
-    node_ov: float
-    node_exp: float
 
 
 @dataclass(frozen=True)
@@ -138,13 +144,35 @@ def _shares(g, op: str, me: int, topo: Topology) -> tuple[float, float]:
     return remote, remote
 
 
-def _rank_loads(strat: Strategy, schedule, topo: Topology) -> list[tuple[RankStep, float, float]]:
-    """Per step: this rank's view, and the bytes it sends out of its node (overlapped,
-    exposed). A message with ``overlap_steps`` k is spread evenly over its step and the k-1
-    after it (the link carries it while they compute)."""
+@dataclass
+class _Loads:
+    """One rank's schedule as the model reads it, per step: bytes by link and kind
+    (intra_ov, inter_ov, intra_exp, inter_exp), bytes leaving the node (ov, exp), and bytes
+    of messages in flight (posted, not yet awaited)."""
+
+    moved: list[list[float]]
+    leaving: list[list[float]]
+    in_flight: list[float]
+
+
+def _span(schedule, i: int, m) -> list[int]:
+    """The steps whose compute a message declared at step ``i`` overlaps: its own and the next
+    ``overlap_steps`` - 1, or, posted after the step's kernel, the next ``overlap_steps``;
+    never past its phase. An exposed message costs at its own step."""
+    if not m.overlapped:
+        return [i]
+    first = i + 1 if m.after_compute else i
+    span = [j for j in range(first, min(first + m.overlap_steps, len(schedule)))
+            if schedule[j].phase == schedule[i].phase]
+    return span or [i]
+
+
+def _rank_loads(strat: Strategy, schedule, topo: Topology) -> _Loads:
+    """A message spread over k steps moves 1/k of its bytes at each (the link carries it
+    while they compute)."""
     me = topo.node_of(strat.rank)
-    moved = [[0.0] * 4 for _ in schedule]  # intra_ov, inter_ov, intra_exp, inter_exp
-    leaving = [[0.0, 0.0] for _ in schedule]
+    loads = _Loads([[0.0] * 4 for _ in schedule], [[0.0, 0.0] for _ in schedule],
+                   [0.0] * len(schedule))
     shares: dict[tuple[str, str], tuple[float, float]] = {}
     for i, step in enumerate(schedule):
         for m in step.messages:
@@ -152,21 +180,16 @@ def _rank_loads(strat: Strategy, schedule, topo: Topology) -> list[tuple[RankSte
             if key not in shares:
                 shares[key] = _shares(strat.groups[m.group], m.op, me, topo)
             remote, out = shares[key]
-            span = [i]
-            if m.overlapped and m.overlap_steps > 1:
-                span = [j for j in range(i, min(i + m.overlap_steps, len(schedule)))
-                        if schedule[j].phase == step.phase]
+            span = _span(schedule, i, m)
             kind = 0 if m.overlapped else 2
             share = m.nbytes / len(span)
             for j in span:
-                moved[j][kind] += share * (1 - remote)
-                moved[j][kind + 1] += share * remote
-                leaving[j][kind // 2] += share * out
-    views = []
-    for step, bytes_, out in zip(schedule, moved, leaving):
-        side = math.sqrt(step.block[0] * step.block[1]) if step.block else 0.0
-        views.append((RankStep(step.flops, side, *bytes_), out[0], out[1]))
-    return views
+                loads.moved[j][kind] += share * (1 - remote)
+                loads.moved[j][kind + 1] += share * remote
+                loads.leaving[j][kind // 2] += share * out
+            for j in range(i, span[-1] + 1):
+                loads.in_flight[j] += m.nbytes
+    return loads
 
 
 def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) -> Compiled:
@@ -177,19 +200,21 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
     assert len({tuple(st.phase for st in s) for s in schedules}) == 1, \
         f"{name}: ranks disagree on the phases of their steps"
     loads = [_rank_loads(strat, sched, topo) for strat, sched in zip(ranks, schedules)]
-    buffers = max(2.0 * sum(m.nbytes for m in step.messages)
-                  for sched in schedules for step in sched)
     steps = []
     for i, first in enumerate(schedules[0]):
         node_out: dict[int, list[float]] = {}
         for strat, rank_loads in zip(ranks, loads):
             acc = node_out.setdefault(topo.node_of(strat.rank), [0.0, 0.0])
-            acc[0] += rank_loads[i][1]
-            acc[1] += rank_loads[i][2]
-        views = {rank_loads[i][0] for rank_loads in loads}
-        steps.append(StepLoad(first.phase, tuple(sorted(views, key=dataclasses.astuple)),
-                              max(v[0] for v in node_out.values()),
-                              max(v[1] for v in node_out.values())))
+            acc[0] += rank_loads.leaving[i][0]
+            acc[1] += rank_loads.leaving[i][1]
+        views = set()
+        for strat, sched, rank_loads in zip(ranks, schedules, loads):
+            step = sched[i]
+            side = math.sqrt(step.block[0] * step.block[1]) if step.block else 0.0
+            views.add(RankStep(step.flops, side, *rank_loads.moved[i],
+                               *node_out[topo.node_of(strat.rank)]))
+        steps.append(StepLoad(first.phase, tuple(sorted(views, key=dataclasses.astuple))))
+    buffers = 2.0 * max(max(rank_loads.in_flight) for rank_loads in loads)
     rank0 = ranks[0]
     return Compiled(attn.seqlen, attn.batch, tuple(steps),
                     _resident_bytes(rank0) + max(s.held_bytes() for s in ranks), buffers,
@@ -208,19 +233,35 @@ def _compiled(name: str, options, attn: AttentionConfig, world: int, rpn: int) -
     return compile_schedule(name, options, attn, Topology(world_size=world, ranks_per_node=rpn))
 
 
-_REFERENCE: dict[tuple, AttentionConfig] = {}  # shape → the first problem compiled for it
+_REFERENCE: dict[tuple, AttentionConfig] = {}  # shape → the problem compiled for it
 _BY_SIZE = {2: "bf16", 4: "fp32"}
 
 
 def compiled_for(name: str, options, attn: AttentionConfig, topo: Topology) -> Compiled:
-    """The compiled schedule of this shape and topology, built at the first (seqlen, batch)
-    seen and re-scaled from there (exact: see the module docstring)."""
+    """The compiled schedule of this shape and topology, built once at a small sequence
+    length the strategy accepts and batch 1, and re-scaled (exact: see the module
+    docstring)."""
     build(name, options, attn, topo)  # this seqlen's own validation
     # bf16 and fp16 schedules are the same bytes: one compile serves both
     shape = dataclasses.replace(attn, seqlen=1, batch=1, dtype=_BY_SIZE[attn.element_size])
     key = (name, options, shape, topo.world_size, topo.ranks_per_node)
-    reference = _REFERENCE.setdefault(key, dataclasses.replace(attn, dtype=shape.dtype))
-    return _compiled(name, options, reference, topo.world_size, topo.ranks_per_node)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = dataclasses.replace(
+            shape, seqlen=_small_seqlen(name, options, attn, topo))
+    return _compiled(name, options, _REFERENCE[key], topo.world_size, topo.ranks_per_node)
+
+
+def _small_seqlen(name: str, options, attn: AttentionConfig, topo: Topology) -> int:
+    """``attn.seqlen`` halved while the strategy still accepts it (building a schedule walks
+    every rank's token indices: cheap at this size, whatever size is asked for)."""
+    seqlen = attn.seqlen
+    while seqlen % 2 == 0:
+        try:
+            build(name, options, dataclasses.replace(attn, seqlen=seqlen // 2), topo)
+        except ValueError:
+            break
+        seqlen //= 2
+    return seqlen
 
 
 def _comm_s(hw: Hardware, intra: float, inter: float, node: float) -> float:
@@ -248,14 +289,13 @@ def predict(name: str, options, attn: AttentionConfig, topo: Topology, hw: Hardw
     overhead = hw.step_overhead_us * 1e-6
     for step in c.steps:
         curve = hw.kernel(step.phase)
-        node_ov, node_exp = step.node_ov * linear, step.node_exp * linear
         worst = worst_compute = 0.0
         for r in step.ranks:
             compute = 0.0
             if r.flops:
                 compute = r.flops * square / (curve.tflops(r.side * length) * 1e12) + overhead
-            ov = _comm_s(hw, r.intra_ov * linear, r.inter_ov * linear, node_ov)
-            exp = _comm_s(hw, r.intra_exp * linear, r.inter_exp * linear, node_exp)
+            ov = _comm_s(hw, r.intra_ov * linear, r.inter_ov * linear, r.node_ov * linear)
+            exp = _comm_s(hw, r.intra_exp * linear, r.inter_exp * linear, r.node_exp * linear)
             worst = max(worst, max(compute, ov) + exp)
             worst_compute = max(worst_compute, compute)
         total[step.phase] += worst

@@ -32,7 +32,7 @@ from cpbench.topology import Topology
 RANK_TOLERANCE = 0.05
 _REQUIRED = ("implementation", "strategy", "options", "seqlen", "nodes", "gpus_per_node",
              "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "tflops")
-_TRUE = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+_BOOL = {"true": True, "yes": True, "false": False, "no": False}
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Result:
 
 
 def parse_options(name: str, text: str):
-    """``k=v;k=v`` → the strategy's Options (booleans and integers read as such)."""
+    """``k=v;k=v`` → the strategy's Options (true/false and integers read as such)."""
     cls = strategies.get(name)
     given = {}
     for item in filter(None, (p.strip() for p in (text or "").split(";"))):
@@ -76,12 +76,27 @@ def parse_options(name: str, text: str):
         if not sep:
             raise ValueError(f"option {item!r} is not key=value")
         value = value.strip()
-        given[key.strip().replace("-", "_")] = _TRUE.get(value.lower(), int(value)
-                                                        if value.lstrip("-").isdigit() else value)
+        if value.lower() in _BOOL:
+            parsed = _BOOL[value.lower()]
+        elif value.lstrip("-").isdigit():
+            parsed = int(value)
+        else:
+            parsed = value
+        given[key.strip().replace("-", "_")] = parsed
     return strategies.make_options(cls, given)
 
 
+def _flag(value: str | None, column: str, default: bool | None = None) -> bool:
+    text = (value or "").strip().lower()
+    if not text and default is not None:
+        return default
+    if text not in _BOOL:
+        raise ValueError(f"{column} must be true or false, got {value!r}")
+    return _BOOL[text]
+
+
 def load(path: str) -> list[Row]:
+    """The rows of a validation CSV, each checked; ValueError naming file:line otherwise."""
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         missing = [c for c in _REQUIRED if c not in (reader.fieldnames or ())]
@@ -91,9 +106,11 @@ def load(path: str) -> list[Row]:
         rows = []
         for line, r in enumerate(reader, start=2):
             try:
-                rows.append(_row(r))
+                row = _row(r)
+                model.build(row.strategy, row.options, row.attn, row.topo)  # it can run
             except (KeyError, ValueError) as e:
                 raise ValueError(f"{path}:{line}: {e}") from None
+            rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows
@@ -102,13 +119,13 @@ def load(path: str) -> list[Row]:
 def _row(r: dict) -> Row:
     attn = AttentionConfig(batch=int(r["batch"]), seqlen=int(r["seqlen"]), heads=int(r["heads"]),
                            kv_heads=int(r["kv_heads"]), head_dim=int(r["head_dim"]),
-                           dtype=r["dtype"], causal=_TRUE[r["causal"].strip().lower()])
+                           dtype=r["dtype"], causal=_flag(r["causal"], "causal"))
     gpn = int(r["gpus_per_node"])
     topo = Topology(world_size=int(r["nodes"]) * gpn, ranks_per_node=gpn)
     fwd = r.get("fwd_ms") or ""
     return Row(r["implementation"], r["strategy"], parse_options(r["strategy"], r["options"]),
                attn, topo, float(r["tflops"]), float(fwd) if fwd.strip() else None,
-               _TRUE.get((r.get("score") or "yes").strip().lower(), True),
+               _flag(r.get("score"), "score", default=True),
                (r.get("note") or "").strip())
 
 

@@ -110,7 +110,7 @@ def kv_ring_schedule(strat) -> list[Step]:
             if phase == BWD and n > 1:
                 # the last dK/dV hop has nothing left to hide behind
                 msgs.append(Message("p2p", g_dkv.name, dkv, g_dkv.crosses_nodes,
-                                    overlapped=step + 1 < n))
+                                    overlapped=step + 1 < n, after_compute=True))
             steps.append(Step(phase, step, 0.0, tuple(msgs)) if blk is None else
                          strat.kernel_step(phase, step, slice_len(blk.q, s),
                                            slice_len(blk.kv, s), blk.causal, msgs))

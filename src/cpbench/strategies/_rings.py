@@ -88,13 +88,14 @@ class Rings:
         """What ``HomeBound.add`` sends at (j, t) on these rings. The last inner hop of a
         window is awaited at once (the outer hop needs it) and the last outer hop ends the
         pass: both exposed. The other outer hops are awaited a window later."""
-        msgs = []
+        msgs = []  # add() runs after the step's kernel
         if self.window > 1:
             msgs.append(Message("p2p", self.inner.name, nbytes, self.inner.crosses_nodes,
-                                overlapped=t + 1 < self.window))
+                                overlapped=t + 1 < self.window, after_compute=True))
         if t + 1 == self.window and self.windows > 1:
             msgs.append(Message("p2p", self.outer.name, nbytes, self.outer.crosses_nodes,
-                                overlapped=j + 1 < self.windows, overlap_steps=self.window))
+                                overlapped=j + 1 < self.windows, overlap_steps=self.window,
+                                after_compute=True))
         return msgs
 
 

@@ -32,8 +32,9 @@ FWD, BWD = "fwd", "bwd"
 class Message:
     """Bytes this rank sends in one step over one group. ``op``: "p2p" or "a2a".
     ``overlapped``: in flight during compute (False: exposed, nothing hides it);
-    ``overlap_steps``: how many steps' compute it has to arrive in (posted now, awaited that
-    many steps later: a double ring's outer hop has a whole inner window)."""
+    ``overlap_steps``: how many steps' kernels it has to arrive in (a double ring's outer hop
+    has a whole inner window); ``after_compute``: posted after this step's kernel (a partial
+    sum moving on), so those are the next steps' kernels, not this one's."""
 
     op: str
     group: str
@@ -41,6 +42,7 @@ class Message:
     crosses_nodes: bool
     overlapped: bool = True
     overlap_steps: int = 1
+    after_compute: bool = False
 
 
 @dataclass(frozen=True)
