@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 8 benchmarks/run.py --strategy all     # GPUs (same flags)
     cpbench strategies                                              # names, options
     cpbench report runs/…/results.jsonl --format markdown
+    cpbench simulate --hardware a800-sxm --nodes 4 --seqlen 128K,512K  # predicted, no GPU
 
 The ``run`` flags are generated from the config dataclasses (``AttentionConfig``,
 ``RunConfig``) and from every registered strategy's ``Options``; values are validated by

@@ -13,10 +13,10 @@ import logging
 import typing
 
 from cpbench import results, strategies
-from cpbench.report import tables
 from cpbench.bench.env import utc_now
 from cpbench.bench.plan import Case, expand_cases
 from cpbench.config import AttentionConfig, RunConfig
+from cpbench.report import tables
 from cpbench.sim import model
 from cpbench.sim.hardware import Hardware
 from cpbench.topology import Topology, divisors
