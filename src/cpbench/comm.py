@@ -46,6 +46,17 @@ def _record(op: str, group: Group, nbytes: int) -> None:
         log.append(Sent(op, group.name, nbytes))
 
 
+KERNEL = "kernel"
+
+
+def record_kernel() -> None:
+    """Mark an attention kernel call in the trace (``Sent(KERNEL, "", 0)``), so a test can
+    tell which messages a strategy posts before a step's kernel and which after it."""
+    log = _TRACE.get()
+    if log is not None:
+        log.append(Sent(KERNEL, "", 0))
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

@@ -22,27 +22,68 @@ def check_cases(rank, world, name, rpn, cases, traffic_cases, kernel="sdpa-cpu")
                 failures.append(f"{name} {topo.describe()} {opts} {attn}: {c.line()}")
     for attn, opts in traffic_cases:
         st = cls(attn, topo, rank, kernel=kernels.get(kernel), options=opts)
-        measured, declared = traced_bytes(st)
+        traced = trace_phases(st)
+        measured, declared = traced_bytes(st, traced)
         if measured != declared:
             failures.append(f"{name} {topo.describe()} {opts} rank {rank}: sent {measured} "
                             f"but the schedule declares {declared}")
+        got, want = traced_segments(traced), declared_segments(st)
+        if got != want:
+            failures.append(f"{name} {topo.describe()} {opts} rank {rank}: messages around its "
+                            f"kernels are {got} but the schedule declares {want}")
     return failures
 
 
-def traced_bytes(st):
-    """Bytes sent per (phase, op, group), measured vs declared by the schedule."""
+def trace_phases(st) -> dict[str, list]:
+    """Everything ``st`` sends, and its kernel calls, in order, per phase."""
     inputs = global_inputs(st.attn, seed=7)
     q, k, v = (st.shard(inputs[n]).detach().requires_grad_() for n in ("q", "k", "v"))
     with comm.trace() as fwd_sent:
         out, _ = st.attention(q, k, v)
     with comm.trace() as bwd_sent:
         out.backward(st.shard(inputs["dout"]))
+    return {"fwd": fwd_sent, "bwd": bwd_sent}
+
+
+def traced_bytes(st, traced):
+    """Bytes sent per (phase, op, group), measured vs declared by the schedule."""
     measured = Counter()
-    for phase, sent in (("fwd", fwd_sent), ("bwd", bwd_sent)):
+    for phase, sent in traced.items():
         for m in sent:
-            measured[(phase, m.op, m.group)] += m.nbytes
+            if m.op != comm.KERNEL:
+                measured[(phase, m.op, m.group)] += m.nbytes
     declared = Counter()
     for step in st.schedule():
         for m in step.messages:
             declared[(step.phase, m.op, m.group)] += m.nbytes
     return dict(measured), dict(declared)
+
+
+def _segments(events) -> list:
+    """Messages between consecutive kernel calls, each stretch as a sorted list."""
+    out, current = [], []
+    for e in events:
+        if e == comm.KERNEL:
+            out.append(sorted(current))
+            current = []
+        else:
+            current.append(e)
+    return out + [sorted(current)]
+
+
+def traced_segments(traced) -> dict:
+    return {phase: _segments([m.op if m.op == comm.KERNEL else (m.op, m.group, m.nbytes)
+                              for m in sent]) for phase, sent in traced.items()}
+
+
+def declared_segments(st) -> dict:
+    """What the schedule says happens around each kernel: a step's messages are posted before
+    its kernel, those marked ``after_compute`` after it (the simulator's overlap reads this)."""
+    events = {"fwd": [], "bwd": []}
+    for step in st.schedule():
+        seq = events[step.phase]
+        seq += [(m.op, m.group, m.nbytes) for m in step.messages if not m.after_compute]
+        if step.block is not None:
+            seq.append(comm.KERNEL)
+        seq += [(m.op, m.group, m.nbytes) for m in step.messages if m.after_compute]
+    return {phase: _segments(seq) for phase, seq in events.items()}

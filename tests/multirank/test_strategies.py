@@ -1,6 +1,7 @@
 """Every registered strategy × world size × causal/non-causal × GQA × dtype, gathered into
 global order and compared with the float64 single-process reference (out, lse, dq, dk, dv);
-and every strategy's declared communication schedule against the bytes it really sends.
+and every strategy's declared communication schedule against the bytes it really sends and
+where it sends them (before or after each step's kernel, which the simulator reads).
 One launch per (strategy, topology) runs all of its cases: starting ranks is the slow part."""
 
 from __future__ import annotations

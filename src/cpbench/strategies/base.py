@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import torch
 
+from cpbench import comm
 from cpbench.bench.flops import attention_flops
 from cpbench.config import AttentionConfig
 from cpbench.kernels.base import KernelBackend
@@ -200,5 +201,6 @@ class Strategy(ABC):
         return self.attn.batch * self.attn.heads * seqlen * 4
 
     def kernel_call(self, name: str, *args, causal: bool):
+        comm.record_kernel()
         fn = getattr(self.kernel, name)
         return fn(*args, causal=causal, softmax_scale=self.attn.softmax_scale)
