@@ -195,6 +195,9 @@ def _simulate_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="OUT.png",
                    help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib)")
     s.add_argument("--format", choices=FORMATS, default="table")
+    s.add_argument("--out", metavar="FILE.jsonl",
+                   help="also append the predictions as result records (marked simulated; "
+                        "`cpbench report` re-renders them, beside measured ones)")
     _add_strategy_options(p, {f.name for f in dataclasses.fields(AttentionConfig)})
     p.set_defaults(func=cmd_simulate)
     return p
@@ -368,13 +371,18 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    from cpbench.sim import command, hardware, validate
-    from cpbench.topology import Topology
-
     from cpbench.report import console
 
     prog = "cpbench simulate"
-    console.setup(0, args.format)  # progress on a terminal only; results on stdout
+    with console.transient_progress():  # a status line on a terminal; results on stdout
+        return _simulate(args, prog)
+
+
+def _simulate(args, prog: str) -> int:
+    from cpbench.report import console
+    from cpbench.sim import command, hardware, validate
+    from cpbench.topology import Topology
+
     try:
         hw = hardware.load(args.hardware)
         if args.validate:
@@ -398,6 +406,9 @@ def cmd_simulate(args) -> int:
             from cpbench.report import plot
             plot.require_matplotlib()
             plot.check_target(args.plot)  # before any output: the fix, not half a report
+        if args.out:
+            from cpbench.bench.plan import open_out
+            open_out(args.out)
         cases = None
         if args.compare_placements:
             if options:
@@ -416,6 +427,12 @@ def cmd_simulate(args) -> int:
         if skipped and args.format in ("table", "markdown"):
             text += "not simulated (the configuration does not allow them):\n" + \
                 "".join(f"  {why}\n" for why in skipped)
+    console.end_status()
+    if args.out:
+        from cpbench import results
+        for record in records:
+            results.append(args.out, record)
+        text += f"records: {args.out}\n" if args.format in ("table", "markdown") else ""
     sys.stdout.write(text)
     if args.plot:
         try:

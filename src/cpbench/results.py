@@ -6,7 +6,8 @@ A record holds what is needed to re-run it and to recompute every figure printed
   ``attention`` problem and the ``run`` settings (``RunConfig.to_dict()``, resolved);
 - ``kernel`` (the backend that ran), ``topology``, ``ranks_per_problem`` (ranks sharing one
   attention problem: the world for CP strategies, 1 for a no-CP baseline);
-- ``env``: versions, device, hosts per rank, launcher, git sha, UTC time, SLURM_JOB_ID;
+- ``env``: versions, device, hosts per rank, launcher, git sha, UTC time, SLURM_JOB_ID; or,
+  for a prediction of ``cpbench simulate``, ``simulated: true`` and the ``hardware`` preset;
 - ``resolved``: the options as the strategy resolved them on this topology (e.g. the
   Ulysses × ring split, a window taken from the node size); the options themselves when the
   strategy resolves nothing;
@@ -165,5 +166,6 @@ def to_frame(records: Iterable[dict]):
                                      "fwd_tflops", "bwd_tflops", "fwd_bwd_tflops",
                                      "check_passed")},
             "utc": r["env"].get("utc"), "git_sha": r["env"].get("git_sha"),
+            "simulated": bool(r["env"].get("simulated")),
         })
     return pd.DataFrame(rows)

@@ -30,7 +30,7 @@ def test_default_prints_the_run_table_marked_simulated(capsys):
     code, out, _ = run(capsys, "--strategy", "zigzag,burst,local")
     assert code == 0
     assert out.startswith("Simulated, not measured: A800")
-    assert "Benchmark Summary:" in out
+    assert "Benchmark Summary (simulated on A800" in out
     header = next(line for line in out.splitlines() if "TFLOPs/s" in line)
     for col in ("Dtype", "Seq Len", "FWD (ms)", "FWD+BWD (ms)", "Memory (MB)"):
         assert col in header
@@ -185,3 +185,30 @@ def test_machine_readable_rows_say_they_are_simulated(capsys):
     code, out, _ = run(capsys, "--strategy", "zigzag", "--format", "json")
     rows = __import__("json").loads(out)
     assert code == 0 and rows[0]["kernel"].startswith("simulated: A800")
+
+
+def test_saved_predictions_re_render_marked_and_beside_measured_rows(capsys, tmp_path):
+    """--out appends the predictions as records; `cpbench report` says they are simulated,
+    prints no run detail for them, and beside a measured record marks which is which."""
+    import json as _json
+
+    out = tmp_path / "sim.jsonl"
+    code, text, _ = run(capsys, "--strategy", "zigzag", "--seqlen", "128K,256K",
+                        "--out", str(out))
+    assert code == 0 and f"records: {out}" in text
+    assert cli.main(["report", str(out), "--view", "run"]) == 0
+    shown = capsys.readouterr().out
+    assert "simulated on A800" in shown and "Benchmark Results for" not in shown
+    assert cli.main(["report", str(out), "--view", "sweep"]) == 0
+    assert capsys.readouterr().out.startswith("Every row is simulated on A800")
+    # a measured zigzag row beside the predicted ones
+    from test_results import fake_record
+    measured = fake_record("zigzag", seqlen=131072)
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(out.read_text() + _json.dumps(measured) + "\n")
+    assert cli.main(["report", str(mixed), "--view", "sweep"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("2 of 3 rows are simulated")
+    assert re.search(r"\|\s*measured\s*\|", shown) and re.search(r"\|\s*simulated\s*\|", shown)
+    assert re.search(r"zigzag \[4×8\] \(simulated\) +\|", shown)  # pivot rows kept apart
+    assert re.search(r"zigzag \[2×2\] +\|", shown)

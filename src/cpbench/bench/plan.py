@@ -186,7 +186,7 @@ def _reference_fits(attn: AttentionConfig, device: str, local_ranks: int,
             f"(e.g. 8k) and time this size without --check")
 
 
-def _open_out(out: str) -> None:
+def open_out(out: str) -> None:
     """Create ``out``'s directory and open it for appending, so that a path the run could
     not write is an error now rather than after the first case."""
     path = Path(out)
@@ -246,7 +246,7 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     out = None if (run.out or "").lower() == "none" else (run.out or _default_out(run, attn))
     if out is not None and job is None and (launcher == "self"
                                             or env_mod.torchrun_world()[0] == 0):
-        _open_out(out)
+        open_out(out)
     return Plan(attn=attn, run=run, world_size=world, ranks_per_node=topo.ranks_per_node,
                 kernel=backend.name, cases=tuple(cases), out=out, launcher=launcher,
                 skipped=tuple(skipped))

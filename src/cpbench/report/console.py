@@ -5,6 +5,7 @@ the tables. Other ranks stay silent: what they have to say reaches rank 0 as dat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
@@ -59,3 +60,33 @@ def setup(rank: int, fmt: str) -> None:
             logger.setLevel(logging.INFO)
         else:
             logger.setLevel(logging.CRITICAL + 1)
+
+
+@contextlib.contextmanager
+def transient_progress(stream=None):
+    """Within the block, progress records of logger ``cpbench`` marked transient show as one
+    status line on a terminal (``stream``, default stderr) and nowhere else; logging is as it
+    was afterwards (for commands that run in the caller's process, e.g. ``simulate``)."""
+    log = logging.getLogger("cpbench")
+    handler = Progress(stream or sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.addFilter(lambda record: getattr(record, "transient", False))
+    level = log.level
+    log.addHandler(handler)
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        end_status()
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def end_status() -> None:
+    """Erase a status line still showing, before results are printed below it."""
+    for handler in logging.getLogger("cpbench").handlers:
+        if isinstance(handler, Progress) and handler.pending and handler.stream is not None:
+            handler.stream.write("\r\033[K")
+            handler.stream.flush()
+            handler.pending = False

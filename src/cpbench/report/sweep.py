@@ -96,7 +96,9 @@ def grouped(records: list[dict], fmt: str = "table") -> str:
 
 def _row_key(df):
     several = df["topo"].nunique() > 1
-    return [f"{lab} [{t}]" if several else lab for lab, t in zip(df["label"], df["topo"])]
+    mixed = df["simulated"].nunique() > 1  # a prediction beside the measured row
+    return [(f"{lab} [{t}]" if several else lab) + (" (simulated)" if mixed and sim else "")
+            for lab, t, sim in zip(df["label"], df["topo"], df["simulated"])]
 
 
 _PIVOTS = (("TFLOPs/s per GPU", "TFLOPs/s"), ("FWD+BWD (ms)", "FWD+BWD (ms)"),
@@ -186,5 +188,13 @@ def _distinct(labels: list[str]) -> tuple[dict[str, str], str]:
 
 
 def sweep_report(records: list[dict], fmt: str = "table") -> str:
-    """The grouped tables, then the pivot."""
-    return grouped(records, fmt) + "\n" + pivot(records, fmt)
+    """The grouped tables, then the pivot; first a line saying so when rows are simulated."""
+    sims = [r for r in records if r.get("env", {}).get("simulated")]
+    head = ""
+    if sims and len(sims) == len(records):
+        hardware = ", ".join(dict.fromkeys(r["env"].get("hardware", "?") for r in sims))
+        head = f"Every row is simulated on {hardware}, not measured (cpbench simulate).\n\n"
+    elif sims:
+        head = (f"{len(sims)} of {len(records)} rows are simulated, not measured: the Source "
+                f"column and '(simulated)' in the pivots mark them.\n\n")
+    return head + grouped(records, fmt) + "\n" + pivot(records, fmt)

@@ -99,6 +99,7 @@ def rows(records: list[dict]) -> list[dict]:
     """Display rows: column title → cell text, in table order."""
     df = frame(records)
     with_check = any(r.get("check") for r in records)
+    mixed = df["simulated"].nunique() > 1  # measured and simulated rows side by side
     out = []
     for row in df.to_dict("records"):
         status = row["status"]
@@ -115,6 +116,7 @@ def rows(records: list[dict]) -> list[dict]:
             "Seq Len": str(row["seqlen"]), "World": str(row["world"]),
             "Nodes×GPUs": f"{row['nodes']}×{row['ranks_per_node']}",
             "CP": str(row["ranks_per_problem"] > 1), "Window": "None",
+            **({"Source": "simulated" if row["simulated"] else "measured"} if mixed else {}),
             "FWD (ms)": fwd, "FWD+BWD (ms)": both, "Memory (MB)": mem, "TFLOPs/s": tf,
         }
         if with_check:
@@ -160,13 +162,25 @@ def _efficiency_lines(records: list[dict]) -> list[str]:
     return out
 
 
+def simulated_note(records: list[dict]) -> str:
+    """" (simulated on <preset>, not measured)" when every record is a prediction; " (N of M
+    rows simulated: Source column)" when some are; "" when none are."""
+    sims = [r for r in records if r.get("env", {}).get("simulated")]
+    if not sims:
+        return ""
+    if len(sims) < len(records):
+        return f" ({len(sims)} of {len(records)} rows simulated, not measured: see Source)"
+    hardware = ", ".join(dict.fromkeys(r["env"].get("hardware", "?") for r in sims))
+    return f" (simulated on {hardware}, not measured)"
+
+
 def summary(records: list[dict], fmt: str = "table") -> str:
     """The summary of ``records`` in ``fmt`` (table, markdown, csv or json)."""
     if not records:
         return "no records\n"
     if fmt == "table":
         table_rows = [{k: v for k, v in r.items() if k != "CP Efficiency"} for r in rows(records)]
-        lines = ["Benchmark Summary:", *_seed_table(table_rows)]
+        lines = [f"Benchmark Summary{simulated_note(records)}:", *_seed_table(table_rows)]
         eff_lines = _efficiency_lines(records)
         if eff_lines:
             lines += ["", *eff_lines]
@@ -270,4 +284,6 @@ def report(records: list[dict], fmt: str = "table") -> str:
     (table format); the summary rows alone in the other formats."""
     if fmt != "table":
         return summary(records, fmt)
-    return "".join(detail(r) + "\n" for r in records) + summary(records, fmt)
+    # a prediction has no run to detail (iterations, hosts, checks): its row says it all
+    measured = [r for r in records if not r.get("env", {}).get("simulated")]
+    return "".join(detail(r) + "\n" for r in measured) + summary(records, fmt)

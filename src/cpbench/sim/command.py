@@ -174,7 +174,9 @@ def render(records: list[dict], hw: Hardware, topo: Topology, fmt: str) -> str:
     if fmt in ("csv", "json"):
         return tables.summary(records, fmt)
     several = len({r["config"]["attention"]["seqlen"] for r in records}) > 1
-    body = sweep.sweep_report(records, fmt) if several else tables.summary(records, fmt)
+    # the banner says they are simulated: the sweep view's own note would say it again
+    body = (sweep.grouped(records, fmt) + "\n" + sweep.pivot(records, fmt) if several
+            else tables.summary(records, fmt))
     return f"{_banner(hw, topo)}\n\n{body}\n{breakdown(records)}"
 
 
