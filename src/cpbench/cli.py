@@ -259,6 +259,9 @@ def _request(args) -> tuple[RunConfig, dict, dict]:
 
 
 def _fail(prog: str, e: Exception) -> int:
+    from cpbench.report import console
+
+    console.end_status()  # a status line on the terminal must not run into the error
     sys.stderr.write(f"{prog}: error: {' '.join(str(e).split())}\n")
     return USAGE_ERROR
 
@@ -322,7 +325,9 @@ def cmd_report(args) -> int:
     sweep_view = args.view == "sweep" or (args.view == "auto" and records
                                           and not report.sweep.one_launch(records))
     if args.compare == "placement":
-        text = report.sweep.compare_placement(records, args.format)
+        note = report.tables.simulated_note(records)
+        text = (f"Compared{note}\n\n" if note else "") + \
+            report.sweep.compare_placement(records, args.format)
     elif sweep_view and args.format in ("table", "markdown"):
         text = report.sweep.sweep_report(records, args.format)
     else:  # csv / json: every row, whatever the view
@@ -330,7 +335,8 @@ def cmd_report(args) -> int:
     sys.stdout.write(text)
     if args.plot:
         try:
-            plot.plot(records, args.plot)
+            note = report.tables.simulated_note(records).strip(" ()") or None
+            plot.plot(records, args.plot, title_note=note)
         except (OSError, ValueError) as e:
             return _fail("cpbench report", e)
         sys.stderr.write(f"cpbench report: plot written to {args.plot}\n")
@@ -385,6 +391,9 @@ def _simulate(args, prog: str) -> int:
 
     try:
         hw = hardware.load(args.hardware)
+        if args.validate and (args.out or args.plot or args.compare_placements):
+            raise ValueError("--validate prints its own table; drop --out, --plot and "
+                             "--compare-placements, or run them separately")
         if args.validate:
             text = validate.report(validate.run(validate.load(args.validate), hw), hw)
             sys.stdout.write(text)
@@ -406,6 +415,8 @@ def _simulate(args, prog: str) -> int:
             from cpbench.report import plot
             plot.require_matplotlib()
             plot.check_target(args.plot)  # before any output: the fix, not half a report
+        if (args.out or "").lower() == "none":
+            args.out = None
         if args.out:
             from cpbench.bench.plan import open_out
             open_out(args.out)

@@ -210,5 +210,18 @@ def test_saved_predictions_re_render_marked_and_beside_measured_rows(capsys, tmp
     shown = capsys.readouterr().out
     assert shown.startswith("2 of 3 rows are simulated")
     assert re.search(r"\|\s*measured\s*\|", shown) and re.search(r"\|\s*simulated\s*\|", shown)
-    assert re.search(r"zigzag \[4×8\] \(simulated\) +\|", shown)  # pivot rows kept apart
-    assert re.search(r"zigzag \[2×2\] +\|", shown)
+    # pivot rows kept apart, each named by its kernel (the preset, for a prediction)
+    assert re.search(r"zigzag \[simulated: A800[^|]*\] \[4×8\] \(simulated\) +\|", shown)
+    assert re.search(r"zigzag \[sdpa-cpu\] \[2×2\] +\|", shown)
+
+
+def test_two_presets_in_one_file_stay_apart(capsys, tmp_path):
+    out = tmp_path / "two.jsonl"
+    for preset in ("a800-sxm", "h100-sxm"):
+        assert run(capsys, "--strategy", "zigzag", "--seqlen", "128K,256K", "--nodes", "4",
+                   "--hardware", preset, "--out", str(out))[0] == 0
+    assert cli.main(["report", str(out), "--view", "sweep"]) == 0
+    shown = capsys.readouterr().out
+    pivot = shown[shown.index("TFLOPs/s per GPU by Seq Len"):].split("\n\n")[0]
+    rows = [line for line in pivot.splitlines() if line.strip().startswith("zigzag")]
+    assert len(rows) == 2 and "A800" in rows[0] and "H100" in rows[1]

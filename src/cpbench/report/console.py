@@ -64,13 +64,13 @@ def setup(rank: int, fmt: str) -> None:
 
 @contextlib.contextmanager
 def transient_progress(stream=None):
-    """Within the block, progress records of logger ``cpbench`` marked transient show as one
-    status line on a terminal (``stream``, default stderr) and nowhere else; logging is as it
-    was afterwards (for commands that run in the caller's process, e.g. ``simulate``)."""
+    """Within the block, records of logger ``cpbench`` go to ``stream`` (default stderr):
+    those marked transient as one status line on a terminal and nowhere else, the others as
+    lines; logging is as it was afterwards (for commands that run in the caller's process,
+    e.g. ``simulate``)."""
     log = logging.getLogger("cpbench")
     handler = Progress(stream or sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    handler.addFilter(lambda record: getattr(record, "transient", False))
     level = log.level
     log.addHandler(handler)
     if log.getEffectiveLevel() > logging.INFO:

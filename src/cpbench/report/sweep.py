@@ -55,6 +55,8 @@ def latest_frame(records: list[dict]):
     df["_cells"] = cells
     df["_asked"] = [json.dumps(r["config"]["options"], sort_keys=True) for r in records]
     df["label"] = [s if o == "-" else f"{s} ({o})" for s, o in zip(df["strategy"], df["options"])]
+    if df["kernel"].nunique() > 1:  # e.g. two hardware presets, or flash-attn and cuDNN runs
+        df["label"] = [f"{lab} [{k}]" for lab, k in zip(df["label"], df["kernel"])]
     df["topo"] = [f"{n}×{g}" for n, g in zip(df["nodes"], df["ranks_per_node"])]
     first = df.drop_duplicates(_CASE, keep="first").index
     last = df.drop_duplicates(_CASE, keep="last")

@@ -188,7 +188,9 @@ def summary(records: list[dict], fmt: str = "table") -> str:
     if fmt == "markdown":
         table_rows = rows(records)
         cols = list(table_rows[0])
-        lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+        note = simulated_note(records)
+        lines = [f"*Benchmark Summary{note}*", ""] if note else []
+        lines += ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
         lines += ["| " + " | ".join(row[c] for c in cols) + " |" for row in table_rows]
         return "\n".join(lines) + "\n"
     data = _data(records)

@@ -25,7 +25,7 @@ log = logging.getLogger("cpbench")
 
 
 def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
-            p: model.Prediction) -> dict:
+            p: model.Prediction, utc: str) -> dict:
     cls = strategies.get(case.strategy)
     run = RunConfig(strategy=(case.strategy,), device="cuda", kernel="simulated",
                     ranks_per_node=topo.ranks_per_node, out="none").resolved("cuda")
@@ -39,7 +39,7 @@ def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
         "topology": {"world_size": topo.world_size, "ranks_per_node": topo.ranks_per_node,
                      "num_nodes": topo.num_nodes},
         "ranks_per_problem": p.ranks_per_problem, "resolved": p.resolved,
-        "env": {"simulated": True, "hardware": hw.name, "utc": utc_now(), "git_sha": None},
+        "env": {"simulated": True, "hardware": hw.name, "utc": utc, "git_sha": None},
         "status": results.OOM if oom else results.OK,
         "error": (f"needs {p.memory_bytes / 2**30:.1f} GiB per GPU, {hw.name} has "
                   f"{p.capacity_bytes / 2**30:.1f} GiB" if oom else None),
@@ -67,6 +67,7 @@ def simulate(names: tuple[str, ...], options: dict, attention: dict, seqlens: li
     records, skipped, ran = [], [], set()
     first_error: dict[str, ValueError] = {}
     todo = list(itertools.product(seqlens, cases))
+    utc = utc_now()  # one invocation, one time: `cpbench report` reads it as one launch
     for i, (seqlen, case) in enumerate(todo, start=1):
         # a new (strategy, topology) builds every rank's schedule: seconds at 128 GPUs
         log.info("simulating %d/%d: %s at seqlen %d", i, len(todo), case.label, seqlen,
@@ -79,13 +80,15 @@ def simulate(names: tuple[str, ...], options: dict, attention: dict, seqlens: li
             first_error.setdefault(case.strategy, e)
             continue
         ran.add(case.strategy)
-        records.append(_record(case, attn, topo, hw, p))
+        records.append(_record(case, attn, topo, hw, p, utc))
     for name in names:
         if name != "all" and name not in ran and name in first_error:
             raise first_error[name]
     if not any(r["ranks_per_problem"] > 1 for r in records):
-        # a no-CP baseline alone compares with nothing (as `cpbench run` decides)
-        raise next(iter(first_error.values()), ValueError("nothing to simulate"))
+        if first_error:
+            raise next(iter(first_error.values()))
+        raise ValueError("local is the no-CP baseline of the CP strategies' efficiency; add "
+                         "one, e.g. --strategy local,zigzag")
     # baselines after the CP rows they are compared with, as `cpbench run` orders them
     records.sort(key=lambda r: r["ranks_per_problem"] == 1)
     return records, skipped

@@ -29,8 +29,8 @@ class KernelCurve:
         sides = [side for side, _ in self.points]
         if not self.points or sides != sorted(sides) or len(set(sides)) != len(sides):
             raise ValueError("a kernel curve needs [side, tflops] points with increasing sides")
-        if any(side <= 0 or tflops <= 0 for side, tflops in self.points):
-            raise ValueError("kernel curve sides and TFLOP/s must be positive")
+        if not all(math.isfinite(v) and v > 0 for point in self.points for v in point):
+            raise ValueError("kernel curve sides and TFLOP/s must be positive numbers")
 
     def tflops(self, side: float) -> float:
         pts = self.points
@@ -77,22 +77,41 @@ def _curve(points, what: str) -> KernelCurve:
         raise ValueError(f"{what}: {e} (write [[side, tflops], ...])") from None
 
 
+def _number(d: dict, key: str, source: str, kind=float, default=None):
+    value = d.get(key, default) if default is not None else d[key]
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        ok = ok and float(value).is_integer()
+    if not ok or not math.isfinite(value):
+        what = "a whole number" if kind is int else "a number"
+        raise ValueError(f"{source}: {key} must be {what}, got {value!r}")
+    return kind(value)
+
+
 def from_dict(d: dict, source: str = "preset") -> Hardware:
     if not isinstance(d, dict):
         raise ValueError(f"{source}: a preset is a YAML mapping (see configs/hardware/"
                          f"a800-sxm.yaml), not {type(d).__name__}")
     try:
         k, intra, inter = d["kernel"], d["intra_node"], d["inter_node"]
+        if not all(isinstance(x, dict) for x in (k, intra, inter)):
+            raise TypeError("kernel, intra_node and inter_node must be mappings")
+        if not isinstance(d["name"], str):
+            raise TypeError(f"name must be text, got {d['name']!r}")
         hw = Hardware(
-            name=d["name"], description=d.get("description", ""),
-            gpus_per_node=int(d["gpus_per_node"]), nodes=int(d.get("nodes", 1)),
-            memory_gib=float(d["memory_gib"]), peak_tflops=float(d["peak_tflops_bf16"]),
+            name=d["name"], description=str(d.get("description", "")),
+            gpus_per_node=_number(d, "gpus_per_node", source, int),
+            nodes=_number(d, "nodes", source, int, default=1),
+            memory_gib=_number(d, "memory_gib", source),
+            peak_tflops=_number(d, "peak_tflops_bf16", source),
             kernel_fwd=_curve(k["fwd"], f"{source}: kernel.fwd"),
             kernel_bwd=_curve(k["bwd"], f"{source}: kernel.bwd"),
-            step_overhead_us=float(k.get("step_overhead_us", 0.0)),
-            intra=Link(float(intra["bandwidth_gbs"]), float(intra["latency_us"])),
-            inter=Link(float(inter["bandwidth_gbs_per_gpu"]), float(inter["latency_us"])),
-            node_inter_gbs=float(inter["node_bandwidth_gbs"]),
+            step_overhead_us=_number(k, "step_overhead_us", f"{source}: kernel", default=0.0),
+            intra=Link(_number(intra, "bandwidth_gbs", f"{source}: intra_node"),
+                       _number(intra, "latency_us", f"{source}: intra_node")),
+            inter=Link(_number(inter, "bandwidth_gbs_per_gpu", f"{source}: inter_node"),
+                       _number(inter, "latency_us", f"{source}: inter_node")),
+            node_inter_gbs=_number(inter, "node_bandwidth_gbs", f"{source}: inter_node"),
         )
     except KeyError as e:
         raise ValueError(f"{source}: missing field {e.args[0]!r} (see configs/hardware/"

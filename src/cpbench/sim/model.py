@@ -280,7 +280,12 @@ def predict(name: str, options, attn: AttentionConfig, topo: Topology, hw: Hardw
     if attn.dtype not in hw.dtypes:
         raise ValueError(f"the {hw.name} preset models {'/'.join(hw.dtypes)} attention "
                          f"kernels; simulate with --dtype {hw.dtypes[0]}")
-    c = compiled_for(name, options, attn, topo)
+    return evaluate(compiled_for(name, options, attn, topo), attn, hw)
+
+
+def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
+    """The prediction for ``attn`` from a schedule compiled at another seqlen and batch (or
+    the same): bytes scale with S·B, FLOPs with S²·B, block sides with S."""
     linear = (attn.batch / c.batch) * (attn.seqlen / c.seqlen)
     square = linear * (attn.seqlen / c.seqlen)
     length = attn.seqlen / c.seqlen

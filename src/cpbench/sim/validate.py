@@ -33,6 +33,7 @@ RANK_TOLERANCE = 0.05
 _REQUIRED = ("implementation", "strategy", "options", "seqlen", "nodes", "gpus_per_node",
              "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "tflops")
 _BOOL = {"true": True, "yes": True, "false": False, "no": False}
+_FLAG = {**_BOOL, "1": True, "0": False}
 
 
 @dataclass(frozen=True)
@@ -90,9 +91,9 @@ def _flag(value: str | None, column: str, default: bool | None = None) -> bool:
     text = (value or "").strip().lower()
     if not text and default is not None:
         return default
-    if text not in _BOOL:
+    if text not in _FLAG:
         raise ValueError(f"{column} must be true or false, got {value!r}")
-    return _BOOL[text]
+    return _FLAG[text]
 
 
 def load(path: str) -> list[Row]:
@@ -108,7 +109,7 @@ def load(path: str) -> list[Row]:
             try:
                 row = _row(r)
                 model.build(row.strategy, row.options, row.attn, row.topo)  # it can run
-            except (KeyError, ValueError) as e:
+            except (KeyError, ValueError, TypeError) as e:
                 raise ValueError(f"{path}:{line}: {e}") from None
             rows.append(row)
     if not rows:
@@ -122,6 +123,8 @@ def _row(r: dict) -> Row:
                            dtype=r["dtype"], causal=_flag(r["causal"], "causal"))
     gpn = int(r["gpus_per_node"])
     topo = Topology(world_size=int(r["nodes"]) * gpn, ranks_per_node=gpn)
+    if not float(r["tflops"]) > 0:
+        raise ValueError(f"tflops must be a positive number, got {r['tflops']!r}")
     fwd = r.get("fwd_ms") or ""
     return Row(r["implementation"], r["strategy"], parse_options(r["strategy"], r["options"]),
                attn, topo, float(r["tflops"]), float(fwd) if fwd.strip() else None,
