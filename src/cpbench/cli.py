@@ -248,14 +248,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _problem(args) -> tuple[dict, dict]:
+    """The AttentionConfig fields and the strategy options given on the command line."""
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    attention = {f.name: given[f.name] for f in dataclasses.fields(AttentionConfig)
+                 if f.name in given}
+    options = {k[len(_OPT_PREFIX):]: v for k, v in given.items() if k.startswith(_OPT_PREFIX)}
+    return attention, options
+
+
 def _request(args) -> tuple[RunConfig, dict, dict]:
     given = {k: v for k, v in vars(args).items() if v is not None}
     run = RunConfig(**{f.name: given[f.name] for f in dataclasses.fields(RunConfig)
                        if f.name in given})
-    attention = {f.name: given[f.name] for f in dataclasses.fields(AttentionConfig)
-                 if f.name in given}
-    options = {k[len(_OPT_PREFIX):]: v for k, v in given.items() if k.startswith(_OPT_PREFIX)}
-    return run, attention, options
+    return (run, *_problem(args))
 
 
 def _fail(prog: str, e: Exception) -> int:
@@ -319,7 +325,7 @@ def cmd_report(args) -> int:
     if args.plot:
         from cpbench.report import plot
         try:
-            plot.require_matplotlib()  # before any output: the fix, not half a report
+            plot.check_target(args.plot)  # before any output: the fix, not half a report
         except ValueError as e:
             return _fail("cpbench report", e)
     sweep_view = args.view == "sweep" or (args.view == "auto" and records
@@ -403,17 +409,13 @@ def _simulate(args, prog: str) -> int:
         if nodes < 1 or gpn < 1:
             raise ValueError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} x {gpn}")
         topo = Topology(world_size=nodes * gpn, ranks_per_node=gpn)
-        given = {k: v for k, v in vars(args).items() if v is not None}
-        attention = {**GPU_ATTENTION, **{f.name: given[f.name]
-                                         for f in dataclasses.fields(AttentionConfig)
-                                         if f.name in given and f.name != "seqlen"}}
+        given, options = _problem(args)
+        given.pop("seqlen", None)  # a list here: one simulation per length
+        attention = {**GPU_ATTENTION, **given}
         AttentionConfig(**attention)  # one line for a bad shape, before anything is built
-        options = {k[len(_OPT_PREFIX):]: v for k, v in given.items()
-                   if k.startswith(_OPT_PREFIX)}
         seqlens = list(args.seqlen or (GPU_ATTENTION["seqlen"],))
         if args.plot:
             from cpbench.report import plot
-            plot.require_matplotlib()
             plot.check_target(args.plot)  # before any output: the fix, not half a report
         if (args.out or "").lower() == "none":
             args.out = None

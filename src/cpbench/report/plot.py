@@ -24,9 +24,11 @@ def require_matplotlib():
 
 
 def check_target(path: str) -> None:
-    """ValueError with the fix when ``path`` cannot be written, before any work is done."""
+    """ValueError with the fix when there is no matplotlib or ``path`` cannot be written:
+    called before any work or output, so a bad --plot is one line, not half a report."""
     from pathlib import Path
 
+    require_matplotlib()
     target = Path(path)
     if target.is_dir():
         raise ValueError(f"--plot {path} is a directory; give a file such as "

@@ -65,17 +65,6 @@ def latest_frame(records: list[dict]):
     return last.sort_values("_order", kind="stable").drop(columns="_order")
 
 
-def _render(title: str | None, table_rows: list[dict], fmt: str) -> list[str]:
-    out = [f"### {title}"] if title else []
-    if fmt == "markdown":
-        cols = list(table_rows[0])
-        out += ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-        out += ["| " + " | ".join(r[c] for c in cols) + " |" for r in table_rows]
-    else:
-        out += tables._seed_table(table_rows)
-    return out
-
-
 def grouped(records: list[dict], fmt: str = "table") -> str:
     """Seed 001's layout: a heading and a table per strategy (placement) and topology."""
     df = latest_frame(records)
@@ -92,7 +81,7 @@ def grouped(records: list[dict], fmt: str = "table") -> str:
         table_rows = [{k: v for k, v in c.items() if k not in drop} for c in g["_cells"]]
         if lines:
             lines.append("")
-        lines += _render(f"{label} on {topo} GPUs", table_rows, fmt)
+        lines += tables.render(f"{label} on {topo} GPUs", table_rows, fmt)
     return "\n".join(lines) + "\n"
 
 
@@ -131,7 +120,7 @@ def pivot(records: list[dict], fmt: str = "table") -> str:
             table_rows.append(cells)
         if lines:
             lines.append("")
-        lines += _render(f"{title} by Seq Len", table_rows, fmt)
+        lines += tables.render(f"{title} by Seq Len", table_rows, fmt)
     return "\n".join(lines) + "\n"
 
 
@@ -171,7 +160,7 @@ def compare_placement(records: list[dict], fmt: str = "table") -> str:
                  f"{'causal' if a['causal'] else 'full'})")
         if lines:
             lines.append("")
-        lines += _render(title, table_rows, fmt)
+        lines += tables.render(title, table_rows, fmt)
     if not lines:
         return ("no strategy ran more than one placement (or window, or degree) on the same "
                 "topology and problem\n")
@@ -191,12 +180,11 @@ def _distinct(labels: list[str]) -> tuple[dict[str, str], str]:
 
 def sweep_report(records: list[dict], fmt: str = "table") -> str:
     """The grouped tables, then the pivot; first a line saying so when rows are simulated."""
-    sims = [r for r in records if r.get("env", {}).get("simulated")]
+    n, hardware = tables.simulated(records)
     head = ""
-    if sims and len(sims) == len(records):
-        hardware = ", ".join(dict.fromkeys(r["env"].get("hardware", "?") for r in sims))
+    if n and n == len(records):
         head = f"Every row is simulated on {hardware}, not measured (cpbench simulate).\n\n"
-    elif sims:
-        head = (f"{len(sims)} of {len(records)} rows are simulated, not measured: the Source "
+    elif n:
+        head = (f"{n} of {len(records)} rows are simulated, not measured: the Source "
                 f"column and '(simulated)' in the pivots mark them.\n\n")
     return head + grouped(records, fmt) + "\n" + pivot(records, fmt)

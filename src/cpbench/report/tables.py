@@ -134,6 +134,18 @@ def _memory_cell(memory_mb, memory_status) -> str:
     return memory_status if memory_status in (OOM, FAILED) else "-"
 
 
+def render(title: str | None, table_rows: list[dict], fmt: str) -> list[str]:
+    """A table under an optional ``### title``: seed 001's layout, or markdown."""
+    out = [f"### {title}"] if title else []
+    if fmt == "markdown":
+        cols = list(table_rows[0])
+        out += ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+        out += ["| " + " | ".join(r[c] for c in cols) + " |" for r in table_rows]
+    else:
+        out += _seed_table(table_rows)
+    return out
+
+
 def _seed_table(table_rows: list[dict]) -> list[str]:
     """Seed 001's layout: centred cells between '|', '=' rules around, '-' under the header."""
     cols = list(table_rows[0])
@@ -162,15 +174,20 @@ def _efficiency_lines(records: list[dict]) -> list[str]:
     return out
 
 
+def simulated(records: list[dict]) -> tuple[int, str]:
+    """How many records are predictions of ``cpbench simulate``, and their presets."""
+    sims = [r for r in records if r.get("env", {}).get("simulated")]
+    return len(sims), ", ".join(dict.fromkeys(r["env"].get("hardware", "?") for r in sims))
+
+
 def simulated_note(records: list[dict]) -> str:
     """" (simulated on <preset>, not measured)" when every record is a prediction; " (N of M
     rows simulated: Source column)" when some are; "" when none are."""
-    sims = [r for r in records if r.get("env", {}).get("simulated")]
-    if not sims:
+    n, hardware = simulated(records)
+    if not n:
         return ""
-    if len(sims) < len(records):
-        return f" ({len(sims)} of {len(records)} rows simulated, not measured: see Source)"
-    hardware = ", ".join(dict.fromkeys(r["env"].get("hardware", "?") for r in sims))
+    if n < len(records):
+        return f" ({n} of {len(records)} rows simulated, not measured: see Source)"
     return f" (simulated on {hardware}, not measured)"
 
 
@@ -186,13 +203,9 @@ def summary(records: list[dict], fmt: str = "table") -> str:
             lines += ["", *eff_lines]
         return "\n".join(lines) + "\n"
     if fmt == "markdown":
-        table_rows = rows(records)
-        cols = list(table_rows[0])
         note = simulated_note(records)
         lines = [f"*Benchmark Summary{note}*", ""] if note else []
-        lines += ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-        lines += ["| " + " | ".join(row[c] for c in cols) + " |" for row in table_rows]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + render(None, rows(records), "markdown")) + "\n"
     data = _data(records)
     if fmt == "json":
         records_out = [{k: (None if _missing(v) else v) for k, v in row.items()}

@@ -192,8 +192,7 @@ def render_comparison(groups: list[list[dict]], hw: Hardware, topo: Topology, fm
         best = next((r["derived"]["fwd_bwd_ms"] for r in rows if r["status"] == results.OK),
                     None)
         table = []
-        for i, r in enumerate(rows, start=1):
-            cells = tables.rows([r])[0]
+        for i, (r, cells) in enumerate(zip(rows, tables.rows(rows)), start=1):
             d = r["derived"]
             table.append({
                 "#": str(i), "Strategy": cells["Strategy"], "Placement": cells["Placement"],
@@ -204,11 +203,5 @@ def render_comparison(groups: list[list[dict]], hw: Hardware, topo: Topology, fm
         title = (f"Placements at Seq Len {a['seqlen']} ({a['dtype']}, B={a['batch']}, "
                  f"H={a['heads']}, D={a['head_dim']}, "
                  f"{'causal' if a['causal'] else 'full'}), fastest first")
-        if fmt == "markdown":
-            cols = list(table[0])
-            out += [f"### {title}", "", "| " + " | ".join(cols) + " |",
-                    "|" + "|".join("---" for _ in cols) + "|",
-                    *["| " + " | ".join(t[c] for c in cols) + " |" for t in table], ""]
-        else:
-            out += [title, *tables._seed_table(table), ""]
+        out += [*tables.render(title, table, fmt), ""]
     return "\n".join(out)

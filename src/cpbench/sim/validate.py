@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from cpbench import strategies
 from cpbench.bench.flops import attention_flops, tflops_per_gpu
 from cpbench.config import AttentionConfig
+from cpbench.report import tables
 from cpbench.sim import model
 from cpbench.sim.hardware import Hardware
 from cpbench.topology import Topology
@@ -167,7 +168,8 @@ def report(results: list[Result], hw: Hardware, tolerance: float = 0.15) -> str:
         })
     scored = [abs(r.error) for r in results if r.row.scored]
     worst = max((r for r in results if r.row.scored), key=lambda r: abs(r.error), default=None)
-    lines = [f"Validation against published rows — simulated on {hw.name}", *_table(rows)]
+    lines = [f"Validation against published rows — simulated on {hw.name}",
+             *tables.render(None, rows, "table")]
     if scored:
         within = sum(e <= tolerance for e in scored)
         lines += [f"scored rows: {len(scored)}; within {100 * tolerance:.0f} %: {within}; "
@@ -196,9 +198,3 @@ def _label(row: Row) -> str:
 
 def _num(x) -> str:
     return "-" if x is None else f"{x:.2f}"
-
-
-def _table(rows: list[dict]) -> list[str]:
-    from cpbench.report.tables import _seed_table  # the seeds' layout, one implementation
-
-    return _seed_table(rows)
