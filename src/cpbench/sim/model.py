@@ -95,8 +95,7 @@ class Compiled:
     seqlen: int
     batch: int
     steps: tuple[StepLoad, ...]
-    resident_bytes: float  # held through the whole step
-    buffer_bytes: float  # the worst step's message buffers
+    memory_bytes: float  # a rank's peak: resident tensors, held blocks, worst step's buffers
     ranks_per_problem: int
     resolved: dict
 
@@ -214,10 +213,10 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
             views.add(RankStep(step.flops, side, *rank_loads.moved[i],
                                *node_out[topo.node_of(strat.rank)]))
         steps.append(StepLoad(first.phase, tuple(sorted(views, key=dataclasses.astuple))))
-    buffers = 2.0 * max(max(rank_loads.in_flight) for rank_loads in loads)
+    buffers = 2.0 * max(max(rank_loads.in_flight) for rank_loads in loads)  # sent + received
     rank0 = ranks[0]
     return Compiled(attn.seqlen, attn.batch, tuple(steps),
-                    _resident_bytes(rank0) + max(s.held_bytes() for s in ranks), buffers,
+                    _resident_bytes(rank0) + max(s.held_bytes() for s in ranks) + buffers,
                     rank0.ranks_per_problem, rank0.resolved_options())
 
 
@@ -305,7 +304,7 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
             worst_compute = max(worst_compute, compute)
         total[step.phase] += worst
         compute_total[step.phase] += worst_compute
-    memory = (c.resident_bytes + c.buffer_bytes) * linear
+    memory = c.memory_bytes * linear
     return Prediction(fwd_s=total[FWD], bwd_s=total[BWD], fwd_compute_s=compute_total[FWD],
                       bwd_compute_s=compute_total[BWD], memory_bytes=memory,
                       capacity_bytes=hw.memory_gib * GIB,
