@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cpbench.errors import UsageError
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ("table", "markdown", "csv", "json")  # how results print (cpbench run and report)
 DEVICES = ("auto", "cpu", "cuda")
@@ -32,15 +34,15 @@ class AttentionConfig:
     def __post_init__(self):
         for name in ("batch", "seqlen", "heads", "head_dim"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got "
+                raise UsageError(f"{name} must be a positive integer, got "
                                  f"{getattr(self, name)}; give {flag(name)} 1 or more")
         if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
-            raise ValueError(
+            raise UsageError(
                 f"kv_heads {self.kv_heads} must divide heads {self.heads}; use one of: "
                 + ", ".join(str(d) for d in range(1, self.heads + 1) if self.heads % d == 0)
             )
         if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
+            raise UsageError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
 
     @property
     def num_kv_heads(self) -> int:
@@ -80,10 +82,10 @@ def parse_size(text: str) -> int:
     scale = _SIZE_SUFFIX.get(t[-1:], 1)
     digits = t[:-1] if scale > 1 else t
     if not digits.lstrip("-").isdigit():
-        raise ValueError(f"cannot read {text!r} as a size; use an integer or a size like "
+        raise UsageError(f"cannot read {text!r} as a size; use an integer or a size like "
                          f"8k, 128K, 1M")
     if int(digits) < 1:
-        raise ValueError(f"a size must be positive, got {text!r}; use e.g. 8k, 128K, 1M")
+        raise UsageError(f"a size must be positive, got {text!r}; use e.g. 8k, 128K, 1M")
     return int(digits) * scale
 
 
@@ -91,7 +93,7 @@ def parse_names(text: str) -> tuple[str, ...]:
     """``zigzag`` / ``ring,zigzag`` / ``all`` → a tuple of names (checked by the driver)."""
     names = tuple(n.strip() for n in str(text).split(",") if n.strip())
     if not names:
-        raise ValueError("--strategy needs a name, a comma list of names, or all")
+        raise UsageError("--strategy needs a name, a comma list of names, or all")
     return names
 
 
@@ -156,17 +158,17 @@ class RunConfig:
         for name in ("ranks_per_node", "iters", "nproc"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{flag(name)} must be a positive integer, got {value}")
+                raise UsageError(f"{flag(name)} must be a positive integer, got {value}")
         if self.warmup is not None and self.warmup < 0:
-            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+            raise UsageError(f"--warmup must be >= 0, got {self.warmup}")
         for name in ("collective_timeout", "deadline"):
             value = getattr(self, name)
             if value is not None and value <= 0:
-                raise ValueError(f"{flag(name)} must be a positive number of seconds, "
+                raise UsageError(f"{flag(name)} must be a positive number of seconds, "
                                  f"got {value}")
         for name, allowed in (("format", FORMATS), ("device", DEVICES)):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"--{name} must be one of {', '.join(allowed)}, "
+                raise UsageError(f"--{name} must be one of {', '.join(allowed)}, "
                                  f"got {getattr(self, name)!r}")
 
     def resolved(self, device: str) -> "RunConfig":

@@ -93,25 +93,8 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, timeout: float | None =
     for p in procs:
         p.start()
     by_rank: dict[int, Any] = {}
-    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        while len(by_rank) < nproc:
-            left = 1.0 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(nproc)) - set(by_rank))
-                raise LaunchTimeout(f"ranks {missing} did not finish within {timeout:.0f} s")
-            try:
-                rank, status, payload = results.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if r not in by_rank and p.exitcode not in (None, 0)]
-                if dead:
-                    raise RankError(f"rank {dead[0]} died with exit code "
-                                    f"{procs[dead[0]].exitcode} and no report")
-                continue
-            if status == "error":
-                raise RankError(f"rank {rank} failed:\n{payload}")
-            by_rank[rank] = payload
+        _collect(procs, results, by_rank, timeout)
     finally:
         for p in procs:
             if p.is_alive() and len(by_rank) < nproc:
@@ -121,3 +104,27 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, timeout: float | None =
             if p.is_alive():
                 p.kill()
     return [by_rank[r] for r in range(nproc)]
+
+
+def _collect(procs: list, results, by_rank: dict[int, Any], timeout: float | None) -> None:
+    """Fill ``by_rank`` with every rank's report; raise on the first failure, on a rank that
+    died without one, or past the deadline."""
+    nproc = len(procs)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while len(by_rank) < nproc:
+        left = 1.0 if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            missing = sorted(set(range(nproc)) - set(by_rank))
+            raise LaunchTimeout(f"ranks {missing} did not finish within {timeout:.0f} s")
+        try:
+            rank, status, payload = results.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs)
+                    if r not in by_rank and p.exitcode not in (None, 0)]
+            if dead:
+                raise RankError(f"rank {dead[0]} died with exit code "
+                                f"{procs[dead[0]].exitcode} and no report") from None
+            continue
+        if status == "error":
+            raise RankError(f"rank {rank} failed:\n{payload}")
+        by_rank[rank] = payload

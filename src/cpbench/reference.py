@@ -68,7 +68,8 @@ class Comparison:
 
     def line(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
-        return f"{self.tensor:>4}: max abs {self.max_abs:.3e}  max rel {self.max_rel:.3e}  {verdict}"
+        return (f"{self.tensor:>4}: max abs {self.max_abs:.3e}  max rel {self.max_rel:.3e}  "
+                f"{verdict}")
 
 
 def compare(tensor: str, got: torch.Tensor, ref: torch.Tensor, dtype: str) -> Comparison:

@@ -19,7 +19,13 @@ A record holds what is needed to re-run it and to recompute every figure printed
   ``memory_error`` (null bytes when that step failed or ran out of memory; the timings stay);
   ``check``: per tensor max abs / max rel error and verdict;
 - ``derived``: the figures computed from the above by ``derive`` (kept for other tools;
-  readers recompute them rather than trust them).
+  readers recompute them rather than trust them);
+- optionally ``sweep`` (the case a sweep wrote a failure record for) and ``simulation``
+  (what ``cpbench simulate`` predicted beside the times).
+
+``make_record`` is the one constructor: the driver, the sweep's failure records and the
+simulator's predictions all build records through it. ``record_key`` says which row of a run a
+record is (its config, less how it was launched), so re-runs and resumed sweeps match rows.
 
 Appends write whole lines, flushed and fsynced, so a crash can at worst leave a torn last
 line, which ``read`` skips with a warning.
@@ -27,21 +33,69 @@ line, which ``read`` skips with a warning.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Iterable
 
-from cpbench.bench import flops as flops_mod
-from cpbench.bench import timer
-from cpbench.bench.memory import MB
+from cpbench import metrics
+from cpbench.errors import UsageError
 
 SCHEMA_VERSION = 1
-OK, OOM, FAILED = "ok", "OOM", "failed"
-STATUSES = (OK, OOM, FAILED)
+OK, OOM, FAILED, TIMEOUT = "ok", "OOM", "failed", "timeout"
+STATUSES = (OK, OOM, FAILED, TIMEOUT)  # timeout: a sweep's case ran past its limit
+# what a case measured (null until it did), and the sections some records add
+MEASURED = ("resolved", "error", "traceback", "samples_ms", "memory_bytes", "memory_status",
+            "memory_error", "check")
+SECTIONS = ("sweep", "simulation")
+# a row's key: what was asked for, not what a machine resolved it to (the device, the kernel
+# "auto" became), so a sweep checked on a login node matches records made on GPUs
+KEY_RUN_FIELDS = ("kernel", "warmup", "iters", "fwd_only", "check", "seed")
 
 log = logging.getLogger("cpbench")
+
+
+def make_record(*, strategy: str, options, attention, run, kernel: str, world_size: int,
+                ranks_per_node: int, ranks_per_problem: int, env: dict, status: str = OK,
+                **measured) -> dict:
+    """A record: ``options`` is the strategy's Options instance, ``attention`` and ``run``
+    the config dataclasses; ``measured`` any of MEASURED and SECTIONS (the rest null). JSON-
+    safe (as a reader of the file sees it), with ``derived`` filled."""
+    unknown = set(measured) - set(MEASURED) - set(SECTIONS)
+    assert not unknown and status in STATUSES, (unknown, status)
+    record = {
+        "schema_version": SCHEMA_VERSION,
+        "config": {"strategy": strategy, "options": dataclasses.asdict(options),
+                   "option_defaults": dataclasses.asdict(type(options)()),
+                   "attention": attention.to_dict(), "run": run.to_dict()},
+        "kernel": kernel,
+        "topology": {"world_size": world_size, "ranks_per_node": ranks_per_node,
+                     "num_nodes": world_size // ranks_per_node},
+        "ranks_per_problem": ranks_per_problem, "env": env, "status": status,
+        **dict.fromkeys(MEASURED), **measured,
+    }
+    record = json.loads(json.dumps(record, default=str))
+    record["derived"] = derive(record)
+    return record
+
+
+def case_key(*, strategy: str, options: dict, attention: dict, run: dict, world_size: int,
+             ranks_per_node: int) -> str:
+    """The key of one row: what was asked for (see KEY_RUN_FIELDS), as canonical JSON."""
+    return json.dumps({"strategy": strategy, "options": options, "attention": attention,
+                       "run": {k: run.get(k) for k in KEY_RUN_FIELDS},
+                       "world_size": world_size, "ranks_per_node": ranks_per_node},
+                      sort_keys=True)
+
+
+def record_key(record: dict) -> str:
+    """What identifies a record's row across runs: its config, less how it was launched
+    (output file, format, timeouts)."""
+    cfg, topo = record["config"], record["topology"]
+    return case_key(strategy=cfg["strategy"], options=cfg["options"],
+                    attention=cfg["attention"], run=cfg["run"],
+                    world_size=topo["world_size"], ranks_per_node=topo["ranks_per_node"])
 
 
 def append(path: str | os.PathLike, record: dict) -> None:
@@ -59,8 +113,9 @@ def append(path: str | os.PathLike, record: dict) -> None:
 
 
 def read(path: str | os.PathLike) -> list[dict]:
-    """Every record in ``path``. A torn (unparseable) last line is skipped with a warning;
-    an unparseable line elsewhere is an error."""
+    """Every record in ``path``. A torn (unparseable) last line after valid records is
+    skipped with a warning; any other unparseable line, or a line that is not a cpbench
+    record, is an error."""
     with open(path, "rb") as f:
         lines = f.read().split(b"\n")
     records = []
@@ -71,24 +126,51 @@ def read(path: str | os.PathLike) -> list[dict]:
         try:
             record = json.loads(line)
         except ValueError:
-            if i == last:
+            if i == last and records:
                 log.warning("%s: skipping a torn last line (%d bytes): the run writing it "
                             "stopped mid-write", path, len(line))
                 continue
-            raise ValueError(f"{path}:{i + 1}: not a JSON record; the file is damaged")
-        version = record.get("schema_version")
-        if not isinstance(version, int) or version > SCHEMA_VERSION:
-            raise ValueError(f"{path}:{i + 1}: schema_version {version!r} is not one this "
-                             f"cpbench reads (<= {SCHEMA_VERSION}); upgrade cpbench")
-        records.append(record)
+            raise UsageError(f"{path}:{i + 1}: not a JSON record; give a results file "
+                             f"written by cpbench run, sweep or simulate") from None
+        records.append(_checked(record, f"{path}:{i + 1}"))
     return records
+
+
+def read_from(path: str | os.PathLike, offset: int = 0) -> list[dict]:
+    """The records appended to ``path`` after byte ``offset`` (what one launch wrote),
+    skipping lines that do not parse (a launch killed mid-write)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        f.seek(offset)
+        lines = f.read().split(b"\n")
+    found = []
+    for line in lines:
+        try:
+            record = json.loads(line) if line.strip() else None
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "config" in record:
+            found.append(record)
+    return found
+
+
+def _checked(record, where: str) -> dict:
+    if not isinstance(record, dict) or not {"config", "status"} <= set(record):
+        raise UsageError(f"{where}: not a cpbench record (no config / status); give a "
+                         f"results file written by cpbench run, sweep or simulate")
+    version = record.get("schema_version")
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise UsageError(f"{where}: schema_version {version!r} is not one this cpbench "
+                         f"reads (<= {SCHEMA_VERSION}); upgrade cpbench")
+    return record
 
 
 # -- derived figures -------------------------------------------------------------------------
 
 def problem_flops(attention: dict, mode: str) -> float:
     """FLOPs of the whole attention problem (global S, query heads) in ``mode``."""
-    return flops_mod.attention_flops(
+    return metrics.attention_flops(
         batch=attention["batch"], seqlen_q=attention["seqlen"], seqlen_k=attention["seqlen"],
         heads=attention["heads"], head_dim=attention["head_dim"], causal=attention["causal"],
         mode=mode)
@@ -105,67 +187,17 @@ def derive(record: dict) -> dict:
     samples = record.get("samples_ms") or {}
     if not samples.get("fwd"):
         return out
-    fwd = timer.step_time(samples["fwd"])
-    out.update(fwd_ms=fwd, fwd_tflops=flops_mod.tflops_per_gpu(out["flops_fwd"], n, fwd / 1e3),
-               slowest_rank_fwd=timer.slowest_rank(samples["fwd"]))
+    fwd = metrics.step_time(samples["fwd"])
+    out.update(fwd_ms=fwd, fwd_tflops=metrics.tflops_per_gpu(out["flops_fwd"], n, fwd / 1e3),
+               slowest_rank_fwd=metrics.slowest_rank(samples["fwd"]))
     if samples.get("fwd_bwd"):
-        both = timer.step_time(samples["fwd_bwd"])
+        both = metrics.step_time(samples["fwd_bwd"])
         bwd = both - fwd  # as seed 001's Burst lines print it
         out.update(fwd_bwd_ms=both, bwd_ms=bwd,
-                   fwd_bwd_tflops=flops_mod.tflops_per_gpu(out["flops_fwd_bwd"], n, both / 1e3),
-                   bwd_tflops=(flops_mod.tflops_per_gpu(problem_flops(attention, "bwd"), n,
+                   fwd_bwd_tflops=metrics.tflops_per_gpu(out["flops_fwd_bwd"], n, both / 1e3),
+                   bwd_tflops=(metrics.tflops_per_gpu(problem_flops(attention, "bwd"), n,
                                                          bwd / 1e3) if bwd > 0 else None),
-                   slowest_rank_fwd_bwd=timer.slowest_rank(samples["fwd_bwd"]))
+                   slowest_rank_fwd_bwd=metrics.slowest_rank(samples["fwd_bwd"]))
     if record.get("memory_bytes"):
-        out["memory_mb"] = max(record["memory_bytes"]) / MB
+        out["memory_mb"] = max(record["memory_bytes"]) / metrics.MB
     return out
-
-
-def options_label(record: dict) -> str:
-    """The options that set this row apart, as the strategy resolved them: a placement bare,
-    the others as k=v where they differ from the strategy's defaults (an automatic 0 that
-    resolved to 2 shows as 2) or are not options at all (e.g. a ring degree the strategy
-    derived); "-" when none do."""
-    cfg = record["config"]
-    shown = {**cfg["options"], **(record.get("resolved") or {})}
-    defaults = cfg.get("option_defaults", {})
-    parts = [str(shown["placement"])] if "placement" in shown else []
-    parts += [f"{k}={option_text(v)}" for k, v in shown.items()
-              if k != "placement" and (k not in defaults or defaults[k] != v)]
-    return " ".join(parts) or "-"
-
-
-def option_text(value) -> str:
-    """An option's value as labels print it; nested options (a composite strategy's inner
-    one) as ``{k=v,…}``."""
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k}={option_text(v)}" for k, v in value.items()) + "}"
-    return str(value)
-
-
-def to_frame(records: Iterable[dict]):
-    """One pandas row per record: the problem, topology, status and every derived figure."""
-    import pandas as pd
-
-    rows = []
-    for r in records:
-        cfg, d = r["config"], derive(r)
-        a = cfg["attention"]
-        rows.append({
-            "strategy": cfg["strategy"], "options": options_label(r),
-            "dtype": a["dtype"], "batch": a["batch"], "seqlen": a["seqlen"],
-            "heads": a["heads"], "kv_heads": a["kv_heads"] or a["heads"],
-            "head_dim": a["head_dim"], "causal": a["causal"],
-            "world": r["topology"]["world_size"], "nodes": r["topology"]["num_nodes"],
-            "ranks_per_node": r["topology"]["ranks_per_node"],
-            "ranks_per_problem": r["ranks_per_problem"], "kernel": r["kernel"],
-            "device": cfg["run"]["device"], "fwd_only": cfg["run"]["fwd_only"],
-            "status": r["status"], "error": r.get("error"),
-            "memory_status": r.get("memory_status"), "memory_error": r.get("memory_error"),
-            **{k: d.get(k) for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "memory_mb",
-                                     "fwd_tflops", "bwd_tflops", "fwd_bwd_tflops",
-                                     "check_passed")},
-            "utc": r["env"].get("utc"), "git_sha": r["env"].get("git_sha"),
-            "simulated": bool(r["env"].get("simulated")),
-        })
-    return pd.DataFrame(rows)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Sequence
 
+from cpbench.errors import UsageError
+
 HEAD_FIRST = "head-first"
 RING_FIRST = "ring-first"
 PLACEMENTS = (HEAD_FIRST, RING_FIRST)
@@ -38,10 +40,10 @@ class Topology:
 
     def __post_init__(self):
         if self.world_size < 1:
-            raise ValueError(f"world size must be >= 1, got {self.world_size}")
+            raise UsageError(f"world size must be >= 1, got {self.world_size}")
         if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
             ok = ", ".join(map(str, divisors(self.world_size)))
-            raise ValueError(
+            raise UsageError(
                 f"ranks per node {self.ranks_per_node} does not divide world size "
                 f"{self.world_size}; use one of: {ok}"
             )
@@ -112,11 +114,12 @@ def usp_mesh(world_size: int, ulysses_degree: int, placement: str
              ) -> tuple[list[list[int]], list[list[int]]]:
     """(ulysses groups, ring groups) of a ulysses_degree × ring_degree mesh."""
     if placement not in PLACEMENTS:
-        raise ValueError(f"unknown placement {placement!r}; choose one of: {', '.join(PLACEMENTS)}")
+        raise UsageError(f"unknown placement {placement!r}; choose one of: {', '.join(PLACEMENTS)}")
     _check_divides(ulysses_degree, world_size, "ulysses degree", "world size")
     ring_degree = world_size // ulysses_degree
     if placement == HEAD_FIRST:
-        return contiguous_groups(world_size, ulysses_degree), strided_groups(world_size, ring_degree)
+        return (contiguous_groups(world_size, ulysses_degree),
+                strided_groups(world_size, ring_degree))
     return strided_groups(world_size, ulysses_degree), contiguous_groups(world_size, ring_degree)
 
 
@@ -148,7 +151,8 @@ def node_local_block(topo: Topology, rings: Sequence[Sequence[int]], *,
 def _check_divides(part: int, whole: int, part_name: str, whole_name: str) -> None:
     if part < 1 or whole % part:
         ok = ", ".join(map(str, divisors(whole)))
-        raise ValueError(f"{part_name} {part} does not divide {whole_name} {whole}; use one of: {ok}")
+        raise UsageError(f"{part_name} {part} does not divide {whole_name} {whole}; use one of: "
+                         f"{ok}")
 
 
 # -- groups ------------------------------------------------------------------------------------

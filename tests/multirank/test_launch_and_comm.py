@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import time
 
+import comm_bodies
 import pytest
 import torch
 
 from cpbench.launch import LaunchTimeout, RankError, run_ranks
-
-import comm_bodies
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -7,13 +7,12 @@ One launch per (strategy, topology) runs all of its cases: starting ranks is the
 from __future__ import annotations
 
 import pytest
+from strategy_matrix import check_cases
 
 from cpbench import strategies
 from cpbench.config import AttentionConfig
 from cpbench.launch import run_ranks
 from cpbench.topology import Topology
-
-from strategy_matrix import check_cases
 
 # (world, ranks per node): world 1 is the degenerate ring of one; world 4 = 2 nodes × 2, world 8 = 2 × 4 and 4 × 2, so two-level
 # strategies really have several inner rings.

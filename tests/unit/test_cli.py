@@ -6,8 +6,7 @@ import typing
 
 import pytest
 
-from cpbench import cli, strategies
-from cpbench import kernels
+from cpbench import cli, kernels, strategies
 from cpbench.bench import plan as planning
 from cpbench.config import RunConfig, parse_size
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cpbench.bench.flops import attention_flops, tflops_per_gpu
+from cpbench.metrics import attention_flops, tflops_per_gpu
 from cpbench.results import derive
 
 

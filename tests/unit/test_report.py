@@ -5,9 +5,9 @@ import json
 
 import pandas as pd
 import pytest
+from test_results import fake_record
 
 from cpbench import report
-from test_results import fake_record
 
 SEED_COLUMNS = ["Dtype", "QKV Format", "B", "Seq Len", "CP", "Window", "FWD (ms)",
                 "FWD+BWD (ms)", "Memory (MB)", "TFLOPs/s"]
@@ -76,7 +76,7 @@ def test_efficiency_falls_back_to_fwd_when_a_side_has_no_backward():
 
 
 def test_frame_is_pandas_with_every_figure():
-    df = report.tables.frame(_records())
+    df = report.frame(_records())
     assert list(df["strategy"]) == ["zigzag", "megatron-cp", "burst", "local"]
     assert df.loc[0, "fwd_bwd_ms"] == 31.0 and df.loc[0, "cp_efficiency"] == pytest.approx(0.5)
     assert pd.isna(df.loc[1, "cp_efficiency"]) and pd.isna(df.loc[3, "cp_efficiency"])

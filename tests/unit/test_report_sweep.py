@@ -7,10 +7,10 @@ from __future__ import annotations
 import sys
 
 import pytest
+from test_results import fake_record
 
 from cpbench import report, results
 from cpbench.cli import main
-from test_results import fake_record
 
 SEQLENS = (131072, 262144, 524288)
 

@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from cpbench import results
+from cpbench.report import dataframe, labels
 
 
 def fake_record(strategy="zigzag", *, status="ok", fwd=None, fwd_bwd=None, memory=None,
@@ -107,13 +108,13 @@ def test_options_label_shows_what_the_strategy_resolved():
     defaults = {"placement": "head-first", "ulysses_degree": 0, "ring_impl": "zigzag"}
     r = fake_record("usp", options=defaults, defaults=defaults,
                     resolved={**defaults, "ulysses_degree": 2, "ring_degree": 2})
-    assert results.options_label(r) == "head-first ulysses_degree=2 ring_degree=2"
+    assert labels.options_label(r) == "head-first ulysses_degree=2 ring_degree=2"
     w = fake_record("double-ring", options={"window": 0}, resolved={"window": 2})
-    assert results.options_label(w) == "window=2"
+    assert labels.options_label(w) == "window=2"
     nested = fake_record("usp", options=defaults, defaults=defaults,
                          resolved={**defaults, "ulysses_degree": 2, "ring_impl": "double-ring",
                                    "ring_options": {"window": 2}})
-    assert results.options_label(nested) == \
+    assert labels.options_label(nested) == \
         "head-first ulysses_degree=2 ring_impl=double-ring ring_options={window=2}"
 
 
@@ -122,11 +123,11 @@ def test_options_label():
                                     "ring_impl": "zigzag"},
                     defaults={"placement": "head-first", "ulysses_degree": 0,
                               "ring_impl": "zigzag"})
-    assert results.options_label(r) == "ring-first ulysses_degree=2"
-    assert results.options_label(fake_record("ring")) == "-"
+    assert labels.options_label(r) == "ring-first ulysses_degree=2"
+    assert labels.options_label(fake_record("ring")) == "-"
 
 
 def test_to_frame():
-    df = results.to_frame([fake_record("ring"), fake_record("local", ranks_per_problem=1)])
+    df = dataframe.to_frame([fake_record("ring"), fake_record("local", ranks_per_problem=1)])
     assert list(df["strategy"]) == ["ring", "local"]
     assert df.loc[0, "fwd_ms"] == 11.0 and df.loc[1, "ranks_per_problem"] == 1

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from schedule_helpers import HK, B, D, H, S, attn, plan, totals
 
-from cpbench.bench.flops import attention_flops
-from schedule_helpers import B, D, H, HK, S, attn, plan, totals
+from cpbench.metrics import attention_flops
 
 
 def _plan(world, rpn, rank, problem=None, **opts):

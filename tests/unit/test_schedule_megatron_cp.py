@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from schedule_helpers import plan, step_bytes
 
 from cpbench.config import AttentionConfig
 from cpbench.strategies.base import BWD, FWD
 from cpbench.strategies.megatron_cp import _bwd_src, _fwd_src
-from schedule_helpers import plan, step_bytes
 
 
 def _plan(attn, world, rpn, rank, cp_lists=None):

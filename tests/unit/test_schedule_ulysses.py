@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from schedule_helpers import build, totals
 
 from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
 from cpbench.strategies.ulysses import _RepeatKV, kv_replicas
 from cpbench.topology import Topology
-from schedule_helpers import build, totals
 
 
 def _build(world, rpn, rank=0, **attn):

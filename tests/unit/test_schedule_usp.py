@@ -5,11 +5,11 @@ the default degree and the errors for impossible splits. No processes."""
 from __future__ import annotations
 
 import pytest
+from schedule_helpers import build, totals
 
 from cpbench import strategies
 from cpbench.strategies.usp import Usp
 from cpbench.topology import Topology
-from schedule_helpers import build, totals
 
 
 def _build(world, rpn, rank=0, name="usp", **kw):

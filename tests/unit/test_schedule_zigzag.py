@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
-from cpbench.bench.flops import attention_flops
-from cpbench.config import AttentionConfig
-from cpbench.strategies.base import BWD, FWD
 from schedule_helpers import plan, totals
+
+from cpbench.config import AttentionConfig
+from cpbench.metrics import attention_flops
+from cpbench.strategies.base import BWD, FWD
 
 
 def _plan(attn, world, rpn, rank, cp_lists=None):

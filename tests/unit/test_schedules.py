@@ -10,13 +10,13 @@ import dataclasses
 import json
 
 import pytest
+from schedule_helpers import plan
 
 from cpbench import kernels, strategies
-from cpbench.bench.flops import attention_flops
 from cpbench.config import AttentionConfig
+from cpbench.metrics import attention_flops
 from cpbench.strategies.base import BWD, FWD
 from cpbench.topology import Topology
-from schedule_helpers import plan
 
 
 @pytest.mark.parametrize("causal", [True, False])

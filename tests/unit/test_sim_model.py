@@ -11,8 +11,8 @@ import math
 import pytest
 
 from cpbench import strategies
-from cpbench.bench.flops import attention_flops
 from cpbench.config import AttentionConfig
+from cpbench.metrics import attention_flops
 from cpbench.sim import hardware, model
 from cpbench.topology import Topology
 

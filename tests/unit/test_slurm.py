@@ -97,13 +97,12 @@ def test_exact_torchrun_command_for_4_nodes_x_8_gpus(fake_slurm, tmp_path):
     assert call["argv"] == [
         "srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
         "torchrun", "--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
-        "--rdzv-endpoint=g045:29500", "--rdzv-id=4242", f"{tmp_path}/benchmarks/run.py",
+        "--rdzv-endpoint=g045:29500", "--rdzv-id=4242", "-m", "cpbench.run",
         "--strategy", "all", "--seqlen", "512K", "--out", "r.jsonl"]
     # the Python side builds the same line from the same environment
     world = slurm.slurm_world(JOB_4x8)
     assert call["argv"] == slurm.srun_command(
-        world, ["--strategy", "all", "--seqlen", "512K", "--out", "r.jsonl"],
-        entry=f"{tmp_path}/benchmarks/run.py")
+        world, ["--strategy", "all", "--seqlen", "512K", "--out", "r.jsonl"])
     env = call["env"]
     assert env["NCCL_DEBUG"] == "WARN" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and env["OMP_NUM_THREADS"] == "1"
@@ -130,7 +129,7 @@ def test_cases_file_as_array_task_and_as_one_allocation(fake_slurm, tmp_path):
                        env={"CPBENCH_CASES": str(cases), "SLURM_ARRAY_TASK_ID": "2"})
     assert done.returncode == 0, done.stderr
     (call,) = fake_slurm("srun")
-    assert call["argv"][10:] == [f"{tmp_path}/benchmarks/run.py", "--strategy", "usp",
+    assert call["argv"][10:] == ["-m", "cpbench.run", "--strategy", "usp",
                                  "--placement", "head-first", "--out", "r.jsonl"]
     bad = _run_script(tmp_path, env={"CPBENCH_CASES": str(cases), "SLURM_ARRAY_TASK_ID": "3"})
     assert bad.returncode == 2 and "has 3 cases" in bad.stderr
@@ -141,7 +140,7 @@ def test_cases_file_as_array_task_and_as_one_allocation(fake_slurm, tmp_path):
     calls = fake_slurm("srun")
     assert [c["argv"][9] for c in calls] == ["--rdzv-id=4242-0", "--rdzv-id=4242-1",
                                             "--rdzv-id=4242-2"]
-    assert [c["argv"][12] for c in calls] == ["ring", "zigzag", "usp"]
+    assert [c["argv"][13] for c in calls] == ["ring", "zigzag", "usp"]
     assert slurm.read_cases(cases)[1] == ["--strategy", "zigzag", "--seqlen", "256K",
                                           "--fail-me"]
 
@@ -198,7 +197,7 @@ def test_submit_helper_through_fake_sbatch(fake_slurm, tmp_path):
                               "--ntasks-per-node=1", "--gpus-per-node=8"]
     assert sb["env"]["CPBENCH_CASES"] == str(cases.resolve())
     runs = fake_slurm("srun")  # the job ran both cases, each its own launch
-    assert [c["argv"][11:] for c in runs] == [["--strategy", "ring", "--out", "r.jsonl"],
+    assert [c["argv"][12:] for c in runs] == [["--strategy", "ring", "--out", "r.jsonl"],
                                              ["--strategy", "zigzag", "--out", "r.jsonl"]]
     assert all(c["argv"][6] == "--nproc-per-node=8" for c in runs)
     dry = subprocess.run([sys.executable, str(SUBMIT), "--nodes", "4", "--dry-run", "--",
@@ -209,7 +208,7 @@ def test_submit_helper_through_fake_sbatch(fake_slurm, tmp_path):
 
 def test_yaml_sweep_in_one_allocation(fake_slurm, tmp_path):
     """CPBENCH_SWEEP: `cpbench sweep CONFIG --launcher <srun torchrun prefix> ARGS` on the first
-    node; each case then runs as <prefix> benchmarks/run.py <flags>."""
+    node; each case then runs as <prefix> -m cpbench.run <flags>."""
     cli = tmp_path / "bin" / "cpbench"
     cli.write_text(_RECORDER.format(python=sys.executable, tail=""))
     cli.chmod(0o755)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cpbench import sweep
+from cpbench import results, sweep
+from cpbench.bench.plan import failure_record
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,8 +35,8 @@ cases: [{strategy: usp, seqlen: 1k, timeout: 7}]
     assert cfg.cases[-1].settings["seqlen"] == 1024
     assert len(cfg.cases[-1].keys) == len(cfg.cases[-1].plan.cases)  # a row per variant
     cmd = sweep.command(cfg, cfg.cases[0], "/tmp/o.jsonl")
-    assert cmd[:4] == [sys.executable, "-m", "cpbench.cli", "run"]
-    assert cmd[4:] == ["--nproc", "2", "--heads", "2", "--head-dim", "16", "--warmup", "0",
+    assert cmd[:3] == [sys.executable, "-m", "cpbench.run"]  # the package's entry: any cwd
+    assert cmd[3:] == ["--nproc", "2", "--heads", "2", "--head-dim", "16", "--warmup", "0",
                        "--iters", "1", "--strategy", "ring", "--seqlen", "256",
                        "--out", "/tmp/o.jsonl"]
 
@@ -79,14 +80,14 @@ base: {nproc: 2, heads: 2, head_dim: 16, warmup: 0, iters: 1}
 cases: [{strategy: ring, seqlen: 256}]
 """))
     case = cfg.cases[0]
-    record = sweep._failure_record(case, 0, sweep.TIMEOUT, "late", None, "log")
+    record = failure_record(case.plan, 0, results.TIMEOUT, "late", sweep={"case": 1})
     record = json.loads(json.dumps(record))
-    assert sweep.record_key(record) == case.keys[0]
+    assert results.record_key(record) == case.keys[0]
     record["config"]["run"]["out"] = "elsewhere.jsonl"  # how it was launched is not the key
     record["config"]["run"]["collective_timeout"] = 5.0
-    assert sweep.record_key(record) == case.keys[0]
+    assert results.record_key(record) == case.keys[0]
     record["config"]["attention"]["seqlen"] = 512
-    assert sweep.record_key(record) != case.keys[0]
+    assert results.record_key(record) != case.keys[0]
 
 
 @pytest.mark.parametrize("name", ["cpu_smoke.yaml", "node8_sweep.yaml",
@@ -103,4 +104,4 @@ def test_shipped_configs_validate(name):
         with pytest.raises(ValueError, match="Slurm"):
             sweep.command(cfg, cfg.cases[0], "o.jsonl")
         cmd = sweep.command(cfg, cfg.cases[0], "o.jsonl", launcher="srun torchrun --nnodes 4")
-        assert cmd[:3] == ["srun", "torchrun", "--nnodes"] and cmd[4].endswith("run.py")
+        assert cmd[:3] == ["srun", "torchrun", "--nnodes"] and cmd[4:6] == ["-m", "cpbench.run"]

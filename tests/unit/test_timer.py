@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from cpbench import metrics
 from cpbench.bench import timer
 
 
@@ -25,9 +26,9 @@ def test_median_of_slowest_rank():
     by_rank = [[1.0, 9.0, 3.0, 2.0],
                [2.0, 1.0, 4.0, 1.0],
                [1.5, 1.0, 1.0, 8.0]]
-    assert timer.slowest_per_iter(by_rank) == [2.0, 9.0, 4.0, 8.0]
-    assert timer.step_time(by_rank) == pytest.approx(6.0)  # median of 2, 4, 8, 9
-    assert timer.slowest_rank(by_rank) == 1  # slowest in iterations 0 and 2
+    assert metrics.slowest_per_iter(by_rank) == [2.0, 9.0, 4.0, 8.0]
+    assert metrics.step_time(by_rank) == pytest.approx(6.0)  # median of 2, 4, 8, 9
+    assert metrics.slowest_rank(by_rank) == 1  # slowest in iterations 0 and 2
 
 
 def test_gather_without_process_group():

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from cpbench.topology import (HEAD_FIRST, RING_FIRST, Topology, contiguous_groups,
-                              double_ring_groups, new_groups, node_local_block, plan_group,
-                              strided_groups, usp_mesh)
+from cpbench.topology import (
+    HEAD_FIRST,
+    RING_FIRST,
+    Topology,
+    contiguous_groups,
+    double_ring_groups,
+    new_groups,
+    node_local_block,
+    plan_group,
+    strided_groups,
+    usp_mesh,
+)
 
 
 def test_nodes():

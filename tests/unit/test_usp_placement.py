@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from schedule_helpers import plan
 
 from cpbench import strategies
 from cpbench.config import AttentionConfig
 from cpbench.topology import HEAD_FIRST, RING_FIRST, group_of
-from schedule_helpers import plan
 
 
 def _all_ranks(world, rpn, name="usp", heads=8, seqlen=None, **opts):

@@ -28,8 +28,6 @@ from torch.utils._pytree import tree_flatten
 
 from cpbench.bench.env import meminfo_bytes
 
-MB = 2 ** 20  # the seeds' "MB" is MiB: 40 heads × 128 × 4096 tokens × 2 bytes = 40.00 MB
-
 
 class _StorageMeter(TorchDispatchMode):
     def __init__(self):
@@ -113,6 +111,3 @@ def capacity_bytes(device: str, local_ranks: int) -> int | None:
     total = meminfo_bytes("MemTotal")
     return None if total is None else total // max(1, local_ranks)
 
-
-def gib(nbytes: float) -> str:
-    return f"{nbytes / 2 ** 30:.1f} GiB"

@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
-from cpbench import kernels, strategies
+from cpbench import kernels, results, strategies
 from cpbench.bench import env as env_mod
 from cpbench.bench import memory
 from cpbench.config import AttentionConfig, RunConfig, default_attention, flag
+from cpbench.errors import UsageError
+from cpbench.metrics import gib
 from cpbench.topology import Topology, divisors
 
 DEFAULT_NPROC = 4
@@ -64,15 +66,40 @@ class Plan:
         return Topology(world_size=self.world_size, ranks_per_node=self.ranks_per_node,
                         group_timeout_s=self.run.collective_timeout)
 
+    def keys(self) -> tuple[str, ...]:
+        """``results.record_key`` of every row this plan records, in order."""
+        run, attn = self.run.to_dict(), self.attn.to_dict()
+        return tuple(results.case_key(strategy=c.strategy, options=dataclasses.asdict(c.options),
+                                      attention=attn, run=run, world_size=self.world_size,
+                                      ranks_per_node=self.ranks_per_node)
+                     for c in self.cases)
+
+
+def failure_record(p: Plan, index: int, status: str, error: str, **sections) -> dict:
+    """The record of case ``index`` of ``p`` when its launch ended without one (the ranks
+    died, or a sweep's case timed out): no measurements, the status and why."""
+    from cpbench.bench.env import utc_now
+
+    case = p.cases[index]
+    strat = strategies.get(case.strategy)(p.attn, p.topo, 0, kernel=kernels.get(p.kernel),
+                                          options=case.options, create_groups=False)
+    env = {"utc": utc_now(), "launcher": p.launcher,
+           "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+    return results.make_record(
+        strategy=case.strategy, options=case.options, attention=p.attn, run=p.run,
+        kernel=p.kernel, world_size=p.world_size, ranks_per_node=p.ranks_per_node,
+        ranks_per_problem=strat.ranks_per_problem, env=env, status=status, error=error,
+        **sections)
+
 
 def _device(run: RunConfig, launcher: str) -> str:
     if run.device == "auto":
         return "cuda" if launcher == "torchrun" and torch.cuda.is_available() else "cpu"
     if run.device == "cuda" and launcher == "self":
-        raise ValueError("--nproc starts CPU ranks (gloo); for GPUs launch with torchrun: "
+        raise UsageError("--nproc starts CPU ranks (gloo); for GPUs launch with torchrun: "
                          "torchrun --nproc-per-node N benchmarks/run.py ...")
     if run.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but no CUDA device is visible here; use --device cpu")
+        raise UsageError("--device cuda but no CUDA device is visible here; use --device cpu")
     return run.device
 
 
@@ -80,14 +107,14 @@ def _world(run: RunConfig, launcher: str) -> tuple[int, int]:
     """(world size, default ranks per node)."""
     if launcher == "torchrun":
         if run.nproc is not None:
-            raise ValueError("--nproc starts local ranks itself; under torchrun the world is "
+            raise UsageError("--nproc starts local ranks itself; under torchrun the world is "
                              "torchrun's (--nnodes × --nproc-per-node): drop --nproc")
         _, world, local = env_mod.torchrun_world()
         return world, local
     nproc = run.nproc or DEFAULT_NPROC
     limit = env_mod.max_local_ranks()
     if nproc > limit:
-        raise ValueError(f"--nproc {nproc} is more ranks than this machine can run "
+        raise UsageError(f"--nproc {nproc} is more ranks than this machine can run "
                          f"({os.cpu_count()} cores; at most {limit}); use --nproc {limit} or "
                          f"fewer, or torchrun across machines")
     # >= 2 emulated nodes wherever possible, so inter-node placements really differ
@@ -105,7 +132,7 @@ def expand_cases(names: tuple[str, ...], given: dict, topo: Topology) -> list[Ca
                 strategies.make_options(classes[0], given)  # raises, naming what it takes
             owners = [n for n in strategies.names()
                       if opt in {f.name for f in dataclasses.fields(strategies.get(n).Options)}]
-            raise ValueError(f"no selected strategy takes {flag(opt)} (it is an option of "
+            raise UsageError(f"no selected strategy takes {flag(opt)} (it is an option of "
                              f"{', '.join(owners) or 'no strategy'}); drop it or add one "
                              f"of those to --strategy")
     cases = []
@@ -123,12 +150,12 @@ def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend,
     can fit in ``capacity`` bytes; returns rank 0's instance."""
     cls = strategies.get(case.strategy)
     if cls.causal_only and not attn.causal:
-        raise ValueError(f"{case.strategy} only runs causal attention; drop --no-causal")
+        raise UsageError(f"{case.strategy} only runs causal attention; drop --no-causal")
     try:
         built = [cls(attn, topo, r, kernel=backend, options=case.options, create_groups=False)
                  for r in range(topo.world_size)]
-    except ValueError as e:
-        raise ValueError(f"{case.label}: {e}") from None
+    except UsageError as e:
+        raise UsageError(f"{case.label}: {e}") from None
     strat = built[0]
     need = memory.step_lower_bound(local_seqlen=max(b.local_seqlen for b in built),
                                    **_shape(attn))
@@ -136,10 +163,10 @@ def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend,
         fix = "use a smaller --seqlen or --batch" + (
             ", or more ranks" if strat.ranks_per_problem > 1
             else f" ({case.strategy} holds the whole sequence on every rank)")
-        raise ValueError(
-            f"{case.label}: seqlen {attn.seqlen} needs at least {memory.gib(need)} per rank "
+        raise UsageError(
+            f"{case.label}: seqlen {attn.seqlen} needs at least {gib(need)} per rank "
             f"for q, k, v, out and their gradients alone (an estimate), more than the "
-            f"{memory.gib(capacity)} a rank has here; {fix}")
+            f"{gib(capacity)} a rank has here; {fix}")
     return strat
 
 
@@ -158,7 +185,7 @@ def _runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
     for case in cases:
         try:
             built.append((case, _validate_case(case, attn, topo, backend, capacity)))
-        except ValueError as e:
+        except UsageError as e:
             skipped.append(str(e))
             first_error.setdefault(case.strategy, e)
     ran = {case.strategy for case, _ in built}
@@ -178,11 +205,11 @@ def _reference_fits(attn: AttentionConfig, device: str, local_ranks: int,
     per_rank, reference = memory.check_bytes(seqlen=attn.seqlen, **_shape(attn))
     sharing = local_ranks if device == "cpu" else 1  # ranks sharing rank 0's memory
     if per_rank * sharing + reference > capacity * sharing:
-        raise ValueError(
+        raise UsageError(
             f"--check builds the global tensors on every rank and a float64 reference "
             f"on rank 0: at seqlen {attn.seqlen} that is about "
-            f"{memory.gib(per_rank * sharing + reference)} (an estimate), more than the "
-            f"{memory.gib(capacity * sharing)} here; check at a small --seqlen "
+            f"{gib(per_rank * sharing + reference)} (an estimate), more than the "
+            f"{gib(capacity * sharing)} here; check at a small --seqlen "
             f"(e.g. 8k) and time this size without --check")
 
 
@@ -191,7 +218,7 @@ def open_out(out: str) -> None:
     not write is an error now rather than after the first case."""
     path = Path(out)
     if path.is_dir():
-        raise ValueError(f"--out {out} is a directory; give a file such as "
+        raise UsageError(f"--out {out} is a directory; give a file such as "
                          f"{path / 'results.jsonl'}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -201,7 +228,7 @@ def open_out(out: str) -> None:
         blocker = next((a for a in (path.parent, *path.parent.parents)
                         if a.exists() and not a.is_dir()), None)
         why = f"{blocker} is a file, not a directory" if blocker else (e.strerror or str(e))
-        raise ValueError(f"--out {out}: cannot write there ({why}); give a writable path, "
+        raise UsageError(f"--out {out}: cannot write there ({why}); give a writable path, "
                          f"or --out none for no file") from None
 
 
@@ -227,7 +254,7 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     world, default_rpn = _world(run, launcher) if job is None else job
     topo = Topology(world_size=world, ranks_per_node=run.ranks_per_node or default_rpn)
     if launcher == "torchrun" and run.deadline is not None:
-        raise ValueError("--deadline stops a --nproc self-launch; under torchrun use the "
+        raise UsageError("--deadline stops a --nproc self-launch; under torchrun use the "
                          "scheduler's time limit (e.g. sbatch --time): drop --deadline")
     run = dataclasses.replace(run, ranks_per_node=topo.ranks_per_node,
                               nproc=world if launcher == "self" else None)

@@ -1,16 +1,13 @@
 """Timing the distributed way (Megatron's timers, nccl-tests): warm up by count, line the ranks
-up with a barrier before every timed iteration, time each iteration on each rank, gather
-every rank's samples, and report the median over iterations of the slowest rank.
+up with a barrier before every timed iteration, time each iteration on each rank, and gather
+every rank's samples. What is reported from them (the median over iterations of the slowest
+rank) is ``cpbench.metrics.step_time``.
 
 The timer knows nothing about what it times: strategies hand it zero-argument closures.
-Why the slowest rank: a CP step ends when its last rank finishes (the next layer needs every
-shard), so per iteration the step time is the maximum over ranks. Why the median: one
-descheduled iteration (a shared CPU, a GC pause) must not move the reported figure.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Callable, Sequence
 
@@ -67,21 +64,3 @@ def gather_samples(samples: Sequence[float], device: str = "cpu") -> list[list[f
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, t)
     return [p.cpu().tolist() for p in parts]
-
-
-def slowest_per_iter(samples_by_rank: Sequence[Sequence[float]]) -> list[float]:
-    """Per iteration, the time of the slowest rank."""
-    return [max(column) for column in zip(*samples_by_rank)]
-
-
-def step_time(samples_by_rank: Sequence[Sequence[float]]) -> float:
-    """The reported time: the median over iterations of the slowest rank."""
-    return statistics.median(slowest_per_iter(samples_by_rank))
-
-
-def slowest_rank(samples_by_rank: Sequence[Sequence[float]]) -> int:
-    """The rank that was slowest in the most iterations (lowest rank on ties)."""
-    wins = [0] * len(samples_by_rank)
-    for column in zip(*samples_by_rank):
-        wins[max(range(len(column)), key=lambda r: (column[r], -r))] += 1
-    return max(range(len(wins)), key=lambda r: (wins[r], -r))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from cpbench.errors import UsageError
 from cpbench.kernels import sdpa_cpu, torch_ref
 from cpbench.kernels.base import KernelBackend
 
@@ -32,7 +33,7 @@ def names() -> list[str]:
 
 def get(name: str) -> KernelBackend:
     if name not in _BACKENDS:
-        raise ValueError(f"unknown kernel {name!r}; choose one of: {', '.join(names())}")
+        raise UsageError(f"unknown kernel {name!r}; choose one of: {', '.join(names())}")
     return _BACKENDS[name]
 
 
@@ -66,13 +67,13 @@ def resolve(
             if b is not None and b.unsupported_reason(**request) is None:
                 return b
         reasons = "; ".join(b.unsupported_reason(**request) for b in _BACKENDS.values())
-        raise ValueError(f"no kernel backend runs this request: {reasons}")
+        raise UsageError(f"no kernel backend runs this request: {reasons}")
     backend = get(name)
     reason = backend.unsupported_reason(**request)
     if reason is not None:
         working = [n for n, b in _BACKENDS.items() if b.unsupported_reason(**request) is None]
         hint = f"use --kernel {' or '.join(working)}" if working else "no backend can run it here"
-        raise ValueError(f"{reason}; {hint}")
+        raise UsageError(f"{reason}; {hint}")
     return backend
 
 

@@ -4,6 +4,7 @@ on the x axis, labelled. matplotlib is imported here only (``pip install cpbench
 
 from __future__ import annotations
 
+from cpbench.errors import UsageError
 from cpbench.report.sweep import _row_key, latest_frame, size_text
 from cpbench.results import OK
 
@@ -16,7 +17,7 @@ def require_matplotlib():
     try:
         import matplotlib
     except ImportError:
-        raise ValueError(INSTALL_HINT) from None
+        raise UsageError(INSTALL_HINT) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -31,10 +32,10 @@ def check_target(path: str) -> None:
     require_matplotlib()
     target = Path(path)
     if target.is_dir():
-        raise ValueError(f"--plot {path} is a directory; give a file such as "
+        raise UsageError(f"--plot {path} is a directory; give a file such as "
                          f"{target / 'tflops.png'}")
     if not target.parent.is_dir():
-        raise ValueError(f"--plot {path}: directory {target.parent} does not exist")
+        raise UsageError(f"--plot {path}: directory {target.parent} does not exist")
 
 
 def plot(records: list[dict], path: str, title_note: str | None = None) -> None:
@@ -43,7 +44,7 @@ def plot(records: list[dict], path: str, title_note: str | None = None) -> None:
     plt = require_matplotlib()
     df = latest_frame(records)
     if df.empty:
-        raise ValueError("no records to plot")
+        raise UsageError("no records to plot")
     df = df.assign(row=_row_key(df))
     df["rate"] = df["fwd_tflops"].where(df["fwd_only"], df["fwd_bwd_tflops"])
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)

@@ -10,7 +10,7 @@
   GPU, with each variant's ratio to the first.
 
 A case recorded more than once (a sweep re-run after a failure) counts once: its last record.
-Figures come from ``tables.frame`` (recomputed from the raw samples).
+Figures come from ``dataframe.frame`` (recomputed from the raw samples).
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import json
 import re
 
 from cpbench.report import tables
+from cpbench.report.dataframe import PROBLEM, frame
 from cpbench.results import OK
 
 # a case: the options as asked (not as resolved: a failure record written by the sweep has no
 # resolved options), the problem, the topology
-_CASE = ["strategy", "_asked", *tables._PROBLEM, "fwd_only"]
+_CASE = ["strategy", "_asked", *PROBLEM, "fwd_only"]
 
 
 def one_launch(records: list[dict]) -> bool:
@@ -44,9 +45,9 @@ def _natural(text: str):
 
 
 def latest_frame(records: list[dict]):
-    """``tables.frame`` with its display cells, one row per case (the last record of each),
+    """``frame`` with its display cells, one row per case (the last record of each),
     in first-seen order; ``label`` is strategy (options), ``topo`` N×G."""
-    df = tables.frame(records)
+    df = frame(records)
     if df.empty:
         return df
     cells = tables.rows(records)
@@ -54,7 +55,6 @@ def latest_frame(records: list[dict]):
         df[col] = [c[col] for c in cells]
     df["_cells"] = cells
     df["_asked"] = [json.dumps(r["config"]["options"], sort_keys=True) for r in records]
-    df["label"] = [s if o == "-" else f"{s} ({o})" for s, o in zip(df["strategy"], df["options"])]
     if df["kernel"].nunique() > 1:  # e.g. two hardware presets, or flash-attn and cuDNN runs
         df["label"] = [f"{lab} [{k}]" for lab, k in zip(df["label"], df["kernel"])]
     df["topo"] = [f"{n}×{g}" for n, g in zip(df["nodes"], df["ranks_per_node"])]
@@ -130,7 +130,7 @@ def compare_placement(records: list[dict], fmt: str = "table") -> str:
     df = latest_frame(records)
     if df.empty:
         return "no records\n"
-    problem = [c for c in tables._PROBLEM if c != "seqlen"]
+    problem = [c for c in PROBLEM if c != "seqlen"]
     lines: list[str] = []
     for _, g in df.groupby(["strategy", "topo", *problem, "fwd_only"], sort=False,
                            dropna=False):

@@ -12,7 +12,7 @@
   its FlashAttention Kernel % lines (a profiler ratio that was not what it said).
 - markdown / csv / json: the same rows (with the CP efficiency as a column).
 
-Rows are built with pandas from ``results.to_frame`` (every figure derived from the raw
+Rows are built with pandas from ``report.dataframe`` (every figure derived from the raw
 samples); the efficiency joins each CP row to its baseline on the problem's columns.
 
 "Window" is the attention's sliding window as the seeds print it; cpbench runs full
@@ -27,10 +27,11 @@ import io
 import json
 import math
 
-from cpbench import results
 from cpbench.config import FORMATS
 from cpbench.reference import Comparison
-from cpbench.results import FAILED, OK, OOM, derive, option_text, options_label
+from cpbench.report.dataframe import efficiencies, frame
+from cpbench.report.labels import option_text, row_label
+from cpbench.results import FAILED, OK, OOM, derive
 
 _RULE = 50
 
@@ -47,52 +48,6 @@ def _tflops(x) -> str:
     if _missing(x):
         return "-"
     return f"{x:.2f}" if abs(x) >= 1 else f"{x:.3g}"  # CPU rates are fractions of a TFLOP
-
-
-def _label(record: dict) -> str:
-    opts = options_label(record)
-    name = record["config"]["strategy"]
-    return name if opts == "-" else f"{name} ({opts})"
-
-
-_PROBLEM = ["dtype", "batch", "seqlen", "heads", "kv_heads", "head_dim", "causal", "world",
-            "ranks_per_node", "kernel", "device"]
-
-
-def frame(records: list[dict]):
-    """The rows as a pandas DataFrame (``results.to_frame``: every figure derived from the
-    raw samples), plus each CP row's efficiency against the no-CP baseline
-    (ranks_per_problem == 1) of the same problem: T_local / (N · T_cp), FWD+BWD where both
-    have it, else FWD."""
-    df = results.to_frame(records)
-    if df.empty:
-        return df
-    ok = df["status"] == OK
-    base = (df[ok & (df["ranks_per_problem"] == 1)]
-            .drop_duplicates(_PROBLEM)[_PROBLEM + ["strategy", "fwd_ms", "fwd_bwd_ms"]]
-            .rename(columns={"strategy": "baseline", "fwd_ms": "base_fwd_ms",
-                             "fwd_bwd_ms": "base_fwd_bwd_ms"}))
-    df = df.merge(base, on=_PROBLEM, how="left")  # keeps the records' order
-    both = df["fwd_bwd_ms"].notna() & df["base_fwd_bwd_ms"].notna()
-    t_cp = df["fwd_bwd_ms"].where(both, df["fwd_ms"])
-    t_base = df["base_fwd_bwd_ms"].where(both, df["base_fwd_ms"])
-    cp_row = ok & (df["ranks_per_problem"] > 1)
-    df["cp_efficiency"] = (t_base / (df["ranks_per_problem"] * t_cp)).where(cp_row)
-    df["efficiency_phase"] = both.map({True: "FWD+BWD", False: "FWD"})
-    return df
-
-
-def efficiencies(records: list[dict]) -> list[tuple[str, int, str, str, float]]:
-    """(row label, N, baseline, timed phase, efficiency) for every CP row with a baseline."""
-    df = frame(records)
-    if df.empty:
-        return []
-    out = []
-    for row in df[df["cp_efficiency"].notna()].to_dict("records"):
-        label = row["strategy"] + ("" if row["options"] == "-" else f" ({row['options']})")
-        out.append((label, int(row["ranks_per_problem"]), row["baseline"],
-                    row["efficiency_phase"], float(row["cp_efficiency"])))
-    return out
 
 
 def rows(records: list[dict]) -> list[dict]:
@@ -241,7 +196,7 @@ def detail(record: dict) -> str:
     resolved = record.get("resolved")
     if resolved and resolved != cfg["options"]:
         opts += f" (resolved: {', '.join(f'{k}={option_text(v)}' for k, v in resolved.items())})"
-    lines = ["=" * _RULE, f"Benchmark Results for {_label(record)}", "=" * _RULE,
+    lines = ["=" * _RULE, f"Benchmark Results for {row_label(record)}", "=" * _RULE,
              "Configuration:",
              f"  - Dtype: {a['dtype']}", "  - QKV Format: bshd",
              f"  - Batch Size: {a['batch']}", f"  - Sequence Length: {a['seqlen']}",

@@ -16,7 +16,9 @@ from cpbench import results, strategies
 from cpbench.bench.env import utc_now
 from cpbench.bench.plan import Case, expand_cases
 from cpbench.config import AttentionConfig, RunConfig
-from cpbench.report import tables
+from cpbench.errors import UsageError
+from cpbench.metrics import gib
+from cpbench.report import labels, tables
 from cpbench.sim import model
 from cpbench.sim.hardware import Hardware
 from cpbench.topology import Topology, divisors
@@ -26,36 +28,24 @@ log = logging.getLogger("cpbench")
 
 def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
             p: model.Prediction, utc: str) -> dict:
-    cls = strategies.get(case.strategy)
     run = RunConfig(strategy=(case.strategy,), device="cuda", kernel="simulated",
                     ranks_per_node=topo.ranks_per_node, out="none").resolved("cuda")
     oom = p.oom
-    record = {
-        "schema_version": results.SCHEMA_VERSION,
-        "config": {"strategy": case.strategy, "options": dataclasses.asdict(case.options),
-                   "option_defaults": dataclasses.asdict(cls.Options()),
-                   "attention": attn.to_dict(), "run": run.to_dict()},
-        "kernel": f"simulated: {hw.name}",
-        "topology": {"world_size": topo.world_size, "ranks_per_node": topo.ranks_per_node,
-                     "num_nodes": topo.num_nodes},
-        "ranks_per_problem": p.ranks_per_problem, "resolved": p.resolved,
-        "env": {"simulated": True, "hardware": hw.name, "utc": utc, "git_sha": None},
-        "status": results.OOM if oom else results.OK,
-        "error": (f"needs {p.memory_bytes / 2**30:.1f} GiB per GPU, {hw.name} has "
-                  f"{p.capacity_bytes / 2**30:.1f} GiB" if oom else None),
-        "traceback": None,
+    return results.make_record(
+        strategy=case.strategy, options=case.options, attention=attn, run=run,
+        kernel=f"simulated: {hw.name}", world_size=topo.world_size,
+        ranks_per_node=topo.ranks_per_node, ranks_per_problem=p.ranks_per_problem,
+        env={"simulated": True, "hardware": hw.name, "utc": utc, "git_sha": None},
+        status=results.OOM if oom else results.OK, resolved=p.resolved,
+        error=(f"needs {gib(p.memory_bytes)} per GPU, {hw.name} has "
+               f"{gib(p.capacity_bytes)}" if oom else None),
         # a predicted OOM has no time: nothing would have run to completion
-        "samples_ms": None if oom else {"fwd": [[p.fwd_s * 1e3]],
-                                        "fwd_bwd": [[p.fwd_bwd_s * 1e3]]},
-        "memory_bytes": [int(p.memory_bytes)],
-        "memory_status": results.OOM if oom else None, "memory_error": None,
-        "check": None,
-        "simulation": {"fwd_compute_ms": p.fwd_compute_s * 1e3,
-                       "bwd_compute_ms": p.bwd_compute_s * 1e3,
-                       "capacity_bytes": p.capacity_bytes},
-    }
-    record["derived"] = results.derive(record)
-    return record
+        samples_ms=None if oom else {"fwd": [[p.fwd_s * 1e3]],
+                                     "fwd_bwd": [[p.fwd_bwd_s * 1e3]]},
+        memory_bytes=[int(p.memory_bytes)], memory_status=results.OOM if oom else None,
+        simulation={"fwd_compute_ms": p.fwd_compute_s * 1e3,
+                    "bwd_compute_ms": p.bwd_compute_s * 1e3,
+                    "capacity_bytes": p.capacity_bytes})
 
 
 def simulate(names: tuple[str, ...], options: dict, attention: dict, seqlens: list[int],
@@ -65,7 +55,7 @@ def simulate(names: tuple[str, ...], options: dict, attention: dict, seqlens: li
     ValueError when a strategy asked for by name runs at none of them."""
     cases = cases if cases is not None else expand_cases(names, options, topo)
     records, skipped, ran = [], [], set()
-    first_error: dict[str, ValueError] = {}
+    first_error: dict[str, UsageError] = {}
     todo = list(itertools.product(seqlens, cases))
     utc = utc_now()  # one invocation, one time: `cpbench report` reads it as one launch
     for i, (seqlen, case) in enumerate(todo, start=1):
@@ -75,7 +65,7 @@ def simulate(names: tuple[str, ...], options: dict, attention: dict, seqlens: li
         attn = AttentionConfig(**{**attention, "seqlen": seqlen})
         try:
             p = model.predict(case.strategy, case.options, attn, topo, hw)
-        except ValueError as e:
+        except UsageError as e:
             skipped.append(f"{case.label} at seqlen {seqlen}: {e}")
             first_error.setdefault(case.strategy, e)
             continue
@@ -87,7 +77,7 @@ def simulate(names: tuple[str, ...], options: dict, attention: dict, seqlens: li
     if not any(r["ranks_per_problem"] > 1 for r in records):
         if first_error:
             raise next(iter(first_error.values()))
-        raise ValueError("local is the no-CP baseline of the CP strategies' efficiency; add "
+        raise UsageError("local is the no-CP baseline of the CP strategies' efficiency; add "
                          "one, e.g. --strategy local,zigzag")
     # baselines after the CP rows they are compared with, as `cpbench run` orders them
     records.sort(key=lambda r: r["ranks_per_problem"] == 1)
@@ -129,7 +119,7 @@ def compare_placements(records: list[dict]) -> list[list[dict]]:
     seen: set[tuple] = set()
     for r in records:
         seqlen, name, d = r["config"]["attention"]["seqlen"], r["config"]["strategy"], r["derived"]
-        keys = {(seqlen, name, results.options_label(r))}
+        keys = {(seqlen, name, labels.options_label(r))}
         if r["status"] == results.OK:
             keys.add((seqlen, name, d["fwd_ms"], d["fwd_bwd_ms"], tuple(r["memory_bytes"])))
         if keys & seen:
@@ -155,10 +145,10 @@ def breakdown(records: list[dict]) -> str:
     (communication nothing hides, stragglers), per phase."""
     lines = ["Where the time goes (kernel time of the slowest rank per step | the rest: "
              "exposed communication):"]
-    width = max(len(tables._label(r)) for r in records)
+    width = max(len(labels.row_label(r)) for r in records)
     for r in records:
         d, sim = r["derived"], r["simulation"]
-        label = tables._label(r)
+        label = labels.row_label(r)
         seqlen = r["config"]["attention"]["seqlen"]
         if r["status"] != results.OK:
             lines.append(f"  {label:<{width}}  {seqlen:>8}  {r['error']}")

@@ -1,4 +1,4 @@
-"""Hardware presets for the simulator: ``configs/hardware/*.yaml``.
+"""Hardware presets for the simulator: ``cpbench/sim/presets/*.yaml`` (``configs/hardware``).
 
 A preset is a machine, not a strategy: the attention kernel's attained speed as a function of
 the block it is given, the links between GPUs, and memory. Every number in a preset says
@@ -14,7 +14,11 @@ from pathlib import Path
 
 import yaml
 
-PRESET_DIR = Path(__file__).resolve().parents[3] / "configs" / "hardware"
+from cpbench.errors import UsageError
+
+# shipped with the package (configs/hardware in a checkout links here), so an installed
+# cpbench finds them from any directory
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
 GB = 1e9  # link speeds are decimal: GB/s as datasheets print them
 
 
@@ -28,9 +32,9 @@ class KernelCurve:
     def __post_init__(self):
         sides = [side for side, _ in self.points]
         if not self.points or sides != sorted(sides) or len(set(sides)) != len(sides):
-            raise ValueError("a kernel curve needs [side, tflops] points with increasing sides")
+            raise UsageError("a kernel curve needs [side, tflops] points with increasing sides")
         if not all(math.isfinite(v) and v > 0 for point in self.points for v in point):
-            raise ValueError("kernel curve sides and TFLOP/s must be positive numbers")
+            raise UsageError("kernel curve sides and TFLOP/s must be positive numbers")
 
     def tflops(self, side: float) -> float:
         pts = self.points
@@ -74,7 +78,7 @@ def _curve(points, what: str) -> KernelCurve:
     try:
         return KernelCurve(tuple((float(s), float(t)) for s, t in points))
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{what}: {e} (write [[side, tflops], ...])") from None
+        raise UsageError(f"{what}: {e} (write [[side, tflops], ...])") from None
 
 
 def _number(d: dict, key: str, source: str, kind=float, default=None):
@@ -84,13 +88,13 @@ def _number(d: dict, key: str, source: str, kind=float, default=None):
         ok = ok and float(value).is_integer()
     if not ok or not math.isfinite(value):
         what = "a whole number" if kind is int else "a number"
-        raise ValueError(f"{source}: {key} must be {what}, got {value!r}")
+        raise UsageError(f"{source}: {key} must be {what}, got {value!r}")
     return kind(value)
 
 
 def from_dict(d: dict, source: str = "preset") -> Hardware:
     if not isinstance(d, dict):
-        raise ValueError(f"{source}: a preset is a YAML mapping (see configs/hardware/"
+        raise UsageError(f"{source}: a preset is a YAML mapping (see configs/hardware/"
                          f"a800-sxm.yaml), not {type(d).__name__}")
     try:
         k, intra, inter = d["kernel"], d["intra_node"], d["inter_node"]
@@ -114,10 +118,10 @@ def from_dict(d: dict, source: str = "preset") -> Hardware:
             node_inter_gbs=_number(inter, "node_bandwidth_gbs", f"{source}: inter_node"),
         )
     except KeyError as e:
-        raise ValueError(f"{source}: missing field {e.args[0]!r} (see configs/hardware/"
+        raise UsageError(f"{source}: missing field {e.args[0]!r} (see configs/hardware/"
                          f"a800-sxm.yaml for a complete preset)") from None
     except (TypeError, AttributeError) as e:
-        raise ValueError(f"{source}: malformed preset ({e}); see configs/hardware/"
+        raise UsageError(f"{source}: malformed preset ({e}); see configs/hardware/"
                          f"a800-sxm.yaml") from None
     positive = {"memory_gib": hw.memory_gib, "peak_tflops_bf16": hw.peak_tflops,
                 "gpus_per_node": hw.gpus_per_node, "nodes": hw.nodes,
@@ -129,13 +133,13 @@ def from_dict(d: dict, source: str = "preset") -> Hardware:
                     "inter_node.latency_us": hw.inter.latency_us}
     for name, value in positive.items():
         if not value > 0:
-            raise ValueError(f"{source}: {name} must be positive, got {value:g}")
+            raise UsageError(f"{source}: {name} must be positive, got {value:g}")
     for name, value in not_negative.items():
         if not value >= 0:
-            raise ValueError(f"{source}: {name} must be >= 0, got {value:g}")
+            raise UsageError(f"{source}: {name} must be >= 0, got {value:g}")
     top = max(t for _, t in hw.kernel_fwd.points + hw.kernel_bwd.points)
     if top > hw.peak_tflops:
-        raise ValueError(f"{source}: a kernel curve reaches {top:g} TFLOP/s, above the "
+        raise UsageError(f"{source}: a kernel curve reaches {top:g} TFLOP/s, above the "
                          f"peak {hw.peak_tflops:g}")
     return hw
 
@@ -150,11 +154,11 @@ def load(name_or_path: str) -> Hardware:
     if not (path.suffix in (".yaml", ".yml") and path.exists()):
         path = PRESET_DIR / f"{name_or_path}.yaml"
     if not path.exists():
-        raise ValueError(f"no hardware preset {name_or_path!r}; choose one of "
+        raise UsageError(f"no hardware preset {name_or_path!r}; choose one of "
                          f"{', '.join(names())} or give a YAML file")
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
     except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+        raise UsageError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
     return from_dict(data, str(path))

@@ -59,6 +59,7 @@ from functools import lru_cache
 
 from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
+from cpbench.errors import UsageError
 from cpbench.sim.hardware import GB, Hardware
 from cpbench.strategies.base import BWD, FWD, Strategy
 from cpbench.topology import Topology
@@ -127,7 +128,7 @@ def build(name: str, options, attn: AttentionConfig, topo: Topology, rank: int =
     """``rank``'s strategy with planned groups (no processes); ValueError if it cannot run."""
     cls = strategies.get(name)
     if cls.causal_only and not attn.causal:
-        raise ValueError(f"{name} only runs causal attention")
+        raise UsageError(f"{name} only runs causal attention")
     return cls(attn, topo, rank, kernel=_KERNEL, options=options, create_groups=False)
 
 
@@ -257,7 +258,7 @@ def _small_seqlen(name: str, options, attn: AttentionConfig, topo: Topology) -> 
     while seqlen % 2 == 0:
         try:
             build(name, options, dataclasses.replace(attn, seqlen=seqlen // 2), topo)
-        except ValueError:
+        except UsageError:
             break
         seqlen //= 2
     return seqlen
@@ -277,7 +278,7 @@ def predict(name: str, options, attn: AttentionConfig, topo: Topology, hw: Hardw
     """The predicted step times and memory of ``name`` on ``topo`` with ``hw``; ValueError
     when the strategy cannot run this configuration."""
     if attn.dtype not in hw.dtypes:
-        raise ValueError(f"the {hw.name} preset models {'/'.join(hw.dtypes)} attention "
+        raise UsageError(f"the {hw.name} preset models {'/'.join(hw.dtypes)} attention "
                          f"kernels; simulate with --dtype {hw.dtypes[0]}")
     return evaluate(compiled_for(name, options, attn, topo), attn, hw)
 

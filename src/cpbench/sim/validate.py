@@ -23,8 +23,9 @@ import statistics
 from dataclasses import dataclass
 
 from cpbench import strategies
-from cpbench.bench.flops import attention_flops, tflops_per_gpu
 from cpbench.config import AttentionConfig
+from cpbench.errors import UsageError
+from cpbench.metrics import attention_flops, tflops_per_gpu
 from cpbench.report import tables
 from cpbench.sim import model
 from cpbench.sim.hardware import Hardware
@@ -76,7 +77,7 @@ def parse_options(name: str, text: str):
     for item in filter(None, (p.strip() for p in (text or "").split(";"))):
         key, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"option {item!r} is not key=value")
+            raise UsageError(f"option {item!r} is not key=value")
         value = value.strip()
         if value.lower() in _BOOL:
             parsed = _BOOL[value.lower()]
@@ -93,7 +94,7 @@ def _flag(value: str | None, column: str, default: bool | None = None) -> bool:
     if not text and default is not None:
         return default
     if text not in _FLAG:
-        raise ValueError(f"{column} must be true or false, got {value!r}")
+        raise UsageError(f"{column} must be true or false, got {value!r}")
     return _FLAG[text]
 
 
@@ -103,7 +104,7 @@ def load(path: str) -> list[Row]:
         reader = csv.DictReader(f)
         missing = [c for c in _REQUIRED if c not in (reader.fieldnames or ())]
         if missing:
-            raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; see "
+            raise UsageError(f"{path}: missing column(s) {', '.join(missing)}; see "
                              f"configs/validation/seed001_a800_4x8.csv")
         rows = []
         for line, r in enumerate(reader, start=2):
@@ -111,10 +112,10 @@ def load(path: str) -> list[Row]:
                 row = _row(r)
                 model.build(row.strategy, row.options, row.attn, row.topo)  # it can run
             except (KeyError, ValueError, TypeError) as e:
-                raise ValueError(f"{path}:{line}: {e}") from None
+                raise UsageError(f"{path}:{line}: {e}") from None
             rows.append(row)
     if not rows:
-        raise ValueError(f"{path}: no rows")
+        raise UsageError(f"{path}: no rows")
     return rows
 
 
@@ -125,7 +126,7 @@ def _row(r: dict) -> Row:
     gpn = int(r["gpus_per_node"])
     topo = Topology(world_size=int(r["nodes"]) * gpn, ranks_per_node=gpn)
     if not float(r["tflops"]) > 0:
-        raise ValueError(f"tflops must be a positive number, got {r['tflops']!r}")
+        raise UsageError(f"tflops must be a positive number, got {r['tflops']!r}")
     fwd = r.get("fwd_ms") or ""
     return Row(r["implementation"], r["strategy"], parse_options(r["strategy"], r["options"]),
                attn, topo, float(r["tflops"]), float(fwd) if fwd.strip() else None,

@@ -3,11 +3,15 @@ strategies from the ``cpbench.strategies`` entry-point group. The driver only se
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import pkgutil
 from importlib.metadata import entry_points
 
+from cpbench.config import flag
+from cpbench.errors import UsageError
+from cpbench.settings import Setting, settings_of
 from cpbench.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
@@ -22,7 +26,7 @@ def register(cls: type[Strategy]) -> type[Strategy]:
     """Class decorator: make ``cls`` available under ``cls.name``."""
     other = _REGISTRY.get(cls.name)
     if other is not None and other is not cls:
-        raise ValueError(f"two strategies are named {cls.name!r}: "
+        raise UsageError(f"two strategies are named {cls.name!r}: "
                          f"{other.__module__}.{other.__qualname__} and "
                          f"{cls.__module__}.{cls.__qualname__}; rename or uninstall one")
     _REGISTRY[cls.name] = cls
@@ -60,28 +64,34 @@ def names() -> list[str]:
 def get(name: str) -> type[Strategy]:
     _load()
     if name not in _REGISTRY:
-        raise ValueError(f"unknown strategy {name!r}; choose from: {', '.join(sorted(_REGISTRY))}")
+        raise UsageError(f"unknown strategy {name!r}; choose from: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
+
+
+def option_settings() -> dict[str, list[tuple[str, Setting]]]:
+    """Option name → [(strategy, its Setting)] over every registered strategy, so the CLI
+    and the sweep loader offer one flag / key per option, whichever strategies take it."""
+    found: dict[str, list[tuple[str, Setting]]] = {}
+    for name in names():
+        for setting in settings_of(get(name).Options):
+            found.setdefault(setting.name, []).append((name, setting))
+    return found
 
 
 def make_options(cls: type[Strategy], given: dict):
     """Build ``cls.Options`` from user-given values; reject options it does not take."""
-    import dataclasses
-
     fields = {f.name: f for f in dataclasses.fields(cls.Options)}
     unknown = sorted(set(given) - set(fields))
     if unknown:
-        takes = ", ".join(f"--{n.replace('_', '-')}" for n in fields) or "no options"
-        raise ValueError(
-            f"strategy {cls.name} does not take {', '.join('--' + u.replace('_', '-') for u in unknown)}"
-            f"; it takes: {takes}"
-        )
+        takes = ", ".join(flag(n) for n in fields) or "no options"
+        raise UsageError(f"strategy {cls.name} does not take "
+                         f"{', '.join(flag(u) for u in unknown)}; it takes: {takes}")
     for name, value in given.items():
         choices = fields[name].metadata.get("choices")
         if choices and value not in choices:
-            raise ValueError(f"{cls.name} --{name.replace('_', '-')} must be one of "
+            raise UsageError(f"{cls.name} {flag(name)} must be one of "
                              f"{', '.join(map(str, choices))}, got {value!r}")
     return cls.Options(**given)
 
 
-__all__ = ["Strategy", "get", "make_options", "names", "register"]
+__all__ = ["Strategy", "get", "make_options", "names", "option_settings", "register"]

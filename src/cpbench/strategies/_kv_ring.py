@@ -67,6 +67,7 @@ class KVRingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=torch.float32)
         kv = torch.stack([k, v])
         kv_comm, dkv_comm = RingComm(g), RingComm(strat.groups["ring_dkv"])
+        dkv_recv = None  # the partial sum arriving from the previous rank (from step 1 on)
         for step in range(n):
             if step + 1 < n:
                 nxt_kv = kv_comm.send_recv(kv)

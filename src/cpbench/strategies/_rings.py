@@ -108,7 +108,7 @@ def circulate(rings: Rings, block: torch.Tensor):
     """
     inner = RingComm(rings.inner) if rings.inner else None
     outer = RingComm(rings.outer) if rings.outer else None
-    base = block
+    base = next_base = block
     for j in range(rings.windows):
         if j > 0:
             outer.wait()

@@ -21,9 +21,9 @@ from typing import ClassVar
 import torch
 
 from cpbench import comm
-from cpbench.bench.flops import attention_flops
 from cpbench.config import AttentionConfig
 from cpbench.kernels.base import KernelBackend
+from cpbench.metrics import attention_flops
 from cpbench.topology import Group, Topology, new_groups, plan_group
 
 FWD, BWD = "fwd", "bwd"
@@ -106,7 +106,7 @@ class Strategy(ABC):
         ``--strategy all`` runs each; the test matrix checks each. Default: the defaults."""
         return [cls.Options()]
 
-    def validate(self) -> None:
+    def validate(self) -> None:  # noqa: B027 - an optional hook: most strategies accept all
         """Raise ValueError, saying what would work, for a config this strategy cannot run.
         Pure: runs before any collective."""
 

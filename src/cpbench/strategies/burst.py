@@ -22,8 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from cpbench.strategies import register
-from cpbench.strategies._rings import (HomeBound, Rings, circulate, double_ring_lists,
-                                       ZigzagRingsAttention, forward_schedule)
+from cpbench.strategies._rings import (
+    HomeBound,
+    Rings,
+    ZigzagRingsAttention,
+    circulate,
+    double_ring_lists,
+    forward_schedule,
+)
 from cpbench.strategies.base import BWD, Step, Strategy, option
 from cpbench.strategies.layout import ZigzagLayout, slice_len, zigzag_block
 from cpbench.topology import Topology, node_local_block

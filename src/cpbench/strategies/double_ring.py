@@ -18,9 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
+from cpbench.errors import UsageError
 from cpbench.strategies import register
-from cpbench.strategies._rings import (HomeBound, Rings, circulate, double_ring_lists,
-                                       ZigzagRingsAttention, forward_schedule)
+from cpbench.strategies._rings import (
+    HomeBound,
+    Rings,
+    ZigzagRingsAttention,
+    circulate,
+    double_ring_lists,
+    forward_schedule,
+)
 from cpbench.strategies.base import BWD, Step, Strategy, option
 from cpbench.strategies.layout import ZigzagLayout, slice_len, zigzag_block
 from cpbench.topology import Topology, divisors, node_local_block
@@ -77,7 +84,7 @@ class DoubleRing(ZigzagLayout, Strategy):
     def validate(self) -> None:
         n, w = self.cp_size, self.opts.window
         if w < 0 or (w and n % w):
-            raise ValueError(f"double-ring --window {w} does not divide the CP ring of {n} "
+            raise UsageError(f"double-ring --window {w} does not divide the CP ring of {n} "
                              f"ranks; use one of: {', '.join(map(str, divisors(n)))} "
                              f"(0: ranks per node)")
         super().validate()

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cpbench.errors import UsageError
+
 
 def contiguous_index(seqlen: int, n: int, r: int) -> torch.Tensor:
     """Rank r of n holds the r-th of n equal contiguous shards."""
@@ -62,7 +64,7 @@ def nearest_multiple(seqlen: int, multiple: int) -> int:
 
 def check_divisible(seqlen: int, multiple: int, why: str) -> None:
     if seqlen % multiple:
-        raise ValueError(
+        raise UsageError(
             f"seqlen {seqlen} cannot be split: {why} needs a multiple of {multiple}; "
             f"try --seqlen {nearest_multiple(seqlen, multiple)}"
         )

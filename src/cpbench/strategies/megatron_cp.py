@@ -65,21 +65,21 @@ class _TEP2PAttention(torch.autograd.Function):
                 comm.commit()
             kv = kv_bufs[step]
             blk = zigzag_block(me, _fwd_src(me, step, n), s, strat.attn.causal)
-            o, l = strat.kernel_call("forward", q[:, blk.q], kv[0][:, blk.kv],
+            o, lse_o = strat.kernel_call("forward", q[:, blk.q], kv[0][:, blk.kv],
                                      kv[1][:, blk.kv], causal=blk.causal)
             blocks.append(blk)
             out_steps.append(o)
-            lse_steps.append(l)
+            lse_steps.append(lse_o)
             # lse correction as the steps come in; outputs wait for the final lse
             if lse is None:  # step 0 is the diagonal (or "all") tile: every query row
-                lse = l.float().clone()
+                lse = lse_o.float().clone()
             else:
-                lse[:, :, blk.q] = torch.logaddexp(lse[:, :, blk.q], l.float())
+                lse[:, :, blk.q] = torch.logaddexp(lse[:, :, blk.q], lse_o.float())
             if step + 1 < n:
                 comm.wait()
         out = torch.zeros_like(q, dtype=torch.float32)
-        for blk, o, l in zip(blocks, out_steps, lse_steps):
-            out[:, blk.q] += o.float() * _rows(torch.exp(l.float() - lse[:, :, blk.q]))
+        for blk, o, lse_o in zip(blocks, out_steps, lse_steps):
+            out[:, blk.q] += o.float() * _rows(torch.exp(lse_o.float() - lse[:, :, blk.q]))
         out = out.to(q.dtype)
         save_for_backward(ctx, strat, q, kv_bufs[-1], out, lse, lse=lse)
         return out, lse

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from cpbench.comm import all_to_all
+from cpbench.errors import UsageError
 from cpbench.strategies import register
 from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, save_for_backward
 from cpbench.strategies.layout import check_divisible, contiguous_index
@@ -137,7 +138,7 @@ class Ulysses(Strategy):
             worlds = f"{', '.join(most)} or {last}" if most else last
             # usp splits the same ranks into Ulysses groups of d (d | heads) × a ring
             degrees = [d for d in divisors(n) if h % d == 0]
-            raise ValueError(f"ulysses over {n} ranks needs heads ({h}) divisible by {n}: it "
+            raise UsageError(f"ulysses over {n} ranks needs heads ({h}) divisible by {n}: it "
                              f"runs on {worlds} ranks (--nproc); on {n} ranks use --strategy "
                              f"usp --ulysses-degree {max(degrees)} (degrees that work here: "
                              f"{', '.join(map(str, degrees))})")

@@ -35,13 +35,25 @@ from dataclasses import dataclass
 import torch
 
 from cpbench import strategies
+from cpbench.errors import UsageError
 from cpbench.strategies import register
 from cpbench.strategies.base import BWD, FWD, Step, Strategy, option
 from cpbench.strategies.layout import check_divisible, contiguous_index
-from cpbench.strategies.ulysses import (kv_replicas, local_attention, ulysses_attention,
-                                        ulysses_messages)
-from cpbench.topology import (HEAD_FIRST, PLACEMENTS, RING_FIRST, divisors, group_of,
-                              node_local_block, usp_mesh)
+from cpbench.strategies.ulysses import (
+    kv_replicas,
+    local_attention,
+    ulysses_attention,
+    ulysses_messages,
+)
+from cpbench.topology import (
+    HEAD_FIRST,
+    PLACEMENTS,
+    RING_FIRST,
+    divisors,
+    group_of,
+    node_local_block,
+    usp_mesh,
+)
 
 RING_IMPLS = ("zigzag", "ring", "double-ring")
 
@@ -112,7 +124,7 @@ class Usp(Strategy):
         u = self.ulysses_degree
         if u < 1 or n % u or a.heads % u:
             ok = ", ".join(f"{d}x{n // d}" for d in divisors(n) if a.heads % d == 0)
-            raise ValueError(f"{self.name} cannot split {n} ranks with ulysses degree {u} and "
+            raise UsageError(f"{self.name} cannot split {n} ranks with ulysses degree {u} and "
                              f"{a.heads} heads (both must divide by it); ulysses x ring "
                              f"splits that work: {ok}")
         self.ring_degree = n // u

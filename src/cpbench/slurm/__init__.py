@@ -12,7 +12,7 @@ functions here build the same lines, so a test can hold the script to them, and
   ``--launcher`` set to the srun + torchrun prefix (``sweep_launcher``); the sweep itself
   skips finished cases and records failed / OOM / timed-out ones.
 
-Cases are lines of ``benchmarks/run.py`` (= ``cpbench run``) flags, whitespace-separated.
+Cases are lines of ``cpbench run`` flags, whitespace-separated.
 Nothing here has been run on a real Slurm cluster (see README, "Slurm").
 """
 
@@ -28,7 +28,10 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
-SBATCH_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "slurm" / "cpbench.sbatch"
+from cpbench.errors import UsageError
+
+# shipped with the package (scripts/slurm/cpbench.sbatch in a checkout links here)
+SBATCH_SCRIPT = Path(__file__).resolve().parent / "cpbench.sbatch"
 DEFAULT_PORT = 29500
 DEFAULT_GPUS_PER_NODE = 8
 
@@ -101,7 +104,7 @@ def slurm_world(environ: Mapping[str, str] | None = None) -> SlurmWorld:
     env = os.environ if environ is None else environ
     missing = [v for v in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST") if v not in env]
     if missing:
-        raise ValueError(f"{', '.join(missing)} not set: not inside a Slurm job; submit with "
+        raise UsageError(f"{', '.join(missing)} not set: not inside a Slurm job; submit with "
                          f"sbatch (or srun) first")
     hosts = expand_nodelist(env["SLURM_JOB_NODELIST"])
     num_nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or len(hosts))
@@ -117,11 +120,11 @@ def slurm_world(environ: Mapping[str, str] | None = None) -> SlurmWorld:
 
 def torchrun_command(world: SlurmWorld, args: Sequence[str] = (), *, rdzv_id: str | None = None,
                      port: int = DEFAULT_PORT, torchrun: str = "torchrun",
-                     entry: str = "benchmarks/run.py") -> list[str]:
+                     entry: Sequence[str] = ("-m", "cpbench.run")) -> list[str]:
     """One node's torchrun: c10d rendezvous on the first node, the job id as rendezvous id."""
     return [torchrun, f"--nnodes={world.num_nodes}", f"--nproc-per-node={world.gpus_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={world.master_addr}:{port}",
-            f"--rdzv-id={rdzv_id or world.job_id}", entry, *args]
+            f"--rdzv-id={rdzv_id or world.job_id}", *entry, *args]
 
 
 def srun_command(world: SlurmWorld, args: Sequence[str] = (), **torchrun_kw) -> list[str]:
@@ -133,9 +136,9 @@ def srun_command(world: SlurmWorld, args: Sequence[str] = (), **torchrun_kw) -> 
 
 def sweep_launcher(world: SlurmWorld, **torchrun_kw) -> str:
     """``cpbench sweep --launcher``'s value inside an allocation: the srun + torchrun prefix
-    each case's ``benchmarks/run.py`` follows (what the sbatch script passes with
+    each case's ``-m cpbench.run`` follows (what the sbatch script passes with
     ``CPBENCH_SWEEP``)."""
-    return shlex.join(srun_command(world, **torchrun_kw)[:-1])  # without the entry
+    return shlex.join(srun_command(world, entry=(), **torchrun_kw))
 
 
 def read_cases(path: str | os.PathLike) -> list[list[str]]:
@@ -162,11 +165,11 @@ def sbatch_command(*, nodes: int, cases_file: str | None = None, sweep: str | No
     allocation, or a YAML sweep (``sweep``: ``cpbench sweep`` in one allocation). ``args`` go
     after the script: to the one case, appended to every case, or to ``cpbench sweep``."""
     if nodes < 1:
-        raise ValueError(f"--nodes must be 1 or more, got {nodes}")
+        raise UsageError(f"--nodes must be 1 or more, got {nodes}")
     if array and not cases_file:
-        raise ValueError("a job array needs a cases file (--cases)")
+        raise UsageError("a job array needs a cases file (--cases)")
     if sweep and cases_file:
-        raise ValueError("give a cases file (--cases) or a sweep config (--sweep), not both")
+        raise UsageError("give a cases file (--cases) or a sweep config (--sweep), not both")
     argv = ["sbatch", f"--job-name={job_name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
     env = {}
     if gpus_per_node:
@@ -182,7 +185,7 @@ def sbatch_command(*, nodes: int, cases_file: str | None = None, sweep: str | No
         if array:
             n = num_cases if num_cases is not None else len(read_cases(cases_file))
             if n < 1:
-                raise ValueError(f"{cases_file} has no cases")
+                raise UsageError(f"{cases_file} has no cases")
             throttle = f"%{max_parallel}" if max_parallel else ""
             argv += [f"--array=0-{n - 1}{throttle}", "--output=%x-%A_%a.out"]
     argv += [*sbatch_options, str(script), *args]
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             gpus_per_node=a.gpus_per_node, time=a.time, partition=a.partition,
             account=a.account, job_name=a.job_name, sbatch_options=a.sbatch_option,
             args=a.args)
-    except (ValueError, OSError) as e:
+    except (UsageError, OSError) as e:
         sys.stderr.write(f"submit_sweep.py: error: {e}\n")
         return 2
     line = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd)])

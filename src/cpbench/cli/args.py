@@ -1,0 +1,122 @@
+"""The argparse side of the settings schema: flags generated from ``cpbench.settings`` (the
+config dataclasses and every strategy's ``Options``), and the one way every command reports
+bad input (one line on stderr with the fix, exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from cpbench import strategies
+from cpbench.config import CPU_ATTENTION, GPU_ATTENTION, RunConfig
+from cpbench.errors import UsageError
+from cpbench.settings import Setting, split
+
+USAGE_ERROR = 2
+OPT_PREFIX = "opt_"  # strategy options live under opt_<name> in the namespace
+
+
+class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # "-8k" is a (negative) value, not a flag: let the size parser reject it with the fix
+        # rather than argparse saying "expected one argument"
+        self._negative_number_matcher = re.compile(r"^-\d+[kKmMgG]?$|^-\d*\.\d+$")
+
+    def error(self, message):  # one line with the fix, not argparse's usage block
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def converter(read, what: str):
+    """An argparse ``type`` reading a value with ``read`` (UsageError on bad text)."""
+    def convert(text):
+        try:
+            return read(text)
+        except UsageError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = what
+    return convert
+
+
+def add_setting(group, s: Setting, *, help: str | None = None, dest: str | None = None,
+                choices: tuple | None = None) -> None:
+    """``s`` as a flag: ``--x/--no-x`` for a bool, else one value read by ``s.from_text``."""
+    dest, help = dest or s.name, s.help if help is None else help
+    if s.type is bool:
+        group.add_argument(s.flag, dest=dest, action=argparse.BooleanOptionalAction,
+                           default=None, help=help)
+        return
+    choices = choices or s.choices
+    group.add_argument(s.flag, dest=dest, type=converter(s.from_text, s.what),
+                       choices=choices, default=None,
+                       metavar=s.metavar or (None if choices else s.name.upper()), help=help)
+
+
+def attention_default(s: Setting) -> str | None:
+    cpu, gpu = CPU_ATTENTION.get(s.name), GPU_ATTENTION.get(s.name)
+    if s.name not in CPU_ATTENTION:
+        return None
+    return f"default {cpu} on CPU, {gpu} on GPU" if cpu != gpu else f"default {cpu}"
+
+
+def run_default(s: Setting) -> str | None:
+    if s.default is None or isinstance(s.default, bool):
+        return None
+    value = ",".join(s.default) if isinstance(s.default, tuple) else s.default
+    return f"default {value}"
+
+
+def add_settings(group, settings: list[Setting], defaults_note=None) -> None:
+    for s in settings:
+        note = defaults_note(s) if defaults_note else None
+        add_setting(group, s, help=f"{s.help} ({note})" if note else s.help)
+
+
+def option_usage(s: Setting) -> str:
+    """How an option is written: ``--window WINDOW``, ``--placement {a,b}``, ``--x/--no-x``."""
+    if s.type is bool:
+        return f"{s.flag}/--no-{s.flag[2:]}"
+    return f"{s.flag} " + (f"{{{','.join(map(str, s.choices))}}}" if s.choices
+                           else s.name.upper())
+
+
+def add_strategy_options(p, reserved: set[str]) -> None:
+    """One flag per strategy option over every registered strategy (choices merged)."""
+    group = p.add_argument_group("strategy options (passed to the strategies that take them)")
+    for opt, owners in strategies.option_settings().items():
+        assert opt not in reserved, f"strategy option {opt!r} clashes with a run flag"
+        first = owners[0][1]
+        choices = tuple(dict.fromkeys(c for _, s in owners for c in s.choices or ()))
+        where = "; ".join(f"{name}: default {s.default}" for name, s in owners)
+        add_setting(group, first, help=f"{first.help} [{where}]", dest=OPT_PREFIX + opt,
+                    choices=choices or None)
+
+
+def given(args) -> dict:
+    """The settings given on the command line, strategy options under their own names."""
+    return {(k[len(OPT_PREFIX):] if k.startswith(OPT_PREFIX) else k): v
+            for k, v in vars(args).items() if v is not None}
+
+
+def problem(args) -> tuple[dict, dict]:
+    """The AttentionConfig fields and the strategy options given on the command line."""
+    _, attention, _ = split(given(args))
+    options = {k[len(OPT_PREFIX):]: v for k, v in vars(args).items()
+               if k.startswith(OPT_PREFIX) and v is not None}
+    return attention, options
+
+
+def request(args) -> tuple[RunConfig, dict, dict]:
+    run, _, _ = split(given(args))
+    return (RunConfig(**run), *problem(args))
+
+
+def fail(prog: str, e: Exception) -> int:
+    """Bad input: one line on stderr (after clearing a status line), exit status 2."""
+    from cpbench.report import console
+
+    console.end_status()  # a status line on the terminal must not run into the error
+    sys.stderr.write(f"{prog}: error: {' '.join(str(e).split())}\n")
+    return USAGE_ERROR

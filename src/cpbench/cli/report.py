@@ -1,0 +1,77 @@
+"""``cpbench report``: re-render the tables (and a plot) from JSONL records."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from cpbench.cli.args import fail
+from cpbench.config import FORMATS
+from cpbench.errors import UsageError
+
+PROG = "cpbench report"
+
+
+def add_parser(sub) -> None:
+    r = sub.add_parser("report", help="re-render the tables from JSONL records")
+    r.add_argument("files", nargs="+", metavar="FILE.jsonl")
+    r.add_argument("--format", choices=FORMATS, default="table")
+    r.add_argument("--view", choices=("auto", "run", "sweep"), default="auto",
+                   help="run: each detail block and the summary, as `cpbench run` printed "
+                        "them; sweep: seed 001's tables grouped by strategy, then a pivot by "
+                        "Seq Len; auto: run when every record is from one run, else sweep")
+    r.add_argument("--compare", choices=("placement",),
+                   help="each strategy's placements (windows, degrees) side by side per "
+                        "topology, with their TFLOPs ratio")
+    r.add_argument("--plot", metavar="OUT.png",
+                   help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib)")
+    r.set_defaults(func=main)
+
+
+def _records(args) -> list[dict]:
+    """Every record of the files; the request checked before any output."""
+    from cpbench import results
+
+    records = [r for path in args.files for r in results.read(path)]
+    if args.compare and args.format not in ("table", "markdown"):
+        raise UsageError(f"--compare prints tables; use --format table or markdown, not "
+                         f"{args.format}")
+    if args.plot:
+        from cpbench.report import plot
+
+        plot.check_target(args.plot)  # before any output: the fix, not half a report
+    return records
+
+
+def _text(args, records: list[dict]) -> str:
+    from cpbench import report
+
+    sweep_view = args.view == "sweep" or (args.view == "auto" and records
+                                          and not report.sweep.one_launch(records))
+    if args.compare == "placement":
+        note = report.tables.simulated_note(records)
+        return (f"Compared{note}\n\n" if note else "") + \
+            report.sweep.compare_placement(records, args.format)
+    if sweep_view and args.format in ("table", "markdown"):
+        return report.sweep.sweep_report(records, args.format)
+    return report.report(records, args.format)  # csv / json: every row, whatever the view
+
+
+def main(args) -> int:
+    logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(message)s",
+                        stream=sys.stderr)
+    try:
+        records = _records(args)
+    except (OSError, UsageError) as e:
+        return fail(PROG, e)
+    sys.stdout.write(_text(args, records))
+    if args.plot:
+        from cpbench.report import plot, tables
+
+        try:
+            note = tables.simulated_note(records).strip(" ()") or None
+            plot.plot(records, args.plot, title_note=note)
+        except (OSError, UsageError) as e:
+            return fail(PROG, e)
+        sys.stderr.write(f"{PROG}: plot written to {args.plot}\n")
+    return 0

@@ -1,0 +1,49 @@
+"""``cpbench run``: check, time and measure strategies on local CPU ranks or under torchrun."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from cpbench.cli import args as cli_args
+from cpbench.config import AttentionConfig, RunConfig
+from cpbench.errors import UsageError
+from cpbench.settings import attention_settings, run_settings
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("run", help="run strategies and print the seed-format tables",
+                       description="Run context-parallel attention strategies: check, time, "
+                                   "measure memory; print seed-format tables; append JSONL.")
+    cli_args.add_settings(p.add_argument_group("attention problem"), attention_settings(),
+                          cli_args.attention_default)
+    cli_args.add_settings(p.add_argument_group("run"), run_settings(), cli_args.run_default)
+    reserved = {f.name for f in dataclasses.fields(AttentionConfig)} | \
+        {f.name for f in dataclasses.fields(RunConfig)}
+    cli_args.add_strategy_options(p, reserved)
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from cpbench.bench import driver
+    from cpbench.bench import plan as planning
+    from cpbench.bench.env import torchrun_world, under_torchrun
+    from cpbench.launch import LaunchTimeout, RankError
+
+    launcher = "torchrun" if under_torchrun() else "self"
+    try:
+        run, attention, options = cli_args.request(args)
+        plan = planning.plan(run, attention, options, launcher=launcher)
+    except UsageError as e:
+        if launcher == "self" or torchrun_world()[0] == 0:  # rank 0 speaks
+            return cli_args.fail("cpbench run", e)
+        return cli_args.USAGE_ERROR
+    if launcher == "torchrun":
+        return driver.torchrun_main(plan)
+    try:
+        return driver.launch(plan)
+    except (RankError, LaunchTimeout) as e:
+        why = f"{e} (--deadline)" if isinstance(e, LaunchTimeout) else str(e)
+        kept = f"; records written so far are in {plan.out}" if plan.out else ""
+        sys.stderr.write(f"cpbench run: {why}{kept}\n")
+        return 1

@@ -1,0 +1,142 @@
+"""``cpbench simulate``: the run tables predicted for a GPU cluster, no GPU needed."""
+
+from __future__ import annotations
+
+import sys
+
+from cpbench.cli import args as cli_args
+from cpbench.config import FORMATS, GPU_ATTENTION, AttentionConfig, parse_names, parse_size
+from cpbench.errors import UsageError
+from cpbench.settings import attention_settings
+
+PROG = "cpbench simulate"
+
+
+def _parse_sizes(text: str) -> tuple[int, ...]:
+    return tuple(parse_size(t) for t in text.split(",") if t.strip()) or (parse_size(text),)
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"cannot read {text!r} as an integer") from None
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="predict the run tables for a GPU cluster (no GPU needed)",
+                       description="Predict FWD / FWD+BWD time, memory and TFLOPs per GPU of "
+                                   "each strategy on a cluster from the strategies' own "
+                                   "schedules and a hardware preset.")
+    attention = p.add_argument_group("attention problem (default: seed 001's)")
+    for s in attention_settings():
+        if s.name == "seqlen":
+            attention.add_argument("--seqlen", type=cli_args.converter(_parse_sizes, "sizes"),
+                                   metavar="S[,S...]", help="global sequence length(s), e.g. "
+                                   f"128K,256K,512K (default {GPU_ATTENTION['seqlen']})")
+        else:
+            cli_args.add_setting(attention, s, help=s.help)
+    g = p.add_argument_group("cluster")
+    g.add_argument("--hardware", default="a800-sxm", metavar="PRESET|FILE.yaml",
+                   help="hardware preset (`cpbench simulate --help` lists the shipped ones) "
+                        "or a YAML file (default a800-sxm)")
+    g.add_argument("--nodes", type=cli_args.converter(_int, "an integer"),
+                   help="nodes (default: the preset's)")
+    g.add_argument("--gpus-per-node", type=cli_args.converter(_int, "an integer"),
+                   help="GPUs per node (default: the preset's)")
+    s = p.add_argument_group("what to simulate")
+    s.add_argument("--strategy", type=cli_args.converter(parse_names, "names"),
+                   default=("all",), metavar="NAME[,NAME...]|all",
+                   help="strategies (default all)")
+    s.add_argument("--compare-placements", action="store_true",
+                   help="every valid placement / split / window of the strategies side by "
+                        "side, fastest first")
+    s.add_argument("--validate", metavar="FILE.csv",
+                   help="predict published rows (configs/validation/*.csv) and print the "
+                        "relative errors; ignores the other flags but --hardware")
+    s.add_argument("--plot", metavar="OUT.png",
+                   help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib)")
+    s.add_argument("--format", choices=FORMATS, default="table")
+    s.add_argument("--out", metavar="FILE.jsonl",
+                   help="also append the predictions as result records (marked simulated; "
+                        "`cpbench report` re-renders them, beside measured ones)")
+    cli_args.add_strategy_options(p, {s.name for s in attention_settings()})
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from cpbench.report import console
+
+    with console.transient_progress():  # a status line on a terminal; results on stdout
+        try:
+            return _simulate(args)
+        except (OSError, UsageError) as e:
+            return cli_args.fail(PROG, e)
+
+
+def _checked(args, hw):
+    """(topology, attention, options, seqlens) from the flags; UsageError before any work."""
+    from cpbench.topology import Topology
+
+    nodes = hw.nodes if args.nodes is None else args.nodes
+    gpn = hw.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
+    if nodes < 1 or gpn < 1:
+        raise UsageError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} x {gpn}")
+    given, options = cli_args.problem(args)
+    given.pop("seqlen", None)  # a list here: one simulation per length
+    attention = {**GPU_ATTENTION, **given}
+    AttentionConfig(**attention)  # one line for a bad shape, before anything is built
+    if args.compare_placements and options:
+        raise UsageError("--compare-placements tries every option value itself; drop the "
+                         "strategy options")
+    if args.plot:
+        from cpbench.report import plot
+
+        plot.check_target(args.plot)  # before any output: the fix, not half a report
+    if (args.out or "").lower() == "none":
+        args.out = None
+    if args.out:
+        from cpbench.bench.plan import open_out
+
+        open_out(args.out)
+    return (Topology(world_size=nodes * gpn, ranks_per_node=gpn), attention, options,
+            list(args.seqlen or (GPU_ATTENTION["seqlen"],)))
+
+
+def _simulate(args) -> int:
+    from cpbench.report import console
+    from cpbench.sim import command, hardware, validate
+
+    hw = hardware.load(args.hardware)
+    if args.validate:
+        if args.out or args.plot or args.compare_placements:
+            raise UsageError("--validate prints its own table; drop --out, --plot and "
+                             "--compare-placements, or run them separately")
+        sys.stdout.write(validate.report(validate.run(validate.load(args.validate), hw), hw))
+        return 0
+    topo, attention, options, seqlens = _checked(args, hw)
+    cases = command.placement_cases(args.strategy, topo) if args.compare_placements else None
+    records, skipped = command.simulate(args.strategy, options, attention, seqlens, topo, hw,
+                                        cases=cases)
+    if args.compare_placements:
+        text = command.render_comparison(command.compare_placements(records), hw, topo,
+                                         args.format)
+    else:
+        text = command.render(records, hw, topo, args.format)
+        if skipped and args.format in ("table", "markdown"):
+            text += "not simulated (the configuration does not allow them):\n" + \
+                "".join(f"  {why}\n" for why in skipped)
+    console.end_status()
+    if args.out:
+        from cpbench import results
+
+        for record in records:
+            results.append(args.out, record)
+        text += f"records: {args.out}\n" if args.format in ("table", "markdown") else ""
+    sys.stdout.write(text)
+    if args.plot:
+        from cpbench.report import plot
+
+        plot.plot(records, args.plot, title_note=f"simulated on {hw.name}")
+        sys.stderr.write(f"{PROG}: plot written to {args.plot}\n")
+    return 0

@@ -1,0 +1,195 @@
+"""Reading and validating a sweep config: every case expanded, typed and planned before
+anything runs; every error listed at once, each with the case it came from."""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import os
+from dataclasses import dataclass
+
+import yaml
+
+from cpbench import strategies
+from cpbench.bench import plan as planning
+from cpbench.config import GPU_ATTENTION, GPU_ITERS, RunConfig
+from cpbench.errors import UsageError
+from cpbench.settings import Setting, attention_settings, run_settings, split
+
+TOP_KEYS = ("topology", "timeout", "base", "sweep", "cases", "description")
+SWEEP_ONLY = ("timeout",)  # settings of the sweep itself, not passed to `cpbench run`
+RESERVED = ("out",)  # the sweep sets these
+
+
+class SweepError(UsageError):
+    """A sweep config that cannot run; ``errors`` lists every problem found."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__(f"{len(errors)} error(s) in the sweep config:\n  " + "\n  ".join(errors))
+
+
+@dataclass(frozen=True)
+class SweepCase:
+    index: int  # 1-based, in run order
+    settings: dict  # `cpbench run` settings (typed), timeout excluded
+    label: str  # the settings that differ from base
+    timeout: float | None
+    plan: planning.Plan
+    keys: tuple[str, ...] = ()  # results.record_key of every row the plan expects
+
+
+@dataclass(frozen=True)
+class Sweep:
+    path: str
+    cases: tuple[SweepCase, ...]
+    nodes: int | None  # None: local --nproc ranks
+    gpus_per_node: int | None
+
+
+def settings_by_name() -> dict[str, Setting]:
+    """Every setting a case may give: `cpbench run`'s flags, strategy options included."""
+    found = {s.name: s for s in [*attention_settings(), *run_settings()]}
+    for name, owners in strategies.option_settings().items():
+        found.setdefault(name, owners[0][1])
+    return found
+
+
+def _check_keys(where: str, mapping, allowed: dict, errors: list[str]) -> dict:
+    if not isinstance(mapping, dict):
+        errors.append(f"{where}: expected a mapping of settings, got {type(mapping).__name__}")
+        return {}
+    good = {}
+    for k, v in mapping.items():
+        name = str(k).replace("-", "_")
+        if name in RESERVED:
+            errors.append(f"{where}: {name!r} is set by `cpbench sweep` (use --out); drop it")
+        elif name not in allowed and name not in SWEEP_ONLY:
+            near = difflib.get_close_matches(name, [*allowed, *SWEEP_ONLY], n=1)
+            errors.append(f"{where}: unknown setting {k!r}"
+                          + (f" (did you mean {near[0]!r}?)" if near else "")
+                          + "; settings are `cpbench run` flags, e.g. seqlen, strategy")
+        else:
+            good[name] = v
+    return good
+
+
+def _label(settings: dict, base: dict) -> str:
+    diff = {k: v for k, v in settings.items() if k not in base or base[k] != v}
+    return " ".join(f"{k}={v}" for k, v in diff.items()) or "base"
+
+
+def _plan(settings: dict, topology: tuple | None) -> planning.Plan:
+    run, attention, options = split(settings)
+    run = RunConfig(**run, out="none")
+    if topology is None:
+        return planning.plan(run, attention, options, launcher="self")
+    # planned as its torchrun job would be; what fits is decided where it runs (each launch
+    # plans again there), not against this host's memory
+    return planning.plan(run, attention, options, launcher="torchrun",
+                         job=(topology[0] * topology[1], topology[1]))
+
+
+def _topology(doc: dict, errors: list[str]) -> tuple[int, int] | None:
+    topo = doc.get("topology")
+    if topo is None:
+        return None
+    if not isinstance(topo, dict) or set(topo) - {"nodes", "gpus_per_node"} or not all(
+            isinstance(topo.get(k), int) and topo[k] >= 1 for k in ("nodes", "gpus_per_node")):
+        errors.append(f"topology: expected {{nodes: N, gpus_per_node: G}} with positive "
+                      f"integers, got {topo!r}")
+        return None
+    return topo["nodes"], topo["gpus_per_node"]
+
+
+def _raw_cases(doc: dict, spec: dict, errors: list[str]) -> tuple[dict, list[dict]]:
+    """(base, the untyped settings of every case): the sweep's product, then its cases."""
+    base = _check_keys("base", doc.get("base") or {}, spec, errors)
+    axes = _check_keys("sweep", doc.get("sweep") or {}, spec, errors)
+    for k, v in axes.items():
+        if not isinstance(v, list) or not v:
+            errors.append(f"sweep: {k} must be a non-empty list of values, got {v!r}")
+    values = [v if isinstance(v, list) else [v] for v in axes.values()]
+    raw = [{**base, **dict(zip(axes, combo))} for combo in itertools.product(*values)] \
+        if axes else []
+    extra = doc.get("cases") or []
+    if not isinstance(extra, list):
+        errors.append("cases: expected a list of mappings of settings")
+        extra = []
+    for i, c in enumerate(extra, 1):
+        raw.append({**base, **_check_keys(f"cases[{i}]", c, spec, errors)})
+    return base, raw if axes or extra else [dict(base)]
+
+
+def _typed(raw: dict, spec: dict, where: str, default_timeout, gpu: bool
+           ) -> tuple[dict, float | None, list[str]]:
+    """(typed settings, timeout, errors) of one case."""
+    settings, errors = {}, []
+    for k, v in raw.items():
+        if k in SWEEP_ONLY:
+            continue
+        try:
+            settings[k] = spec[k].from_yaml(v)
+        except UsageError as e:
+            errors.append(f"{where}: {e}")
+    timeout = raw.get("timeout", default_timeout)
+    if timeout is not None and (isinstance(timeout, bool) or
+                                not isinstance(timeout, (int, float)) or timeout <= 0):
+        errors.append(f"{where}: timeout must be a positive number of seconds, got {timeout!r}")
+    if gpu and settings.get("nproc") is not None:
+        errors.append(f"{where}: nproc starts local CPU ranks; this config has a topology "
+                      f"(torchrun): drop nproc")
+    return settings, None if timeout is None else float(timeout), errors
+
+
+def _cases(raw_cases: list[dict], base: dict, spec: dict, doc: dict,
+           topology: tuple | None, errors: list[str]) -> list[SweepCase]:
+    cases, seen = [], {}
+    for i, raw in enumerate(raw_cases, 1):
+        where = f"case {i} ({_label(raw, base)})"
+        settings, timeout, bad = _typed(raw, spec, where, doc.get("timeout"),
+                                        topology is not None)
+        errors += bad
+        if bad:
+            continue
+        try:
+            p = _plan(settings, topology)
+        except UsageError as e:
+            errors.append(f"{where}: {' '.join(str(e).split())}")
+            continue
+        keys = p.keys()
+        repeated = next((seen[k] for k in keys if k in seen), None)
+        if repeated is not None:
+            errors.append(f"{where}: repeats a row of case {repeated}; drop one of them")
+        for k in keys:
+            seen.setdefault(k, i)
+        cases.append(SweepCase(index=i, settings=settings, label=_label(raw, base),
+                               timeout=timeout, plan=p, keys=keys))
+    return cases
+
+
+def load(path: str | os.PathLike) -> Sweep:
+    """Read and validate a sweep config; raises SweepError listing every problem."""
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise SweepError([f"{path}: {e}"]) from None
+    if not isinstance(doc, dict):
+        raise SweepError([f"{path}: expected a mapping with base / sweep / cases"])
+    errors = [f"top level: unknown key {k!r}; allowed: {', '.join(TOP_KEYS)}"
+              for k in doc if k not in TOP_KEYS]
+    spec = settings_by_name()
+    topology = _topology(doc, errors)
+    base, raw_cases = _raw_cases(doc, spec, errors)
+    if topology is not None:
+        # GPU runs: seed 001's defaults, written out, so that the command lines and the rows'
+        # keys do not depend on whether the machine checking the sweep has a GPU
+        gpu_defaults = {**GPU_ATTENTION, **GPU_ITERS}
+        raw_cases = [{**gpu_defaults, **raw} for raw in raw_cases]
+        base = {**gpu_defaults, **base}
+    cases = _cases(raw_cases, base, spec, doc, topology, errors)
+    if errors:
+        raise SweepError(errors)
+    nodes, gpus = topology or (None, None)
+    return Sweep(path=str(path), cases=tuple(cases), nodes=nodes, gpus_per_node=gpus)

@@ -1,0 +1,239 @@
+"""Running a sweep's cases: each its own launch (a ``cpbench run`` in its own process group,
+appending to the sweep's ``--out``), so a crash, OOM or hang becomes a record and the sweep
+goes on; cases already recorded ok are skipped."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cpbench import results
+from cpbench.bench.plan import failure_record
+from cpbench.config import flag
+from cpbench.errors import UsageError
+from cpbench.sweep.config import Sweep, SweepCase
+
+KILL_GRACE_S = 5.0
+# what each case's launch runs: the package's own entry, so an installed cpbench works from
+# any directory (torchrun takes it as `-m cpbench.run`)
+ENTRY = ("-m", "cpbench.run")
+
+
+def run_flags(settings: dict) -> list[str]:
+    """``cpbench run`` flags for a case's settings."""
+    argv = []
+    for k, v in settings.items():
+        if v is None:
+            continue
+        if isinstance(v, bool):
+            argv.append(flag(k) if v else f"--no-{flag(k)[2:]}")
+        elif isinstance(v, tuple):
+            argv += [flag(k), ",".join(v)]
+        else:
+            argv += [flag(k), str(v)]
+    return argv
+
+
+def command(sweep: Sweep, case: SweepCase, out: str, launcher: str | None = None) -> list[str]:
+    """The command line of one case's launch."""
+    flags = [*run_flags(case.settings), "--out", out]
+    if launcher:  # e.g. "srun ... torchrun --nnodes 4 --nproc-per-node 8 ..."
+        return [*shlex.split(launcher), *ENTRY, *flags]
+    if sweep.nodes is None:
+        return [sys.executable, *ENTRY, *flags]
+    if sweep.nodes > 1:
+        raise UsageError(f"{sweep.path} spans {sweep.nodes} nodes: run it through Slurm "
+                         f"(scripts/slurm/) or give --launcher 'srun ... torchrun ...'")
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(sweep.gpus_per_node), *ENTRY, *flags]
+
+
+def _repair_tail(path: Path) -> None:
+    """Cut a torn last line (a launch killed mid-write) so the next append starts clean."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        data = f.seek(0) or f.read()
+        f.truncate(data.rfind(b"\n") + 1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _latest(path: Path) -> dict[str, str]:
+    """record_key → status of its latest record in ``path``."""
+    if not path.exists():
+        return {}
+    return {results.record_key(r): r["status"] for r in results.read(path)}
+
+
+def _tail(path: Path, lines: int = 4) -> str:
+    """The last lines a launch printed (its first line, the command, left out), as one."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    shown = [line.rsplit("\r", 1)[-1].strip() for line in text.splitlines()[1:]]
+    return " | ".join([t for t in shown if t][-lines:]) or "(no output)"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Stop a case's launch and every process it started (its own process group), and wait
+    (briefly) until they are gone, so the next case does not share the cores with them."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=KILL_GRACE_S)
+    # ranks may outlive the launcher: SIGKILL the group whatever happened
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + KILL_GRACE_S
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+def _launch(cmd: list[str], log_path: Path, timeout: float | None) -> tuple[int | None, bool]:
+    """(exit status, timed out). Output goes to ``log_path``; Ctrl-C stops the case's
+    processes and propagates."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log_path, "wb") as log_file:
+        log_file.write(("$ " + shlex.join(cmd) + "\n").encode())
+        log_file.flush()
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        try:
+            return proc.wait(timeout=timeout), False
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return proc.returncode, True
+        except BaseException:  # Ctrl-C, or the sweep itself being stopped
+            _kill_group(proc)
+            raise
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _stop_on_sigterm(signum, frame):
+    # a scheduler ending the sweep: unwind like Ctrl-C so the running case's group is killed
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+class _Console:
+    """Progress lines: a transient status line on a terminal, plain lines elsewhere."""
+
+    def __init__(self, stream):
+        self.stream, self.tty = stream, stream.isatty()
+
+    def __call__(self, text: str, transient: bool = False) -> None:
+        if transient and not self.tty:
+            return
+        self.stream.write(("\r\033[K" if self.tty else "") + text + ("" if transient else "\n"))
+        self.stream.flush()
+
+
+def run(sweep: Sweep, out: str, *, rerun_failed: bool = False, timeout: float | None = None,
+        launcher: str | None = None, stream=None) -> int:
+    """Run every case not already recorded ok; 0 when every case ends ok, 1 otherwise.
+    Ctrl-C (or SIGTERM) stops the running case's processes and raises KeyboardInterrupt;
+    rows that case had finished stay in ``out``, the rest are not recorded."""
+    import threading
+
+    runner = _Runner(sweep, Path(out), rerun_failed, timeout, launcher,
+                     _Console(stream or sys.stdout))
+    if threading.current_thread() is not threading.main_thread():
+        return runner.run()
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        return runner.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Runner:
+    def __init__(self, sweep: Sweep, out: Path, rerun_failed: bool, timeout: float | None,
+                 launcher: str | None, say: _Console):
+        self.sweep, self.out, self.rerun_failed = sweep, out, rerun_failed
+        self.timeout, self.launcher, self.say = timeout, launcher, say
+        self.logs = out.with_name(out.name + ".logs")
+
+    def _todo(self) -> list[SweepCase]:
+        """The cases to run; a line for each one skipped."""
+        latest, n, todo = _latest(self.out), len(self.sweep.cases), []
+        for case in self.sweep.cases:
+            statuses = [latest.get(k) for k in case.keys]
+            if all(s == results.OK for s in statuses):
+                self.say(f"[{case.index}/{n}] {case.label}: done earlier, skipped")
+            elif not self.rerun_failed and None not in statuses:
+                bad = sorted({s for s in statuses if s != results.OK})
+                self.say(f"[{case.index}/{n}] {case.label}: recorded {'/'.join(bad)} earlier, "
+                         f"skipped (--rerun-failed retries it)")
+            else:
+                todo.append(case)
+        return todo
+
+    def run(self) -> int:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        _repair_tail(self.out)
+        todo, n = self._todo(), len(self.sweep.cases)
+        start, durations, failed = time.monotonic(), [], False
+        for i, case in enumerate(todo):
+            self.say(f"[{case.index}/{n}] {case.label}: running ({i + 1} of {len(todo)} to "
+                     f"run)", transient=True)
+            t0 = time.monotonic()
+            outcome, log_path = self._case(case)
+            failed |= any(s != results.OK for s in outcome)
+            durations.append(time.monotonic() - t0)
+            eta = sum(durations) / len(durations) * (len(todo) - i - 1)
+            summary = "ok" if all(s == results.OK for s in outcome) else ", ".join(outcome)
+            self.say(f"[{case.index}/{n}] {case.label}: {summary} in {durations[-1]:.1f} s | "
+                     f"elapsed {_clock(time.monotonic() - start)} | ~{_clock(eta)} left"
+                     + (f" | log {log_path}" if summary != "ok" else ""))
+        self.say(f"sweep: {len(todo)} case(s) run, {n - len(todo)} skipped; records in "
+                 f"{self.out}")
+        return 1 if failed else 0
+
+    def _case(self, case: SweepCase) -> tuple[list[str], Path]:
+        """Launch one case; record every row it left unwritten; the status of each row."""
+        limit = self.timeout if self.timeout is not None else case.timeout
+        digest = hashlib.sha1("\n".join(case.keys).encode()).hexdigest()[:10]
+        log_path = self.logs / f"case{case.index:03d}_{digest}.log"
+        _repair_tail(self.out)
+        offset = self.out.stat().st_size if self.out.exists() else 0
+        cmd = command(self.sweep, case, str(self.out), self.launcher)
+        rc, timed_out = _launch(cmd, log_path, limit)
+        _repair_tail(self.out)
+        written = {results.record_key(r): r["status"]
+                   for r in results.read_from(self.out, offset)}
+        status, error = _why(rc, timed_out, limit, _tail(log_path))
+        for j, key in enumerate(case.keys):
+            if key not in written:
+                results.append(self.out, failure_record(
+                    case.plan, j, status, error,
+                    sweep={"case": case.index, "label": case.label, "returncode": rc,
+                           "log": str(log_path)}))
+                written[key] = status
+        return [written[k] for k in case.keys], log_path
+
+
+def _why(rc: int | None, timed_out: bool, limit: float | None, tail: str) -> tuple[str, str]:
+    """The status and error of the rows a launch left unwritten."""
+    if timed_out:
+        return results.TIMEOUT, f"no result within the case's timeout of {limit:g} s"
+    if "out of memory" in tail.lower() or "outofmemory" in tail.lower():
+        return results.OOM, f"the launch ran out of memory (exit {rc}): {tail}"
+    return results.FAILED, f"the launch exited {rc} without this row: {tail}"
