@@ -1,16 +1,17 @@
 # Two entry points a new user needs: `make bench` (the main job) and `make test`.
-# Both create .venv and install what is missing on first use.
+# Both create .venv and install what is missing on first use. `make lint` runs ruff and the
+# import-layer contracts (CI runs it before the tests); `make test-fast` the unit layer alone.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.cpbench-installed
 
-.PHONY: bench test install clean
+.PHONY: bench test test-fast lint install clean
 
 $(STAMP): pyproject.toml scripts/ensure_torch.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	scripts/ensure_torch.sh $(PY)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,lint]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -20,6 +21,13 @@ bench: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not multirank and not gpu"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks scripts
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache

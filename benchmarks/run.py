@@ -2,6 +2,7 @@
 
 One node, 8 GPUs:
     torchrun --nproc-per-node 8 benchmarks/run.py --strategy zigzag --seqlen 128K
+    torchrun --nproc-per-node 8 -m cpbench.run --strategy zigzag --seqlen 128K  # installed
 
 Four nodes (run on each; c10d rendezvous on the first):
     torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d \\
@@ -17,7 +18,7 @@ status: 0 ok, 1 a strategy failed or a check failed, 2 bad input.
 
 import sys
 
-from cpbench.cli import main
+from cpbench.run import main
 
 if __name__ == "__main__":
-    sys.exit(main(["run", *sys.argv[1:]]))
+    sys.exit(main())

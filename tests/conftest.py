@@ -5,3 +5,13 @@ import sys
 # unit tests share helpers the same way.
 for _dir in ("multirank", "unit"):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), _dir))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/multirank starts real gloo ranks: mark it, so the unit layer
+    runs alone with `-m "not multirank"` (make test-fast)."""
+    import pytest
+
+    for item in items:
+        if f"{os.sep}multirank{os.sep}" in str(item.path):
+            item.add_marker(pytest.mark.multirank)

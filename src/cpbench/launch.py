@@ -19,7 +19,17 @@ from typing import Any, Callable
 
 
 class RankError(RuntimeError):
-    """A rank raised; the message carries its traceback."""
+    """A rank raised or died; the message carries its traceback. ``reported``: what the
+    ranks that did finish returned, by rank."""
+
+    def __init__(self, message: str, reported: dict[int, Any] | None = None):
+        super().__init__(message)
+        self.reported = dict(reported or {})
+
+
+# after a rank dies, how long the others have to notice (gloo: a closed connection fails
+# their collective at once) and report, before they are killed
+DEATH_GRACE_S = 15.0
 
 
 class LaunchTimeout(RuntimeError):
@@ -122,9 +132,25 @@ def _collect(procs: list, results, by_rank: dict[int, Any], timeout: float | Non
             dead = [r for r, p in enumerate(procs)
                     if r not in by_rank and p.exitcode not in (None, 0)]
             if dead:
+                _drain(procs, results, by_rank, dead)
                 raise RankError(f"rank {dead[0]} died with exit code "
-                                f"{procs[dead[0]].exitcode} and no report") from None
+                                f"{procs[dead[0]].exitcode} and no report", by_rank) from None
             continue
         if status == "error":
-            raise RankError(f"rank {rank} failed:\n{payload}")
+            raise RankError(f"rank {rank} failed:\n{payload}", by_rank)
         by_rank[rank] = payload
+
+
+def _drain(procs: list, results, by_rank: dict[int, Any], dead: list[int]) -> None:
+    """A rank died: let the others report what they finished (rank 0 records the case its
+    peer broke) for up to DEATH_GRACE_S, before they are killed."""
+    deadline = time.monotonic() + DEATH_GRACE_S
+    while time.monotonic() < deadline and any(
+            r not in by_rank and r not in dead and p.exitcode is None
+            for r, p in enumerate(procs)):
+        try:
+            rank, status, payload = results.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if status == "ok":
+            by_rank[rank] = payload

@@ -6,13 +6,17 @@ keeping what was measured."""
 from __future__ import annotations
 
 import io
+import os
+import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from cpbench import report, results, strategies
 from cpbench.bench import driver
+from cpbench.bench.agreement import is_collective_error
 from cpbench.bench import plan as planning
 from cpbench.config import RunConfig
 from cpbench.launch import run_ranks
@@ -161,3 +165,32 @@ def test_a_rank_failing_inside_a_ring_stops_the_run_in_bounded_time(tmp_path):
     assert "a collective failed" in error
     assert "not run: local" in text and "re-run them with --strategy local" in text
     assert report.summary(records) in text
+
+
+@pytest.mark.parametrize("dies", [0, 1])
+def test_a_rank_dying_mid_case_is_recorded_as_failed(tmp_path, dies):
+    """`cpbench run --nproc 2` where one rank's process exits inside the second case: the
+    first case's record is kept, the dying case is recorded failed, the third is named as not
+    run, exit 1. Rank 1 dying: rank 0 sees its collective fail and records the case. Rank 0
+    dying: no rank is left to write, so the launching process records it."""
+    out = tmp_path / "r.jsonl"
+    code = "import sys, dying; from cpbench.cli import main; sys.exit(main(sys.argv[1:]))"
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "CPBENCH_TEST_DIE_RANK": str(dies),
+           "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", code, "run", "--strategy", "ring,test-die,local", "--nproc", "2",
+         "--seqlen", "128", "--heads", "2", "--head-dim", "16", "--warmup", "0", "--iters", "1",
+         "--out", str(out)], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1, done.stderr
+    records = results.read(out)
+    assert [(r["config"]["strategy"], r["status"]) for r in records] == [
+        ("ring", "ok"), ("test-die", "failed")]
+    assert records[0]["derived"]["fwd_bwd_ms"] > 0
+    assert f"rank {dies} died with exit code 7" in done.stderr
+    if dies == 0:
+        assert "rank 0 died with exit code 7" in records[1]["error"]
+    else:  # rank 0's own view: its collective with the dead rank failed
+        error = records[1]["error"]
+        assert error.startswith("rank 0: ") and is_collective_error(RuntimeError(error))
+    assert "not run: local" in done.stdout + done.stderr

@@ -14,8 +14,8 @@ from cpbench.config import AttentionConfig
 from cpbench.launch import run_ranks
 from cpbench.topology import Topology
 
-# (world, ranks per node): world 1 is the degenerate ring of one; world 4 = 2 nodes × 2, world 8 = 2 × 4 and 4 × 2, so two-level
-# strategies really have several inner rings.
+# (world, ranks per node): world 1 is the degenerate ring of one; world 4 = 2 nodes × 2, world 8
+# = 2 × 4 and 4 × 2, so two-level strategies really have several inner rings.
 TOPOLOGIES = [(1, 1), (2, 1), (4, 2), (8, 4), (8, 2)]
 SEQLEN = 96  # divisible by 2·N·(ulysses splits) for every world size here; small but not tiny
 # 8 query heads divide every world size (Ulysses runs at world 8); 2 KV heads exercise GQA and,

@@ -34,7 +34,8 @@ def test_merge_is_overflow_safe_for_huge_lse():
     out, lse = merge(oa, la, ob, lb)
     w_b = torch.sigmoid(torch.tensor(2.0))
     torch.testing.assert_close(out, oa * (1 - w_b) + ob * w_b)
-    torch.testing.assert_close(lse, 1e4 + torch.logaddexp(torch.tensor(0.0), torch.tensor(2.0)).expand(b, h, s))
+    want = 1e4 + torch.logaddexp(torch.tensor(0.0), torch.tensor(2.0))
+    torch.testing.assert_close(lse, want.expand(b, h, s))
 
 
 def test_minus_inf_blocks_merge_without_nan():
@@ -54,7 +55,8 @@ def test_minus_inf_blocks_merge_without_nan():
 
 def test_accumulator_merges_into_a_slice():
     b, s, h, d = 1, 8, 2, 4
-    q, k, v = _rand(b, s, h, d, seed=10), _rand(b, 2 * s, h, d, seed=11), _rand(b, 2 * s, h, d, seed=12)
+    q = _rand(b, s, h, d, seed=10)
+    k, v = _rand(b, 2 * s, h, d, seed=11), _rand(b, 2 * s, h, d, seed=12)
     acc = OutLseAccumulator(b, s, h, d, "cpu")
     o1, l1 = torch_ref.forward(q, k[:, :s], v[:, :s], causal=False, softmax_scale=0.5)
     acc.update(o1, l1)

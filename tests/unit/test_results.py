@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from cpbench import results
+from cpbench.errors import UsageError
 from cpbench.report import dataframe, labels
 
 
@@ -131,3 +132,42 @@ def test_to_frame():
     df = dataframe.to_frame([fake_record("ring"), fake_record("local", ranks_per_problem=1)])
     assert list(df["strategy"]) == ["ring", "local"]
     assert df.loc[0, "fwd_ms"] == 11.0 and df.loc[1, "ranks_per_problem"] == 1
+
+
+@pytest.mark.parametrize("text", ["not json at all\n", '{"a": 1}\n', "[1, 2]\n"])
+def test_a_file_of_no_records_is_an_error_not_an_empty_report(tmp_path, capsys, text):
+    """A torn last line is forgiven only after valid records: a file whose only line is not a
+    record is the wrong file (exit 2, one line), not "no records"."""
+    from cpbench.cli import main
+
+    path = tmp_path / "r.jsonl"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=":1: not a"):
+        results.read(path)
+    assert main(["report", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("cpbench report: error:") and ":1:" in err
+
+
+def test_make_record_is_the_schema_and_survives_the_file(tmp_path):
+    from cpbench.config import AttentionConfig, RunConfig
+    from cpbench.strategies.usp import Usp
+
+    opts = Usp.Options(placement="ring-first")
+    rec = results.make_record(
+        strategy="usp", options=opts, attention=AttentionConfig(seqlen=256),
+        run=RunConfig(strategy=("usp",)).resolved("cpu"), kernel="sdpa-cpu", world_size=4,
+        ranks_per_node=2, ranks_per_problem=4, env={"utc": "x"},
+        samples_ms={"fwd": [[2.0, 4.0]] * 4, "fwd_bwd": [[6.0, 8.0]] * 4})
+    assert rec["config"]["options"]["placement"] == "ring-first"
+    assert rec["config"]["option_defaults"]["placement"] == "head-first"
+    assert rec["topology"] == {"world_size": 4, "ranks_per_node": 2, "num_nodes": 2}
+    assert rec["memory_bytes"] is None and rec["check"] is None and rec["status"] == "ok"
+    assert rec["derived"]["fwd_ms"] == 3.0 and rec["derived"]["fwd_bwd_ms"] == 7.0
+    results.append(tmp_path / "r.jsonl", rec)
+    assert results.read(tmp_path / "r.jsonl") == [rec]
+    assert results.record_key(rec) == results.record_key(json.loads(json.dumps(rec)))
+    with pytest.raises(AssertionError):
+        results.make_record(strategy="usp", options=opts, attention=AttentionConfig(),
+                            run=RunConfig(), kernel="k", world_size=1, ranks_per_node=1,
+                            ranks_per_problem=1, env={}, samples=[])  # not a schema key

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 from schedule_helpers import build, totals
 
-from cpbench import strategies
 from cpbench.strategies.usp import Usp
 from cpbench.topology import Topology
 
@@ -96,8 +95,6 @@ def test_flops_are_the_ring_strategys_on_heads_over_u():
 
 
 def test_double_ring_inside_usp():
-    if "double-ring" not in strategies.names():
-        pytest.skip("double-ring not registered yet")
     # 2-way Ulysses inside a node leaves rings [0,2,4,6]... with 2 members per node
     st = _build(8, 4, rank=2, batch=1, seqlen=64, heads=8, head_dim=8, ulysses_degree=2,
                 ring_impl="double-ring")
@@ -159,8 +156,6 @@ def test_variants_are_modest_and_distinct():
 
 
 def test_a2a_p2p_is_head_first_over_megatron_cp():
-    if "megatron-cp" not in strategies.names():
-        pytest.skip("megatron-cp not registered yet")
     b, S, h, d, elt = 1, 64, 8, 8, 2
     st = _build(8, 4, rank=6, name="megatron-cp-a2a+p2p", batch=b, seqlen=S, heads=h,
                 head_dim=d, dtype="bf16")

@@ -7,7 +7,6 @@ import csv
 import dataclasses
 import io
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -106,12 +105,13 @@ def test_validate_prints_every_published_row_with_its_error(capsys):
     assert "ranking at each sequence length" in out
 
 
-def test_a_thousand_configs_in_under_five_seconds():
+def test_a_thousand_configs():
     """Every strategy and variant × 8 sequence lengths × batch 1/2 × bf16/fp16 on 1, 2, 4 and
-    8 nodes of 8 GPUs, from a cold cache."""
+    8 nodes of 8 GPUs, from a cold cache, each a finite prediction. (How fast: the benchmark
+    benchmarks/sim_speed.py, not a timed test.)"""
     model.clear_cache()
     hw = hardware.load("a800-sxm")
-    start, n = time.perf_counter(), 0
+    n = 0
     for nodes in (1, 2, 4, 8):
         topo = Topology(world_size=8 * nodes, ranks_per_node=8)
         for dtype in ("bf16", "fp16"):
@@ -120,9 +120,8 @@ def test_a_thousand_configs_in_under_five_seconds():
                     ("all",), {}, dict(batch=batch, heads=40, head_dim=128, dtype=dtype,
                                        causal=True), [2 ** k for k in range(15, 23)], topo, hw)
                 n += len(records)
-    elapsed = time.perf_counter() - start
+                assert all(r["derived"].get("fwd_bwd_ms", 1.0) > 0 for r in records)
     assert n >= 1000
-    assert elapsed < 5.0, f"{n} configs took {elapsed:.1f} s"
 
 
 def test_ranking_check_counts_only_pairs_published_clearly_apart():

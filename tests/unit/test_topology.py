@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from cpbench.errors import UsageError
 from cpbench.topology import (
     HEAD_FIRST,
     RING_FIRST,
@@ -48,7 +49,8 @@ def test_double_ring_inner_within_node_outer_across():
     # a strided ring (as USP head-first hands out) splits by ring order, not rank value
     inner, outer = double_ring_groups([1, 3, 5, 7], window=2)
     assert inner == [[1, 3], [5, 7]] and outer == [[1, 5], [3, 7]]
-    with pytest.raises(ValueError, match="window 3 does not divide ring size 8; use one of: 1, 2, 4, 8"):
+    with pytest.raises(UsageError,
+                       match="window 3 does not divide ring size 8; use one of: 1, 2, 4, 8"):
         double_ring_groups(list(range(8)), window=3)
 
 

@@ -58,6 +58,7 @@ from cpbench.bench.check import check_strategy
 from cpbench.bench.plan import Case, Plan, failure_record
 from cpbench.reference import Comparison
 from cpbench.report import console
+from cpbench.strategies.base import Strategy
 
 log = logging.getLogger("cpbench")
 out_log = logging.getLogger("cpbench.out")  # results: stdout in every format (report.console)
@@ -66,8 +67,9 @@ out_log = logging.getLogger("cpbench.out")  # results: stdout in every format (r
 # -- 2. launch -------------------------------------------------------------------------------
 
 def launch(p: Plan) -> int:
-    """Start ``p.world_size`` local gloo ranks and run the plan; the exit status. A rank that
-    dies, or the deadline passing, leaves the running case recorded as failed (re-raised)."""
+    """Start ``p.world_size`` local gloo ranks and run the plan; the exit status. When a rank
+    dies, or the deadline passes, the case that was running is recorded as failed and the
+    error (re-raised) says so and names the cases not run."""
     from cpbench.launch import LaunchTimeout, RankError, run_ranks
 
     offset = os.path.getsize(p.out) if p.out and os.path.exists(p.out) else 0
@@ -75,26 +77,33 @@ def launch(p: Plan) -> int:
         return run_ranks(rank_main, p.world_size, p, timeout=p.run.deadline,
                          collective_timeout=p.run.collective_timeout,
                          leave_together=False)[0]
-    except (RankError, LaunchTimeout) as e:
-        _record_lost_case(p, offset, agreement.one_line(e))
-        raise
+    except LaunchTimeout as e:
+        lost = _record_lost_case(p, offset, f"{agreement.one_line(e)} (--deadline)")
+        raise LaunchTimeout(f"{e}{lost}") from e
+    except RankError as e:
+        if 0 in e.reported:  # rank 0 lived on: it recorded the case and what did not run
+            raise
+        raise RankError(f"{e}{_record_lost_case(p, offset, agreement.one_line(e))}") from e
 
 
-def _record_lost_case(p: Plan, offset: int, error: str) -> None:
-    """After the ranks died: the first case of the plan with no record since ``offset`` was
-    running; record it as failed and say which cases did not run."""
+def _record_lost_case(p: Plan, offset: int, error: str) -> str:
+    """After the ranks stopped: the first case of the plan with no record since ``offset``
+    was running; record it as failed. What to add to the error: that, and the cases not
+    run."""
     if not p.out:
-        return
+        return ""
     written = {results.record_key(r) for r in results.read_from(p.out, offset)}
-    keys = p.keys()
-    missing = [i for i, k in enumerate(keys) if k not in written]
+    missing = [i for i, k in enumerate(p.keys()) if k not in written]
     if not missing:
-        return
+        return ""
     results.append(p.out, failure_record(p, missing[0], results.FAILED,
                                          f"the ranks stopped during this case: {error}"))
-    rest = [p.cases[i].label for i in missing[1:]]
+    note = f"\n{p.cases[missing[0]].label} is recorded as failed"
+    rest = [p.cases[i] for i in missing[1:]]
     if rest:
-        log.warning("not run: %s", ", ".join(rest))
+        note += f"; not run: {', '.join(c.label for c in rest)} (re-run them with --strategy " \
+                f"{','.join(dict.fromkeys(c.strategy for c in rest))})"
+    return note
 
 
 def torchrun_main(p: Plan) -> int:
@@ -163,7 +172,7 @@ class _CaseRun:
     rank: int
     phase: agreement.Agreement
     status: Callable[[str], None]
-    strat: object = None
+    strat: Strategy | None = None
     inputs: dict | None = None
 
     def build(self) -> dict | None:
