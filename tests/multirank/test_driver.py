@@ -16,8 +16,8 @@ import torch
 
 from cpbench import report, results, strategies
 from cpbench.bench import driver
-from cpbench.bench.agreement import is_collective_error
 from cpbench.bench import plan as planning
+from cpbench.bench.agreement import is_collective_error
 from cpbench.config import RunConfig
 from cpbench.launch import run_ranks
 from cpbench.strategies.ring import Ring

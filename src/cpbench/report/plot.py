@@ -5,7 +5,7 @@ on the x axis, labelled. matplotlib is imported here only (``pip install cpbench
 from __future__ import annotations
 
 from cpbench.errors import UsageError
-from cpbench.report.sweep import _row_key, latest_frame, size_text
+from cpbench.report.sweep import latest_frame, row_keys, size_text
 from cpbench.results import OK
 
 INSTALL_HINT = "--plot needs matplotlib: pip install 'cpbench[plot]'"
@@ -45,7 +45,7 @@ def plot(records: list[dict], path: str, title_note: str | None = None) -> None:
     df = latest_frame(records)
     if df.empty:
         raise UsageError("no records to plot")
-    df = df.assign(row=_row_key(df))
+    df = df.assign(row=row_keys(df))
     df["rate"] = df["fwd_tflops"].where(df["fwd_only"], df["fwd_bwd_tflops"])
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
     marks = []  # (seqlen, status, colour) of the cases with no rate, drawn last

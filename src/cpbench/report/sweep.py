@@ -85,7 +85,9 @@ def grouped(records: list[dict], fmt: str = "table") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _row_key(df):
+def row_keys(df):
+    """Each row's name in pivots and plots: its label, with the topology when the frame holds
+    several and "(simulated)" beside measured rows."""
     several = df["topo"].nunique() > 1
     mixed = df["simulated"].nunique() > 1  # a prediction beside the measured row
     return [(f"{lab} [{t}]" if several else lab) + (" (simulated)" if mixed and sim else "")
@@ -101,7 +103,7 @@ def pivot(records: list[dict], fmt: str = "table") -> str:
     df = latest_frame(records)
     if df.empty:
         return "no records\n"
-    df = df.assign(row=_row_key(df))
+    df = df.assign(row=row_keys(df))
     if df["fwd_only"].all():  # a forward-only sweep: its time is the FWD column
         pivots = (_PIVOTS[0], ("FWD (ms)", "FWD (ms)"), _PIVOTS[2])
     else:
