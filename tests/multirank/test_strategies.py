@@ -42,7 +42,7 @@ def _cases(cls, topo):
 
 
 @pytest.mark.parametrize("world,rpn", TOPOLOGIES, ids=lambda x: str(x))
-@pytest.mark.parametrize("name", strategies.names())
+@pytest.mark.parametrize("name", strategies.own_names())
 def test_matches_reference_and_schedule(name, world, rpn):
     cls = strategies.get(name)
     topo = Topology(world_size=world, ranks_per_node=rpn)
@@ -64,7 +64,7 @@ EXTRA_OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("name", strategies.names())
+@pytest.mark.parametrize("name", strategies.own_names())
 def test_torch_kernel_and_extra_options(name):
     cls = strategies.get(name)
     topo = Topology(world_size=8, ranks_per_node=4)

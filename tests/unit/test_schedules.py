@@ -21,7 +21,7 @@ from cpbench.topology import Topology
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("world,rpn", [(1, 1), (2, 1), (4, 2), (8, 4), (8, 2)])
-@pytest.mark.parametrize("name", strategies.names())
+@pytest.mark.parametrize("name", strategies.own_names())
 def test_declared_flops_sum_to_the_global_problem(name, world, rpn, causal):
     cls = strategies.get(name)
     topo = Topology(world_size=world, ranks_per_node=rpn)
@@ -62,7 +62,7 @@ def test_zigzag_layout_names_nearest_seqlen(name):
 
 
 @pytest.mark.parametrize("world,rpn", [(1, 1), (4, 2), (8, 4)])
-@pytest.mark.parametrize("name", strategies.names())
+@pytest.mark.parametrize("name", strategies.own_names())
 def test_resolved_options_are_plain_data(name, world, rpn):
     cls = strategies.get(name)
     attn = AttentionConfig(batch=1, seqlen=96, heads=8, head_dim=8)
@@ -71,7 +71,7 @@ def test_resolved_options_are_plain_data(name, world, rpn):
         assert json.loads(json.dumps(resolved)) == resolved  # goes into a JSON record as is
 
 
-@pytest.mark.parametrize("name", strategies.names())
+@pytest.mark.parametrize("name", strategies.own_names())
 def test_a_step_computes_exactly_the_block_it_names(name):
     """The simulator prices a step's FLOPs at the kernel speed of its block: every step that
     computes names its (seqlen_q, seqlen_k, causal), and its FLOPs are that block's on the

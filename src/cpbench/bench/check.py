@@ -29,12 +29,21 @@ def global_inputs(attn: AttentionConfig, seed: int, device="cpu") -> dict[str, t
     return {"q": rand(h), "k": rand(hk), "v": rand(hk), "dout": rand(h)}
 
 
+def checked_tensors(strategy: Strategy) -> tuple[str, ...]:
+    """What a check compares: every tensor, less lse for a library that does not return it."""
+    return TENSORS if strategy.returns_lse else tuple(n for n in TENSORS if n != "lse")
+
+
 def run_local(strategy: Strategy, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Forward + backward of this rank's shard; returns local out, lse, dq, dk, dv."""
+    """Forward + backward of this rank's shard; returns local out, lse, dq, dk, dv (no lse
+    when the strategy returns none)."""
     q, k, v = (strategy.shard(inputs[n]).detach().requires_grad_() for n in ("q", "k", "v"))
     out, lse = strategy.attention(q, k, v)
     out.backward(strategy.shard(inputs["dout"]))
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if strategy.returns_lse:
+        got["lse"] = lse.detach()
+    return got
 
 
 def _reference(inputs: dict, attn: AttentionConfig) -> dict[str, torch.Tensor]:
@@ -65,8 +74,8 @@ def check_strategy(strategy: Strategy, seed: int, *, device="cpu",
     # no-CP baseline solves it on every rank, and every rank's answer is checked).
     problems = strategy.world_size // strategy.ranks_per_problem
     assert problems in (1, strategy.world_size), "a problem is shared by all ranks or by one"
-    solved = {}
-    for name in TENSORS:
+    solved, names = {}, checked_tensors(strategy)
+    for name in names:
         parts = comm.all_gather(local[name]) if strategy.world_size > 1 else [local[name]]
         seq_dim = 2 if name == "lse" else 1
         solved[name] = [strategy.unshard(parts, seq_dim=seq_dim)] if problems == 1 else parts
@@ -78,7 +87,7 @@ def check_strategy(strategy: Strategy, seed: int, *, device="cpu",
             cache.clear()  # one problem at a time: never hold two references
             cache[key] = {n: t.cpu() for n, t in _reference(inputs, attn).items()}
         found = [[_worst(compare(n, got.cpu(), cache[key][n], attn.dtype) for got in solved[n])
-                  for n in TENSORS]]
+                  for n in names]]
     if strategy.world_size > 1:
         dist.broadcast_object_list(found, src=0)
     return found[0]

@@ -175,15 +175,16 @@ class _CaseRun:
     strat: Strategy | None = None
     inputs: dict | None = None
 
-    def build(self) -> dict | None:
+    def build(self) -> tuple[dict | None, dict | None]:
+        """(the options as resolved, the library that runs: see Strategy.provenance)."""
         def build():
             cls = strategies.get(self.case.strategy)
             self.strat = cls(self.p.attn, self.p.topo, self.rank,
                              kernel=kernels.get(self.p.kernel), options=self.case.options)
-            return self.strat.resolved_options()
+            return self.strat.resolved_options(), self.strat.provenance()
 
         self.status("building groups")
-        return self.phase(build)
+        return self.phase(build) or (None, None)
 
     def check(self, ref_cache: dict) -> list[dict] | None:
         self.status("checking against the float64 reference")
@@ -235,7 +236,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
 
     phase = agreement.Agreement(p.run.device, store, key)
     c = _CaseRun(p, case, rank, phase, status)
-    resolved = c.build()
+    resolved, upstream = c.build()
     checks = c.check(ref_cache) if p.run.check else None
     samples, step = c.time()
     mem, memory_bytes = c.memory(step, store, key) \
@@ -248,6 +249,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
         kernel=p.kernel, world_size=p.world_size, ranks_per_node=p.ranks_per_node,
         ranks_per_problem=ranks_per_problem, env=env, status=phase.status,
         error=phase.error, traceback=_traceback(phase, mem), resolved=resolved, check=checks,
+        upstream=upstream,
         samples_ms=samples if any(samples.values()) else None, memory_bytes=memory_bytes,
         memory_status=mem.status if mem is not None else None,
         memory_error=mem.error if mem is not None else None)

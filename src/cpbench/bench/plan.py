@@ -144,11 +144,14 @@ def expand_cases(names: tuple[str, ...], given: dict, topo: Topology) -> list[Ca
     return cases
 
 
-def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend,
+def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend, device: str,
                    capacity: int | None) -> Any:
     """Build the strategy on every rank without groups (pure) and check that a rank's shard
     can fit in ``capacity`` bytes; returns rank 0's instance."""
     cls = strategies.get(case.strategy)
+    why = cls.unavailable(device)
+    if why:
+        raise UsageError(f"{case.strategy} cannot run here: {why}")
     if cls.causal_only and not attn.causal:
         raise UsageError(f"{case.strategy} only runs causal attention; drop --no-causal")
     try:
@@ -176,7 +179,8 @@ def _shape(attn: AttentionConfig) -> dict:
 
 
 def _runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
-              topo: Topology, backend, capacity: int | None) -> tuple[list, list[str]]:
+              topo: Topology, backend, device: str, capacity: int | None
+              ) -> tuple[list, list[str]]:
     """The cases the config allows, each with rank 0's strategy, and why the others are left
     out. Variants a strategy merely suggests (and, under ``all``, whole strategies) that
     cannot run this config or cannot fit are skipped; a strategy asked for by name with no
@@ -184,7 +188,7 @@ def _runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
     built, skipped, first_error = [], [], {}
     for case in cases:
         try:
-            built.append((case, _validate_case(case, attn, topo, backend, capacity)))
+            built.append((case, _validate_case(case, attn, topo, backend, device, capacity)))
         except UsageError as e:
             skipped.append(str(e))
             first_error.setdefault(case.strategy, e)
@@ -264,7 +268,7 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     local_ranks = topo.ranks_per_node if launcher == "torchrun" else world
     capacity = memory.capacity_bytes(device, local_ranks) if job is None else None
     built, skipped = _runnable(expand_cases(run.strategy, options, topo), run.strategy, attn,
-                               topo, backend, capacity)
+                               topo, backend, device, capacity)
     if "all" in run.strategy:  # baselines after the CP rows they are compared with
         built.sort(key=lambda cb: cb[1].ranks_per_problem == 1)
     cases = [case for case, _ in built]

@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 
 from cpbench.errors import UsageError
-from cpbench.kernels import sdpa_cpu, torch_ref
+from cpbench.kernels import flash_attn_cpu, sdpa_cpu, torch_ref
 from cpbench.kernels.base import KernelBackend
 
 _BACKENDS: dict[str, KernelBackend] = {
-    b.name: b for b in (torch_ref.BACKEND, sdpa_cpu.BACKEND)
+    b.name: b for b in (torch_ref.BACKEND, sdpa_cpu.BACKEND, flash_attn_cpu.FLASH_ATTN_CPU)
 }
 try:  # the GPU backends are thin argument mappings; they import flash_attn lazily
     from cpbench.kernels import flash_attn as _fa

@@ -130,6 +130,8 @@ def signature_params(fn) -> tuple[tuple[str, ...], frozenset[str]]:
 @functools.lru_cache(maxsize=None)  # failures raise, so they are not cached
 def _load(module: str):
     mod = importlib.import_module(module)
+    if getattr(mod, "CPBENCH_CPU_INTERFACE", False):  # flash_attn_cpu.install()'s module
+        raise ImportError(f"{module} is cpbench's CPU interface, not flash-attn")
     fwd, bwd = mod._flash_attn_forward, mod._flash_attn_backward
     return fwd, signature_params(fwd), bwd, signature_params(bwd)
 

@@ -28,7 +28,7 @@ import json
 import math
 
 from cpbench.config import FORMATS
-from cpbench.reference import Comparison
+from cpbench.reference import TENSORS, Comparison
 from cpbench.report.dataframe import efficiencies, frame
 from cpbench.report.labels import option_text, row_label
 from cpbench.results import FAILED, OK, OOM, derive
@@ -189,56 +189,65 @@ def _data(records: list[dict]):
 
 def detail(record: dict) -> str:
     """Seed 000's per-run block."""
-    cfg, d, topo = record["config"], derive(record), record["topology"]
+    lines = ["=" * _RULE, f"Benchmark Results for {row_label(record)}", "=" * _RULE,
+             "Configuration:", *_configuration(record), "", "Performance:",
+             *_performance(record, derive(record))]
+    if record.get("check"):
+        lines += ["", "Check against the float64 reference:"]
+        lines += ["  " + Comparison(**c).line() for c in record["check"]]
+        checked = {c["tensor"] for c in record["check"]}
+        lines += [f"  {n:>4}: not returned by {record['config']['strategy']}, not checked"
+                  for n in TENSORS if n not in checked]
+    lines.append("=" * _RULE)
+    return "\n".join(lines) + "\n"
+
+
+def _configuration(record: dict) -> list[str]:
+    cfg, topo = record["config"], record["topology"]
     a, run = cfg["attention"], cfg["run"]
-    kv = a["kv_heads"] or a["heads"]
     opts = ", ".join(f"{k}={v}" for k, v in cfg["options"].items()) or "none"
     resolved = record.get("resolved")
     if resolved and resolved != cfg["options"]:
         opts += f" (resolved: {', '.join(f'{k}={option_text(v)}' for k, v in resolved.items())})"
-    lines = ["=" * _RULE, f"Benchmark Results for {row_label(record)}", "=" * _RULE,
-             "Configuration:",
-             f"  - Dtype: {a['dtype']}", "  - QKV Format: bshd",
+    lines = [f"  - Dtype: {a['dtype']}", "  - QKV Format: bshd",
              f"  - Batch Size: {a['batch']}", f"  - Sequence Length: {a['seqlen']}",
-             f"  - Num Heads: {a['heads']}", f"  - Num KV Heads: {kv}",
+             f"  - Num Heads: {a['heads']}", f"  - Num KV Heads: {a['kv_heads'] or a['heads']}",
              f"  - Head Dimension: {a['head_dim']}",
              f"  - Attention Mask: {'causal' if a['causal'] else 'full'}",
              "  - Window Size: (-1, -1)",
              f"  - Context Parallel: {record['ranks_per_problem'] > 1}",
              f"  - World Size: {topo['world_size']} ({topo['num_nodes']} node(s) × "
              f"{topo['ranks_per_node']} ranks)",
-             f"  - Strategy Options: {opts}",
-             f"  - Kernel: {record['kernel']} on {run['device']}",
-             f"  - Iterations: {run['iters']} timed after {run['warmup']} warm-up "
-             f"(median of the slowest rank)",
-             "", "Performance:"]
+             f"  - Strategy Options: {opts}"]
+    up = record.get("upstream")
+    if up:
+        lines.append(f"  - Upstream: {', '.join(f'{k} {v}' for k, v in up.items())}")
+    return lines + [f"  - Kernel: {record['kernel']} on {run['device']}",
+                    f"  - Iterations: {run['iters']} timed after {run['warmup']} warm-up "
+                    f"(median of the slowest rank)"]
+
+
+def _performance(record: dict, d: dict) -> list[str]:
     status = record["status"]
-    if status == OK:
-        lines.append(f"  - Forward Time: {_ms(d['fwd_ms'])} ms")
-        if d.get("fwd_bwd_ms") is not None:
-            lines += [f"  - Backward Time: {_ms(d['bwd_ms'])} ms",
-                      f"  - Forward+Backward Time: {_ms(d['fwd_bwd_ms'])} ms"]
-        lines.append(f"  - Memory Usage: {_memory_text(record, d)}")
-        if d.get("fwd_bwd_ms") is not None:
-            lines.append(f"  - Performance: {_tflops(d['fwd_bwd_tflops'])} TFLOPs/s "
-                         f"(forward {_tflops(d['fwd_tflops'])}, backward "
-                         f"{_tflops(d['bwd_tflops'])})")
-            lines.append(f"  - Slowest Rank: {d['slowest_rank_fwd_bwd']}")
-        else:
-            lines.append(f"  - Performance: {_tflops(d['fwd_tflops'])} TFLOPs/s (forward)")
-            lines.append(f"  - Slowest Rank: {d['slowest_rank_fwd']}")
-    else:
+    if status != OK:
         label = "OOM" if status == OOM else "failed"
         fwd = label if d.get("fwd_ms") is None else f"{_ms(d['fwd_ms'])} ms"
-        lines += [f"  - Forward Time: {fwd}", f"  - Forward+Backward Time: {label}",
-                  f"  - Performance: {label}"]
+        lines = [f"  - Forward Time: {fwd}", f"  - Forward+Backward Time: {label}",
+                 f"  - Performance: {label}"]
         if status == FAILED or record.get("error"):
             lines.append(f"  - Error: {record.get('error')}")
-    if record.get("check"):
-        lines += ["", "Check against the float64 reference:"]
-        lines += ["  " + Comparison(**c).line() for c in record["check"]]
-    lines.append("=" * _RULE)
-    return "\n".join(lines) + "\n"
+        return lines
+    lines = [f"  - Forward Time: {_ms(d['fwd_ms'])} ms"]
+    if d.get("fwd_bwd_ms") is None:
+        return lines + [f"  - Memory Usage: {_memory_text(record, d)}",
+                        f"  - Performance: {_tflops(d['fwd_tflops'])} TFLOPs/s (forward)",
+                        f"  - Slowest Rank: {d['slowest_rank_fwd']}"]
+    return lines + [f"  - Backward Time: {_ms(d['bwd_ms'])} ms",
+                    f"  - Forward+Backward Time: {_ms(d['fwd_bwd_ms'])} ms",
+                    f"  - Memory Usage: {_memory_text(record, d)}",
+                    f"  - Performance: {_tflops(d['fwd_bwd_tflops'])} TFLOPs/s (forward "
+                    f"{_tflops(d['fwd_tflops'])}, backward {_tflops(d['bwd_tflops'])})",
+                    f"  - Slowest Rank: {d['slowest_rank_fwd_bwd']}"]
 
 
 def _memory_text(record: dict, d: dict) -> str:

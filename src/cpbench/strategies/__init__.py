@@ -61,6 +61,12 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def own_names() -> list[str]:
+    """cpbench's own strategies: those that declare their communication schedule (the
+    adapters running a library's code, ``Strategy.upstream``, declare none)."""
+    return [n for n in names() if get(n).upstream is None]
+
+
 def get(name: str) -> type[Strategy]:
     _load()
     if name not in _REGISTRY:
@@ -94,4 +100,5 @@ def make_options(cls: type[Strategy], given: dict):
     return cls.Options(**given)
 
 
-__all__ = ["Strategy", "get", "make_options", "names", "option_settings", "register"]
+__all__ = ["Strategy", "get", "make_options", "names", "option_settings", "own_names",
+           "register"]

@@ -14,6 +14,8 @@ Options are a frozen dataclass (``Options``); the CLI is generated from its fiel
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -64,6 +66,34 @@ class NoOptions:
     pass
 
 
+@dataclass(frozen=True)
+class Upstream:
+    """The published library an adapter strategy runs: its distribution (for the version),
+    the module to import, cpbench's own strategy of the same algorithm (``twin``, for
+    ``cpbench report --compare upstream``), and whether it runs on CUDA only."""
+
+    package: str
+    module: str
+    twin: str | None = None
+    cuda_only: bool = False
+
+    def version(self) -> str | None:
+        try:
+            return importlib.metadata.version(self.package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def unavailable(self, device: str) -> str | None:
+        """Why it cannot run on ``device`` here (None: it can)."""
+        if self.cuda_only and device != "cuda":
+            return f"{self.package} runs on CUDA GPUs only (this run is on {device})"
+        try:
+            found = importlib.util.find_spec(self.module) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else f"{self.package} is not installed"
+
+
 def option(default, help: str, choices: tuple | None = None):
     """A strategy option field: its default, CLI help and allowed values."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
@@ -82,6 +112,8 @@ class Strategy(ABC):
     description: ClassVar[str]
     Options: ClassVar[type] = NoOptions
     causal_only: ClassVar[bool] = False
+    upstream: ClassVar[Upstream | None] = None  # set by adapters running a library's code
+    returns_lse: ClassVar[bool] = True  # False: attention() returns (out, None)
 
     def __init__(self, attn: AttentionConfig, topo: Topology, rank: int, *,
                  kernel: KernelBackend, options=None, create_groups: bool = True,
@@ -120,8 +152,9 @@ class Strategy(ABC):
 
     @abstractmethod
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Local q, k, v (b, s_local, h, d) → local out (b, s_local, h, d), lse (b, h, s_local)."""
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Local q, k, v (b, s_local, h, d) → local out (b, s_local, h, d), lse (b, h, s_local)
+        (None where ``returns_lse`` is False: a library that does not hand it out)."""
 
     @abstractmethod
     def schedule(self) -> list[Step]:
@@ -132,6 +165,19 @@ class Strategy(ABC):
         every received block kept to the end of the forward): the simulator's memory model
         adds them to the per-step buffers the schedule implies. Default: none."""
         return 0
+
+    @classmethod
+    def unavailable(cls, device: str) -> str | None:
+        """Why this strategy cannot run on ``device`` on this machine (a library missing, a
+        GPU-only library on CPU), or None. Checked before anything is built."""
+        return cls.upstream.unavailable(device) if cls.upstream else None
+
+    def provenance(self) -> dict | None:
+        """For an adapter: the library and version that ran (and the kernel beneath it),
+        kept in the record as ``upstream``; None for cpbench's own strategies."""
+        if self.upstream is None:
+            return None
+        return {"package": self.upstream.package, "version": self.upstream.version()}
 
     def resolved_options(self) -> dict:
         """The options as actually used, defaults resolved (e.g. a window of 0 → ranks per

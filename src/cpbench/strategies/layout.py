@@ -78,6 +78,7 @@ class ZigzagLayout:
         n = self.cp_size
         check_divisible(self.attn.seqlen, 2 * n,
                         f"{self.name} over {n} ranks (zigzag: 2 chunks per rank)")
+        super().validate()
 
     def seq_index(self, rank: int) -> torch.Tensor:
         return zigzag_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))

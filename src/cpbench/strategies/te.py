@@ -1,0 +1,184 @@
+"""te-p2p, te-a2a, te-a2a+p2p, te-all-gather: TransformerEngine's ``DotProductAttention`` with
+``set_context_parallel_group(..., cp_comm_type=...)`` (transformer-engine 2.x), run as it is.
+GPU only: TE's context parallelism needs CUDA streams and its CUDA kernels; never run here,
+its argument mapping is unit-tested against TE's real signatures (tests/unit/test_te_mapping.py).
+
+Read at NVIDIA/TransformerEngine v2.18 (27486e03),
+``transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py``:
+``__init__`` L370-393, ``set_context_parallel_group`` L565-604, ``forward`` L989-1018; every
+argument is passed by keyword (2.12 inserted ``bottom_right_diagonal`` mid-signature).
+
+- Layout, every comm type: DualChunkSwap (context_parallel.py L4957-5012), chunks r and
+  2N-1-r of 2N, keyed by TE's cp rank, which is the rank's index in the sorted group (torch
+  sorts a group's members). a2a+p2p: cp_rank = A·p2p_rank + a2a_rank (L1418-1419), so the
+  level-1 (all-to-all) groups are consecutive blocks of A and the rings take every A-th rank.
+- Output: (b, s_local, h·d), reshaped to (b, s_local, h, d). No lse: the public module hands
+  out none, so checks compare out, dq, dk, dv.
+- Constraints TE enforces under CP: bf16 / fp16 (its fp32 backend is disabled under CP), S
+  divisible by 2N, heads and kv heads divisible by the all-to-all size (no K/V replication).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from cpbench.errors import UsageError
+from cpbench.strategies import register
+from cpbench.strategies._upstream import no_schedule
+from cpbench.strategies.base import Strategy, Upstream, option
+from cpbench.strategies.layout import ZigzagLayout
+from cpbench.topology import node_local_block
+
+PACKAGE, MODULE = "transformer-engine", "transformer_engine"
+
+
+def te_kwargs(attn, comm_type: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(``DotProductAttention.__init__`` kwargs, ``forward`` kwargs besides q, k, v) for a
+    cpbench problem in bshd; ``pick`` keeps those an installed version has."""
+    mask = "causal" if attn.causal else "no_mask"
+    init = dict(num_attention_heads=attn.heads, kv_channels=attn.head_dim,
+                num_gqa_groups=attn.num_kv_heads, attention_dropout=0.0, qkv_format="bshd",
+                attn_mask_type=mask, window_size=None, sequence_parallel=False, tp_size=1,
+                tp_group=None, layer_number=1, attention_type="self",
+                softmax_scale=attn.softmax_scale, softmax_type="vanilla",
+                return_max_logit=False, cp_comm_type=comm_type)
+    # max_seqlen / cu_seqlens left out: for bshd TE derives them from the local shapes and
+    # multiplies by the CP size (dot_product_attention.py L1334-1342); a global one would be
+    # multiplied again
+    forward = dict(attention_mask=None, qkv_format="bshd", attn_mask_type=mask,
+                   window_size=None, checkpoint_core_attention=False,
+                   core_attention_bias_type="no_bias", core_attention_bias=None,
+                   alibi_slopes=None, fast_zero_fill=True, inference_params=None,
+                   pad_between_seqs=False, fp8_output=False, num_splits=1)
+    return init, forward
+
+
+def pick(candidates: dict[str, Any], params, required=(), what: str = "") -> dict[str, Any]:
+    """The candidates a signature accepts; TypeError if it requires one we cannot fill."""
+    missing = [p for p in required if p not in candidates]
+    if missing:
+        raise TypeError(f"{what} requires {missing}, unknown to cpbench: unsupported version")
+    return {name: candidates[name] for name in params if name in candidates}
+
+
+def hierarchical_lists(cp: list[int], a2a: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(level-1 lists, level-2 lists) of a2a+p2p: consecutive blocks of ``a2a`` ranks, and
+    the ranks with the same position in their block (Megatron's create_hierarchical_groups)."""
+    return ([cp[i:i + a2a] for i in range(0, len(cp), a2a)],
+            [cp[i::a2a] for i in range(a2a)])
+
+
+class _TransformerEngine(ZigzagLayout, Strategy):
+    comm_type: ClassVar[str]
+    upstream = Upstream(PACKAGE, MODULE, cuda_only=True)
+    returns_lse = False
+
+    def __init__(self, *args, create_groups: bool = True, **kwargs):
+        super().__init__(*args, create_groups=create_groups, **kwargs)
+        self.module = self._module() if create_groups else None
+
+    def validate(self) -> None:
+        a = self.attn
+        if a.dtype == "fp32":
+            raise UsageError("TransformerEngine's CP takes bf16 / fp16 only")
+        heads_split = self.a2a_size()
+        if heads_split < 1 or self.cp_size % heads_split:
+            raise UsageError(f"the all-to-all size {heads_split} must divide the "
+                             f"{self.cp_size} CP ranks")
+        if heads_split > 1 and (a.heads % heads_split or a.num_kv_heads % heads_split):
+            raise UsageError(f"heads {a.heads} and kv heads {a.num_kv_heads} must "
+                             f"divide by the all-to-all size {heads_split} (TE does not "
+                             f"replicate K/V heads)")
+        super().validate()
+
+    def a2a_size(self) -> int:
+        return 1
+
+    def group_lists(self):
+        return {"cp": self.cp_lists}
+
+    def cp_group_arg(self):
+        return self.groups["cp"].pg
+
+    def _module(self):
+        import transformer_engine.pytorch as te
+
+        init, _ = te_kwargs(self.attn, self.comm_type)
+        dpa = te.DotProductAttention(**_for(te.DotProductAttention.__init__, init))
+        self.stream = torch.cuda.Stream()
+        dpa.set_context_parallel_group(self.cp_group_arg(), sorted(self.cp_lists[0]),
+                                       self.stream, cp_comm_type=self.comm_type)
+        return dpa
+
+    def attention(self, q, k, v):
+        _, forward = te_kwargs(self.attn, self.comm_type)
+        out = self.module(q, k, v, **_for(self.module.forward, forward))
+        out = out[0] if isinstance(out, tuple) else out
+        return out.view(q.shape), None
+
+    def schedule(self):
+        no_schedule(self)
+
+
+def _for(fn, candidates: dict) -> dict:
+    import inspect
+
+    params = [p for p in inspect.signature(fn).parameters if p != "self"]
+    return pick(candidates, params, what=getattr(fn, "__qualname__", str(fn)))
+
+
+@register
+class TeP2P(_TransformerEngine):
+    name = "te-p2p"
+    description = "TransformerEngine DotProductAttention, cp_comm_type p2p (GPU only)"
+    upstream = Upstream(PACKAGE, MODULE, twin="megatron-cp", cuda_only=True)
+    comm_type = "p2p"
+
+
+@register
+class TeAllGather(_TransformerEngine):
+    name = "te-all-gather"
+    description = "TransformerEngine DotProductAttention, cp_comm_type all_gather (GPU only)"
+    comm_type = "all_gather"
+
+
+@register
+class TeA2A(_TransformerEngine):
+    name = "te-a2a"
+    description = "TransformerEngine DotProductAttention, cp_comm_type a2a (GPU only)"
+    upstream = Upstream(PACKAGE, MODULE, twin="ulysses", cuda_only=True)
+    comm_type = "a2a"
+
+    def a2a_size(self) -> int:
+        return self.cp_size
+
+
+@register
+class TeA2AP2P(_TransformerEngine):
+    name = "te-a2a+p2p"
+    description = ("TransformerEngine DotProductAttention, cp_comm_type a2a+p2p: all-to-all "
+                   "inside a node, p2p ring across (GPU only)")
+    upstream = Upstream(PACKAGE, MODULE, twin="megatron-cp-a2a+p2p", cuda_only=True)
+    comm_type = "a2a+p2p"
+
+    @dataclass(frozen=True, kw_only=True)
+    class Options:
+        a2a_degree: int = option(0, "level-1 (all-to-all) group size; 0: the largest divisor "
+                                 "of heads whose groups stay in a node")
+
+    def a2a_size(self) -> int:
+        return self.opts.a2a_degree or node_local_block(self.topo, self.cp_lists,
+                                                        also_divides=self.attn.heads)
+
+    def group_lists(self):
+        level1, level2 = hierarchical_lists(self.cp_lists[0], self.a2a_size())
+        return {"a2a": level1, "p2p": level2}
+
+    def cp_group_arg(self):
+        return [self.groups["a2a"].pg, self.groups["p2p"].pg]  # this order (CP L5017-5020)
+
+    def resolved_options(self) -> dict:
+        return {"a2a_degree": self.a2a_size(), "p2p_degree": self.cp_size // self.a2a_size()}

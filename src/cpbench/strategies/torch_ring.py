@@ -1,0 +1,140 @@
+"""torch-ring: PyTorch's native context parallel, the templated ring attention that
+``torch.distributed.tensor.experimental.context_parallel`` dispatches SDPA to, run as it is
+(``_templated_ring_attention`` and its backward, torch 2.13's
+``tensor/experimental/_context_parallel/_attention.py``).
+
+What runs here: the high-level ``context_parallel()`` cannot run on CPU (its SDPA handler has
+no sharding strategy for ``aten._scaled_dot_product_flash_attention_for_cpu``), so cpbench
+calls the ring it dispatches to directly, with the SDPA flash op of the device: on CPU
+``_scaled_dot_product_flash_attention_for_cpu`` (the ``sdpa-cpu`` kernel) forward and
+backward; on CUDA ``_scaled_dot_product_flash_attention`` (never run here). Timed: that ring
+(K/V rotation, the per-step ops, the lse merge, the dK/dV ring), not DTensor's dispatch.
+
+Torch's own settings (``_cp_options``, a module global it reads in forward and backward, set
+around each call): ``rotate_method`` (``allgather``, torch's default: K/V gathered once per
+pass; ``alltoall``: passed on step by step) and the load balancer. Causal runs balanced:
+torch's head-tail layout (``_HeadTailLoadBalancer``; chunks r and 2N-1-r, as zigzag);
+full attention runs without it (torch refuses load balancing when not causal): contiguous.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from cpbench.errors import UsageError
+from cpbench.strategies import register
+from cpbench.strategies._upstream import device_of, no_schedule
+from cpbench.strategies.base import Strategy, Upstream, option, save_for_backward
+from cpbench.strategies.layout import check_divisible, contiguous_index
+
+ROTATE = ("allgather", "alltoall")
+_MODULE = "torch.distributed.tensor.experimental._context_parallel._attention"
+
+
+def _ops(device: str):
+    aten = torch.ops.aten
+    if device == "cpu":
+        return (aten._scaled_dot_product_flash_attention_for_cpu.default,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    return (aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_flash_attention_backward.default)
+
+
+@contextlib.contextmanager
+def _cp_options(balanced: bool, rotate: str):
+    """Torch's global CP options for one call, restored after."""
+    import importlib
+
+    cpa = importlib.import_module(_MODULE)
+    o = cpa._cp_options
+    old = (o.enable_load_balance, o.rotate_method)
+    o.enable_load_balance = balanced
+    o.rotate_method = (cpa._RotateMethod.ALL_GATHER if rotate == "allgather"
+                       else cpa._RotateMethod.ALL_TO_ALL)
+    try:
+        yield cpa
+    finally:
+        o.enable_load_balance, o.rotate_method = old
+
+
+class _TorchRing(torch.autograd.Function):
+    """(b, s, h, d) in and out; torch's ring works on (b, h, s, d) with the sequence dim 2."""
+
+    @staticmethod
+    def forward(ctx, strat, q, k, v):
+        fwd, _ = _ops(strat.device)
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+        with _cp_options(strat.balanced, strat.opts.rotate_method) as cpa:
+            out, lse, *_ = cpa._templated_ring_attention(
+                strat.groups["cp"].pg, 2, fwd, qh, kh, vh, is_causal=strat.attn.causal,
+                dropout_p=0.0, scale=strat.attn.softmax_scale)
+        save_for_backward(ctx, strat, qh, kh, vh, out, lse, lse=lse)
+        return out.transpose(1, 2), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        strat = ctx.strat
+        qh, kh, vh, out, lse = ctx.saved_tensors
+        _, bwd = _ops(strat.device)
+        with _cp_options(strat.balanced, strat.opts.rotate_method) as cpa:
+            dq, dk, dv = cpa._templated_ring_attention_backward(
+                strat.groups["cp"].pg, 2, bwd, grad_out=dout.transpose(1, 2),
+                grad_out_name="grad_out", query=qh, key=kh, value=vh, out=out, logsumexp=lse,
+                is_causal=strat.attn.causal, dropout_p=0.0, scale=strat.attn.softmax_scale)[:3]
+        return None, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+@register
+class TorchRing(Strategy):
+    name = "torch-ring"
+    description = ("PyTorch native context parallel: its templated ring attention "
+                   "(head-tail load balance when causal)")
+    upstream = Upstream("torch", "torch.distributed.tensor.experimental", twin="zigzag")
+
+    @dataclass(frozen=True, kw_only=True)
+    class Options:
+        rotate_method: str = option("allgather", "how torch moves K/V round the ring "
+                                    "(its set_rotate_method)", ROTATE)
+
+    def validate(self) -> None:
+        if self.kernel.name not in ("sdpa-cpu", "flash-attn"):
+            raise UsageError(f"{self.name} runs torch's SDPA flash op (the sdpa-cpu kernel "
+                             f"on CPU); use --kernel sdpa-cpu (or auto), not {self.kernel.name}")
+        self.device = device_of(self.kernel)
+        self.balanced = self.attn.causal
+        n = self.cp_size
+        check_divisible(self.attn.seqlen, 2 * n if self.balanced else n,
+                        f"{self.name} over {n} ranks" + (" (head-tail: 2 chunks per rank)"
+                                                          if self.balanced else ""))
+
+    def group_lists(self):
+        return {"cp": self.cp_lists}
+
+    def seq_index(self, rank: int) -> torch.Tensor:
+        s, n, r = self.attn.seqlen, self.cp_size, self.cp_index(rank)
+        if not self.balanced:
+            return contiguous_index(s, n, r)
+        from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+            _HeadTailLoadBalancer,
+        )
+
+        # torch's own balancer: the permutation it shards the sequence with, then Shard(seq)
+        order = _HeadTailLoadBalancer(s, n, "cpu")._generate_indices(restore=False)
+        return order[0].view(n, -1)[r].long()
+
+    def attention(self, q, k, v):
+        return _TorchRing.apply(self, q, k, v)
+
+    def resolved_options(self) -> dict:
+        return {"rotate_method": self.opts.rotate_method,
+                "load_balance": "head-tail" if self.balanced else "none"}
+
+    def provenance(self) -> dict:
+        return {**super().provenance(), "timed": "_templated_ring_attention (+ backward), "
+                f"{'CPU' if self.device == 'cpu' else 'CUDA'} SDPA flash op"}
+
+    def schedule(self):
+        no_schedule(self)
