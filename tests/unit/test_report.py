@@ -197,3 +197,31 @@ def test_console_routes_progress_off_stdout_for_machine_formats(monkeypatch, res
     logging.getLogger("cpbench").info("progress")
     logging.getLogger("cpbench.out").info("a,b")
     assert out.getvalue() == "a,b\n" and err.getvalue() == "progress\n"
+
+
+def _upstream(strategy, twin, twin_options=None, **kw):
+    r = fake_record(strategy, **kw)
+    r["upstream"] = {"package": "lib", "version": "1", "twin": twin,
+                     "twin_options": twin_options or {}}
+    return r
+
+
+def test_compare_upstream_pairs_twins_on_the_same_problem_with_the_time_ratio():
+    from cpbench.report.upstream import compare_upstream, pairs
+
+    usp_opts = {"placement": "head-first", "ulysses_degree": 2, "ring_impl": "zigzag"}
+    records = [
+        fake_record("zigzag", fwd_bwd=[[40.0] * 3] * 4),
+        _upstream("rfa-zigzag", "zigzag", fwd_bwd=[[50.0] * 3] * 4),
+        fake_record("usp", options=usp_opts, defaults=usp_opts, fwd_bwd=[[30.0] * 3] * 4),
+        fake_record("usp", options={**usp_opts, "placement": "ring-first"}, defaults=usp_opts),
+        _upstream("yunchang-usp", "usp", usp_opts, fwd_bwd=[[60.0] * 3] * 4),
+        _upstream("rfa-ring", "ring", seqlen=2048),  # no ring row at all: unpaired
+        _upstream("rfa-zigzag", "zigzag", seqlen=2048),  # another problem: unpaired
+    ]
+    found = [(o["config"]["strategy"], o["config"]["options"].get("placement"),
+              u["config"]["strategy"]) for o, u in pairs(records)]
+    assert found == [("zigzag", None, "rfa-zigzag"), ("usp", "head-first", "yunchang-usp")]
+    text = compare_upstream(records)
+    assert "1.25x" in text and "2.00x" in text  # 50 / 40 and 60 / 30
+    assert "no strategy ran beside" in compare_upstream(records[:1])

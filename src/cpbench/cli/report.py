@@ -20,9 +20,11 @@ def add_parser(sub) -> None:
                    help="run: each detail block and the summary, as `cpbench run` printed "
                         "them; sweep: seed 001's tables grouped by strategy, then a pivot by "
                         "Seq Len; auto: run when every record is from one run, else sweep")
-    r.add_argument("--compare", choices=("placement",),
-                   help="each strategy's placements (windows, degrees) side by side per "
-                        "topology, with their TFLOPs ratio")
+    r.add_argument("--compare", choices=("placement", "upstream"),
+                   help="placement: each strategy's placements (windows, degrees) side by "
+                        "side per topology, with their TFLOPs ratio; upstream: each of "
+                        "cpbench's strategies beside its upstream twin (zigzag / rfa-zigzag, "
+                        "usp / yunchang-usp, …) on the same problem, with the time ratio")
     r.add_argument("--plot", metavar="OUT.png",
                    help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib)")
     r.set_defaults(func=main)
@@ -48,10 +50,13 @@ def _text(args, records: list[dict]) -> str:
 
     sweep_view = args.view == "sweep" or (args.view == "auto" and records
                                           and not report.sweep.one_launch(records))
-    if args.compare == "placement":
+    if args.compare:
+        from cpbench.report.upstream import compare_upstream
+
         note = report.tables.simulated_note(records)
-        return (f"Compared{note}\n\n" if note else "") + \
-            report.sweep.compare_placement(records, args.format)
+        view = report.sweep.compare_placement if args.compare == "placement" \
+            else compare_upstream
+        return (f"Compared{note}\n\n" if note else "") + view(records, args.format)
     if sweep_view and args.format in ("table", "markdown"):
         return report.sweep.sweep_report(records, args.format)
     return report.report(records, args.format)  # csv / json: every row, whatever the view

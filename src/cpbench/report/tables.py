@@ -44,6 +44,11 @@ def _ms(x) -> str:
     return "-" if _missing(x) else f"{x:.2f}"
 
 
+def cell_ms(value, record: dict) -> str:
+    """A time cell: the figure, or the row's status (OOM, failed) where none was measured."""
+    return record["status"] if _missing(value) and record["status"] != OK else _ms(value)
+
+
 def _tflops(x) -> str:
     if _missing(x):
         return "-"

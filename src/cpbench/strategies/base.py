@@ -174,10 +174,18 @@ class Strategy(ABC):
 
     def provenance(self) -> dict | None:
         """For an adapter: the library and version that ran (and the kernel beneath it),
-        kept in the record as ``upstream``; None for cpbench's own strategies."""
+        kept in the record as ``upstream``, with its twin: cpbench's strategy of the same
+        algorithm and the resolved options the twin's row must have to be the same problem
+        (``twin_options``); None for cpbench's own strategies."""
         if self.upstream is None:
             return None
-        return {"package": self.upstream.package, "version": self.upstream.version()}
+        return {"package": self.upstream.package, "version": self.upstream.version(),
+                "twin": self.upstream.twin, "twin_options": self.twin_options()}
+
+    def twin_options(self) -> dict:
+        """The twin's resolved options that make its row this one's counterpart (e.g. the
+        same Ulysses × ring mesh); default: any."""
+        return {}
 
     def resolved_options(self) -> dict:
         """The options as actually used, defaults resolved (e.g. a window of 0 → ranks per

@@ -20,6 +20,7 @@ argument is passed by keyword (2.12 inserted ``bottom_right_diagonal`` mid-signa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -167,11 +168,13 @@ class TeA2AP2P(_TransformerEngine):
     @dataclass(frozen=True, kw_only=True)
     class Options:
         a2a_degree: int = option(0, "level-1 (all-to-all) group size; 0: the largest divisor "
-                                 "of heads whose groups stay in a node")
+                                 "of the heads and kv heads whose groups stay in a node")
 
     def a2a_size(self) -> int:
+        # the default divides the K/V heads too: TE does not replicate them
+        heads = math.gcd(self.attn.heads, self.attn.num_kv_heads)
         return self.opts.a2a_degree or node_local_block(self.topo, self.cp_lists,
-                                                        also_divides=self.attn.heads)
+                                                        also_divides=heads)
 
     def group_lists(self):
         level1, level2 = hierarchical_lists(self.cp_lists[0], self.a2a_size())
@@ -182,3 +185,6 @@ class TeA2AP2P(_TransformerEngine):
 
     def resolved_options(self) -> dict:
         return {"a2a_degree": self.a2a_size(), "p2p_degree": self.cp_size // self.a2a_size()}
+
+    def twin_options(self) -> dict:
+        return self.resolved_options()

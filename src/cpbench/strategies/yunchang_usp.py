@@ -155,6 +155,11 @@ class YunchangUsp(Strategy):
         return {"ulysses_degree": self.ulysses_degree, "ring_degree": self.ring_degree,
                 "placement": self.opts.placement, "ring_impl": self.opts.ring_impl}
 
+    def twin_options(self) -> dict:
+        """usp with the same mesh and placement, over the same ring (basic is usp's ring)."""
+        return {"ulysses_degree": self.ulysses_degree, "placement": self.opts.placement,
+                "ring_impl": "ring" if self.opts.ring_impl == "basic" else "zigzag"}
+
     def provenance(self) -> dict:
         return {**super().provenance(), "flash_attn": self.beneath}
 

@@ -1,0 +1,83 @@
+"""The upstream libraries' own code as strategies, on real gloo ranks: every adapter that runs
+on CPU × world × causal / full × GQA × dtype, gathered into global order and compared with the
+float64 reference (out, dq, dk, dv, and lse where the library returns it); the layouts are the
+libraries' own (yunchang's helpers, torch's load balancer)."""
+
+from __future__ import annotations
+
+import pytest
+from strategy_matrix import check_cases
+from upstream_bodies import yunchang_layout_matches_its_helpers
+
+from cpbench import strategies
+from cpbench.config import AttentionConfig
+from cpbench.launch import run_ranks
+from cpbench.topology import Topology
+
+SEQLEN, HEADS, GQA_KV_HEADS = 96, 8, 2
+# ring-flash-attn and yunchang are written for flash-attn (bf16 / fp16; wrong in fp32, which
+# the strategies refuse); torch's ring takes fp32 too
+DTYPES = {"torch-ring": ("fp32", "bf16")}
+OPTIONS = {"torch-ring": [{}, {"rotate_method": "alltoall"}]}
+
+
+def _cases(name: str, topo: Topology) -> list:
+    cls = strategies.get(name)
+    options = [cls.Options(**o) for o in OPTIONS[name]] if name in OPTIONS \
+        else cls.variants(topo)
+    cases = []
+    for opts in options:
+        for causal in (True, False):
+            for kv_heads in (None, GQA_KV_HEADS):
+                for dtype in DTYPES.get(name, ("bf16", "fp16")):
+                    attn = AttentionConfig(batch=2, seqlen=SEQLEN, heads=HEADS, kv_heads=kv_heads,
+                                           head_dim=16, dtype=dtype, causal=causal)
+                    if _runs(cls, attn, topo, opts):
+                        cases.append((attn, opts))
+    return cases
+
+
+def _runs(cls, attn, topo, opts) -> bool:
+    """Whether the strategy takes this config (what it refuses is tested in the unit layer)."""
+    from cpbench import kernels
+    from cpbench.errors import UsageError
+
+    if cls.causal_only and not attn.causal:
+        return False
+    try:
+        cls(attn, topo, 0, kernel=kernels.get("sdpa-cpu"), options=opts, create_groups=False)
+    except UsageError:
+        return False
+    return True
+
+
+ON_CPU = ["rfa-zigzag", "rfa-ring", "rfa-stripe", "yunchang-usp", "torch-ring"]
+
+
+@pytest.mark.parametrize("world,rpn", [(2, 1), (4, 2), (8, 4)], ids=str)
+@pytest.mark.parametrize("name", ON_CPU)
+def test_upstream_matches_reference(name, world, rpn):
+    topo = Topology(world_size=world, ranks_per_node=rpn)
+    cases = _cases(name, topo)
+    assert cases, f"{name} runs no case on {topo.describe()}"
+    failures = [f for rank_failures in run_ranks(check_cases, world, name, rpn, cases, [],
+                                                 timeout=240)
+                for f in rank_failures]
+    assert not failures, "\n".join(failures)
+
+
+def test_every_adapter_that_runs_on_cpu_is_covered():
+    adapters = set(strategies.names()) - set(strategies.own_names())
+    on_cpu = {n for n in adapters if strategies.get(n).unavailable("cpu") is None}
+    assert on_cpu == set(ON_CPU)
+
+
+@pytest.mark.parametrize("options", [
+    dict(ring_impl="zigzag", placement="head-first"), dict(ring_impl="zigzag",
+                                                           placement="ring-first"),
+    dict(ring_impl="basic", placement="head-first")], ids=str)
+def test_yunchang_layout_is_its_own_helpers(options):
+    """The layout cpbench shards yunchang-usp's inputs by is what yunchang's own helpers
+    (EXTRACT_FUNC_DICT, as its tests use them) give every rank."""
+    for got, want in run_ranks(yunchang_layout_matches_its_helpers, 4, 2, options, timeout=120):
+        assert got == want
