@@ -47,6 +47,14 @@ def _record(op: str, group: Group, nbytes: int) -> None:
 
 
 KERNEL = "kernel"
+_kernel_hook = None  # bench.commtrace counts kernel calls through it
+
+
+def set_kernel_hook(hook):
+    """Call ``hook()`` at every attention kernel call; returns the previous hook."""
+    global _kernel_hook
+    previous, _kernel_hook = _kernel_hook, hook
+    return previous
 
 
 def record_kernel() -> None:
@@ -55,6 +63,8 @@ def record_kernel() -> None:
     log = _TRACE.get()
     if log is not None:
         log.append(Sent(KERNEL, "", 0))
+    if _kernel_hook is not None:
+        _kernel_hook()
 
 
 def nbytes(t: torch.Tensor) -> int:

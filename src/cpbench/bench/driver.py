@@ -123,7 +123,7 @@ def torchrun_main(p: Plan) -> int:
 
 # -- 3. on every rank ------------------------------------------------------------------------
 
-def _inputs(strat, p: Plan, rank: int) -> dict:
+def rank_inputs(strat, p: Plan, rank: int) -> dict:
     """This rank's shard, drawn straight from the seed at the shard's shape (never a global
     tensor: at S = 1M the global q alone would not fit on one rank)."""
     a, dev = p.attn, p.run.device
@@ -196,7 +196,7 @@ class _CaseRun:
         """Samples per phase, each gathered as soon as it is timed (a later failure keeps
         them); and the closure the memory step measures."""
         run = self.p.run
-        self.inputs = self.phase(lambda: _inputs(self.strat, self.p, self.rank))
+        self.inputs = self.phase(lambda: rank_inputs(self.strat, self.p, self.rank))
         fwd, fwd_bwd = _closures(self.strat, self.inputs) if self.inputs else (None, None)
         tm = timer.Timer(run.device, _barrier(run.device))
         samples = {"fwd": self._timed(tm, "FWD", fwd), "fwd_bwd": None}
