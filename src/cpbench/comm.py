@@ -142,7 +142,7 @@ def all_to_all(x: torch.Tensor, group: Group, *, scatter_dim: int, gather_dim: i
     xs = xs.contiguous()
     out = torch.empty_like(xs)
     _record("a2a", group, nbytes(xs) * (n - 1) // n)
-    dist.all_to_all_single(_wire(out), _wire(xs), group=group.pg)
+    dist.all_to_all_single(out, xs, group=group.pg)  # in its dtype: what a GPU run sends
     # out[j] is member j's chunk, in x's dim order: lay the chunks side by side on gather_dim.
     return torch.cat(out.unbind(0), dim=gather_dim)
 

@@ -104,12 +104,12 @@ def two_level(n, w, block, home, home_suffix):
 def ulysses_a2a(u, B, s, H, KVH, D, e):
     """Per-rank bytes of the Ulysses all-to-alls in a group of u: a rank holds s tokens of all
     heads and sends the (H/u or KVH/u)-head chunk of each tensor to each of its u-1 peers.
-    Forward: q, K/V packed, then out and lse (fp32, one per token and head). Backward: dout,
-    then dq, dK/dV packed. lse has no gradient, so no all-to-all for it backward."""
+    Forward: q, k, v, then out; backward: dout, then dq, dk, dv, as upstream sends them
+    (yunchang 0.6.4 hybrid/attn_layer.py LongContextAttention.forward: SeqAllToAll4D of
+    query, key, value, then of the output; the lse is never sent on the timed path)."""
     q = B * s * (H // u) * D * e
-    kv = 2 * B * s * (KVH // u) * D * e
-    lse = B * (H // u) * s * F32
-    return (u - 1) * (q + kv + q + lse), (u - 1) * (q + q + kv)
+    kv = 2 * B * s * (KVH // u) * D * e  # k and v, one all-to-all each
+    return (u - 1) * (q + kv + q), (u - 1) * (q + q + kv)
 
 
 # -- ring, zigzag --------------------------------------------------------------------------------
@@ -208,9 +208,9 @@ def test_ulysses(world, rpn, prob):
     fwd, bwd = ulysses_a2a(N, B, s, H, KVH, D, e)
     strats = every_rank("ulysses", world, rpn, PROBLEMS[prob])
     check(strats, {("a2a", "ulysses"): fwd}, {("a2a", "ulysses"): bwd})
-    for st in strats:  # 4 all-to-alls forward (q, kv, out, lse), 3 backward (dout, dq, dkv)
+    for st in strats:  # 4 all-to-alls forward (q, k, v, out), 4 backward (dout, dq, dk, dv)
         n_msgs = Counter(s.phase for s in st.schedule() for _ in s.messages)
-        assert n_msgs == {FWD: 4, BWD: 3}
+        assert n_msgs == {FWD: 4, BWD: 4}
         assert crossing(st) == {"ulysses": True}
 
 
@@ -340,9 +340,10 @@ def test_inter_node_volume_usp_placements():
     # (R-1) K/V hops forward, (R-1) backward, R fp32 dK/dV hops
     kv, dkv = 2 * B * (S // R) * (HK // u) * D * e, 2 * B * (S // R) * (HK // u) * D * F32
     ring = (R - 1) * kv + (R - 1) * kv + R * dkv
-    # all-to-all chunks (H/u heads of s tokens) to u-1 peers: q, out, dout, dq; K/V twice; lse
-    q_c, kv_c, lse_c = B * s * (H // u) * D * e, 2 * B * s * (HK // u) * D * e, B * (H // u) * s * 4
-    a2a = (u - 1) * (4 * q_c + 2 * kv_c + lse_c)
+    # all-to-all chunks (H/u heads of s tokens) to u-1 peers: q, out, dout, dq; K/V twice
+    # (the lse is sent for a check only, not on the timed path)
+    q_c, kv_c = B * s * (H // u) * D * e, 2 * B * s * (HK // u) * D * e
+    a2a = (u - 1) * (4 * q_c + 2 * kv_c)
     head = every_rank("usp", 8, rpn, attn, ulysses_degree=4, placement="head-first")
     ring_first = every_rank("usp", 8, rpn, attn, ulysses_degree=4, placement="ring-first")
     assert flagged_per_node(head, rpn) == leaving_per_node(head, rpn) == [4 * ring] * 2

@@ -149,15 +149,14 @@ def test_an_outer_hop_is_spread_over_its_window():
 
 def test_exposed_all_to_alls_add_to_the_compute():
     """Ulysses over 2 nodes of 2: every all-to-all is exposed; with compute free, the
-    forward is its two all-to-alls (q, k, v in; out, lse back) at the rates they cross."""
+    forward is its all-to-alls (q, k, v in; out back) at the rates they cross."""
     attn = problem(heads=4)
     n, s = 4, attn.seqlen // 4
     q = s * 4 * D * 2
-    lse = 4 * s * 4
     part = (n - 1) / n
     remote = 2 / 3  # of the 3 others, 2 are on the other node
     into = (3 * q) * part
-    back = (q + lse) * part
+    back = q * part
     hw = machine(intra=50.0, inter=10.0)
     p = predict("ulysses", attn, n, 2, hw)
     want = sum(max(b * (1 - remote) / 50e9, b * remote / 10e9) for b in (into, back))

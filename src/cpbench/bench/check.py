@@ -38,7 +38,11 @@ def run_local(strategy: Strategy, inputs: dict[str, torch.Tensor]) -> dict[str, 
     """Forward + backward of this rank's shard; returns local out, lse, dq, dk, dv (no lse
     when the strategy returns none)."""
     q, k, v = (strategy.shard(inputs[n]).detach().requires_grad_() for n in ("q", "k", "v"))
-    out, lse = strategy.attention(q, k, v)
+    strategy.need_lse = True
+    try:
+        out, lse = strategy.attention(q, k, v)
+    finally:
+        strategy.need_lse = False
     out.backward(strategy.shard(inputs["dout"]))
     got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if strategy.returns_lse:

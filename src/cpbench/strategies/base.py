@@ -122,6 +122,9 @@ class Strategy(ABC):
         order (default: one list of every rank). A composite strategy (USP) passes its ring
         groups here and runs this strategy inside them on its own head slice."""
         self.attn, self.topo, self.rank, self.kernel = attn, topo, rank, kernel
+        # whether attention() must return the lse where it costs communication (a check
+        # does; the timed path does not, as the systems the strategies are named after)
+        self.need_lse = False
         self.opts = options if options is not None else self.Options()
         self.cp_lists = cp_lists or [list(range(topo.world_size))]
         self.validate()

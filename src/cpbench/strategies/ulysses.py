@@ -1,11 +1,16 @@
 """ulysses: DeepSpeed-Ulysses, all-to-all from sequence shards to head shards and back.
 
-Rank r of N holds tokens [r·S/N, (r+1)·S/N) of every head. One all-to-all per tensor scatters
-heads and gathers the sequence, so each rank then holds the whole sequence of heads/N heads
-and runs plain (unsplit) attention on it; a second all-to-all returns the output, and the
-log-sum-exp too, to the sequence layout. Backward is the same in reverse: dO goes to head
-shards, the kernel's dQ/dK/dV come back. Communication per rank is O(S/N) whatever N is, but
-N can never exceed the number of heads (heads % N == 0).
+Rank r of N holds tokens [r·S/N, (r+1)·S/N) of every head. One all-to-all per tensor (q, k
+and v separately, as DeepSpeed, yunchang and TransformerEngine send them) scatters heads and
+gathers the sequence, so each rank then holds the whole sequence of heads/N heads and runs
+plain (unsplit) attention on it; a fourth all-to-all returns the output to the sequence
+layout. Backward is the same in reverse: dO goes to head shards, the kernel's dQ, dK, dV come
+back, one all-to-all each. Communication per rank is O(S/N) whatever N is, but N can never
+exceed the number of heads (heads % N == 0).
+
+The log-sum-exp is sent back too only when the caller asks for it (``Strategy.need_lse``:
+``--check`` does): the systems this is named after send ``out`` alone, so the timed path
+does.
 
 GQA: with kv_heads % N == 0 the K/V heads split like the query heads. With fewer K/V heads
 than ranks each K/V head is replicated, as LoongTrain does, until there are lcm(kv_heads, N)
@@ -90,17 +95,19 @@ def local_attention(strat: Strategy) -> Attention:
     return lambda q, k, v: _LocalAttention.apply(strat, q, k, v)
 
 
-def ulysses_attention(q_bshd, k_bshd, v_bshd, group: Group, inner: Attention, replicas: int):
-    """Sequence shards → head shards, ``inner`` on them, and back (out and lse)."""
+def ulysses_attention(q_bshd, k_bshd, v_bshd, group: Group, inner: Attention, replicas: int,
+                      need_lse: bool = False):
+    """Sequence shards → head shards, ``inner`` on them, and back: out, and lse when
+    ``need_lse`` (else None)."""
     if replicas > 1:
         k_bshd, v_bshd = _RepeatKV.apply(k_bshd, replicas), _RepeatKV.apply(v_bshd, replicas)
-    # scatter heads (dim 2), gather sequence (dim 1); K and V travel as one message
-    q_full = _AllToAll.apply(q_bshd, group, 2, 1)
-    k_full, v_full = _AllToAll.apply(torch.stack([k_bshd, v_bshd]), group, 3, 2).unbind(0)
+    # scatter heads (dim 2), gather sequence (dim 1): q, k, v one all-to-all each
+    q_full, k_full, v_full = (_AllToAll.apply(t, group, 2, 1) for t in (q_bshd, k_bshd, v_bshd))
     out_full, lse_full_bhs = inner(q_full, k_full, v_full)
     out = _AllToAll.apply(out_full, group, 1, 2)
-    lse_bhs = _AllToAll.apply(lse_full_bhs, group, 2, 1)  # (b, h/N, S') → (b, h, S'/N)
-    return out, lse_bhs
+    if not need_lse:
+        return out, None
+    return out, _AllToAll.apply(lse_full_bhs, group, 2, 1)  # (b, h/N, S') → (b, h, S'/N)
 
 
 def ulysses_messages(strat: Strategy, group: Group, seqlen_local: int, kv_heads: int
@@ -118,11 +125,11 @@ def ulysses_messages(strat: Strategy, group: Group, seqlen_local: int, kv_heads:
                        overlapped=False)
 
     q = strat.q_bytes(seqlen_local)
-    kv = 2 * a.batch * seqlen_local * kv_heads * a.head_dim * a.element_size
-    return {"fwd_in": (a2a(q), a2a(kv)),  # q; k and v
-            "fwd_out": (a2a(q), a2a(strat.lse_bytes(seqlen_local))),  # out; lse
+    kv = a.batch * seqlen_local * kv_heads * a.head_dim * a.element_size  # k or v
+    return {"fwd_in": (a2a(q), a2a(kv), a2a(kv)),  # q, k, v
+            "fwd_out": (a2a(q),),  # out (the lse only for --check: not timed, not here)
             "bwd_in": (a2a(q),),  # dout
-            "bwd_out": (a2a(q), a2a(kv))}  # dq; dk and dv
+            "bwd_out": (a2a(q), a2a(kv), a2a(kv))}  # dq, dk, dv
 
 
 @register
@@ -156,7 +163,7 @@ class Ulysses(Strategy):
 
     def attention(self, q, k, v):
         return ulysses_attention(q, k, v, self.groups["ulysses"], local_attention(self),
-                                 self.replicas)
+                                 self.replicas, self.need_lse)
 
     def schedule(self) -> list[Step]:
         g = self.groups["ulysses"]

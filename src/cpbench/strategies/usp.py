@@ -6,7 +6,7 @@ ring attention alone sends K/V N-1 times. USP does both: an all-to-all inside ea
 group (u ranks) turns sequence shards into head shards (heads/u heads, u times the tokens),
 a registered ring strategy (``ring_impl``, looked up by name and constructed on the ring
 groups with heads/u heads) runs over the R = N/u ring positions, and a second all-to-all
-returns out and lse to the sequence layout. Backward is the reverse, with the ring
+returns out (the lse too, for a check) to the sequence layout. Backward is the reverse, the ring
 strategy's own backward in the middle. K/V heads are replicated as in ``ulysses`` when
 fewer than u.
 
@@ -165,7 +165,8 @@ class Usp(Strategy):
 
     def attention(self, q, k, v):
         inner = local_attention(self) if self.ring is None else self.ring.attention
-        return ulysses_attention(q, k, v, self.groups["ulysses"], inner, self.replicas)
+        return ulysses_attention(q, k, v, self.groups["ulysses"], inner, self.replicas,
+                                 self.need_lse)
 
     def schedule(self) -> list[Step]:
         g = self.groups["ulysses"]
