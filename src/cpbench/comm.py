@@ -47,14 +47,6 @@ def _record(op: str, group: Group, nbytes: int) -> None:
 
 
 KERNEL = "kernel"
-_kernel_hook = None  # bench.commtrace counts kernel calls through it
-
-
-def set_kernel_hook(hook):
-    """Call ``hook()`` at every attention kernel call; returns the previous hook."""
-    global _kernel_hook
-    previous, _kernel_hook = _kernel_hook, hook
-    return previous
 
 
 def record_kernel() -> None:
@@ -63,8 +55,6 @@ def record_kernel() -> None:
     log = _TRACE.get()
     if log is not None:
         log.append(Sent(KERNEL, "", 0))
-    if _kernel_hook is not None:
-        _kernel_hook()
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -78,18 +68,19 @@ class RingComm:
     (``reverse=True`` swaps the direction); ``commit`` posts everything queued as one batch
     so transfers overlap the compute that follows; ``wait`` blocks until they are done.
 
-    One batch per ProcessGroup at a time: two rings in flight together (K/V and dK/dV) must
-    be on different groups. NCCL ignores p2p tags and orders a communicator's operations, so
-    a second ring on the same group would queue behind the first; ``commit`` enforces this,
-    so the CPU tests catch what would silently serialize on GPUs.
+    One batch per ProcessGroup at a time, unless both rings say otherwise: NCCL ignores p2p
+    tags and orders a communicator's operations, so a second ring on the same group queues
+    behind the first; ``commit`` refuses that, so the CPU tests catch what would silently
+    serialize on GPUs. Rings made with ``queue_behind=True`` share a group on purpose (as
+    ring-flash-attn's K/V and dK/dV rings do, and the strategies reproducing it).
     """
 
     # RingComms with a committed, unwaited batch; weak, so a ring abandoned by an exception
     # (an OOM the driver records before going on) does not block the next case
     _in_flight: weakref.WeakSet[RingComm] = weakref.WeakSet()
 
-    def __init__(self, group: Group):
-        self.group = group
+    def __init__(self, group: Group, *, queue_behind: bool = False):
+        self.group, self.queue_behind = group, queue_behind
         self._ops: list[dist.P2POp] = []
         self._reqs: list = []
 
@@ -107,7 +98,8 @@ class RingComm:
     def commit(self) -> None:
         assert not self._reqs, "wait() for the previous batch before committing another"
         if self._ops:
-            busy = [c.group.name for c in RingComm._in_flight if c.group.pg is self.group.pg]
+            busy = [c.group.name for c in RingComm._in_flight if c.group.pg is self.group.pg
+                    and not (self.queue_behind and c.queue_behind)]
             assert not busy, (f"group {self.group.name!r} shares its ProcessGroup with ring "
                               f"{busy[0]!r}, still in flight: concurrent rings need their own "
                               f"groups")

@@ -45,6 +45,25 @@ def test_concurrent_rings_need_their_own_groups(no_transport):
     dkv.wait()
 
 
+def test_rings_sharing_a_group_on_purpose(no_transport):
+    """ring-flash-attn's K/V and dK/dV rings share one group and overlap: rings made with
+    queue_behind=True may (they queue on one communicator); with a ring that did not say so,
+    still refused."""
+    shared = object()
+    kv = comm.RingComm(_group("ring", shared), queue_behind=True)
+    kv.send_recv(torch.ones(2))
+    kv.commit()
+    dkv = comm.RingComm(_group("ring", shared), queue_behind=True)
+    dkv.send_recv(torch.ones(2))
+    dkv.commit()
+    strict = comm.RingComm(_group("other", shared))
+    strict.send_recv(torch.ones(2))
+    with pytest.raises(AssertionError, match="shares its ProcessGroup"):
+        strict.commit()
+    kv.wait()
+    dkv.wait()
+
+
 def test_an_abandoned_ring_does_not_block_the_next(no_transport):
     pg = object()
     ring = comm.RingComm(_group("ring", pg))

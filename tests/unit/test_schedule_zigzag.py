@@ -35,14 +35,17 @@ def test_bytes(b, seqlen, h, hk, d, dtype, elt, world):
         dkv = n * 2 * b * s * kv_heads * d * 4
         assert _bytes(st, FWD) == kv
         assert _bytes(st, BWD) == kv + dkv
-        # dK/dV on their own group (same members): both rings are in flight together
-        assert totals(st)[(BWD, "ring_dkv")] == dkv
-        assert st.groups["ring_dkv"].ranks == st.groups["ring"].ranks
+        # dK/dV on the K/V ring's group, as ring-flash-attn (both RingComms on one group)
+        assert set(st.groups) == {"ring"}
+        # K and V travel as two messages, as ring-flash-attn's send_recv_kv
+        fwd_msgs = [m for s in st.schedule() if s.phase == FWD for m in s.messages]
+        assert len(fwd_msgs) == 2 * (n - 1) and all(m.nbytes == kv // (2 * (n - 1))
+                                                    for m in fwd_msgs)
         steps = st.schedule()
         assert [s.index for s in steps if s.phase == FWD] == list(range(n))
-        # only the final dK/dV hop is exposed
+        # only the final dK/dV hop (dK and dV) is exposed
         exposed = [(s.phase, s.index) for s in steps for m in s.messages if not m.overlapped]
-        assert exposed == [(BWD, n - 1)]
+        assert exposed == [(BWD, n - 1)] * 2
 
 
 def test_bytes_example():

@@ -11,9 +11,11 @@ Each event: the op, the dtype, the bytes this rank puts on the wire to other ran
 the tensor; an all-to-all: the chunks for the others; an all-gather: its input once per other
 member; a reduce-scatter: the chunks for the others; an all-reduce: 2(n-1)/n of the tensor, as
 a ring does it; a broadcast: the tensor once per other member, from the source), the group's
-members, and how many attention kernel calls this rank had made before it (``comm.record_kernel``
-marks cpbench's; the others' are not seen). Receives are not counted: each byte once, at its
-sender. Summed over ranks, the bytes are the traffic of one step.
+members, and how many attention kernel calls this rank had made before it (the aten flash
+attention ops, forward or backward, seen by the same dispatch mode: cpbench's kernels, the
+CPU flash-attn interface beneath the libraries, and torch's ring all call them). Receives are
+not counted: each byte once, at its sender. Summed over ranks, the bytes are the traffic of
+one step.
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ class _Functional(TorchDispatchMode):
         name = func.__name__.split(".")[0]
         if func.namespace == "_c10d_functional" and name in self.OPS:
             self._record(name, args)
+        elif name.startswith("_scaled_dot_product_flash_attention"):  # an attention kernel
+            self.rec.kernels += 1
         return func(*args, **kwargs)
 
     def _record(self, name: str, args) -> None:
@@ -139,19 +143,15 @@ def traced():
     ``with traced() as events: ...`` (a list of Event)."""
     from torch.distributed import distributed_c10d as c10d
 
-    from cpbench import comm
-
     rec = _Recorder()
     saved = {(mod, n): getattr(mod, n) for mod in (dist, c10d) for n in _PATCHED}
     for n in _PATCHED:  # one wrapper in both namespaces: P2POp checks ``op`` by identity
         wrapper = _wrap(rec, n, getattr(c10d, n))
         setattr(dist, n, wrapper)
         setattr(c10d, n, wrapper)
-    kernel_hook = comm.set_kernel_hook(lambda: setattr(rec, "kernels", rec.kernels + 1))
     try:
         with _Functional(rec):
             yield rec.events
     finally:
-        comm.set_kernel_hook(kernel_hook)
         for (mod, n), original in saved.items():
             setattr(mod, n, original)

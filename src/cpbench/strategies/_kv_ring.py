@@ -1,14 +1,19 @@
-"""The K/V ring pass shared by ``ring`` and ``zigzag`` (ring-flash-attention's algorithm).
+"""The K/V ring pass shared by ``ring`` and ``zigzag`` (ring-flash-attention's algorithm and
+schedule: ring-flash-attn 0.1.8 ``zigzag_ring_flash_attn.py`` / ``ring_flash_attn.py``).
 
 The two differ only in their layout and in which part of each received block a rank
 computes; they supply that as ``strat.block(me, src, local_len) -> Block | None`` (None:
 the whole block is in the future and skipped). Everything else is this one ring:
-Forward: K/V circulate, packed in one message; step i+1's transfer is posted before step i
-computes (double buffer); results merge by LSE in fp32.
-Backward: K/V go round again; each block's dK/dV partial sum follows it one hop behind in
-fp32 and is home after N hops; dQ stays local. The dK/dV ring has its own group
-("ring_dkv", same members): both rings are in flight at once, and on one communicator NCCL
-would serialize them.
+Forward: K and V circulate as two messages of one batch (``send_recv_kv``); step i+1's
+transfer is posted before step i computes; results merge by LSE in fp32.
+Backward: K and V go round again; each block's dK/dV partial sums (fp32) follow one hop
+behind, posted after the step's kernel, and are home after N hops; a rank adds its block
+gradients into the partial sums it received, in place (upstream: ``dk += dk_buffer``, half
+the block on the lower tiles); dQ stays local, accumulated in fp32.
+Groups: as upstream, the dK/dV ring shares the K/V ring's process group (ring-flash-attn
+builds both ``RingComm``\\ s on one group), so on NCCL the two rings queue behind each other;
+``--dkv-group separate`` gives the dK/dV ring its own group (a cpbench variant: both in
+flight at once).
 """
 
 from __future__ import annotations
@@ -17,18 +22,39 @@ import torch
 
 from cpbench.comm import RingComm
 from cpbench.merge import OutLseAccumulator
-from cpbench.strategies.base import BWD, FWD, Message, Step, save_for_backward
+from cpbench.strategies.base import BWD, FWD, Message, Step, option, save_for_backward
 from cpbench.strategies.layout import slice_len
 
+DKV_GROUPS = ("shared", "separate")
 
-def kv_ring_lists(cp_lists: list[list[int]]) -> dict[str, list[list[int]]]:
-    """The K/V ring and the dK/dV ring: the same members, their own groups."""
-    return {"ring": cp_lists, "ring_dkv": cp_lists}
+
+def dkv_group_option():
+    return option("shared", "the dK/dV ring's process group: shared with the K/V ring, as "
+                  "ring-flash-attn (the rings queue on one communicator), or separate (a "
+                  "cpbench variant: both in flight at once)", DKV_GROUPS)
+
+
+def kv_ring_lists(cp_lists: list[list[int]], dkv_group: str = "shared"
+                  ) -> dict[str, list[list[int]]]:
+    """The K/V ring, and the dK/dV ring's own group when it is separate."""
+    return {"ring": cp_lists, **({"ring_dkv": cp_lists} if dkv_group == "separate" else {})}
+
+
+def _dkv_group(strat):
+    return strat.groups.get("ring_dkv", strat.groups["ring"])
 
 
 def src_of(me: int, step: int, n: int) -> int:
     """Ring position whose K/V block ``me`` holds at ``step`` (blocks move to the next rank)."""
     return (me - step) % n
+
+
+def _send_kv(comm: RingComm, k, v, into=(None, None)):
+    """K and V (or dK and dV) to the next rank as two messages of one batch; receive into
+    ``into`` where given (buffers free again), else fresh ones."""
+    nk, nv = comm.send_recv(k, into[0]), comm.send_recv(v, into[1])
+    comm.commit()
+    return nk, nv
 
 
 class KVRingAttention(torch.autograd.Function):
@@ -38,22 +64,21 @@ class KVRingAttention(torch.autograd.Function):
         n, me = g.size, g.index
         b, s, h, d = q.shape
         acc = OutLseAccumulator(b, s, h, d, q.device)
-        comm = RingComm(g)
-        kv = torch.stack([k, v])
+        comm = RingComm(g, queue_behind=True)
+        k_home, v_home = k, v
         for step in range(n):
             if step + 1 < n:
-                nxt = comm.send_recv(kv)
-                comm.commit()
+                next_k, next_v = _send_kv(comm, k, v)
             blk = strat.block(me, src_of(me, step, n), s)
             if blk is not None:
-                out, lse = strat.kernel_call("forward", q[:, blk.q], kv[0][:, blk.kv],
-                                             kv[1][:, blk.kv], causal=blk.causal)
+                out, lse = strat.kernel_call("forward", q[:, blk.q], k[:, blk.kv], v[:, blk.kv],
+                                             causal=blk.causal)
                 acc.update(out, lse, blk.q)
             if step + 1 < n:
                 comm.wait()
-                kv = nxt
+                k, v = next_k, next_v
         out, lse = acc.result(q.dtype)
-        save_for_backward(ctx, strat, q, k, v, out, lse, lse=lse)
+        save_for_backward(ctx, strat, q, k_home, v_home, out, lse, lse=lse)
         return out, lse
 
     @staticmethod
@@ -61,57 +86,76 @@ class KVRingAttention(torch.autograd.Function):
         strat = ctx.strat
         q, k, v, out, lse = ctx.saved_tensors
         g = strat.groups["ring"]
-        n, me = g.size, g.index
-        s = q.shape[1]
+        n, me, s = g.size, g.index, q.shape[1]
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
-        kv = torch.stack([k, v])
-        kv_comm, dkv_comm = RingComm(g), RingComm(strat.groups["ring_dkv"])
-        dkv_recv = None  # the partial sum arriving from the previous rank (from step 1 on)
+        dk = dv = next_dk = next_dv = None  # partial sums (fp32): the held block's, arriving
+        spare = (None, None)  # the sums sent last step: free once it arrived, reused to receive
+        kv_comm = RingComm(g, queue_behind=True)
+        dkv_comm = RingComm(_dkv_group(strat), queue_behind=True)
         for step in range(n):
             if step + 1 < n:
-                nxt_kv = kv_comm.send_recv(kv)
-                kv_comm.commit()
-            blk = strat.block(me, src_of(me, step, n), s)
-            dkv = torch.zeros_like(kv, dtype=torch.float32)
-            if blk is not None:
-                # the kernel needs the final out/lse rows of exactly the queries it sees
-                bq, bk, bv = strat.kernel_call(
-                    "backward", dout[:, blk.q], q[:, blk.q], kv[0][:, blk.kv], kv[1][:, blk.kv],
-                    out[:, blk.q], lse[:, :, blk.q], causal=blk.causal)
-                dq[:, blk.q] += bq
-                dkv[0][:, blk.kv] = bk.float()
-                dkv[1][:, blk.kv] = bv.float()
+                next_k, next_v = _send_kv(kv_comm, k, v)
+            grads = _block_grads(strat, me, step, n, s, dout, q, k, v, out, lse)
             if step > 0:
                 dkv_comm.wait()
-                dkv += dkv_recv
-            # a ring of one (e.g. inside USP) already holds its block, and gloo cannot send to self
-            dkv_recv = dkv_comm.send_recv(dkv) if n > 1 else dkv
-            dkv_comm.commit()
+                spare, (dk, dv) = (dk, dv), (next_dk, next_dv)
+            dk, dv = _add_block(grads, dq, dk, dv, k)
             if step + 1 < n:
                 kv_comm.wait()
-                kv = nxt_kv
-        dkv_comm.wait()  # after n hops every block's dK/dV is back on its owner
-        return None, dq.to(q.dtype), dkv_recv[0].to(k.dtype), dkv_recv[1].to(v.dtype)
+                k, v = next_k, next_v
+            if n > 1:  # a ring of one (inside USP) already holds its block's sums
+                next_dk, next_dv = _send_kv(dkv_comm, dk, dv, spare)
+        if n > 1:
+            dkv_comm.wait()  # after n hops every block's dK/dV is back on its owner
+            dk, dv = next_dk, next_dv
+        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _block_grads(strat, me, step, n, s, dout, q, k, v, out, lse):
+    """(block, dq, dk, dv) of this step's block, or None when it is skipped."""
+    blk = strat.block(me, src_of(me, step, n), s)
+    if blk is None:
+        return None
+    # the kernel needs the final out/lse rows of exactly the queries it sees
+    bq, bk, bv = strat.kernel_call("backward", dout[:, blk.q], q[:, blk.q], k[:, blk.kv],
+                                   v[:, blk.kv], out[:, blk.q], lse[:, :, blk.q],
+                                   causal=blk.causal)
+    return blk, bq, bk, bv
+
+
+def _add_block(grads, dq, dk, dv, k):
+    """Add a block's gradients: dQ locally, dK/dV into the partial sums received (in place;
+    the first step starts them)."""
+    if dk is None:  # step 0: the partial sums start here, at the sizes of K and V
+        dk = torch.zeros_like(k, dtype=torch.float32)
+        dv = torch.zeros_like(dk)
+    if grads is not None:
+        blk, bq, bk, bv = grads
+        dq[:, blk.q] += bq
+        dk[:, blk.kv] += bk
+        dv[:, blk.kv] += bv
+    return dk, dv
 
 
 def kv_ring_schedule(strat) -> list[Step]:
-    """Steps of ``KVRingAttention`` for ``strat``'s rank: the block FLOPs and K/V messages."""
-    g, g_dkv = strat.groups["ring"], strat.groups["ring_dkv"]
+    """Steps of ``KVRingAttention`` for ``strat``'s rank: the block FLOPs and messages (K and
+    V separately; dK and dV in fp32, separately, posted after the step's kernel)."""
+    g, g_dkv = strat.groups["ring"], _dkv_group(strat)
     n, me, s = g.size, g.index, strat.local_seqlen
-    kv = 2 * strat.kv_bytes(s)
-    dkv = 2 * strat.kv_bytes(s) * 4 // strat.attn.element_size
+    kv = strat.kv_bytes(s)
+    dkv = kv * 4 // strat.attn.element_size
     steps = []
     for phase in (FWD, BWD):
         for step in range(n):
             blk = strat.block(me, src_of(me, step, n), s)
             msgs = []
             if step + 1 < n:
-                msgs.append(Message("p2p", g.name, kv, g.crosses_nodes))
+                msgs += [Message("p2p", g.name, kv, g.crosses_nodes)] * 2
             if phase == BWD and n > 1:
                 # the last dK/dV hop has nothing left to hide behind
-                msgs.append(Message("p2p", g_dkv.name, dkv, g_dkv.crosses_nodes,
-                                    overlapped=step + 1 < n, after_compute=True))
+                msgs += [Message("p2p", g_dkv.name, dkv, g_dkv.crosses_nodes,
+                                 overlapped=step + 1 < n, after_compute=True)] * 2
             steps.append(Step(phase, step, 0.0, tuple(msgs)) if blk is None else
                          strat.kernel_step(phase, step, slice_len(blk.q, s),
                                            slice_len(blk.kv, s), blk.causal, msgs))

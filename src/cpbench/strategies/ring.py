@@ -8,10 +8,17 @@ as position 0: the imbalance zigzag fixes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from cpbench.strategies import register
-from cpbench.strategies._kv_ring import KVRingAttention, kv_ring_lists, kv_ring_schedule
+from cpbench.strategies._kv_ring import (
+    KVRingAttention,
+    dkv_group_option,
+    kv_ring_lists,
+    kv_ring_schedule,
+)
 from cpbench.strategies.base import Step, Strategy
 from cpbench.strategies.layout import Block, check_divisible, contiguous_index
 
@@ -24,8 +31,12 @@ class Ring(Strategy):
     def validate(self) -> None:
         check_divisible(self.attn.seqlen, self.cp_size, f"ring over {self.cp_size} ranks")
 
+    @dataclass(frozen=True, kw_only=True)
+    class Options:
+        dkv_group: str = dkv_group_option()
+
     def group_lists(self):
-        return kv_ring_lists(self.cp_lists)
+        return kv_ring_lists(self.cp_lists, self.opts.dkv_group)
 
     def seq_index(self, rank: int) -> torch.Tensor:
         return contiguous_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))

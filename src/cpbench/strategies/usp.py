@@ -114,8 +114,9 @@ class Usp(Strategy):
     def resolved_options(self) -> dict:
         resolved = {"ulysses_degree": self.ulysses_degree, "ring_degree": self.ring_degree,
                     "placement": self.placement, "ring_impl": self.ring_impl}
-        if self.ring is not None and self.ring.resolved_options():
-            resolved["ring_options"] = self.ring.resolved_options()  # e.g. double-ring's window
+        ring = self.ring.resolved_options() if self.ring is not None else {}
+        if ring != (dataclasses.asdict(type(self.ring.opts)()) if self.ring else {}):
+            resolved["ring_options"] = ring  # what the ring resolved: double-ring's window
         return resolved
 
     def validate(self) -> None:

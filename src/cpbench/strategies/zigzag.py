@@ -8,14 +8,21 @@ so under causal masking every position does the same work at every step
 - K/V from a later position: only the local second chunk sees it, and sees all of it.
 Each is half of a full (2c x 2c) block, so no rank idles, unlike ``ring``. Non-causal: every
 step is the full block.
-The ring pass itself (double-buffered K/V ring forward; K/V and fp32 dK/dV rings backward,
-dQ local) is shared with ``ring`` in ``_kv_ring``.
+The ring pass itself (double-buffered K/V ring forward; K/V and fp32 dK/dV rings backward on
+one process group, as ring-flash-attn; dQ local) is shared with ``ring`` in ``_kv_ring``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from cpbench.strategies import register
-from cpbench.strategies._kv_ring import KVRingAttention, kv_ring_lists, kv_ring_schedule
+from cpbench.strategies._kv_ring import (
+    KVRingAttention,
+    dkv_group_option,
+    kv_ring_lists,
+    kv_ring_schedule,
+)
 from cpbench.strategies.base import Step, Strategy
 from cpbench.strategies.layout import Block, ZigzagLayout, zigzag_block
 
@@ -25,8 +32,12 @@ class Zigzag(ZigzagLayout, Strategy):
     name = "zigzag"
     description = "zigzag layout (chunks r and 2N-1-r), K/V ring: causal work balanced over ranks"
 
+    @dataclass(frozen=True, kw_only=True)
+    class Options:
+        dkv_group: str = dkv_group_option()
+
     def group_lists(self):
-        return kv_ring_lists(self.cp_lists)
+        return kv_ring_lists(self.cp_lists, self.opts.dkv_group)
 
     def block(self, me: int, src: int, local_len: int) -> Block:
         return zigzag_block(me, src, local_len, self.attn.causal)

@@ -1,0 +1,67 @@
+"""Upstream parity, measured: each of cpbench's strategies and the upstream code it is named
+after, on the same problem and mesh, traced at torch.distributed (``cpbench comm``'s tracer):
+the same calls and bytes per (phase, op, dtype), and for the rings the same per-rank,
+per-step sequence (op, dtype, bytes, group, kernel calls before it).
+
+The upstream code runs here: ring-flash-attn 0.1.8 (zigzag_ring_flash_attn.py,
+ring_flash_attn.py) and yunchang 0.6.4 (hybrid/attn_layer.py LongContextAttention, ring/*)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from cpbench.bench import commrun
+from cpbench.bench import plan as planning
+from cpbench.config import RunConfig
+from cpbench.launch import run_ranks
+
+PROBLEM = {"seqlen": 256, "heads": 8, "head_dim": 16, "dtype": "bf16"}
+
+
+def _traced(names: str, world: int = 4, **options) -> list[dict]:
+    p = planning.plan(RunConfig(strategy=tuple(names.split(",")), nproc=world, out="none",
+                                warmup=0, iters=1), dict(PROBLEM), options, launcher="self")
+    found = run_ranks(commrun.rank_comm, world, p, timeout=180)[0]
+    assert not any(c["error"] for c in found), [c["error"] for c in found]
+    return found
+
+
+def _by_strategy(found: list[dict]) -> dict[str, dict]:
+    rows = defaultdict(dict)
+    for r in commrun.summarize(found):
+        rows[r["strategy"].split()[0]][(r["phase"], r["op"], r["dtype"])] = \
+            (r["calls"], r["bytes"])
+    return rows
+
+
+@pytest.mark.parametrize("ours,theirs", [("zigzag", "rfa-zigzag"), ("ring", "rfa-ring")])
+def test_rings_send_what_ring_flash_attn_sends(ours, theirs):
+    found = _traced(f"{ours},{theirs}")
+    rows = _by_strategy(found)
+    assert rows[ours] == rows[theirs]
+    assert rows[ours][("bwd", "p2p", "float32")][1] > 0  # dK/dV partial sums in fp32, as theirs
+    assert commrun.steps(found[0]) == commrun.steps(found[1])  # step by step, rank by rank
+
+
+@pytest.mark.parametrize("placement,ring_impl,yunchang_ring", [
+    ("head-first", "zigzag", "zigzag"), ("ring-first", "zigzag", "zigzag"),
+    ("head-first", "ring", "basic")])
+def test_usp_sends_what_yunchang_sends(placement, ring_impl, yunchang_ring):
+    ours = _traced("usp", ulysses_degree=2, placement=placement, ring_impl=ring_impl)
+    theirs = _traced("yunchang-usp", ulysses_degree=2, placement=placement,
+                     ring_impl=yunchang_ring)
+    rows_ours, rows_theirs = _by_strategy(ours)["usp"], _by_strategy(theirs)["yunchang-usp"]
+    assert rows_ours == rows_theirs
+    assert {op for _, op, _ in rows_ours} == {"all_to_all_single", "p2p"}
+
+
+def test_ulysses_forward_sends_no_fp32():
+    """DeepSpeed, yunchang and TE send q, k, v and out in the activation dtype, never the lse
+    (yunchang hybrid/attn_layer.py: SeqAllToAll4D of query, key, value, then the output)."""
+    rows = _by_strategy(_traced("ulysses"))["ulysses"]
+    assert set(rows) == {("fwd", "all_to_all_single", "bfloat16"),
+                         ("bwd", "all_to_all_single", "bfloat16")}
+    # 4 ranks x (q, k, v, out) forward and (dout, dq, dk, dv) backward
+    assert [calls for calls, _ in rows.values()] == [16, 16]
