@@ -148,6 +148,20 @@ def node_local_block(topo: Topology, rings: Sequence[Sequence[int]], *,
                            for ring in rings for s in range(0, n, d)))
 
 
+def usp_default_degree(topo: Topology, rings: Sequence[Sequence[int]], heads: int,
+                       placement: str) -> int:
+    """The default Ulysses degree of a USP mesh over ``rings`` (each a CP list): the dimension
+    placed first fills a node. Head-first: the largest degree dividing ``heads`` whose
+    consecutive Ulysses groups stay in a node. Ring-first: the largest ring whose consecutive
+    groups stay in a node, among those leaving a Ulysses degree that divides ``heads``."""
+    if placement == HEAD_FIRST:
+        return node_local_block(topo, rings, also_divides=heads)
+    n = len(rings[0])
+    fits = [r for r in divisors(n) if heads % (n // r) == 0 and not any(
+        topo.crosses_nodes(ring[s:s + r]) for ring in rings for s in range(0, n, r))]
+    return n // max(fits)
+
+
 def _check_divides(part: int, whole: int, part_name: str, whole_name: str) -> None:
     if part < 1 or whole % part:
         ok = ", ".join(map(str, divisors(whole)))

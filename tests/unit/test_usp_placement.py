@@ -84,3 +84,24 @@ def test_a2a_p2p_layout_covers_sequence_once():
     held = torch.cat([sts[0].seq_index(r) for r in range(8)])
     assert sorted(held.tolist()) == list(range(64))
     assert not any(st.groups["ulysses"].crosses_nodes for st in sts)
+
+
+@pytest.mark.parametrize("name", ["usp", "yunchang-usp"])
+def test_default_degrees_fill_a_node_with_the_dimension_placed_first(name):
+    """InternEvo, yunchang and BurstEngine mean by ring-first that the ring groups are
+    consecutive ranks filling a node: on 4 nodes x 8 a ring of 8 in each node and Ulysses 4
+    across (one rank per node); head-first, Ulysses 8 in each node and a ring of 4 across."""
+    from cpbench import kernels, strategies
+    from cpbench.config import AttentionConfig
+    from cpbench.topology import Topology
+
+    cls = strategies.get(name)
+    attn = AttentionConfig(seqlen=2 ** 12, heads=32, head_dim=64, dtype="bf16")
+    topo = Topology(world_size=32, ranks_per_node=8)
+    for placement, (u, r) in (("head-first", (8, 4)), ("ring-first", (4, 8))):
+        st = cls(attn, topo, 0, kernel=kernels.get("sdpa-cpu"), create_groups=False,
+                 options=cls.Options(placement=placement, ring_impl="zigzag"))
+        assert (st.ulysses_degree, st.ring_degree) == (u, r), placement
+        ring = next(g for g in st.ring_lists if 0 in g)
+        assert not topo.crosses_nodes(ring) if placement == "ring-first" else \
+            topo.crosses_nodes(ring)

@@ -52,6 +52,7 @@ from cpbench.topology import (
     divisors,
     group_of,
     node_local_block,
+    usp_default_degree,
     usp_mesh,
 )
 
@@ -66,9 +67,9 @@ class Usp(Strategy):
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
-        ulysses_degree: int = option(0, "ranks per Ulysses group (the rest is ring); 0: the "
-                                     "largest divisor of heads whose head-first groups stay "
-                                     "in a node")
+        ulysses_degree: int = option(0, "ranks per Ulysses group (the rest is ring); 0: "
+                                     "the dimension placed first fills a node (head-first: "
+                                     "Ulysses groups, ring-first: rings)")
         placement: str = option(HEAD_FIRST, "which groups are consecutive ranks (stay in a "
                                 "node)", PLACEMENTS)
         ring_impl: str = option("zigzag", "ring strategy run over the ring groups", RING_IMPLS)
@@ -98,15 +99,19 @@ class Usp(Strategy):
 
     # -- the mesh ----------------------------------------------------------------------------
 
-    def default_ulysses_degree(self) -> int:
-        """The largest degree dividing the heads whose head-first (consecutive) Ulysses
-        groups stay inside a node, so the all-to-alls never cross nodes."""
-        return node_local_block(self.topo, self.cp_lists, also_divides=self.attn.heads)
+    def default_ulysses_degree(self, placement: str = HEAD_FIRST) -> int:
+        """Whichever dimension is placed first fills the node (as InternEvo, yunchang and
+        BurstEngine mean the placements): head-first, the largest Ulysses degree dividing the
+        heads whose consecutive groups stay in a node; ring-first, the largest ring whose
+        consecutive groups stay in a node (on 4 nodes × 8: a ring of 8 inside each node,
+        Ulysses 4 across), the Ulysses degree the rest, where it divides the heads."""
+        return usp_default_degree(self.topo, self.cp_lists, self.attn.heads, placement)
 
     def _plan(self) -> tuple[int, str, str]:
         """(ulysses degree, placement, ring impl); the a2a+p2p alias fixes the last two."""
         o = self.opts
-        return o.ulysses_degree or self.default_ulysses_degree(), o.placement, o.ring_impl
+        return (o.ulysses_degree or self.default_ulysses_degree(o.placement), o.placement,
+                o.ring_impl)
 
     def held_bytes(self) -> int:
         return 0 if self.ring is None else self.ring.held_bytes()

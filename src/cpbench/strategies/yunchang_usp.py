@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -44,6 +45,7 @@ from cpbench.topology import (
     RING_FIRST,
     group_of,
     node_local_block,
+    usp_default_degree,
     usp_mesh,
 )
 
@@ -78,9 +80,9 @@ class YunchangUsp(Strategy):
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
-        ulysses_degree: int = option(0, "ranks per Ulysses group (the rest is ring); 0: the "
-                                     "largest divisor of heads whose head-first groups stay "
-                                     "in a node")
+        ulysses_degree: int = option(0, "ranks per Ulysses group (the rest is ring); 0: "
+                                     "the dimension placed first fills a node (head-first: "
+                                     "Ulysses groups, ring-first: rings)")
         placement: str = option(HEAD_FIRST, "which groups are consecutive ranks (stay in a "
                                 "node)", PLACEMENTS)
         ring_impl: str = option("basic", "yunchang's ring (RING_IMPL_DICT)", RING_IMPLS)
@@ -105,8 +107,8 @@ class YunchangUsp(Strategy):
         check_flash_kernel(self)
         unsupported_dtype(self)
         a, n, o = self.attn, self.cp_size, self.opts
-        u = o.ulysses_degree or node_local_block(self.topo, self.cp_lists,
-                                                 also_divides=a.heads)
+        u = o.ulysses_degree or usp_default_degree(
+            self.topo, self.cp_lists, math.gcd(a.heads, a.num_kv_heads), o.placement)
         if u < 1 or n % u or a.heads % u or a.num_kv_heads % u:
             raise UsageError(f"ulysses degree {u} must divide the {n} ranks, the "
                              f"{a.heads} heads and the {a.num_kv_heads} kv heads (yunchang "
