@@ -13,7 +13,7 @@ from cpbench.strategies.ring import Ring
 
 
 @dataclass(frozen=True, kw_only=True)
-class DyingOptions:
+class DyingOptions(Ring.Options):
     pass
 
 
