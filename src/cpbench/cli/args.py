@@ -28,6 +28,18 @@ class Parser(argparse.ArgumentParser):
         self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def read_number(kind: type):
+    """A reader of ``kind`` (int or float) from text, UsageError on bad text."""
+    def read(text: str):
+        try:
+            return kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise UsageError(f"cannot read {text!r} as {what}") from None
+
+    return read
+
+
 def converter(read, what: str):
     """An argparse ``type`` reading a value with ``read`` (UsageError on bad text)."""
     def convert(text):

@@ -16,13 +16,6 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
     return tuple(parse_size(t) for t in text.split(",") if t.strip()) or (parse_size(text),)
 
 
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise UsageError(f"cannot read {text!r} as an integer") from None
-
-
 def add_parser(sub) -> None:
     p = sub.add_parser("simulate", help="predict the run tables for a GPU cluster (no GPU needed)",
                        description="Predict FWD / FWD+BWD time, memory and TFLOPs per GPU of "
@@ -40,10 +33,9 @@ def add_parser(sub) -> None:
     g.add_argument("--hardware", default="a800-sxm", metavar="PRESET|FILE.yaml",
                    help="hardware preset (`cpbench simulate --help` lists the shipped ones) "
                         "or a YAML file (default a800-sxm)")
-    g.add_argument("--nodes", type=cli_args.converter(_int, "an integer"),
-                   help="nodes (default: the preset's)")
-    g.add_argument("--gpus-per-node", type=cli_args.converter(_int, "an integer"),
-                   help="GPUs per node (default: the preset's)")
+    integer = cli_args.converter(cli_args.read_number(int), "an integer")
+    g.add_argument("--nodes", type=integer, help="nodes (default: the preset's)")
+    g.add_argument("--gpus-per-node", type=integer, help="GPUs per node (default: the preset's)")
     s = p.add_argument_group("what to simulate")
     s.add_argument("--strategy", type=cli_args.converter(parse_names, "names"),
                    default=("all",), metavar="NAME[,NAME...]|all",

@@ -5,17 +5,10 @@ from __future__ import annotations
 import shlex
 import sys
 
-from cpbench.cli.args import USAGE_ERROR, converter, fail
+from cpbench.cli.args import USAGE_ERROR, converter, fail, read_number
 from cpbench.errors import UsageError
 
 PROG = "cpbench sweep"
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise UsageError(f"cannot read {text!r} as a number") from None
 
 
 def add_parser(sub) -> None:
@@ -28,7 +21,7 @@ def add_parser(sub) -> None:
                    help="results file (appended to; read first to skip finished cases)")
     p.add_argument("--rerun-failed", action="store_true",
                    help="also retry cases recorded failed / OOM / timeout")
-    p.add_argument("--timeout", type=converter(_number, "a number"), metavar="SECONDS",
+    p.add_argument("--timeout", type=converter(read_number(float), "a number"), metavar="SECONDS",
                    help="per-case time limit, overriding the config's")
     p.add_argument("--launcher", metavar="CMD",
                    help="command prefix that starts `-m cpbench.run` for each case, e.g. "

@@ -59,6 +59,17 @@ from cpbench.topology import (
 RING_IMPLS = ("zigzag", "ring", "double-ring")
 
 
+def ulysses_degree_option():
+    """The mesh options usp and yunchang-usp share (one flag sets both)."""
+    return option(0, "ranks per Ulysses group (the rest is ring); 0: the dimension placed "
+                  "first fills a node (head-first: Ulysses groups, ring-first: rings)")
+
+
+def placement_option():
+    return option(HEAD_FIRST, "which groups are consecutive ranks (stay in a node)",
+                  PLACEMENTS)
+
+
 @register
 class Usp(Strategy):
     name = "usp"
@@ -67,11 +78,8 @@ class Usp(Strategy):
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
-        ulysses_degree: int = option(0, "ranks per Ulysses group (the rest is ring); 0: "
-                                     "the dimension placed first fills a node (head-first: "
-                                     "Ulysses groups, ring-first: rings)")
-        placement: str = option(HEAD_FIRST, "which groups are consecutive ranks (stay in a "
-                                "node)", PLACEMENTS)
+        ulysses_degree: int = ulysses_degree_option()
+        placement: str = placement_option()
         ring_impl: str = option("zigzag", "ring strategy run over the ring groups", RING_IMPLS)
 
     def __init__(self, *args, create_groups: bool = True, **kwargs):

@@ -39,9 +39,9 @@ from cpbench.strategies._upstream import (
 )
 from cpbench.strategies.base import Strategy, Upstream, option
 from cpbench.strategies.layout import check_divisible, contiguous_index, zigzag_index
+from cpbench.strategies.usp import placement_option, ulysses_degree_option
 from cpbench.topology import (
     HEAD_FIRST,
-    PLACEMENTS,
     RING_FIRST,
     group_of,
     node_local_block,
@@ -80,11 +80,8 @@ class YunchangUsp(Strategy):
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
-        ulysses_degree: int = option(0, "ranks per Ulysses group (the rest is ring); 0: "
-                                     "the dimension placed first fills a node (head-first: "
-                                     "Ulysses groups, ring-first: rings)")
-        placement: str = option(HEAD_FIRST, "which groups are consecutive ranks (stay in a "
-                                "node)", PLACEMENTS)
+        ulysses_degree: int = ulysses_degree_option()
+        placement: str = placement_option()
         ring_impl: str = option("basic", "yunchang's ring (RING_IMPL_DICT)", RING_IMPLS)
 
     @classmethod
