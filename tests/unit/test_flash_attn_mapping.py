@@ -235,7 +235,9 @@ def test_not_importable_here_without_flash_attn():
 
 
 def _ref_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal):
-    assert dout.is_contiguous() and softmax_lse.dtype == torch.float32
+    # what the kernels need (flash-attn >= 2.1's backward fixes only a non-unit last stride)
+    assert all(t.stride(-1) == 1 for t in (dout, q, k, v, out))
+    assert softmax_lse.is_contiguous() and softmax_lse.dtype == torch.float32
     grads = torch_ref.backward(dout, q, k, v, out, softmax_lse, causal=causal,
                                softmax_scale=softmax_scale)
     for buf, g in zip((dq, dk, dv), grads):

@@ -144,6 +144,10 @@ def _importable(module: str) -> bool:
     return True
 
 
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _make_fns(module: str, fwd_map, bwd_map):
     def forward(q, k, v, *, causal: bool, softmax_scale: float):
         check_shapes(q, k, v, causal)
@@ -155,12 +159,14 @@ def _make_fns(module: str, fwd_map, bwd_map):
     def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
         check_shapes(q, k, v, causal)
         _, _, fn, (params, required) = _load(module)
-        # The kernels only fix a non-unit last stride, and flash-attn 2.0 gave wrong grads for
-        # non-contiguous dout (issue #355); lse is read as a dense fp32 (b, h, s) array; out
-        # and dout may come from an fp32 merge but must match q's dtype.
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        dout = dout.to(q.dtype).contiguous()
-        out = out.to(q.dtype).contiguous()
+        # The kernels take any strides with a unit last one (flash-attn 2.8's own backward
+        # only fixes a non-unit last stride): copy only then, not the half-blocks a ring
+        # hands over for batch > 1 (a copy in the timed region). (flash-attn 2.0.x gave wrong
+        # grads for a non-contiguous dout, issue #355: use >= 2.1.) lse is read as a dense fp32
+        # (b, h, s) array; out and dout may come from an fp32 merge but must match q's dtype.
+        q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+        dout = _unit_last_stride(dout.to(q.dtype))
+        out = _unit_last_stride(out.to(q.dtype))
         lse = lse.float().contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         fn(**bwd_map(params, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk,
