@@ -92,16 +92,36 @@ def kv_ring(n, kv, dkv, dkv_group="ring"):
             {("p2p", "ring"): (n - 1) * kv, ("p2p", dkv_group): n * dkv if n > 1 else 0})
 
 
-def two_level(n, w, block, home, home_suffix):
-    """LoongTrain's double ring: n = m·w positions, m windows of w. A circulating block takes
-    w-1 inner hops per window (m windows) and m-1 outer hops: n-1 hops in all. A home-bound
-    partial sum takes one inner hop at every one of the n steps (if w > 1) and one outer hop
-    at the end of every window, the last one bringing it home (m hops, if m > 1)."""
+def two_level(n, w, block):
+    """LoongTrain's double ring (Burst-Attention's moves blocks the same way): n = m·w
+    positions, m windows of w. A circulating block takes w-1 inner hops per window (m
+    windows) and m-1 outer hops: n-1 hops in all."""
     m = n // w
-    circ = {("p2p", "inner"): m * (w - 1) * block, ("p2p", "outer"): (m - 1) * block}
-    back = {("p2p", f"inner_{home_suffix}"): n * home if w > 1 else 0,
-            ("p2p", f"outer_{home_suffix}"): m * home if m > 1 else 0}
-    return circ, back
+    return {("p2p", "inner"): m * (w - 1) * block, ("p2p", "outer"): (m - 1) * block}
+
+
+def loongtrain_dkv(n, w, first, later):
+    """LoongTrain's dK/dV partial sums going home (InternEvo
+    zigzag_ring_flash_attn_with_sliding_window.py L268-270, L313-315, L403-405): one inner
+    hop after each of the n steps (if w > 1), one outer hop after every window, the last
+    bringing them home (m hops, if m > 1). ``first``: bytes of an inner hop in the first
+    window (fp32, L234-236); ``later``: every other hop (the activation dtype: upstream casts
+    each window's sums before they cross, L274, L354)."""
+    m = n // w
+    return {("p2p", "inner_dkv"): w * first + (n - w) * later if w > 1 else 0,
+            ("p2p", "outer_dkv"): m * later if m > 1 else 0}
+
+
+def burst_dq(n, w, dq):
+    """Burst-Attention's dQ going home over a double ring (burst_attn_interface.py L300-302,
+    L393-396; comm.py double_ring_send_recv_q L187-218): before each step's kernel but the
+    first, the previous step's sum moves on, across nodes at a window's first step, else
+    inside the node; after the last step one outer hop, then one inner hop home. Per rank:
+    m(w-1)+1 inner and m outer hops (not w inner hops per window: the window's last sum goes
+    straight across from the rank that computed it)."""
+    m = n // w
+    return {("p2p", "inner_dq"): (m * (w - 1) + 1) * dq if w > 1 else 0,
+            ("p2p", "outer_dq"): m * dq if m > 1 else 0}
 
 
 def ulysses_a2a(u, B, s, H, KVH, D, e):
@@ -142,9 +162,10 @@ def test_megatron_cp(world, rpn, prob):
     B, S, H, HK, D, e = dims(PROBLEMS[prob])
     N, s = world, S // world
     kv = 2 * B * s * HK * D * e
-    # forward: K/V packed, N-1 hops. Backward (reverse ring, one message per step, all in the
-    # activation dtype): step 0 K/V only, steps 1..N-2 K/V + dK/dV of the block before, step
-    # N-1 dK/dV only: kv + (N-2)·2kv + kv = 2(N-1)·kv
+    # TE v2.18 context_parallel.py: forward K/V packed in one buffer (L1690), N-1 hops
+    # (L1705-1715). Backward (reverse ring, one message per step, all in the activation dtype,
+    # L2397-2400): step 0 K/V only, steps 1..N-2 K/V + dK/dV of the block before, step N-1
+    # dK/dV only (L2487-2492): kv + (N-2)·2kv + kv = 2(N-1)·kv
     check(every_rank("megatron-cp", world, rpn, PROBLEMS[prob]),
           {("p2p", "ring"): (N - 1) * kv},
           {("p2p", "ring"): 2 * (N - 1) * kv})
@@ -161,9 +182,12 @@ def test_double_ring(world, rpn, window, w, prob):
     B, S, H, HK, D, e = dims(PROBLEMS[prob])
     N, s = world, S // world
     kv, dkv = 2 * B * s * HK * D * e, 2 * B * s * HK * D * F32
-    circ, back = two_level(N, w, kv, dkv, "dkv")  # K/V circulate both passes; dK/dV go home
+    circ = two_level(N, w, kv)  # K/V circulate both passes; dK/dV go home
     strats = every_rank("double-ring", world, rpn, PROBLEMS[prob], window=window)
-    check(strats, circ, {**circ, **back})
+    check(strats, circ, {**circ, **loongtrain_dkv(N, w, dkv, kv)})
+    # the variant: every dK/dV hop in fp32
+    check(every_rank("double-ring", world, rpn, PROBLEMS[prob], window=window,
+                     dkv_dtype="fp32"), circ, {**circ, **loongtrain_dkv(N, w, dkv, dkv)})
     # inner rings are w consecutive ranks: inside a node iff w <= ranks per node; every outer
     # ring here links windows on different nodes
     want = {"inner": w > rpn, "inner_dkv": w > rpn} if w > 1 else {}
@@ -178,26 +202,31 @@ def test_double_ring(world, rpn, window, w, prob):
 @pytest.mark.parametrize("world,rpn", TOPOS)
 @pytest.mark.parametrize("double_ring", [True, False])
 @pytest.mark.parametrize("opt_bwd", [True, False])
-def test_burst(world, rpn, double_ring, opt_bwd, prob):
+@pytest.mark.parametrize("dq_dtype", ["activation", "fp32"])
+def test_burst(world, rpn, double_ring, opt_bwd, dq_dtype, prob):
     B, S, H, HK, D, e = dims(PROBLEMS[prob])
     N, s = world, S // world
     kv = 2 * B * s * HK * D * e
-    # backward bundle: lse (fp32 per token and head) + q + dout, then delta (fp32, like lse)
-    # with opt_bwd, else out (an activation); dQ partial sums go home in fp32
+    # backward bundle (burst_attn_interface.py L288, L296-298): delta (fp32 per token and
+    # head, like lse) with opt_bwd, else out (an activation), then dout, q, lse
     row, act = B * H * s * F32, B * s * H * D * e
     bundle = row + act + act + (row if opt_bwd else act)
-    dq = B * s * H * D * F32
+    # dQ partial sums in the activation dtype, as upstream (dq = zeros_like(q), L261)
+    dq = B * s * H * D * (F32 if dq_dtype == "fp32" else e)
     strats = every_rank("burst", world, rpn, PROBLEMS[prob], double_ring=double_ring,
-                        opt_bwd=opt_bwd)
+                        opt_bwd=opt_bwd, dq_dtype=dq_dtype)
     if double_ring:  # windows of a node's ranks (every topology here has >= 2 nodes)
-        fwd, _ = two_level(N, rpn, kv, 0, "dq")
-        circ, back = two_level(N, rpn, bundle, dq, "dq")
-        bwd = {**circ, **back}
+        fwd = two_level(N, rpn, kv)
+        bwd = {**two_level(N, rpn, bundle), **burst_dq(N, rpn, dq)}
         want_cross = {"inner": False, "outer": True, "inner_dq": False, "outer_dq": True}
-    else:  # one flat ring: the query bundle like K/V in forward, dQ home in N hops
+    else:  # one flat ring: the query bundle like K/V in forward, dQ home in N hops on the
+        # same communicator (upstream's dq Ring is built on the bundle's group, L265-267)
         fwd = {("p2p", "ring"): (N - 1) * kv}
-        bwd = {("p2p", "ring"): (N - 1) * bundle, ("p2p", "ring_dq"): N * dq}
-        want_cross = {"ring": True, "ring_dq": True}
+        bwd = {("p2p", "ring"): (N - 1) * bundle + N * dq}
+        want_cross = {"ring": True}
+        separate = every_rank("burst", world, rpn, PROBLEMS[prob], double_ring=False,
+                              opt_bwd=opt_bwd, dq_dtype=dq_dtype, dq_group="separate")
+        check(separate, fwd, {("p2p", "ring"): (N - 1) * bundle, ("p2p", "ring_dq"): N * dq})
     check(strats, fwd, bwd)
     assert all(crossing(st) == want_cross for st in strats)
 
@@ -240,9 +269,10 @@ def usp_expected(attn, world, u, ring_impl, window=None):
         if ring_impl in ("ring", "zigzag"):
             rf, rb = kv_ring(R, kv, dkv)
         elif ring_impl == "double-ring":
-            circ, back = two_level(R, window, kv, dkv, "dkv")
-            rf, rb = circ, {**circ, **back}
+            circ = two_level(R, window, kv)
+            rf, rb = circ, {**circ, **loongtrain_dkv(R, window, dkv, kv)}
         else:  # megatron-cp: N-1 K/V hops forward, 2(N-1) K/V-sized messages backward
+            # (TE v2.18 context_parallel.py L1705-1715, L2458-2493: all in the activation dtype)
             rf, rb = {("p2p", "ring"): (R - 1) * kv}, {("p2p", "ring"): 2 * (R - 1) * kv}
         fwd |= rf
         bwd |= rb
@@ -281,11 +311,17 @@ def test_usp(world, rpn, u, placement, ring_impl, window, cross, prob):
 
 
 @pytest.mark.parametrize("prob", PROBLEMS)
-@pytest.mark.parametrize("world,rpn,a2a_degree,u", [
-    (4, 2, 0, 2), (8, 4, 0, 4), (8, 2, 0, 2), (8, 4, 2, 2)])  # 0: ranks per node
-def test_megatron_cp_a2a_p2p(world, rpn, a2a_degree, u, prob):
+@pytest.mark.parametrize("world,rpn,a2a_degree,u_mha,u_gqa", [
+    # 0: the largest A dividing the ranks per node, the heads and the K/V heads (TE cannot
+    # replicate K/V heads: context_parallel.py v2.18 L463-468 views h as (A, h // A))
+    (4, 2, 0, 2, 2), (8, 4, 0, 4, 2), (8, 2, 0, 2, 2), (8, 4, 2, 2, 2),
+    (8, 4, 4, 4, 4)])  # A = 4 over 2 K/V heads: cpbench's replication (no TE run has it)
+def test_megatron_cp_a2a_p2p(world, rpn, a2a_degree, u_mha, u_gqa, prob):
     attn = PROBLEMS[prob]
-    fwd, bwd = usp_expected(attn, world, u, "megatron-cp")  # usp head-first over megatron-cp
+    u = u_mha if attn.num_kv_heads == attn.heads else u_gqa
+    # usp head-first over megatron-cp: TE v2.18 sends q, k, v, then out forward (L1486-1510,
+    # L2032-2049), dout, then dq, dk, dv backward (L2407-2421, L2889-2915)
+    fwd, bwd = usp_expected(attn, world, u, "megatron-cp")
     strats = every_rank("megatron-cp-a2a+p2p", world, rpn, attn, a2a_degree=a2a_degree)
     check(strats, fwd, bwd)
     assert all(crossing(st) == {"ulysses": False, "ring": True} for st in strats)
@@ -362,8 +398,9 @@ def test_inter_node_volume_double_ring_vs_zigzag():
     """2 nodes x 4, GQA bf16, forward + backward. zigzag's flat ring crosses each node
     boundary once per hop: (N-1)·kv + (N-1)·kv + N·dkv leave a node, though every rank's
     messages carry the flag (the ring crosses nodes). double-ring (window 4): only outer hops
-    leave, all 4 ranks of a node taking one per pass (M-1 = 1) plus M = 2 dK/dV outer hops:
-    4·(kv + kv + 2·dkv), flagged exactly."""
+    leave, all 4 ranks of a node taking one per pass (M-1 = 1) plus M = 2 dK/dV outer hops,
+    in the activation dtype as LoongTrain's (the size of a K/V hop): 4·(kv + kv + 2·kv),
+    flagged exactly."""
     attn, rpn, N = PROBLEMS["gqa-bf16"], 4, 8
     B, S, H, HK, D, e = dims(attn)
     kv, dkv = 2 * B * (S // N) * HK * D * e, 2 * B * (S // N) * HK * D * F32
@@ -371,4 +408,4 @@ def test_inter_node_volume_double_ring_vs_zigzag():
     assert leaving_per_node(flat, rpn) == [(N - 1) * kv * 2 + N * dkv] * 2
     assert flagged_per_node(flat, rpn) == [rpn * ((N - 1) * kv * 2 + N * dkv)] * 2
     two = every_rank("double-ring", N, rpn, attn)
-    assert flagged_per_node(two, rpn) == leaving_per_node(two, rpn) == [4 * (2 * kv + 2 * dkv)] * 2
+    assert flagged_per_node(two, rpn) == leaving_per_node(two, rpn) == [4 * (2 * kv + 2 * kv)] * 2

@@ -170,3 +170,17 @@ def test_a2a_p2p_is_head_first_over_megatron_cp():
     with pytest.raises(ValueError, match="splits that work"):
         _build(8, 4, name="megatron-cp-a2a+p2p", batch=1, seqlen=64, heads=8, head_dim=8,
                a2a_degree=3)
+
+
+def test_a2a_p2p_differs_from_usp_where_te_does():
+    kw = dict(batch=1, seqlen=64, heads=8, kv_heads=2, head_dim=8)
+    usp, te = _build(8, 4, rank=6, **kw), _build(8, 4, rank=6, name="megatron-cp-a2a+p2p", **kw)
+    # TE cannot split 2 K/V heads 4 ways (context_parallel.py v2.18 L463-468): A = 2
+    assert (usp.ulysses_degree, te.ulysses_degree) == (4, 2)
+    # layout: usp cuts its ring position's zigzag set in pieces; TE gives cp_rank 6 of 8
+    # chunks 6 and 9 of 16 (DualChunkSwap, L4956-5012)
+    assert te.seq_index(6).tolist() == [24, 25, 26, 27, 36, 37, 38, 39]
+    # TE needs 2 chunks per rank (L1569-1571): S divisible by 2N, not just by 2R
+    with pytest.raises(ValueError, match="TE's zigzag"):
+        _build(8, 4, name="megatron-cp-a2a+p2p", batch=1, seqlen=40, heads=8, head_dim=8,
+               a2a_degree=4)

@@ -195,12 +195,14 @@ def test_bytes_leaving_a_node_match_the_hand_count():
     """2 nodes × 4, GQA bf16 (the closed forms of test_comm_volume): zigzag's flat ring
     crosses each node boundary once per hop — (N-1)·kv both passes plus N fp32 dK/dV hops
     leave a node; double-ring (window 4): only outer hops leave, all 4 ranks of a node taking
-    one K/V hop per pass and 2 fp32 dK/dV hops."""
+    one K/V hop per pass and 2 dK/dV hops, in the activation dtype as LoongTrain sends them
+    across (InternEvo zigzag_ring_flash_attn_with_sliding_window.py: each window's sums are
+    cast to the activation dtype before the outer hop)."""
     attn = problem(heads=8, kv_heads=2)
     n, s = 8, attn.seqlen // 8
     kv, dkv = 2 * s * 2 * D * 2, 2 * s * 2 * D * 4
     assert _leaving_per_node("zigzag", n, 4, attn) == [2 * (n - 1) * kv + n * dkv] * 2
-    assert _leaving_per_node("double-ring", n, 4, attn) == [4 * (2 * kv + 2 * dkv)] * 2
+    assert _leaving_per_node("double-ring", n, 4, attn) == [4 * (2 * kv + 2 * kv)] * 2
 
 
 def test_memory_counts_what_a_rank_holds_and_oom_is_over_capacity():

@@ -41,8 +41,9 @@ hardware preset (``cpbench.sim.hardware``). Modelling assumptions, and where the
    blocks). OOM when over the preset's memory. An estimate: allocator fragmentation and
    kernel workspaces are not counted, and a send buffer that is a tensor the rank holds
    anyway is counted again. Against the memory seeds 000/001 measured: -12 % to +7 % for
-   USP, Ulysses and zigzag, +48 % for the double ring (ours keeps K/V and fp32 dK/dV blocks
-   in flight on both rings at a window's end; LoongTrain's measured run held less).
+   USP, Ulysses and zigzag, +48 % for the double ring when its dK/dV hops were all fp32
+   (blocks in flight on both rings at a window's end; LoongTrain's measured run held less);
+   not re-measured since they follow LoongTrain's dtypes.
 
 Everything scales exactly with the sequence length and batch (bytes with S·B, FLOPs with
 S²·B), and bf16 and fp16 move the same bytes, so a schedule is built once per (strategy,

@@ -1,19 +1,22 @@
-"""The two-level ring shared by ``double-ring`` and ``burst`` (LoongTrain's DoubleRing).
+"""The two-level ring shared by ``double-ring`` and ``burst``: LoongTrain's DoubleRing, which
+Burst-Attention's double ring matches hop for hop (docs/upstream/loongtrain_double_ring.md,
+docs/upstream/burst_attention.md).
 
 A CP ring of N positions is cut into M windows of W consecutive positions. Each window is an
 *inner* ring (by default the ranks of one node); the members at the same place of every
 window form an *outer* ring (across nodes). A flat ring is the case M = 1.
 
 ``circulate`` moves a block around both levels: the block a rank holds at the start of
-outer step j (its window's "base") is posted to the next window at once and only awaited at
-the start of step j+1, so the slow inter-node hop hides behind W inner steps; meanwhile the
-block circulates the inner ring. At (j, t) position w·W+i holds the block of position
-((w-j) mod M)·W + (i-t) mod W. Over N = M·W steps every position sees every block once,
-sending N-1 blocks like a flat ring, of which only M-1 cross nodes.
+outer step j (its window's "base") is posted to the next window at once and only awaited
+after the window's last kernel, so the slow inter-node hop hides behind W inner steps;
+meanwhile the block circulates the inner ring. At (j, t) position w·W+i holds the block of
+position ((w-j) mod M)·W + (i-t) mod W. Over N = M·W steps every position sees every block
+once, sending N-1 blocks like a flat ring, of which only M-1 cross nodes. A block is several
+tensors, each its own message of one batch, as both upstreams send them (K and V; burst's
+backward bundle of four).
 
-``HomeBound`` sends partial sums (dK/dV in double-ring, dQ in burst) home behind the blocks
-they belong to, on a second set of groups with the same members: both rings are in flight
-at once, and NCCL ignores p2p tags, so on one communicator they would serialize.
+The partial sums that go home behind the blocks (double-ring's dK/dV, burst's dQ) take each
+upstream's own path, so each strategy keeps its own next to its schedule.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ def double_ring_lists(cp_lists: list[list[int]], window: int, *, home: str
                       ) -> dict[str, list[list[int]]]:
     """The inner and outer rank lists of every CP ring, once for the blocks that circulate
     ("inner", "outer") and once for the partial sums going home ("inner_<home>",
-    "outer_<home>"). Rings of one rank are left out (they would only send to themselves)."""
+    "outer_<home>"): both upstreams give those their own communicators. Rings of one rank
+    are left out (upstream sends to itself there: no byte leaves the rank)."""
     inner, outer = [], []
     for ring in cp_lists:
         ring_inner, ring_outer = double_ring_groups(ring, window)
@@ -69,44 +73,43 @@ class Rings:
     def steps(self):
         return [(j, t) for j in range(self.windows) for t in range(self.window)]
 
+    @property
+    def last(self) -> tuple[int, int]:
+        return self.windows - 1, self.window - 1
+
     def source(self, j: int, t: int) -> int:
         """Ring position whose block this rank holds at outer step j, inner step t."""
         w, i = divmod(self.position, self.window)
         return ((w - j) % self.windows) * self.window + (i - t) % self.window
 
-    def circulate_messages(self, j: int, t: int, nbytes: int) -> list[Message]:
-        """What ``circulate`` sends at (j, t)."""
+    def circulate_messages(self, j: int, t: int, sizes: tuple[int, ...]) -> list[Message]:
+        """What ``circulate`` sends at (j, t): one message per tensor of the block."""
         msgs = []
-        if t == 0 and j + 1 < self.windows:  # awaited when the next window starts
-            msgs.append(Message("p2p", self.outer.name, nbytes, self.outer.crosses_nodes,
-                                overlap_steps=self.window))
+        if t == 0 and j + 1 < self.windows:  # awaited after the window's last kernel
+            msgs += [Message("p2p", self.outer.name, n, self.outer.crosses_nodes,
+                             overlap_steps=self.window) for n in sizes]
         if t + 1 < self.window:
-            msgs.append(Message("p2p", self.inner.name, nbytes, self.inner.crosses_nodes))
-        return msgs
-
-    def home_messages(self, j: int, t: int, nbytes: int) -> list[Message]:
-        """What ``HomeBound.add`` sends at (j, t) on these rings. The last inner hop of a
-        window is awaited at once (the outer hop needs it) and the last outer hop ends the
-        pass: both exposed. The other outer hops are awaited a window later."""
-        msgs = []  # add() runs after the step's kernel
-        if self.window > 1:
-            msgs.append(Message("p2p", self.inner.name, nbytes, self.inner.crosses_nodes,
-                                overlapped=t + 1 < self.window, after_compute=True))
-        if t + 1 == self.window and self.windows > 1:
-            msgs.append(Message("p2p", self.outer.name, nbytes, self.outer.crosses_nodes,
-                                overlapped=j + 1 < self.windows, overlap_steps=self.window,
-                                after_compute=True))
+            msgs += [Message("p2p", self.inner.name, n, self.inner.crosses_nodes)
+                     for n in sizes]
         return msgs
 
 
-def circulate(rings: Rings, block: torch.Tensor):
+def send_block(comm: RingComm, block: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Each tensor of ``block`` to the next rank, one message each, posted as one batch."""
+    got = tuple(comm.send_recv(x) for x in block)
+    comm.commit()
+    return got
+
+
+def circulate(rings: Rings, block: tuple[torch.Tensor, ...], *, queue_behind: bool = False):
     """Yield (j, t, block held) for every step; the block comes from rings.source(j, t).
 
     The next transfers are already posted when a step is yielded, so the caller's compute
     overlaps them (the held block is in flight: read it, never write it); they are awaited
-    when the caller asks for the next step.
+    when the caller asks for the next step. ``queue_behind``: the inner ring shares its
+    communicator with another ring on purpose (burst's flat dQ ring, as upstream).
     """
-    inner = RingComm(rings.inner) if rings.inner else None
+    inner = RingComm(rings.inner, queue_behind=queue_behind) if rings.inner else None
     outer = RingComm(rings.outer) if rings.outer else None
     base = next_base = block
     for j in range(rings.windows):
@@ -114,73 +117,37 @@ def circulate(rings: Rings, block: torch.Tensor):
             outer.wait()
             base = next_base
         if j + 1 < rings.windows:
-            next_base = outer.send_recv(base)
-            outer.commit()
+            next_base = send_block(outer, base)
         held = base
         for t in range(rings.window):
             if t + 1 < rings.window:
-                nxt = inner.send_recv(held)
-                inner.commit()
+                nxt = send_block(inner, held)
             yield j, t, held
             if t + 1 < rings.window:
                 inner.wait()
                 held = nxt
 
 
-class HomeBound:
-    """Partial sums (fp32) of the block held at each step of ``circulate``, sent home on
-    ``rings`` (the same positions as the circulating rings, other groups).
-
-    A block's partial follows it one inner hop behind; after W hops it is back with the
-    window's base holder, which passes it along the outer ring as the base went. After the
-    last window it arrives at the block's owner: ``result()``.
-    """
-
-    def __init__(self, rings: Rings):
-        self.rings = rings
-        self.inner = RingComm(rings.inner) if rings.inner else None
-        self.outer = RingComm(rings.outer) if rings.outer else None
-
-    def add(self, j: int, t: int, partial: torch.Tensor) -> None:
-        """This rank's contribution to the block it holds at (j, t); ``partial`` is consumed."""
-        if t > 0:
-            self.inner.wait()
-            partial += self.from_inner
-        if self.inner:
-            self.from_inner = self.inner.send_recv(partial)
-            self.inner.commit()
-        if t + 1 == self.rings.window:
-            if self.inner:
-                self.inner.wait()
-                partial = self.from_inner  # the whole window's sum for our base block
-            if j > 0:
-                # what earlier windows summed for the same base block: added only now, so
-                # its outer hop had this whole window to arrive in
-                self.outer.wait()
-                partial += self.from_outer
-            if self.outer:
-                self.from_outer = self.outer.send_recv(partial)
-                self.outer.commit()
-            else:
-                self.total = partial
-
-    def result(self) -> torch.Tensor:
-        if self.outer:
-            self.outer.wait()
-            return self.from_outer
-        return self.total
+def fresh_sum(part: torch.Tensor, rows: slice, like: torch.Tensor, dtype: torch.dtype
+              ) -> torch.Tensor:
+    """A new partial sum shaped like ``like`` holding ``part`` at ``rows`` (dim 1): the
+    kernel's own output when it covers every row (no zero-fill), else zeros around it."""
+    if slice_len(rows, like.shape[1]) == like.shape[1]:
+        return part.to(dtype)
+    out = torch.zeros_like(like, dtype=dtype)
+    out[:, rows] = part
+    return out
 
 
 def zigzag_forward(strat: Strategy, rings: Rings, q, k, v):
-    """Local out, lse: K/V circulate the rings; each step computes the zigzag rule
+    """Local out, lse: K and V circulate the rings; each step computes the zigzag rule
     (layout.zigzag_block) of the block's source position, merged by LSE in fp32."""
     b, s, h, d = q.shape
     acc = OutLseAccumulator(b, s, h, d, q.device)
-    # one buffer so K and V travel as one message
-    for j, t, kv in circulate(rings, torch.stack([k, v])):
+    for j, t, (bk, bv) in circulate(rings, (k, v)):
         blk = zigzag_block(rings.position, rings.source(j, t), s, strat.attn.causal)
-        out, lse = strat.kernel_call("forward", q[:, blk.q], kv[0][:, blk.kv],
-                                     kv[1][:, blk.kv], causal=blk.causal)
+        out, lse = strat.kernel_call("forward", q[:, blk.q], bk[:, blk.kv], bv[:, blk.kv],
+                                     causal=blk.causal)
         acc.update(out, lse, blk.q)
     return acc.result(q.dtype)
 
@@ -197,12 +164,12 @@ class ZigzagRingsAttention(torch.autograd.Function):
 
 
 def forward_schedule(strat: Strategy, rings: Rings) -> list[Step]:
-    """The steps of ``zigzag_forward``."""
+    """The steps of ``zigzag_forward``: K and V, one message each."""
     s = strat.local_seqlen
-    kv = 2 * strat.kv_bytes(s)
+    kv = strat.kv_bytes(s)
     steps = []
     for index, (j, t) in enumerate(rings.steps()):
         blk = zigzag_block(rings.position, rings.source(j, t), s, strat.attn.causal)
         steps.append(strat.kernel_step(FWD, index, slice_len(blk.q, s), slice_len(blk.kv, s),
-                                       blk.causal, rings.circulate_messages(j, t, kv)))
+                                       blk.causal, rings.circulate_messages(j, t, (kv, kv))))
     return steps

@@ -1,15 +1,25 @@
-"""double-ring: LoongTrain's DoubleRing attention (arXiv 2406.18485, InternEvo).
+"""double-ring: LoongTrain's DoubleRing attention (arXiv 2406.18485; InternEvo
+``zigzag_ring_flash_attn_with_sliding_window.py``, read in docs/upstream/loongtrain_double_ring.md).
 
 The CP ring is cut into windows of ``window`` consecutive positions: inner rings (by default
 the ranks of one node) and outer rings linking the same place of every window (across
 nodes). Layout: zigzag over the whole CP ring.
-Forward: K/V circulate both levels (``_rings.circulate``): a window's block is posted across
-nodes at the start of the window and awaited at the start of the next, so the inter-node hop
-hides behind a whole inner ring; each step computes the zigzag rule of the block's source.
-Backward: K/V go round again; each block's dK/dV partial sum (fp32) follows it one inner hop
-behind, returns to the window's base holder after ``window`` hops, then takes the outer hop
-with the base, arriving home after the last window (``_rings.HomeBound``). The dK/dV rings
-are their own groups ("inner_dkv", "outer_dkv"), as LoongTrain's are. dQ is local.
+Forward: K and V (two messages) circulate both levels (``_rings.circulate``): a window's
+block is posted across nodes at the start of the window and awaited after its last kernel,
+so the inter-node hop hides behind a whole inner ring; each step computes the zigzag rule of
+the block's source.
+Backward: K/V go round again. Each block's dK/dV partial sums (dK and dV, two messages) follow
+it one inner hop behind, posted after each kernel and awaited after the next; the last inner
+hop of a window is awaited at once, bringing the window's sum back to its base holder, which
+sends it across nodes. The dK/dV rings are their own groups ("inner_dkv", "outer_dkv"), as
+LoongTrain's are. dQ stays local (fp32).
+As upstream by default: the dK/dV sums are fp32 inside the first window and travel in the
+activation dtype from the first outer hop on (the outer hops, and the inner hops of later
+windows, which carry the running total: upstream casts each window's result to the
+activation dtype); an outer hop is awaited after the first kernel of the next window, whose
+sum starts from it. Variants: ``--dkv-dtype fp32`` keeps every partial sum in fp32;
+``--dkv-await window-end`` awaits the outer hop only at the end of the next window (a whole
+window to hide it in), adding it to that window's own sum there.
 """
 
 from __future__ import annotations
@@ -18,19 +28,76 @@ from dataclasses import dataclass
 
 import torch
 
+from cpbench.comm import RingComm
 from cpbench.errors import UsageError
 from cpbench.strategies import register
 from cpbench.strategies._rings import (
-    HomeBound,
     Rings,
     ZigzagRingsAttention,
     circulate,
     double_ring_lists,
     forward_schedule,
+    fresh_sum,
+    send_block,
 )
-from cpbench.strategies.base import BWD, Step, Strategy, option
+from cpbench.strategies.base import BWD, Message, Step, Strategy, option
 from cpbench.strategies.layout import ZigzagLayout, slice_len, zigzag_block
 from cpbench.topology import Topology, divisors, node_local_block
+
+DKV_DTYPES = ("mixed", "fp32")
+DKV_AWAITS = ("first-kernel", "window-end")
+
+
+class _DkvHome:
+    """dK/dV partial sums on their way home (``add`` after each step's kernel, ``result`` at
+    the end), on the "inner_dkv"/"outer_dkv" rings."""
+
+    def __init__(self, strat: "DoubleRing", like: torch.Tensor):
+        self.rings, self.strat, self.like = strat.dkv_rings, strat, like
+        self.inner = RingComm(self.rings.inner) if self.rings.inner else None
+        self.outer = RingComm(self.rings.outer) if self.rings.outer else None
+        self.late = strat.opts.dkv_await == "window-end"
+        self.acc = self.from_inner = self.from_outer = self.total = None
+
+    def add(self, j: int, t: int, rows: slice, bk: torch.Tensor, bv: torch.Tensor) -> None:
+        """Add this rank's block gradients to the sums of the block it holds at (j, t) and
+        pass them on."""
+        if t > 0:
+            self.inner.wait()
+            self.acc = self.from_inner
+        else:
+            # a window's sum starts from the earlier windows' (awaited after its first kernel)
+            self.acc = self._wait_outer() if j > 0 and not self.late else None
+        if self.acc is None:
+            dtype = self.strat.dkv_dtype(j)
+            self.acc = tuple(fresh_sum(g, rows, self.like, dtype) for g in (bk, bv))
+        else:
+            self.acc[0][:, rows] += bk
+            self.acc[1][:, rows] += bv
+        if self.inner:
+            self.from_inner = send_block(self.inner, self.acc)
+        if t + 1 == self.rings.window:
+            self._window_done(j)
+
+    def _wait_outer(self):
+        self.outer.wait()
+        return self.from_outer
+
+    def _window_done(self, j: int) -> None:
+        if self.inner:  # the last inner hop: nothing left to hide it behind
+            self.inner.wait()
+            self.acc = self.from_inner
+        if self.late and j > 0:
+            self.acc = tuple(a + b for a, b in zip(self.acc, self._wait_outer()))
+        crossing = self.strat.dkv_dtype(j + 1)  # upstream: the window's result, cast
+        self.acc = tuple(a.to(crossing) for a in self.acc)
+        if self.outer:
+            self.from_outer = send_block(self.outer, self.acc)
+        else:
+            self.total = self.acc
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._wait_outer() if self.outer else self.total
 
 
 class _DoubleRingAttention(ZigzagRingsAttention):
@@ -42,20 +109,17 @@ class _DoubleRingAttention(ZigzagRingsAttention):
         s = q.shape[1]
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
-        dkv_home = HomeBound(strat.dkv_rings)
-        for j, t, kv in circulate(rings, torch.stack([k, v])):
+        home = _DkvHome(strat, k)
+        for j, t, (bk_in, bv_in) in circulate(rings, (k, v)):
             blk = zigzag_block(rings.position, rings.source(j, t), s, strat.attn.causal)
             # the kernel needs the final out/lse rows of exactly the queries it sees
             bq, bk, bv = strat.kernel_call("backward", dout[:, blk.q], q[:, blk.q],
-                                           kv[0][:, blk.kv], kv[1][:, blk.kv],
+                                           bk_in[:, blk.kv], bv_in[:, blk.kv],
                                            out[:, blk.q], lse[:, :, blk.q], causal=blk.causal)
             dq[:, blk.q] += bq
-            dkv = torch.zeros_like(kv, dtype=torch.float32)
-            dkv[0][:, blk.kv] = bk.float()
-            dkv[1][:, blk.kv] = bv.float()
-            dkv_home.add(j, t, dkv)
-        dkv = dkv_home.result()
-        return None, dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+            home.add(j, t, blk.kv, bk, bv)
+        dk, dv = home.result()
+        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @register
@@ -68,6 +132,13 @@ class DoubleRing(ZigzagLayout, Strategy):
     class Options:
         window: int = option(0, "ranks per inner ring; 0: ranks per node (the largest "
                                 "divisor of the CP ring whose inner rings stay in a node)")
+        dkv_dtype: str = option("mixed", "dtype of the dK/dV partial sums on the wire: mixed "
+                                "(LoongTrain: fp32 inside the first window, then the "
+                                "activation dtype) or fp32 (a cpbench variant)", DKV_DTYPES)
+        dkv_await: str = option("first-kernel", "when the outer dK/dV hop is awaited: after "
+                                "the first kernel of the next window (LoongTrain) or at its "
+                                "end (a cpbench variant: a whole window to hide it)",
+                                DKV_AWAITS)
 
     @classmethod
     def variants(cls, topo: Topology) -> list:
@@ -89,6 +160,13 @@ class DoubleRing(ZigzagLayout, Strategy):
                              f"(0: ranks per node)")
         super().validate()
 
+    def dkv_dtype(self, j: int) -> torch.dtype:
+        """The dtype of the dK/dV sums in window ``j`` (its inner hops; window j+1's dtype is
+        that of the outer hop closing window j)."""
+        if self.opts.dkv_dtype == "fp32" or j == 0:
+            return torch.float32
+        return self.attn.torch_dtype
+
     def group_lists(self):
         return double_ring_lists(self.cp_lists, self.window, home="dkv")
 
@@ -104,13 +182,30 @@ class DoubleRing(ZigzagLayout, Strategy):
         return _DoubleRingAttention.apply(self, q, k, v)
 
     def schedule(self) -> list[Step]:
-        rings, home, s = self.rings, self.dkv_rings, self.local_seqlen
-        kv = 2 * self.kv_bytes(s)
-        dkv = 2 * self.kv_bytes(s) * 4 // self.attn.element_size
+        rings, s = self.rings, self.local_seqlen
+        kv = self.kv_bytes(s)
         steps = forward_schedule(self, rings)
         for index, (j, t) in enumerate(rings.steps()):
             blk = zigzag_block(rings.position, rings.source(j, t), s, self.attn.causal)
-            msgs = rings.circulate_messages(j, t, kv) + home.home_messages(j, t, dkv)
+            msgs = rings.circulate_messages(j, t, (kv, kv)) + self._dkv_messages(j, t)
             steps.append(self.kernel_step(BWD, index, slice_len(blk.q, s), slice_len(blk.kv, s),
                                           blk.causal, msgs))
         return steps
+
+    def _dkv_messages(self, j: int, t: int) -> list[Message]:
+        """What ``_DkvHome.add`` sends at (j, t), after the step's kernel: dK and dV."""
+        home = self.dkv_rings
+        a = self.attn
+        elems = a.batch * self.local_seqlen * a.num_kv_heads * a.head_dim
+        msgs = []
+        if home.inner:  # the last of a window is awaited at once
+            n = elems * self.dkv_dtype(j).itemsize
+            msgs += [Message("p2p", home.inner.name, n, home.inner.crosses_nodes,
+                             overlapped=t + 1 < home.window, after_compute=True)] * 2
+        if home.outer and t + 1 == home.window:  # the last one ends the backward
+            n = elems * self.dkv_dtype(j + 1).itemsize
+            wait = home.window if self.opts.dkv_await == "window-end" else 1
+            msgs += [Message("p2p", home.outer.name, n, home.outer.crosses_nodes,
+                             overlapped=j + 1 < home.windows, overlap_steps=wait,
+                             after_compute=True)] * 2
+        return msgs

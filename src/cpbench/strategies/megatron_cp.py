@@ -1,29 +1,39 @@
 """megatron-cp: TransformerEngine's p2p context parallelism (``cp_comm_type="p2p"``), the CP
-attention Megatron-LM runs (AttnFuncWithCPAndKVP2P in TE's context_parallel.py).
+attention Megatron-LM runs: AttnFuncWithCPAndKVP2P in TE v2.18's
+``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py`` (CP below;
+the schedule is transcribed with line numbers in tests/unit/test_parity_te.py).
 
-Reproduced from TE's algorithm, for bshd/sbhd inputs without FP8:
-- layout: 2N chunks, rank r holds chunks r and 2N-1-r (get_batch_on_this_cp_rank);
-- forward: K and V packed in one buffer, sent to the next rank, received from the previous;
-  causal steps are TE's tiles: step 0 "diagonal", a source before r "lower-triangle" (all q
-  against the first K/V half), a source after r "upper-triangle" (second q half against all
-  K/V); non-causal "all". Every received K/V buffer, per-step output and per-step lse is KEPT
-  until the end of the forward (memory grows with N); the lse is folded step by step into the
-  final lse (flash_attn_fwd_softmax_lse_correction), and only then is every kept output
-  rescaled by exp(lse_step - lse) and summed (flash_attn_fwd_out_correction);
-- the forward saves q, out, lse and the LAST received K/V (position r+1's), not its own;
-- backward: the ring runs the OTHER way (send to r-1, receive from r+1), starting from that
-  saved K/V so a rank's own block comes home last (the diagonal tile). One message per step
-  packs K/V with the dK/dV partial sum of the previous step's block, in the ACTIVATION dtype,
-  so dK/dV are rounded to it on every hop as in TE; the first step sends K/V only, the last
-  dK/dV only. Double buffers of (K/V, dK/dV) as TE's p2p_comm_buffers.
-Not reproduced: the THD (packed varlen) format and padding between sequences, attention
-bias, FP8, dropout, max-logit, the a2a / all_gather / a2a+p2p comm types (a2a+p2p can run this
-function inside its rings via ``cp_lists``), the two-stream overlap of lse correction, the
-even/odd send-recv ordering (our comm layer batches every exchange). Local accumulators of out
-and dQ are fp32 (cpbench's rule); TE keeps them in the activation dtype.
+Reproduced for bshd without FP8 — what is sent, its dtype, when it is posted and awaited:
+- layout: 2N chunks, rank r holds chunks r and 2N-1-r;
+- forward (CP L1686-1970): K and V packed in ONE buffer in the activation dtype (L1690), sent to
+  the next rank, received from the previous. Step i first waits for the K/V posted at step i-1
+  (L1701-1703), then posts the forward of what it holds (L1705-1715), then runs its tile, so
+  each transfer hides behind one tile. Causal tiles: step 0 "diagonal", a source before r
+  "lower-triangle" (all q against the first K/V half), a source after r "upper-triangle"
+  (second q half against all K/V); non-causal "all" (L1781-1905). Every received K/V buffer,
+  per-step output and per-step lse is KEPT to the end of the forward; the lse of step i-1 is
+  folded into the final lse during step i (L1913-1968), and only then is every kept output
+  rescaled by exp(lse_step - lse) and summed in step order IN THE ACTIVATION DTYPE (L1980-2030:
+  ``flash_attn_fwd_out_correction_init`` returns ``.to(out dtype)``, later steps ``out.add_``);
+- streams, CUDA only (L1677-1678, L1700, L1913-1970): step i runs on stream i % 2, the current
+  stream or a second one (TE's ``cp_stream``), so tile i+1 can start while tile i finishes;
+  ``TileStreams`` below. Nothing of it exists on CPU;
+- the forward saves q, out, lse and the LAST received K/V (position r+1's), not its own (L2087);
+- backward (CP L2203-2973), one stream: the ring runs the OTHER way (L2229-2230), starting from
+  that saved K/V so a rank's own block comes home last (the diagonal tile). Each step posts one
+  message BEFORE its tile and awaits it AFTER (L2458-2493, L2717-2719): K/V packed with the
+  dK/dV partial sum of the previous step's block, in the activation dtype (L2397-2400), so
+  dK/dV are rounded to it on every hop; step 0 sends K/V only, the last step dK/dV only. dQ
+  accumulates in the activation dtype too (``dq_buffer = torch.empty_like(q)``, L2396).
+Not reproduced: THD and padding between sequences, attention bias, FP8, dropout, max-logit;
+TE's unbatched even/odd isend/irecv order (L96-136; TE batches only for NVTE_BATCH_MHA_P2P_COMM=1
+or cp_size 2 below sm100): cpbench's comm layer batches every exchange (same messages, bytes and
+wait points). The a2a+p2p type runs this inside its rings (``megatron-cp-a2a+p2p``).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -49,83 +59,156 @@ def _rows(x_bhs: torch.Tensor) -> torch.Tensor:
     return x_bhs.transpose(1, 2).unsqueeze(-1)
 
 
+class TileStreams:
+    """TE's two forward streams (CP L1677-1678): step i's tile runs on ``streams[i % 2]``, the
+    current stream and TE's ``cp_stream``, so neighbouring tiles overlap (against wave
+    quantization, L1677). The lse corrections all update one lse from alternating streams:
+    one event chains them (L1913-1916, L1967-1968), and the current stream waits for the
+    second before the outputs are summed (L1970). With no streams (CPU) nothing happens.
+
+    Written from TE's code and NEVER RUN ON A GPU HERE (no GPU in this project's checks):
+    its order is tested with stand-in streams (tests/unit/test_schedule_megatron_cp.py)."""
+
+    def __init__(self, streams=(), event=None, use=None):
+        self.streams, self.event = list(streams), event
+        self._use = use or torch.cuda.stream  # the context making a stream current
+
+    @classmethod
+    def for_tensor(cls, x: torch.Tensor, owner) -> TileStreams:
+        """CUDA: the current stream and ``owner``'s second stream (made once, as Megatron
+        makes one ``cp_stream`` for all layers); elsewhere none."""
+        if x.device.type != "cuda":
+            return cls()
+        if owner.cp_stream is None:
+            owner.cp_stream = torch.cuda.Stream(x.device)
+        return cls([torch.cuda.current_stream(x.device), owner.cp_stream], torch.cuda.Event())
+
+    def on(self, step: int):
+        """Make step ``step``'s stream current (its tile, or its lse correction)."""
+        return self._use(self.streams[step % 2]) if self.streams else contextlib.nullcontext()
+
+    def before_correction(self, step: int) -> None:
+        if self.streams and step > 0:  # the previous correction ran on the other stream
+            self.streams[step % 2].wait_event(self.event)
+
+    def after_correction(self, step: int, n: int) -> None:
+        if self.streams and step < n - 1:
+            self.streams[step % 2].record_event(self.event)
+
+    def join(self) -> None:
+        if self.streams:
+            self.streams[0].wait_stream(self.streams[1])
+
+
+def _tile(strat, q, kv, me: int, src: int):
+    """One forward tile: (block, out, lse) of the local q against K/V block ``src``."""
+    blk = zigzag_block(me, src, q.shape[1], strat.attn.causal)
+    o, lse = strat.kernel_call("forward", q[:, blk.q], kv[0][:, blk.kv], kv[1][:, blk.kv],
+                               causal=blk.causal)
+    return blk, o, lse
+
+
+def _correct_lse(lse, tile, step: int, n: int, streams: TileStreams):
+    """Fold step ``step``'s lse into the running one on that step's stream (TE L1913-1968)."""
+    streams.before_correction(step)
+    with streams.on(step):
+        blk, _, lse_step = tile
+        if lse is None:  # step 0 is the diagonal (or "all") tile: every query row
+            lse = lse_step.float().clone()
+        else:
+            lse[:, :, blk.q] = torch.logaddexp(lse[:, :, blk.q], lse_step.float())
+    streams.after_correction(step, n)
+    return lse
+
+
+def _sum_outputs(q, tiles, lse):
+    """Every kept output rescaled by exp(lse_step - lse), summed in step order in the activation
+    dtype: the product is fp32, each sum rounded to q's dtype as TE's ``out.add_`` (L1980-2030)."""
+    out = None
+    for blk, o, lse_step in tiles:
+        scaled = o * _rows(torch.exp(lse_step.float() - lse[:, :, blk.q]))
+        if out is None:  # step 0 covers every row
+            out = scaled.to(q.dtype)
+        else:
+            out[:, blk.q].add_(scaled)
+    return out
+
+
+def p2p_forward(strat, q, k, v, comm, streams: TileStreams):
+    """TE's forward loop (CP L1697-1970); returns out, lse and the last K/V received."""
+    g = strat.groups["ring"]
+    n, me = g.size, g.index
+    kv_bufs = [torch.stack([k, v])]  # TE's p2p_comm_buffers: every one kept to the end
+    tiles, lse = [], None
+    for i in range(n + 1):
+        if i < n:
+            with streams.on(i):
+                if i > 0:
+                    comm.wait()  # the K/V posted at step i-1, awaited before this tile
+                if i + 1 < n:
+                    kv_bufs.append(comm.send_recv(kv_bufs[i]))
+                    comm.commit()
+                tiles.append(_tile(strat, q, kv_bufs[i], me, _fwd_src(me, i, n)))
+        if i > 0:  # step i-1's correction runs behind step i's tile
+            lse = _correct_lse(lse, tiles[i - 1], i - 1, n, streams)
+    streams.join()
+    return _sum_outputs(q, tiles, lse), lse, kv_bufs[-1]
+
+
+def p2p_backward(strat, dout, q, kv, out, lse):
+    """TE's backward loop (CP L2452-2810): dq, and the rank's own dK/dV as (2, ...) rows."""
+    g = strat.groups["ring"]
+    n, me = g.size, g.index
+    dq = torch.zeros_like(q)  # activation dtype, as TE's dq_buffer
+    # bufs[i][0]: K/V, bufs[i][1]: dK/dV of the block before, both in the activation dtype
+    bufs = [kv.new_empty((2, *kv.shape)) for _ in range(2)]
+    bufs[0][0].copy_(kv)
+    comm = RingComm(g)
+    for step in range(n):
+        cur, nxt = bufs[step % 2], bufs[(step + 1) % 2]
+        if n > 1:
+            # first hop: no dK/dV exists yet; last hop: nobody needs the K/V any more
+            part = slice(0, 1) if step == 0 else slice(1, 2) if step == n - 1 else slice(0, 2)
+            comm.send_recv(cur[part], nxt[part], reverse=True)
+            comm.commit()
+        blk = zigzag_block(me, _bwd_src(me, step, n), q.shape[1], strat.attn.causal)
+        bq, bk, bv = strat.kernel_call("backward", dout[:, blk.q], q[:, blk.q],
+                                       cur[0][0][:, blk.kv], cur[0][1][:, blk.kv],
+                                       out[:, blk.q], lse[:, :, blk.q], causal=blk.causal)
+        dq[:, blk.q] += bq
+        comm.wait()
+        # the dK/dV that came in belongs to the block just computed: add ours and it
+        # leaves with the next step's message, rounded to the activation dtype
+        dkv = nxt[1]
+        if step == 0:
+            dkv.zero_()
+        dkv[0][:, blk.kv] += bk
+        dkv[1][:, blk.kv] += bv
+    return dq, bufs[n % 2][1]  # own block: every rank's contribution, the diagonal last
+
+
 class _TEP2PAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, strat: "MegatronCP", q, k, v):
-        g = strat.groups["ring"]
-        n, me = g.size, g.index
-        s = q.shape[1]
-        comm = RingComm(g)
-        kv_bufs = [torch.stack([k, v])]  # TE keeps every received buffer alive to the end
-        blocks, out_steps, lse_steps = [], [], []
-        lse = None
-        for step in range(n):
-            if step + 1 < n:
-                kv_bufs.append(comm.send_recv(kv_bufs[step]))
-                comm.commit()
-            kv = kv_bufs[step]
-            blk = zigzag_block(me, _fwd_src(me, step, n), s, strat.attn.causal)
-            o, lse_o = strat.kernel_call("forward", q[:, blk.q], kv[0][:, blk.kv],
-                                     kv[1][:, blk.kv], causal=blk.causal)
-            blocks.append(blk)
-            out_steps.append(o)
-            lse_steps.append(lse_o)
-            # lse correction as the steps come in; outputs wait for the final lse
-            if lse is None:  # step 0 is the diagonal (or "all") tile: every query row
-                lse = lse_o.float().clone()
-            else:
-                lse[:, :, blk.q] = torch.logaddexp(lse[:, :, blk.q], lse_o.float())
-            if step + 1 < n:
-                comm.wait()
-        out = torch.zeros_like(q, dtype=torch.float32)
-        for blk, o, lse_o in zip(blocks, out_steps, lse_steps):
-            out[:, blk.q] += o.float() * _rows(torch.exp(lse_o.float() - lse[:, :, blk.q]))
-        out = out.to(q.dtype)
-        save_for_backward(ctx, strat, q, kv_bufs[-1], out, lse, lse=lse)
+        comm = RingComm(strat.groups["ring"])
+        out, lse, kv_last = p2p_forward(strat, q, k, v, comm, TileStreams.for_tensor(q, strat))
+        save_for_backward(ctx, strat, q, kv_last, out, lse, lse=lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        strat = ctx.strat
         q, kv, out, lse = ctx.saved_tensors
-        g = strat.groups["ring"]
-        n, me = g.size, g.index
-        s = q.shape[1]
-        dout = dout.contiguous()
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        # bufs[i][0]: K/V, bufs[i][1]: dK/dV of the block before, both in the activation dtype
-        bufs = [kv.new_empty((2, *kv.shape)) for _ in range(2)]
-        bufs[0][0].copy_(kv)
-        comm = RingComm(g)
-        for step in range(n):
-            cur, nxt = bufs[step % 2], bufs[(step + 1) % 2]
-            if n > 1:
-                # first hop: no dK/dV exists yet; last hop: nobody needs the K/V any more
-                part = slice(0, 1) if step == 0 else slice(1, 2) if step == n - 1 else slice(0, 2)
-                comm.send_recv(cur[part], nxt[part], reverse=True)
-                comm.commit()
-            blk = zigzag_block(me, _bwd_src(me, step, n), s, strat.attn.causal)
-            bq, bk, bv = strat.kernel_call("backward", dout[:, blk.q], q[:, blk.q],
-                                           cur[0][0][:, blk.kv], cur[0][1][:, blk.kv],
-                                           out[:, blk.q], lse[:, :, blk.q], causal=blk.causal)
-            dq[:, blk.q] += bq
-            comm.wait()
-            # the dK/dV that came in belongs to the block just computed: add ours and it
-            # leaves with the next step's message, rounded to the activation dtype
-            dkv = nxt[1]
-            if step == 0:
-                dkv.zero_()
-            dkv[0][:, blk.kv] += bk
-            dkv[1][:, blk.kv] += bv
-        dkv = bufs[n % 2][1]  # own block: every rank's contribution, the diagonal last
-        return None, dq.to(q.dtype), dkv[0].clone(), dkv[1].clone()
+        dq, dkv = p2p_backward(ctx.strat, dout.contiguous(), q, kv, out, lse)
+        return None, dq, dkv[0], dkv[1]  # views of the ring buffer, as TE returns them
 
 
 @register
 class MegatronCP(ZigzagLayout, Strategy):
     name = "megatron-cp"
     description = ("TransformerEngine p2p CP (Megatron): zigzag layout, packed K/V ring, kept "
-                   "per-step outputs, reverse ring with K/V+dK/dV in the activation dtype")
+                   "per-step outputs, reverse ring with K/V+dK/dV in the activation dtype; "
+                   "two forward streams on GPU")
+    cp_stream = None  # CUDA: the second forward stream, made on first use
 
     def group_lists(self):
         return {"ring": self.cp_lists}
@@ -156,7 +239,8 @@ class MegatronCP(ZigzagLayout, Strategy):
                     nbytes = kv
                 elif phase == BWD and n > 1:
                     nbytes = kv if step in (0, n - 1) else 2 * kv
-                # every message, the last dK/dV included, is in flight during that step's tile
+                # posted before the step's tile, awaited before the next tile (forward) or
+                # right after this one (backward): either way one tile hides it
                 msgs = (Message("p2p", "ring", nbytes, g.crosses_nodes),) if nbytes else ()
                 steps.append(self.kernel_step(phase, step, slice_len(blk.q, s),
                                               slice_len(blk.kv, s), blk.causal, msgs))
