@@ -58,8 +58,13 @@ def _runs(cls, attn, topo, opts) -> bool:
 ON_CPU = ["rfa-zigzag", "rfa-ring", "rfa-stripe", "yunchang-usp", "torch-ring"]
 
 
-@pytest.mark.parametrize("world,rpn", [(2, 1), (4, 2), (8, 4)], ids=str)
-@pytest.mark.parametrize("name", ON_CPU)
+# 8 ranks for the adapters whose mesh or layout depends on it (the rings of ring-flash-attn
+# do the same at 8 as at 4: 8-rank launches are the slow part on 2 cores)
+MATRIX = [(name, world, rpn) for name in ON_CPU for world, rpn in ((2, 1), (4, 2), (8, 4))
+          if world < 8 or not name.startswith("rfa-")]
+
+
+@pytest.mark.parametrize("name,world,rpn", MATRIX, ids=str)
 def test_upstream_matches_reference(name, world, rpn):
     topo = Topology(world_size=world, ranks_per_node=rpn)
     cases = _cases(name, topo)
