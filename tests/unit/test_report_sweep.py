@@ -145,3 +145,14 @@ def test_plot_without_matplotlib_is_one_line_with_the_install(tmp_path, capsys, 
     assert out == "" and err.count("\n") == 1
     assert "pip install 'cpbench[plot]'" in err
     assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_lines_never_share_a_look():
+    """Up to 24 lines, each its own (colour, marker): matplotlib's default cycle repeats its
+    colours after ten, which made two strategies look like one."""
+    from cpbench.report.plot import line_style, require_matplotlib
+
+    plt = require_matplotlib()
+    looks = [tuple(line_style(i, plt).values()) for i in range(24)]
+    assert len(set(looks)) == 24
+    assert len({colour for colour, _ in looks[:20]}) == 20  # 20 colours before any repeats

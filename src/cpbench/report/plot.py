@@ -4,6 +4,8 @@ on the x axis, labelled. matplotlib is imported here only (``pip install cpbench
 
 from __future__ import annotations
 
+import textwrap
+
 from cpbench.errors import UsageError
 from cpbench.report.sweep import latest_frame, row_keys, size_text
 from cpbench.results import OK
@@ -47,12 +49,16 @@ def plot(records: list[dict], path: str, title_note: str | None = None) -> None:
         raise UsageError("no records to plot")
     df = df.assign(row=row_keys(df))
     df["rate"] = df["fwd_tflops"].where(df["fwd_only"], df["fwd_bwd_tflops"])
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
+    rows = list(dict.fromkeys(df["row"]))
+    # the legend goes under the axes, two columns: the figure grows with it, the axes keep
+    # their size whatever the number of lines
+    legend_rows = (len(rows) + 2) // 2
+    fig, ax = plt.subplots(figsize=(10, 5.0 + 0.22 * legend_rows), dpi=120)
     marks = []  # (seqlen, status, colour) of the cases with no rate, drawn last
-    for row, g in df.groupby("row", sort=False):
+    for i, (row, g) in enumerate(df.groupby("row", sort=False)):
         g = g.sort_values("seqlen")
         ok = g[(g["status"] == OK) & g["rate"].notna()]
-        line, = ax.plot(ok["seqlen"], ok["rate"], marker="o", label=row)
+        line, = ax.plot(ok["seqlen"], ok["rate"], label=row, **line_style(i, plt))
         bad = g[(g["status"] != OK) | g["rate"].isna()]
         marks += [(s, st, line.get_color()) for s, st in zip(bad["seqlen"], bad["status"])]
     if marks:
@@ -73,11 +79,23 @@ def plot(records: list[dict], path: str, title_note: str | None = None) -> None:
     ax.set_ylabel(f"TFLOPs/s per GPU ({phase})")
     a = df.iloc[0]
     topo = ", ".join(dict.fromkeys(df["topo"]))
-    ax.set_title(f"{a['dtype']}, B={a['batch']}, H={a['heads']}, D={a['head_dim']}, "
-                 f"{'causal' if a['causal'] else 'full'} — {topo} GPUs"
-                 + (f" ({title_note})" if title_note else ""), fontsize=10)
+    title = (f"{a['dtype']}, B={a['batch']}, H={a['heads']}, D={a['head_dim']}, "
+             f"{'causal' if a['causal'] else 'full'} — {topo} GPUs"
+             + (f" ({title_note})" if title_note else ""))
+    ax.set_title(textwrap.fill(title, 90), fontsize=10)  # wrapped: never cut off
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2,
+              frameon=False)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
+
+
+MARKERS = "osD^vP*Xhp<>"
+
+
+def line_style(i: int, plt) -> dict:
+    """The i-th line's colour and marker: 20 colours (tab20) x 12 markers, so no two lines of
+    a plot look alike (matplotlib's default cycle repeats its colours after ten)."""
+    colours = plt.get_cmap("tab20").colors
+    return {"color": colours[(i * 2) % 20 + (i // 10) % 2], "marker": MARKERS[i % len(MARKERS)]}
