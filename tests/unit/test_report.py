@@ -225,3 +225,30 @@ def test_compare_upstream_pairs_twins_on_the_same_problem_with_the_time_ratio():
     text = compare_upstream(records)
     assert "1.25x" in text and "2.00x" in text  # 50 / 40 and 60 / 30
     assert "no strategy ran beside" in compare_upstream(records[:1])
+
+
+def _profiled(strategy, exposed, **kw):
+    r = fake_record(strategy, **kw)
+    r["profile"] = {"rank": 0, "step_ms": 30.0, "exposed_comm_ms": 30.0 * exposed / 100,
+                    "exposed_comm_pct": exposed,
+                    "wall_pct": {"attention/fwd": 20.0, "attention/bwd": 50.0,
+                                 "communication/p2p": 20.0, "idle": 10.0}}
+    return r
+
+
+def test_profiled_records_show_exposed_communication(tmp_path):
+    from cpbench.report import plot
+
+    records = [_profiled("zigzag", 12.5), fake_record("ring")]
+    lines = report.summary(records).splitlines()
+    header = [c.strip() for c in lines[2].split("|")]
+    assert "Exposed Comm" in header
+    col = header.index("Exposed Comm")
+    assert [line.split("|")[col].strip() for line in lines[4:6]] == ["12.5 %", "-"]
+    data = json.loads(report.summary(records, "json"))
+    assert data[0]["exposed_comm_pct"] == 12.5 and data[1]["exposed_comm_pct"] is None
+    assert "Exposed Comm" not in report.summary([fake_record("ring")])  # no profile: no column
+    out = tmp_path / "b.png"
+    assert plot.plot_breakdown(records, str(out)) and out.stat().st_size > 0
+    assert not plot.plot_breakdown([fake_record("ring")], str(tmp_path / "none.png"))
+    assert plot.breakdown_path("dir/t.png") == "dir/t.breakdown.png"

@@ -76,6 +76,9 @@ def main(args) -> int:
         try:
             note = tables.simulated_note(records).strip(" ()") or None
             plot.plot(records, args.plot, title_note=note)
+            if plot.plot_breakdown(records, plot.breakdown_path(args.plot)):
+                sys.stderr.write(f"{PROG}: breakdown written to "
+                                 f"{plot.breakdown_path(args.plot)}\n")
         except (OSError, UsageError) as e:
             return fail(PROG, e)
         sys.stderr.write(f"{PROG}: plot written to {args.plot}\n")

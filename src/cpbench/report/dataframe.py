@@ -33,6 +33,9 @@ def _row(r: dict) -> dict:
         **{k: d.get(k) for k in _FIGURES},
         "utc": r["env"].get("utc"), "git_sha": r["env"].get("git_sha"),
         "simulated": bool(r["env"].get("simulated")),
+        # the breakdown of a profiled step (run --profile), where the record has one
+        "exposed_comm_pct": (r.get("profile") or {}).get("exposed_comm_pct"),
+        "exposed_comm_ms": (r.get("profile") or {}).get("exposed_comm_ms"),
     }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import textwrap
 
 from cpbench.errors import UsageError
+from cpbench.report.labels import row_label
 from cpbench.report.sweep import latest_frame, row_keys, size_text
 from cpbench.results import OK
 
@@ -99,3 +100,45 @@ def line_style(i: int, plt) -> dict:
     a plot look alike (matplotlib's default cycle repeats its colours after ten)."""
     colours = plt.get_cmap("tab20").colors
     return {"color": colours[(i * 2) % 20 + (i // 10) % 2], "marker": MARKERS[i % len(MARKERS)]}
+
+
+def breakdown_path(path: str) -> str:
+    """Where ``--plot OUT.png`` puts the breakdown chart: ``OUT.breakdown.png``."""
+    from pathlib import Path
+
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.breakdown{p.suffix}"))
+
+
+def plot_breakdown(records: list[dict], path: str) -> bool:
+    """A stacked bar per profiled row (``run --profile``): the parts of its step's wall time
+    (attention, communication by op, …, idle), in %, with the exposed communication marked.
+    False when no record carries a breakdown (nothing written)."""
+    profiled = [r for r in records if (r.get("profile") or {}).get("wall_pct")]
+    if not profiled:
+        return False
+    plt = require_matplotlib()
+    parts = list(dict.fromkeys(p for r in profiled for p in r["profile"]["wall_pct"]))
+    labels = [f"{row_label(r)} @ {size_text(r['config']['attention']['seqlen'])}"
+              for r in profiled]
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(profiled) + 0.2 * len(parts)),
+                           dpi=120)
+    left = [0.0] * len(profiled)
+    for i, part in enumerate(parts):
+        widths = [r["profile"]["wall_pct"].get(part, 0.0) for r in profiled]
+        ax.barh(labels, widths, left=left, label=part, color=line_style(i, plt)["color"])
+        left = [a + b for a, b in zip(left, widths)]
+    for y, r in enumerate(profiled):  # the communication no kernel hides, on its bar
+        pct = r["profile"].get("exposed_comm_pct")
+        if pct is not None:
+            ax.annotate(f"exposed comm {pct:.1f} %", (101, y), va="center", fontsize=7)
+    ax.set_xlim(0, 125)
+    ax.set_xlabel("% of the profiled step's wall time (slowest rank)")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3,
+              frameon=False)
+    ax.set_title("Where the time goes", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return True

@@ -59,6 +59,7 @@ def rows(records: list[dict]) -> list[dict]:
     """Display rows: column title → cell text, in table order."""
     df = frame(records)
     with_check = any(r.get("check") for r in records)
+    with_profile = df["exposed_comm_pct"].notna().any()
     mixed = df["simulated"].nunique() > 1  # measured and simulated rows side by side
     out = []
     for row in df.to_dict("records"):
@@ -79,6 +80,9 @@ def rows(records: list[dict]) -> list[dict]:
             **({"Source": "simulated" if row["simulated"] else "measured"} if mixed else {}),
             "FWD (ms)": fwd, "FWD+BWD (ms)": both, "Memory (MB)": mem, "TFLOPs/s": tf,
         }
+        if with_profile:  # the profiled step's communication no kernel hides (--profile)
+            cells["Exposed Comm"] = "-" if _missing(row["exposed_comm_pct"]) else \
+                f"{row['exposed_comm_pct']:.1f} %"
         if with_check:
             passed = row["check_passed"]
             cells["Check"] = "-" if _missing(passed) else "PASS" if passed else "FAIL"
@@ -188,7 +192,8 @@ def _data(records: list[dict]):
     cols = ["strategy", "placement", "dtype", "qkv_format", "batch", "seqlen", "heads",
             "kv_heads", "head_dim", "causal", "world", "nodes", "gpus_per_node", "cp", "kernel",
             "status", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "memory_mb", "tflops", "check",
-            "cp_efficiency", "error", "memory_status", "memory_error"]
+            "cp_efficiency", "exposed_comm_pct", "exposed_comm_ms", "error", "memory_status",
+            "memory_error"]
     return df[cols]
 
 
