@@ -65,3 +65,22 @@ def slowest_rank(samples_by_rank: Sequence[Sequence[float]]) -> int:
 def gib(nbytes: float) -> str:
     """Bytes as the messages print them: ``1.5 GiB``."""
     return f"{nbytes / GIB:.1f} GiB"
+
+
+# -- intervals -------------------------------------------------------------------------------
+
+def bootstrap_ratio(num: Sequence[float], den: Sequence[float], *, scale: float = 1.0,
+                    n_boot: int = 2000, level: float = 0.95, seed: int = 0
+                    ) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``scale * median(num) / median(den)``, each sample
+    resampled with replacement on its own (seeded: the same records give the same interval).
+    The efficiency and the comparison ratios are such ratios of per-iteration times."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    ma = np.median(a[rng.integers(0, len(a), (n_boot, len(a)))], axis=1)
+    mb = np.median(b[rng.integers(0, len(b), (n_boot, len(b)))], axis=1)
+    ratios = scale * ma / mb
+    tail = (1 - level) / 2
+    return float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1 - tail))

@@ -56,9 +56,10 @@ def test_oom_row_has_oom_in_every_time_and_tflops_column():
 def test_cp_efficiency():
     effs = report.efficiencies(_records())
     assert len(effs) == 1
-    label, n, base, phase, eff = effs[0]
+    label, n, base, phase, eff, (low, high) = effs[0]
     assert (label, n, base, phase) == ("zigzag", 4, "local", "FWD+BWD")
     assert eff == pytest.approx(62.0 / (4 * 31.0))
+    assert low <= eff <= high  # the bootstrap interval of the per-iteration samples
     text = report.summary(_records())
     assert "CP efficiency = T_local / (N · T_cp)" in text and "50.0 %" in text
 
@@ -71,7 +72,7 @@ def test_efficiency_needs_the_same_problem():
 def test_efficiency_falls_back_to_fwd_when_a_side_has_no_backward():
     recs = [fake_record("zigzag", fwd_only=True),
             fake_record("local", ranks_per_problem=1, fwd=[[44.0] * 3] * 4)]
-    (label, n, base, phase, eff), = report.efficiencies(recs)
+    (label, n, base, phase, eff, _), = report.efficiencies(recs)
     assert phase == "FWD" and eff == pytest.approx(44.0 / (4 * 11.0))
 
 
@@ -252,3 +253,20 @@ def test_profiled_records_show_exposed_communication(tmp_path):
     assert plot.plot_breakdown(records, str(out)) and out.stat().st_size > 0
     assert not plot.plot_breakdown([fake_record("ring")], str(tmp_path / "none.png"))
     assert plot.breakdown_path("dir/t.png") == "dir/t.breakdown.png"
+
+
+def test_a_baseline_timed_at_both_ends_is_pooled_and_drift_is_flagged():
+    """The run times the no-CP baseline first and last: both timings count (pooled), and
+    when they disagree beyond their spread the report says the machine's load changed."""
+    cp = fake_record("zigzag", fwd_bwd=[[31.0, 32.0, 30.0]] * 4)
+    steady = [fake_record("local", ranks_per_problem=1, fwd_bwd=[[t, t + 1, t - 1]] * 4)
+              for t in (62.0, 62.5)]
+    (_, _, _, _, eff, (low, high)), = report.efficiencies([cp, *steady])
+    assert eff == pytest.approx(62.25 / (4 * 31.0)) and low <= eff <= high  # median of six
+    assert "disagrees" not in report.summary([cp, *steady])
+    drifted = [steady[0], fake_record("local", ranks_per_problem=1,
+                                      fwd_bwd=[[90.0, 91.0, 89.0]] * 4)]
+    (_, _, _, _, eff, _), = report.efficiencies([cp, *drifted])
+    assert eff == pytest.approx(76.0 / (4 * 31.0))  # the median of all six iterations
+    assert "local at seqlen 1024 timed 2 times disagrees beyond its spread" in \
+        report.summary([cp, *drifted])

@@ -84,13 +84,14 @@ def test_compare_placement_side_by_side_with_ratio(tmp_path):
     assert _cells(lines[2]) == ["Seq Len", "head-first", "ring-first",
                                 "ring-first / head-first"]
     for line in lines[4:7]:
-        assert _cells(line)[3] == f"{140 / 310:.2f}x"  # same FLOPs: the time ratio inverted
+        # same FLOPs: the time ratio inverted, with its bootstrap interval (constant samples)
+        assert _cells(line)[3] == f"{140 / 310:.2f}x [{140 / 310:.2f}, {140 / 310:.2f}]"
     # double-ring windows are variants too, ordered by number (2 before 16)
     windows = [_rec("double-ring", s, ms, options={"window": w}, defaults={"window": 0})
                for s in SEQLENS[:2] for w, ms in ((16, 100.0), (2, 200.0))]
     text = report.sweep.compare_placement(windows)
     assert _cells(text.splitlines()[2])[1:] == ["window=2", "window=16", "window=16 / window=2"]
-    assert _cells(text.splitlines()[5])[3] == "2.00x"
+    assert _cells(text.splitlines()[5])[3] == "2.00x [2.00, 2.00]"
     assert "no strategy ran more than one" in report.sweep.compare_placement(recs[1:3])
     # words every variant shares move to the heading
     degrees = [_rec("usp", SEQLENS[0], 100.0, options={"placement": p, "ulysses_degree": 2},

@@ -4,8 +4,10 @@ problem. Every table, pivot and plot is rendered from this frame."""
 
 from __future__ import annotations
 
+from statistics import median
 from typing import Iterable
 
+from cpbench.metrics import bootstrap_ratio, slowest_per_iter
 from cpbench.report.labels import joined, options_label
 from cpbench.results import OK, derive
 
@@ -14,6 +16,12 @@ PROBLEM = ["dtype", "batch", "seqlen", "heads", "kv_heads", "head_dim", "causal"
            "ranks_per_node", "kernel", "device"]
 _FIGURES = ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "memory_mb", "fwd_tflops", "bwd_tflops",
             "fwd_bwd_tflops", "check_passed")
+
+
+def _iterations(r: dict, phase: str) -> list[float] | None:
+    """The per-iteration step times (slowest rank) of a phase, where measured."""
+    samples = (r.get("samples_ms") or {}).get(phase)
+    return slowest_per_iter(samples) if samples else None
 
 
 def _row(r: dict) -> dict:
@@ -36,6 +44,7 @@ def _row(r: dict) -> dict:
         # the breakdown of a profiled step (run --profile), where the record has one
         "exposed_comm_pct": (r.get("profile") or {}).get("exposed_comm_pct"),
         "exposed_comm_ms": (r.get("profile") or {}).get("exposed_comm_ms"),
+        "iters_fwd": _iterations(r, "fwd"), "iters_fwd_bwd": _iterations(r, "fwd_bwd"),
     }
 
 
@@ -54,26 +63,86 @@ def frame(records: list[dict]):
     if df.empty:
         return df
     ok = df["status"] == OK
-    base = (df[ok & (df["ranks_per_problem"] == 1)]
-            .drop_duplicates(PROBLEM)[PROBLEM + ["strategy", "fwd_ms", "fwd_bwd_ms"]]
-            .rename(columns={"strategy": "baseline", "fwd_ms": "base_fwd_ms",
-                             "fwd_bwd_ms": "base_fwd_bwd_ms"}))
-    df = df.merge(base, on=PROBLEM, how="left")  # keeps the records' order
+    df = df.merge(_baselines(df[ok & (df["ranks_per_problem"] == 1)]), on=PROBLEM,
+                  how="left")  # keeps the records' order
     both = df["fwd_bwd_ms"].notna() & df["base_fwd_bwd_ms"].notna()
     t_cp = df["fwd_bwd_ms"].where(both, df["fwd_ms"])
     t_base = df["base_fwd_bwd_ms"].where(both, df["base_fwd_ms"])
     cp_row = ok & (df["ranks_per_problem"] > 1)
     df["cp_efficiency"] = (t_base / (df["ranks_per_problem"] * t_cp)).where(cp_row)
     df["efficiency_phase"] = both.map({True: "FWD+BWD", False: "FWD"})
+    lo_hi = [_efficiency_interval(row, b) if c else (None, None)
+             for row, b, c in zip(df.to_dict("records"), both, cp_row)]
+    df["cp_efficiency_low"] = [lo for lo, _ in lo_hi]
+    df["cp_efficiency_high"] = [hi for _, hi in lo_hi]
     df["label"] = [joined(s, o) for s, o in zip(df["strategy"], df["options"])]
     return df
 
 
-def efficiencies(records: list[dict]) -> list[tuple[str, int, str, str, float]]:
-    """(row label, N, baseline, timed phase, efficiency) for every CP row with a baseline."""
+def _pooled(series) -> list[float] | None:
+    lists = [x for x in series if x]
+    return [v for x in lists for v in x] if lists else None
+
+
+def _baselines(base_rows):
+    """One baseline per problem: every record of it (a run times it at both ends) pooled,
+    its time the median of the pooled iterations; each record's iterations kept apart
+    (``base_each``) to see whether they agree."""
+    import pandas as pd
+
+    rows = []
+    for key, g in base_rows.groupby(PROBLEM, sort=False, dropna=False):
+        fwd, both = _pooled(g["iters_fwd"]), _pooled(g["iters_fwd_bwd"])
+        rows.append({**dict(zip(PROBLEM, key)), "baseline": g["strategy"].iloc[0],
+                     "base_fwd_ms": median(fwd) if fwd else None,
+                     "base_fwd_bwd_ms": median(both) if both else None,
+                     "base_iters_fwd": fwd, "base_iters_fwd_bwd": both,
+                     "base_each": [x for x in g["iters_fwd_bwd"] if x]
+                     or [x for x in g["iters_fwd"] if x]})
+    columns = PROBLEM + ["baseline", "base_fwd_ms", "base_fwd_bwd_ms", "base_iters_fwd",
+                         "base_iters_fwd_bwd", "base_each"]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def _efficiency_interval(row: dict, both: bool) -> tuple[float | None, float | None]:
+    """The efficiency's bootstrap 95 % interval from the per-iteration samples."""
+    base = row["base_iters_fwd_bwd"] if both else row["base_iters_fwd"]
+    mine = row["iters_fwd_bwd"] if both else row["iters_fwd"]
+    if not isinstance(base, list) or not isinstance(mine, list) or not base or not mine:
+        return None, None  # no baseline for this problem (pandas fills NaN), or no samples
+    return bootstrap_ratio(base, mine, scale=1 / row["ranks_per_problem"])
+
+
+def efficiencies(records: list[dict]) -> list[tuple]:
+    """(row label, N, baseline, timed phase, efficiency, (interval low, high)) for every CP
+    row with a baseline; the interval is None where samples are missing."""
     df = frame(records)
     if df.empty:
         return []
     return [(row["label"], int(row["ranks_per_problem"]), row["baseline"],
-             row["efficiency_phase"], float(row["cp_efficiency"]))
+             row["efficiency_phase"], float(row["cp_efficiency"]),
+             None if row["cp_efficiency_low"] is None
+             else (row["cp_efficiency_low"], row["cp_efficiency_high"]))
             for row in df[df["cp_efficiency"].notna()].to_dict("records")]
+
+
+def baseline_drift(records: list[dict]) -> list[str]:
+    """Problems whose baseline was timed more than once (a run's first and last case) with
+    intervals that do not overlap: the machine's load changed during the run, and every
+    efficiency against it is suspect. One line each."""
+    df = to_frame(records)
+    if df.empty:
+        return []
+    base = _baselines(df[(df["status"] == OK) & (df["ranks_per_problem"] == 1)])
+    out = []
+    for row in base.to_dict("records"):
+        each = row["base_each"]
+        if len(each) < 2:
+            continue
+        spans = [bootstrap_ratio(x, [1.0]) for x in each]  # each timing's median interval
+        if max(lo for lo, _ in spans) > min(hi for _, hi in spans):
+            medians = ", ".join(f"{median(x):.2f}" for x in each)
+            out.append(f"warning: {row['baseline']} at seqlen {row['seqlen']} timed "
+                       f"{len(each)} times disagrees beyond its spread ({medians} ms): the "
+                       f"machine's load changed during the run; its efficiencies are suspect")
+    return out

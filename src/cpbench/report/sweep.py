@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import re
+from statistics import median
 
+from cpbench.metrics import bootstrap_ratio
 from cpbench.report import tables
 from cpbench.report.dataframe import PROBLEM, frame
 from cpbench.results import OK
@@ -148,12 +150,9 @@ def compare_placement(records: list[dict], fmt: str = "table") -> str:
             for v in variants:
                 cells[short[v]] = by[v]["TFLOPs/s"] if v in by else "-"
             base = by.get(first)
+            phase = "fwd" if g["fwd_only"].iloc[0] else "fwd_bwd"
             for v in variants[1:]:
-                r = by.get(v)
-                ok = base and r and base["status"] == r["status"] == OK
-                rate = "fwd_tflops" if g["fwd_only"].iloc[0] else "fwd_bwd_tflops"
-                cells[f"{short[v]} / {short[first]}"] = (f"{r[rate] / base[rate]:.2f}x"
-                                          if ok and base[rate] else "-")
+                cells[f"{short[v]} / {short[first]}"] = ratio_cell(base, by.get(v), phase)
             table_rows.append(cells)
         a = g.iloc[0]
         title = (f"{a['strategy']}{' (' + common + ')' if common else ''} on {a['topo']} GPUs: "
@@ -167,6 +166,18 @@ def compare_placement(records: list[dict], fmt: str = "table") -> str:
         return ("no strategy ran more than one placement (or window, or degree) on the same "
                 "topology and problem\n")
     return "\n".join(lines) + "\n"
+
+
+def ratio_cell(den: dict | None, num: dict | None, phase: str) -> str:
+    """``num``'s rate over ``den``'s (time of den over time of num: > 1 is faster) with its
+    bootstrap 95 % interval from the per-iteration samples; "-" unless both ran."""
+    if not (den and num and den["status"] == num["status"] == OK):
+        return "-"
+    a, b = den[f"iters_{phase}"], num[f"iters_{phase}"]
+    if not isinstance(a, list) or not isinstance(b, list) or not a or not b:
+        return "-"
+    low, high = bootstrap_ratio(a, b)
+    return f"{median(a) / median(b):.2f}x [{low:.2f}, {high:.2f}]"
 
 
 def _distinct(labels: list[str]) -> tuple[dict[str, str], str]:

@@ -29,7 +29,7 @@ import math
 
 from cpbench.config import FORMATS
 from cpbench.reference import TENSORS, Comparison
-from cpbench.report.dataframe import efficiencies, frame
+from cpbench.report.dataframe import baseline_drift, efficiencies, frame
 from cpbench.report.labels import option_text, row_label
 from cpbench.results import FAILED, OK, OOM, derive
 
@@ -86,10 +86,16 @@ def rows(records: list[dict]) -> list[dict]:
         if with_check:
             passed = row["check_passed"]
             cells["Check"] = "-" if _missing(passed) else "PASS" if passed else "FAIL"
-        cells["CP Efficiency"] = ("-" if _missing(row["cp_efficiency"])
-                                  else f"{100 * row['cp_efficiency']:.1f} %")
+        cells["CP Efficiency"] = ("-" if _missing(row["cp_efficiency"]) else
+                                  f"{100 * row['cp_efficiency']:.1f} % "
+                                  f"[{_pct(row['cp_efficiency_low'])}, "
+                                  f"{_pct(row['cp_efficiency_high'])}]")
         out.append(cells)
     return out
+
+
+def _pct(x) -> str:
+    return "-" if _missing(x) else f"{100 * x:.1f}"
 
 
 def _memory_cell(memory_mb, memory_status) -> str:
@@ -129,13 +135,14 @@ def _efficiency_lines(records: list[dict]) -> list[str]:
     effs = efficiencies(records)
     if not effs:
         return []
-    phases = {phase for *_, phase, _ in effs}
+    phases = {e[3] for e in effs}
     out = [f"CP efficiency = T_local / (N · T_cp), {' or '.join(sorted(phases))}, against "
-           f"{effs[0][2]}:"]
+           f"{effs[0][2]} (95 % bootstrap interval of the per-iteration samples):"]
     width = max(len(label) for label, *_ in effs)
-    for label, n, _, _, eff in effs:
-        out.append(f"  {label:<{width}}  N={n:<3} {100 * eff:6.1f} %")
-    return out
+    for label, n, _, _, eff, interval in effs:
+        span = f"  [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]" if interval else ""
+        out.append(f"  {label:<{width}}  N={n:<3} {100 * eff:6.1f} %{span}")
+    return out + baseline_drift(records)
 
 
 def simulated(records: list[dict]) -> tuple[int, str]:
@@ -192,8 +199,8 @@ def _data(records: list[dict]):
     cols = ["strategy", "placement", "dtype", "qkv_format", "batch", "seqlen", "heads",
             "kv_heads", "head_dim", "causal", "world", "nodes", "gpus_per_node", "cp", "kernel",
             "status", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "memory_mb", "tflops", "check",
-            "cp_efficiency", "exposed_comm_pct", "exposed_comm_ms", "error", "memory_status",
-            "memory_error"]
+            "cp_efficiency", "cp_efficiency_low", "cp_efficiency_high", "exposed_comm_pct",
+            "exposed_comm_ms", "error", "memory_status", "memory_error"]
     return df[cols]
 
 

@@ -9,10 +9,11 @@ same problem (``upstream.twin`` / ``twin_options``), so this view needs no regis
 
 from __future__ import annotations
 
+from cpbench.metrics import slowest_per_iter
 from cpbench.report import tables
 from cpbench.report.dataframe import PROBLEM
 from cpbench.report.labels import row_label
-from cpbench.report.sweep import latest_frame
+from cpbench.report.sweep import latest_frame, ratio_cell
 from cpbench.results import OK
 
 _SAME = [c for c in PROBLEM if c != "kernel"] + ["fwd_only"]  # kernels: sdpa-cpu vs flash-attn-cpu
@@ -49,10 +50,20 @@ def _ms(record: dict, phase: str) -> float | None:
 
 def _row(own: dict, up: dict, phase: str) -> dict:
     a, b = _ms(own, phase), _ms(up, phase)
+    key = phase.removesuffix("_ms")
+    iters = {"status": OK}
+    ratio = ratio_cell({**iters, f"iters_{key}": _iterations(up, key)},
+                       {**iters, f"iters_{key}": _iterations(own, key)}, key) \
+        if a and b else "-"
     return {"Seq Len": str(own["config"]["attention"]["seqlen"]),
             "cpbench": row_label(own), f"{_TITLE[phase]} (ms)": tables.cell_ms(a, own),
             "upstream": row_label(up), f"upstream {_TITLE[phase]} (ms)": tables.cell_ms(b, up),
-            "upstream / cpbench": f"{b / a:.2f}x" if a and b else "-"}
+            "upstream / cpbench": ratio}
+
+
+def _iterations(record: dict, phase: str) -> list[float] | None:
+    samples = (record.get("samples_ms") or {}).get(phase)
+    return slowest_per_iter(samples) if samples else None
 
 
 _TITLE = {"fwd_bwd_ms": "FWD+BWD", "fwd_ms": "FWD"}
@@ -60,7 +71,7 @@ _TITLE = {"fwd_bwd_ms": "FWD+BWD", "fwd_ms": "FWD"}
 
 def compare_upstream(records: list[dict], fmt: str = "table") -> str:
     """A table per topology and problem: each pair's times and their ratio (> 1: upstream is
-    slower than cpbench's own)."""
+    slower than cpbench's own), with its bootstrap 95 % interval."""
     found = pairs(records)
     if not found:
         return ("no strategy ran beside its upstream twin on the same problem and topology "
