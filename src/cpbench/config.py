@@ -145,6 +145,11 @@ class RunConfig:
     out: str | None = arg(None, "append JSONL records here (default: "
                           "runs/<utc>_<strategy>_<seqlen>/results.jsonl; 'none': no file)",
                           metavar="FILE.jsonl")
+    profile: str | None = arg(None, "after the timing, profile a few more steps per case "
+                              "(torch.profiler): one Chrome trace per rank in "
+                              "DIR/<case>_<strategy>/rank{r}.trace.json.gz, the slowest "
+                              "rank's breakdown (parts, idle, exposed communication) in the "
+                              "record", metavar="DIR")
     format: str = arg("table", "how the summary prints", choices=FORMATS)
     nproc: int | None = arg(None, "start this many local CPU ranks (gloo) instead of running "
                             "under torchrun (default: 4)")

@@ -21,8 +21,10 @@ A record holds what is needed to re-run it and to recompute every figure printed
 - ``derived``: the figures computed from the above by ``derive`` (kept for other tools;
   readers recompute them rather than trust them);
 - optionally ``sweep`` (the case a sweep wrote a failure record for), ``simulation``
-  (what ``cpbench simulate`` predicted beside the times) and ``upstream`` (the library an
-  adapter strategy ran: package, version, the flash-attn beneath it).
+  (what ``cpbench simulate`` predicted beside the times), ``upstream`` (the library an
+  adapter strategy ran: package, version, the flash-attn beneath it) and ``profile``
+  (``cpbench run --profile``: the slowest rank's step breakdown and every rank's trace; see
+  ``cpbench.bench.profiling``, or ``{"error", "traces"}`` when profiling failed).
 
 ``make_record`` is the one constructor: the driver, the sweep's failure records and the
 simulator's predictions all build records through it. ``record_key`` says which row of a run a
@@ -49,7 +51,7 @@ STATUSES = (OK, OOM, FAILED, TIMEOUT)  # timeout: a sweep's case ran past its li
 # what a case measured (null until it did), and the sections some records add
 MEASURED = ("resolved", "error", "traceback", "samples_ms", "memory_bytes", "memory_status",
             "memory_error", "check")
-SECTIONS = ("sweep", "simulation", "upstream")
+SECTIONS = ("sweep", "simulation", "upstream", "profile")
 # a row's key: what was asked for, not what a machine resolved it to (the device, the kernel
 # "auto" became), so a sweep checked on a login node matches records made on GPUs
 KEY_RUN_FIELDS = ("kernel", "warmup", "iters", "fwd_only", "check", "seed")

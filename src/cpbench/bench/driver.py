@@ -14,7 +14,9 @@
    ``--check`` against the float64 reference, build this rank's input shard straight from
    the seed, time FWD and gather its samples, time FWD+BWD and gather its samples, then
    measure peak memory (``bench.memory``) as a separate step, so a failed or OOM memory
-   measurement leaves the timings in the record; on rank 0 append the record and print.
+   measurement leaves the timings in the record; with ``--profile``, profile a few more
+   steps (``bench.profiling``), again a step of its own; on rank 0 append the record and
+   print.
 
 Every phase ends with all ranks agreeing on its outcome (``bench.agreement``), so an OOM or
 an exception in one case becomes that row's status on every rank and the run goes on.
@@ -52,7 +54,7 @@ from typing import Callable
 import torch
 
 from cpbench import kernels, results, strategies
-from cpbench.bench import agreement, memory, timer
+from cpbench.bench import agreement, memory, profiling, timer
 from cpbench.bench import env as env_mod
 from cpbench.bench.check import check_strategy
 from cpbench.bench.plan import Case, Plan, failure_record
@@ -219,6 +221,23 @@ class _CaseRun:
         peak = mem(lambda: memory.peak_bytes(step, device=dev, inputs=self.inputs.values()))
         return mem, mem(lambda: [int(v[0]) for v in timer.gather_samples([peak], dev)])
 
+    def profile(self, step: Callable[[], None], store, key: str, index: int
+                ) -> tuple[agreement.Agreement, dict]:
+        """A few profiled steps as their own phase (a failure leaves the timings): the
+        record's ``profile`` section, or its error."""
+        self.status("profiling")
+        run = self.p.run
+        prof = agreement.Agreement(run.device, store, f"{key}/profile")
+        paths = profiling.trace_paths(run.profile, index, self.case.strategy,
+                                      self.p.world_size)
+        mine = prof(lambda: profiling.profile_rank(step, path=paths[self.rank],
+                                                   device=run.device,
+                                                   barrier=_barrier(run.device)))
+        everyone = prof(lambda: profiling.gather(mine))
+        if everyone is None:
+            return prof, {"error": prof.error or "not profiled", "traces": paths}
+        return prof, profiling.section(everyone, paths)
+
 
 def _traceback(*phases: agreement.Agreement | None) -> str | None:
     """The traceback of the first phase that failed (an OOM keeps none)."""
@@ -226,10 +245,14 @@ def _traceback(*phases: agreement.Agreement | None) -> str | None:
                  if ph is not None and ph.status == results.FAILED), None)
 
 
+def _usable(*phases: agreement.Agreement | None) -> bool:
+    return all(ph is None or (ph.status == results.OK and not ph.broken) for ph in phases)
+
+
 def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, store=None,
-             key: str = "", prefix: str = "") -> tuple[dict, bool]:
-    """Every phase of one case on this rank (collective): (the record, complete on rank 0;
-    whether the process group broke)."""
+             key: str = "", prefix: str = "", index: int = 1) -> tuple[dict, bool]:
+    """Every phase of case ``index`` (1-based) on this rank (collective): (the record,
+    complete on rank 0; whether the process group broke)."""
 
     def status(text):
         log.info("%s: %s", prefix or case.label, text, extra={"transient": True})
@@ -239,8 +262,10 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     resolved, upstream = c.build()
     checks = c.check(ref_cache) if p.run.check else None
     samples, step = c.time()
-    mem, memory_bytes = c.memory(step, store, key) \
-        if phase.status == results.OK and not phase.broken else (None, None)
+    mem, memory_bytes = c.memory(step, store, key) if _usable(phase) else (None, None)
+    # a failed memory step leaves the group usable (it is agreed on); a broken one does not
+    prof, profile = c.profile(step, store, key, index) \
+        if p.run.profile and _usable(phase) and not (mem and mem.broken) else (None, None)
     ranks_per_problem = c.strat.ranks_per_problem if c.strat is not None else p.world_size
     c.strat = c.inputs = step = None  # free the shards and graphs before the next case
     agreement.cleanup()
@@ -248,12 +273,12 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
         strategy=case.strategy, options=case.options, attention=p.attn, run=p.run,
         kernel=p.kernel, world_size=p.world_size, ranks_per_node=p.ranks_per_node,
         ranks_per_problem=ranks_per_problem, env=env, status=phase.status,
-        error=phase.error, traceback=_traceback(phase, mem), resolved=resolved, check=checks,
-        upstream=upstream,
+        error=phase.error, traceback=_traceback(phase, mem, prof), resolved=resolved,
+        check=checks, upstream=upstream,
         samples_ms=samples if any(samples.values()) else None, memory_bytes=memory_bytes,
         memory_status=mem.status if mem is not None else None,
-        memory_error=mem.error if mem is not None else None)
-    return record, phase.broken or (mem is not None and mem.broken)
+        memory_error=mem.error if mem is not None else None, profile=profile)
+    return record, any(ph is not None and ph.broken for ph in (phase, mem, prof))
 
 
 def _not_run_note(broke_in: Case, rest: tuple[Case, ...]) -> str:
@@ -286,8 +311,9 @@ def _run_cases(p: Plan, rank: int, env: dict, store) -> tuple[list[dict], bool, 
         log.info("%s", prefix, extra={"transient": "plain"})
         t0 = time.perf_counter()
         record, broken = run_case(p, case, rank, env, ref_cache, store=store, key=str(i),
-                                  prefix=prefix)
+                                  prefix=prefix, index=i)
         failed |= results.FAILED in (record["status"], record["memory_status"])
+        failed |= bool((record.get("profile") or {}).get("error"))
         failed |= record["derived"]["check_passed"] is False
         if rank == 0:
             _say_record(p, record, prefix, time.perf_counter() - t0)

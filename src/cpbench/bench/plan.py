@@ -236,6 +236,21 @@ def open_out(out: str) -> None:
                          f"or --out none for no file") from None
 
 
+def open_profile_dir(directory: str) -> None:
+    """Create ``--profile``'s directory now, so that one the run could not write is an error
+    before any rank starts rather than after the first case's timing."""
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".cpbench-write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        why = f"{path} is a file" if path.is_file() else (e.strerror or str(e))
+        raise UsageError(f"--profile {directory}: cannot write traces there ({why}); give "
+                         f"a writable directory") from None
+
+
 def _default_out(run: RunConfig, attn: AttentionConfig) -> str:
     utc = env_mod.utc_now().replace("-", "").replace(":", "")
     names = "+".join(run.strategy).replace("/", "_")
@@ -275,9 +290,14 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     if run.check:
         _reference_fits(attn, device, local_ranks, capacity)
     out = None if (run.out or "").lower() == "none" else (run.out or _default_out(run, attn))
-    if out is not None and job is None and (launcher == "self"
-                                            or env_mod.torchrun_world()[0] == 0):
+    writer = job is None and (launcher == "self" or env_mod.torchrun_world()[0] == 0)
+    if out is not None and writer:
         open_out(out)
+    if run.profile is not None:
+        # absolute, so the record's trace paths still lead to the traces from elsewhere
+        run = dataclasses.replace(run, profile=str(Path(run.profile).resolve()))
+        if writer:
+            open_profile_dir(run.profile)
     return Plan(attn=attn, run=run, world_size=world, ranks_per_node=topo.ranks_per_node,
                 kernel=backend.name, cases=tuple(cases), out=out, launcher=launcher,
                 skipped=tuple(skipped))

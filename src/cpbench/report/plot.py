@@ -7,6 +7,7 @@ from __future__ import annotations
 import textwrap
 
 from cpbench.errors import UsageError
+from cpbench.profile.breakdown import ordered
 from cpbench.report.labels import row_label
 from cpbench.report.sweep import latest_frame, row_keys, size_text
 from cpbench.results import OK
@@ -118,7 +119,7 @@ def plot_breakdown(records: list[dict], path: str) -> bool:
     if not profiled:
         return False
     plt = require_matplotlib()
-    parts = list(dict.fromkeys(p for r in profiled for p in r["profile"]["wall_pct"]))
+    parts = ordered(dict.fromkeys(p for r in profiled for p in r["profile"]["wall_pct"]))
     labels = [f"{row_label(r)} @ {size_text(r['config']['attention']['seqlen'])}"
               for r in profiled]
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(profiled) + 0.2 * len(parts)),

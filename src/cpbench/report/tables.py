@@ -28,6 +28,7 @@ import json
 import math
 
 from cpbench.config import FORMATS
+from cpbench.profile.summary import detail_lines
 from cpbench.reference import TENSORS, Comparison
 from cpbench.report.dataframe import baseline_drift, efficiencies, frame
 from cpbench.report.labels import option_text, row_label
@@ -215,6 +216,8 @@ def detail(record: dict) -> str:
         checked = {c["tensor"] for c in record["check"]}
         lines += [f"  {n:>4}: not returned by {record['config']['strategy']}, not checked"
                   for n in TENSORS if n not in checked]
+    if record.get("profile"):  # run --profile: where the profiled step's time went
+        lines += ["", *detail_lines(record["profile"])]
     lines.append("=" * _RULE)
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,52 @@
+"""``cpbench profile summarize``: where the time goes, in profiles people already have."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from cpbench.cli.args import fail
+from cpbench.errors import UsageError
+
+PROG = "cpbench profile"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("profile", help="group a profile's kernels; break a trace's steps down",
+                       description="Where the time goes in a profile: kernels grouped by "
+                                   "ordered regex rules (attention, communication, gemm, "
+                                   "elementwise, memory, other), and for a Chrome trace the "
+                                   "step breakdown with the exposed communication.")
+    own = p.add_subparsers(dest="profile_command", required=True, parser_class=type(p))
+    s = own.add_parser("summarize", help="the grouped table of one or more profiles",
+                       description="Read a torch.profiler key_averages().table() text "
+                                   "(host prefixes such as 'g43:' allowed), an nsys "
+                                   "cuda_gpu_kern_sum export (tab-separated, CSV or columns) "
+                                   "or a Chrome trace (.json / .json.gz); print each "
+                                   "group's time, %% of device time, calls, average and top "
+                                   "kernels, and for a trace the step breakdown.")
+    s.add_argument("files", nargs="+", metavar="FILE")
+    s.add_argument("--groups", metavar="FILE",
+                   help="YAML rules (`rules:` list of {group, match}) read before the "
+                        "shipped ones, so they win")
+    s.add_argument("--format", choices=("table", "json"), default="table",
+                   help="json: a list of objects (file, group, level, time_ms, percent, "
+                        "calls, avg_ms, kernels); for a trace one more object per file, "
+                        "{file, breakdown}")
+    s.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from cpbench.profile import groups, parsers, summary
+
+    try:
+        rules = groups.load(args.groups)
+        done = [summary.summarize(path, parsers.read(path), rules) for path in args.files]
+    except UsageError as e:  # every input read before any output: no half a report
+        return fail(PROG, e)
+    if args.format == "json":
+        sys.stdout.write(json.dumps([o for _, objects in done for o in objects], indent=1)
+                         + "\n")
+    else:
+        sys.stdout.write("\n".join(text for text, _ in done))
+    return 0

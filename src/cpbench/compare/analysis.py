@@ -1,0 +1,135 @@
+"""One comparison of run A with run B: match the cases, test every (case, phase), correct the
+p-values across all of them, judge each, and compare the profiles where both runs have one."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cpbench import metrics
+from cpbench.compare import match, stats
+from cpbench.compare.profile import PartChange, compare_parts, ranked
+from cpbench.errors import UsageError
+from cpbench.results import OK
+
+PHASES = {"fwd": "FWD", "fwd_bwd": "FWD+BWD"}  # record key → the name the tables print
+
+
+@dataclass(frozen=True)
+class PhaseTest:
+    """One (case, phase): per-iteration step times (slowest rank, ms) of each run, the ratio
+    of medians B / A with its bootstrap interval, the Mann–Whitney p before and after Holm,
+    and the verdict."""
+    case: str
+    key: str
+    phase: str
+    samples_a: tuple[float, ...]
+    samples_b: tuple[float, ...]
+    ratio: float
+    ci_low: float
+    ci_high: float
+    p_value: float
+    p_adjusted: float
+    verdict: str
+
+    @property
+    def median_a(self) -> float:
+        return float(np.median(self.samples_a))
+
+    @property
+    def median_b(self) -> float:
+        return float(np.median(self.samples_b))
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Everything a report of the comparison prints."""
+    tests: list[PhaseTest]
+    only_a: list[str]
+    only_b: list[str]
+    environment: list[tuple[str, str, str]]  # (what, A, B), changed or not
+    parts: list[PartChange]  # ranked, most suspicious first
+    notes: list[str]
+    alpha: float
+    min_effect: float
+    level: float = stats.LEVEL
+    counts: dict = field(default_factory=dict)  # records and cases per run
+
+    def changed_environment(self) -> list[tuple[str, str, str]]:
+        return [row for row in self.environment if row[1] != row[2]]
+
+    def verdict_counts(self) -> dict[str, int]:
+        return {v: sum(t.verdict == v for t in self.tests) for v in stats.VERDICTS}
+
+
+def samples(record: dict, phase: str) -> list[float]:
+    """The per-iteration step times of one phase: the slowest rank's, as the tables use."""
+    by_rank = (record.get("samples_ms") or {}).get(phase)
+    return metrics.slowest_per_iter(by_rank) if by_rank else []
+
+
+def _pending(cases: list[match.Case], notes: list[str]) -> list[tuple]:
+    """(case, phase, A's samples, B's samples) for every phase both runs timed."""
+    out = []
+    for case in cases:
+        sa, sb = case.a["status"], case.b["status"]
+        if sa != OK or sb != OK:
+            notes.append(f"{case.label}: status {sa} in A, {sb} in B")
+        for phase, name in PHASES.items():
+            a, b = samples(case.a, phase), samples(case.b, phase)
+            if a and b:
+                out.append((case, phase, a, b))
+            elif a or b:
+                notes.append(f"{case.label}: {name} timed only in {'A' if a else 'B'}")
+    return out
+
+
+def _rng(seed: int, key: str, phase: str) -> np.random.Generator:
+    # one stream per test, from the case itself: a test's interval does not depend on which
+    # other cases the files hold or in which order
+    return np.random.default_rng([seed, zlib.crc32(f"{key}\n{phase}".encode())])
+
+
+def compare(a_records: list[dict], b_records: list[dict], *, alpha: float = 0.05,
+            min_effect: float = 0.02, seed: int = 0,
+            resamples: int = stats.RESAMPLES) -> Comparison:
+    """Compare run A's records with run B's; UsageError when no case can be compared."""
+    cases, only_a, only_b = match.match(a_records, b_records)
+    if not cases:
+        raise UsageError(f"no case is in both runs (A: {len(only_a)} cases, B: "
+                         f"{len(only_b)}); compare runs of the same strategy, options, problem, "
+                         f"topology and kernel")
+    notes: list[str] = []
+    pending = _pending(cases, notes)
+    if not pending:
+        raise UsageError(f"none of the {len(cases)} cases in both runs has a phase timed in "
+                         f"both (failed or OOM); nothing to compare")
+    intervals = [stats.median_ratio_ci(a, b, rng=_rng(seed, case.key, phase),
+                                       resamples=resamples)
+                 for case, phase, a, b in pending]
+    p = np.array([float(stats.mann_whitney(a, b)) for _, _, a, b in pending])
+    p_adj = stats.holm(p)
+    low = np.array([float(lo) for _, lo, _ in intervals])
+    high = np.array([float(hi) for _, _, hi in intervals])
+    can = stats.reachable([len(a) for _, _, a, _ in pending],
+                          [len(b) for _, _, _, b in pending], alpha)
+    judged = stats.verdicts(p_adj, low, high, can, alpha=alpha, min_effect=min_effect)
+    tests = [PhaseTest(case.label, case.key, phase, tuple(a), tuple(b), float(ratio),
+                       float(lo), float(hi), float(pv), float(pa), str(v))
+             for (case, phase, a, b), (ratio, lo, hi), pv, pa, v
+             in zip(pending, intervals, p, p_adj, judged)]
+    parts: list[PartChange] = []
+    for case in cases:
+        changes, note = compare_parts(case.label, case.a, case.b)
+        parts += changes
+        notes += [note] if note else []
+    counts = {"records_a": len(a_records), "records_b": len(b_records),
+              "cases_a": len(cases) + len(only_a), "cases_b": len(cases) + len(only_b),
+              "matched": len(cases)}
+    # the environment of the records compared: a stale record of a re-run case does not count
+    env = match.environment(list(match.latest(a_records).values()),
+                            list(match.latest(b_records).values()))
+    return Comparison(tests, only_a, only_b, env, ranked(parts), notes, alpha, min_effect,
+                      counts=counts)

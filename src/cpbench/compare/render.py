@@ -1,0 +1,86 @@
+"""The comparison as the terminal prints it (``table``) and as ``--format json``."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+from cpbench.compare import cells
+from cpbench.compare.analysis import Comparison
+from cpbench.report.tables import render
+
+WIDTH = 100
+TOP_PARTS = 10  # the terminal shows the most suspicious parts; markdown shows them all
+
+
+def environment_lines(cmp: Comparison, bullet: str = "  ") -> list[str]:
+    """What else changed between the runs: the fields that differ, then those that did not."""
+    changed = cmp.changed_environment()
+    same = [row for row in cmp.environment if row[1] == row[2]]
+    width = max((len(name) for name, _, _ in changed), default=0)
+    lines = [f"{bullet}{name.ljust(width)}  {a}  →  {b}" for name, a, b in changed]
+    if not changed:
+        lines.append(f"{bullet}nothing the records capture")
+    if same:  # wrapped: a sweep's hosts alone can fill a line
+        lines += textwrap.wrap("unchanged: " + "; ".join(f"{n} {a}" for n, a, _ in same),
+                               WIDTH, initial_indent=bullet,
+                               subsequent_indent=" " * len(bullet) + "  ")
+    return lines
+
+
+def header(cmp: Comparison, files_a: list[str], files_b: list[str]) -> list[str]:
+    c = cmp.counts
+    return [f"A: {', '.join(files_a)} ({c['records_a']} records, {c['cases_a']} cases)",
+            f"B: {', '.join(files_b)} ({c['records_b']} records, {c['cases_b']} cases)",
+            f"{c['matched']} cases in both runs"]
+
+
+def unmatched_lines(cmp: Comparison) -> list[str]:
+    lines = []
+    for side, labels in (("A", cmp.only_a), ("B", cmp.only_b)):
+        if labels:
+            lines.append(f"Only in {side} ({len(labels)}): " + "; ".join(labels))
+    return lines
+
+
+def table(cmp: Comparison, files_a: list[str], files_b: list[str]) -> str:
+    """The terminal report: runs, what else changed, unmatched cases, the verdict table,
+    notes, then the profiled parts when both runs have them."""
+    out = header(cmp, files_a, files_b) + ["", "What else changed:"]
+    out += environment_lines(cmp)
+    unmatched = unmatched_lines(cmp)
+    out += [""] + unmatched if unmatched else []
+    out += [""] + render(None, [cells.test_row(t) for t in cmp.tests], "table")
+    out.append(cells.verdict_line(cmp))
+    findings = cells.timing_findings(cmp, bold=False)
+    out += ["", "Key findings:"] + findings if findings else []
+    if cmp.parts:
+        out += ["", "Where the time went (profiled parts, most suspicious first):"]
+        out += cells.part_findings(cmp, bold=False)
+        out += render(None, [cells.part_row(c) for c in cmp.parts[:TOP_PARTS]], "table")
+        if len(cmp.parts) > TOP_PARTS:
+            out.append(f"({len(cmp.parts) - TOP_PARTS} more parts: --format markdown)")
+    if cmp.notes:
+        out += ["", "Notes:"] + [f"  {n}" for n in cmp.notes]
+    return "\n".join(out) + "\n"
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # JSON has no inf / nan
+
+
+def records(cmp: Comparison) -> list[dict]:
+    """One dict per (case, phase): the fields ``--format json`` promises, and more."""
+    return [{"case": t.case, "phase": t.phase, "key": json.loads(t.key),
+             "n_a": len(t.samples_a), "n_b": len(t.samples_b),
+             "median_a_ms": t.median_a, "median_b_ms": t.median_b,
+             "ratio": _finite(t.ratio), "ci_low": _finite(t.ci_low),
+             "ci_high": _finite(t.ci_high), "ci_level": cmp.level,
+             "p_value": t.p_value, "p_adjusted": t.p_adjusted, "verdict": t.verdict,
+             "alpha": cmp.alpha, "min_effect": cmp.min_effect}
+            for t in cmp.tests]
+
+
+def json_text(cmp: Comparison) -> str:
+    return json.dumps(records(cmp), indent=2) + "\n"

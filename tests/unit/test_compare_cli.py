@@ -1,0 +1,198 @@
+"""``cpbench compare`` end to end on a real run's records (tests/fixtures/compare_run.jsonl:
+`cpbench run --strategy zigzag,ulysses,local --nproc 2 --warmup 3 --iters 30` on the 2-core CPU
+machine): a shuffled copy is the same, a ×1.2 copy is slower, bad input is one line, exit 2."""
+
+import copy
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from cpbench.cli import compare as compare_cli
+from cpbench.cli.args import Parser
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "compare_run.jsonl"
+KEYS = {"case", "phase", "ratio", "ci_low", "ci_high", "p_value", "p_adjusted", "verdict"}
+
+
+def cpbench_compare(*argv: str) -> int:
+    """``cpbench compare …`` through the registered command, or (before it is registered in
+    cli/__init__.py) through a parser holding compare alone: the same add_parser and main."""
+    from cpbench import cli
+
+    if compare_cli in cli.COMMANDS:
+        return cli.main(["compare", *map(str, argv)])
+    parser = Parser(prog="cpbench")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    compare_cli.add_parser(sub)
+    args = parser.parse_args(["compare", *map(str, argv)])
+    return args.func(args)
+
+
+def _records() -> list[dict]:
+    return [json.loads(line) for line in FIXTURE.read_text().splitlines() if line.strip()]
+
+
+def _write(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _map_samples(records: list[dict], change) -> list[dict]:
+    """A copy with each phase's per-rank samples replaced by ``change(samples_by_rank)``."""
+    out = copy.deepcopy(records)
+    for r in out:
+        r["samples_ms"] = {phase: change(by_rank) if by_rank else by_rank
+                           for phase, by_rank in r["samples_ms"].items()}
+    return out
+
+
+def _shuffled(by_rank):
+    # the iterations' order, the same permutation on every rank: an iteration stays whole
+    order = list(range(len(by_rank[0])))
+    random.Random(len(by_rank[0])).shuffle(order)
+    return [[row[i] for i in order] for row in by_rank]
+
+
+def _scaled(factor):
+    return lambda by_rank: [[x * factor for x in row] for row in by_rank]
+
+
+def _json(capsys, *argv) -> list[dict]:
+    assert cpbench_compare(*argv, "--format", "json") == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_fixture_has_enough_iterations_for_a_verdict():
+    for r in _records():
+        assert r["status"] == "ok" and len(r["samples_ms"]["fwd"][0]) >= 20
+
+
+def test_shuffled_copy_is_the_same(tmp_path, capsys):
+    b = _write(tmp_path / "b.jsonl", _map_samples(_records(), _shuffled))
+    assert cpbench_compare(FIXTURE, b) == 0
+    out = capsys.readouterr().out
+    assert "slower 0, faster 0, same 6, insufficient 0" in out
+    rows = _json(capsys, FIXTURE, b)
+    assert len(rows) == 6 and {r["verdict"] for r in rows} == {"same"}
+    assert all(r["ratio"] == pytest.approx(1.0) for r in rows)
+
+
+def test_copy_times_1_2_is_slower_with_the_ratio_inside_its_interval(tmp_path, capsys):
+    b = _write(tmp_path / "b.jsonl", _map_samples(_records(), _scaled(1.2)))
+    rows = _json(capsys, FIXTURE, b)
+    assert len(rows) == 6 and {r["phase"] for r in rows} == {"fwd", "fwd_bwd"}
+    for r in rows:
+        assert r["verdict"] == "slower", r
+        assert r["ratio"] == pytest.approx(1.2)
+        assert r["ci_low"] <= r["ratio"] <= r["ci_high"] and r["ci_low"] > 1.02
+        assert r["p_adjusted"] < 0.05 and r["p_adjusted"] >= r["p_value"]
+    # and the other way round: A is faster than B
+    back = _json(capsys, b, FIXTURE)
+    assert {r["verdict"] for r in back} == {"faster"}
+
+
+def test_json_has_the_promised_keys_and_is_reproducible(tmp_path, capsys):
+    b = _write(tmp_path / "b.jsonl", _map_samples(_records(), _scaled(1.01)))
+    first, again = _json(capsys, FIXTURE, b), _json(capsys, FIXTURE, b)
+    assert first == again  # seeded bootstrap
+    assert all(KEYS <= set(r) for r in first)
+    assert {r["case"] for r in first} == {"zigzag [S=1K]", "ulysses [S=1K]", "local [S=1K]"}
+    # 1 % is inside the ±2 % band: never a changed verdict, however clear the test
+    assert {r["verdict"] for r in first} <= {"same"}
+    other_seed = _json(capsys, FIXTURE, b, "--seed", "1")
+    assert [r["ci_low"] for r in other_seed] != [r["ci_low"] for r in first]
+
+
+def test_too_few_iterations_is_insufficient(tmp_path, capsys):
+    """3 iterations a side: the most extreme ranks give p = 0.1, never below α."""
+    a = _write(tmp_path / "a.jsonl", _map_samples(_records(), lambda s: [r[:3] for r in s]))
+    b = _write(tmp_path / "b.jsonl",
+               _map_samples(_records(), lambda s: [[x * 2 for x in r[:3]] for r in s]))
+    rows = _json(capsys, a, b)
+    assert {r["verdict"] for r in rows} == {"insufficient"}
+    assert cpbench_compare(a, b) == 0
+    assert "too few iterations (3 vs 3)" in capsys.readouterr().out
+
+
+def test_unmatched_cases_environment_and_last_record(tmp_path, capsys):
+    records = _records()
+    b_records = _map_samples(records[:2], _scaled(1.2))  # no `local` in B
+    for r in b_records:
+        r["env"]["torch"] = "2.14.0+cpu"
+        r["config"]["run"]["iters"] = 50  # how it was launched does not make another case
+    stale = _map_samples(records[:1], _scaled(0.5))  # zigzag recorded twice: the last counts
+    b = _write(tmp_path / "b.jsonl", stale + b_records)
+    assert cpbench_compare(FIXTURE, b) == 0
+    out = capsys.readouterr().out
+    assert "Only in A (1): local [S=1K]" in out and "Only in B" not in out
+    assert "torch  2.13.0+cpu  →  2.14.0+cpu" in out
+    assert "slower 4" in out
+
+
+def test_several_files_per_run(tmp_path, capsys):
+    records = _records()
+    a1, a2 = _write(tmp_path / "a1.jsonl", records[:1]), _write(tmp_path / "a2.jsonl",
+                                                               records[1:])
+    b = _write(tmp_path / "b.jsonl", _map_samples(records, _scaled(1.2)))
+    rows = _json(capsys, "--a", a1, a2, "--b", b)
+    assert len(rows) == 6 and {r["verdict"] for r in rows} == {"slower"}
+
+
+def test_markdown_has_seed_004s_sections(tmp_path, capsys):
+    b = _write(tmp_path / "b.jsonl", _map_samples(_records(), _scaled(1.2)))
+    assert cpbench_compare(FIXTURE, b, "--format", "markdown") == 0
+    text = capsys.readouterr().out
+    sections = ["**What else changed:**", "## 1. High-Level Performance Summary",
+                "## 2. Step Time Distribution Comparison", "### Overview",
+                "### Key Findings:", "### Detailed comparison table", "## 4. Legend"]
+    positions = [text.index(s) for s in sections]
+    assert positions == sorted(positions)
+    assert "| Time Rank | A Time (ms) | B Time (ms) | Δ (ms) | Δ (%) |" in text
+    assert "B is **slower**" in text and "Suspicion Score" in text
+
+
+def test_plot_is_written(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    b = _write(tmp_path / "b.jsonl", _map_samples(_records(), _scaled(1.2)))
+    out = tmp_path / "dist.png"
+    assert cpbench_compare(FIXTURE, b, "--plot", out) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def _one_line_exit_2(capsys, *argv) -> str:
+    assert cpbench_compare(*argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    not_records = tmp_path / "x.jsonl"
+    not_records.write_text('{"hello": 1}\n')
+    assert "not a cpbench record" in _one_line_exit_2(capsys, FIXTURE, not_records)
+    text = tmp_path / "t.txt"
+    text.write_text("FWD 12.3 ms\n")
+    assert "not a JSON record" in _one_line_exit_2(capsys, text, FIXTURE)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert "no records" in _one_line_exit_2(capsys, FIXTURE, empty)
+    assert "No such file" in _one_line_exit_2(capsys, FIXTURE, tmp_path / "missing.jsonl")
+    other = copy.deepcopy(_records())
+    for r in other:
+        r["config"]["attention"]["seqlen"] = 2048
+    other_path = _write(tmp_path / "other.jsonl", other)
+    assert "no case is in both runs" in _one_line_exit_2(capsys, FIXTURE, other_path)
+    assert "give two results files" in _one_line_exit_2(capsys, FIXTURE)
+    assert "not a mix" in _one_line_exit_2(capsys, FIXTURE, "--b", FIXTURE)
+    assert "--alpha" in _one_line_exit_2(capsys, FIXTURE, FIXTURE, "--alpha", "1.5")
+
+
+def test_bad_flag_values_are_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        cpbench_compare(FIXTURE, FIXTURE, "--format", "csv")
+    assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as e:
+        cpbench_compare(FIXTURE, FIXTURE, "--min-effect", "two")
+    assert e.value.code == 2 and "cannot read 'two'" in capsys.readouterr().err
