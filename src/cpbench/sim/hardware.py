@@ -92,6 +92,14 @@ def _number(d: dict, key: str, source: str, kind=float, default=None):
     return kind(value)
 
 
+def _dtypes(value, source: str) -> tuple[str, ...]:
+    # a measured preset names the dtype its kernel curve was measured in (fp32 on a CPU)
+    if not (isinstance(value, list) and value and all(v in ("fp32", "bf16", "fp16")
+                                                       for v in value)):
+        raise UsageError(f"{source}: dtypes must be a list of fp32, bf16, fp16, got {value!r}")
+    return tuple(value)
+
+
 def from_dict(d: dict, source: str = "preset") -> Hardware:
     if not isinstance(d, dict):
         raise UsageError(f"{source}: a preset is a YAML mapping (see configs/hardware/"
@@ -116,6 +124,7 @@ def from_dict(d: dict, source: str = "preset") -> Hardware:
             inter=Link(_number(inter, "bandwidth_gbs_per_gpu", f"{source}: inter_node"),
                        _number(inter, "latency_us", f"{source}: inter_node")),
             node_inter_gbs=_number(inter, "node_bandwidth_gbs", f"{source}: inter_node"),
+            dtypes=_dtypes(d.get("dtypes", ["bf16", "fp16"]), source),
         )
     except KeyError as e:
         raise UsageError(f"{source}: missing field {e.args[0]!r} (see configs/hardware/"

@@ -1,0 +1,212 @@
+"""Single-device attention kernels, timed as ``cpbench run`` times a strategy (seed 003).
+
+A target is either one of cpbench's kernel backends (``cpbench.kernels``: explicit forward
+and backward returning (out, lse)) or one of PyTorch's own SDPA backends / flex_attention
+(autograd). Each is handed to the same ``Timer`` as zero-argument closures (FWD, FWD+BWD;
+BWD = FWD+BWD − FWD), its peak memory is taken by the same meter, and its FLOPs come from
+``cpbench.metrics``. A case whose estimated footprint exceeds the memory cap is skipped with
+that reason before anything is allocated; one that runs out of memory anyway is an OOM row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from cpbench import kernels
+from cpbench.bench import agreement, memory
+from cpbench.bench.timer import Timer
+from cpbench.kernels.base import dtype_name
+
+Closures = tuple[Callable[[], object], Callable[[], object]]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the grid (query heads = key/value heads)."""
+
+    seqlen: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    causal: bool
+    batch: int = 1
+
+    def elements(self) -> int:
+        return self.batch * self.seqlen * self.heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What one case gave: samples in ms (None where not reached), peak bytes, status
+    ("ok", "OOM", "skipped") and why."""
+
+    fwd_ms: list[float] | None = None
+    fwd_bwd_ms: list[float] | None = None
+    peak_bytes: int | None = None
+    status: str = "ok"
+    reason: str | None = None
+
+
+# PyTorch's SDPA backends by our name: (SDPBackend member, devices it runs on)
+_SDPA = {"sdpa-math": ("MATH", ("cpu", "cuda")), "sdpa-flash": ("FLASH_ATTENTION", ("cpu", "cuda")),
+         "sdpa-efficient": ("EFFICIENT_ATTENTION", ("cuda",)),
+         "sdpa-cudnn": ("CUDNN_ATTENTION", ("cuda",))}
+FLEX = "flex"
+# materialise the S×S scores (probabilities, their gradient): memory grows with S²
+QUADRATIC = frozenset({"torch", "sdpa-math", FLEX})
+
+
+def _has_flex() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def names() -> list[str]:
+    """Every target: cpbench's backends (``auto`` first), then PyTorch's."""
+    return [*kernels.names(), *_SDPA, *([FLEX] if _has_flex() else [])]
+
+
+def unsupported_reason(name: str, case: Case, device: str) -> str | None:
+    """Why ``name`` cannot run ``case`` on ``device``; None when it can."""
+    if name in _SDPA:
+        devices = _SDPA[name][1]
+        return None if device in devices else f"{name} runs on {' or '.join(devices)} only"
+    if name == FLEX:  # torch's flex_attention has no CPU backward
+        return None if device == "cuda" else "flex runs on cuda only (no CPU backward)"
+    try:
+        kernels.resolve(name, device=device, dtype=case.dtype, head_dim=case.head_dim,
+                        heads=case.heads, kv_heads=case.heads)
+    except ValueError as e:  # UsageError: the backend's own reason
+        return str(e).split(";")[0]
+    return None
+
+
+def resolved_name(name: str, case: Case, device: str) -> str:
+    """The backend ``auto`` stands for here (other names are themselves)."""
+    if name != kernels.AUTO:
+        return name
+    return kernels.resolve(name, device=device, dtype=case.dtype, head_dim=case.head_dim,
+                           heads=case.heads, kv_heads=case.heads).name
+
+
+def estimate_bytes(name: str, case: Case) -> int:
+    """A rough peak for one FWD+BWD: q, k, v, out, dout, dq, dk, dv and fp32 accumulators;
+    plus, for kernels that materialise them, about four fp32 S×S matrices per head (scores,
+    probabilities, their gradient, a temporary)."""
+    es = torch.empty((), dtype=case.dtype).element_size()
+    linear = case.elements() * (8 * es + 8)
+    if name in QUADRATIC:
+        return linear + 4 * 4 * case.batch * case.heads * case.seqlen * case.seqlen
+    return linear
+
+
+def _inputs(case: Case, device: str, bhsd: bool, seed: int) -> dict:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape = (case.batch, case.heads, case.seqlen, case.head_dim) if bhsd else \
+        (case.batch, case.seqlen, case.heads, case.head_dim)
+
+    def rand(grad):
+        return torch.randn(shape, generator=gen, device=device, dtype=case.dtype
+                           ).requires_grad_(grad)
+
+    return {"q": rand(bhsd), "k": rand(bhsd), "v": rand(bhsd), "dout": rand(False)}
+
+
+def _backend_closures(backend, x: dict, case: Case) -> Closures:
+    scale = 1.0 / math.sqrt(case.head_dim)
+    q, k, v, dout = x["q"], x["k"], x["v"], x["dout"]
+
+    def fwd():
+        return backend.forward(q, k, v, causal=case.causal, softmax_scale=scale)
+
+    def fwd_bwd():
+        out, lse = fwd()
+        backend.backward(dout, q, k, v, out, lse, causal=case.causal, softmax_scale=scale)
+
+    return fwd, fwd_bwd
+
+
+def _autograd_closures(call: Callable, x: dict) -> Closures:
+    """The forward builds the graph as in FWD+BWD (then drops it), as the driver's does."""
+    q, k, v, dout = x["q"], x["k"], x["v"], x["dout"]
+
+    def fwd_bwd():
+        call(q, k, v).backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    return (lambda: call(q, k, v)), fwd_bwd
+
+
+def _sdpa_call(name: str, case: Case) -> Callable:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, _SDPA[name][0])
+
+    def call(q, k, v):
+        with sdpa_kernel([backend]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                    is_causal=case.causal)
+    return call
+
+
+def _flex_call(case: Case, device: str) -> Callable:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    mask = None
+    if case.causal:
+        mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
+                                 case.seqlen, case.seqlen, device=device)
+    return lambda q, k, v: flex_attention(q, k, v, block_mask=mask)
+
+
+def closures(name: str, case: Case, device: str, seed: int = 0) -> tuple[Closures, dict]:
+    """(FWD, FWD+BWD) closures of ``name`` on ``case``, and the inputs they hold."""
+    if name in _SDPA or name == FLEX:
+        x = _inputs(case, device, bhsd=True, seed=seed)
+        call = _sdpa_call(name, case) if name in _SDPA else _flex_call(case, device)
+        return _autograd_closures(call, x), x
+    backend = kernels.get(resolved_name(name, case, device))
+    x = _inputs(case, device, bhsd=False, seed=seed)
+    return _backend_closures(backend, x, case), x
+
+
+def measure(name: str, case: Case, *, device: str, warmup: int, iters: int,
+            capacity_bytes: int | None, seed: int = 0) -> Measured:
+    """Time FWD and FWD+BWD, then the peak memory of one FWD+BWD; OOM keeps what came
+    before it."""
+    why = unsupported_reason(name, case, device)
+    if why:
+        return Measured(status="skipped", reason=why)
+    need = estimate_bytes(resolved_name(name, case, device), case)
+    if capacity_bytes is not None and need > capacity_bytes:
+        return Measured(status="skipped", reason=f"needs ~{need / 2**30:.1f} GiB by estimate, "
+                                                 f"the cap is {capacity_bytes / 2**30:.1f} GiB")
+    timer, got = Timer(device), {}
+    try:
+        (fwd, fwd_bwd), x = closures(name, case, device, seed)
+        got["fwd_ms"] = timer.measure(fwd, warmup=warmup, iters=iters)
+        got["fwd_bwd_ms"] = timer.measure(fwd_bwd, warmup=warmup, iters=iters)
+        inputs = list(x.values())
+        got["peak_bytes"] = memory.peak_bytes(fwd_bwd, device=device, inputs=inputs)
+    except Exception as e:
+        if not agreement.is_oom(e):
+            raise
+        with contextlib.suppress(Exception):
+            x = None
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        return Measured(**got, status="OOM", reason=agreement.one_line(e))
+    return Measured(**got)
+
+
+def label(case: Case) -> str:
+    return (f"S={case.seqlen} H={case.heads} D={case.head_dim} {dtype_name(case.dtype)} "
+            f"{'causal' if case.causal else 'full'}")

@@ -1,0 +1,94 @@
+"""``cpbench kernels`` tables (seed 003's single-device attention benchmark): one row per
+kernel × shape, FWD / BWD / FWD+BWD ms, memory, TFLOPs/s and the speedup over a baseline
+kernel on the same shape. Built from result records (``env.kernel_bench``), so ``cpbench
+report`` renders a kernels file the same way; cases that were skipped are rows with a note.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+from cpbench.report.tables import render
+
+SHAPE = ("seqlen", "heads", "head_dim", "dtype", "causal")
+
+
+def is_kernel_bench(records: list[dict]) -> bool:
+    return bool(records) and all(r.get("env", {}).get("kernel_bench") for r in records)
+
+
+def _shape(attention: dict) -> tuple:
+    return tuple(attention[k] for k in SHAPE)
+
+
+def _values(record: dict) -> dict:
+    a, d = record["config"]["attention"], record.get("derived") or {}
+    oom = record["status"] == "OOM"
+    return {"kernel": record["kernel"], **{k: a[k] for k in SHAPE},
+            "fwd_ms": d.get("fwd_ms"), "bwd_ms": d.get("bwd_ms"),
+            "fwd_bwd_ms": d.get("fwd_bwd_ms"), "memory_mb": d.get("memory_mb"),
+            "fwd_tflops": d.get("fwd_tflops"), "fwd_bwd_tflops": d.get("fwd_bwd_tflops"),
+            "status": record["status"], "note": record.get("error") if oom else None}
+
+
+def values(records: list[dict], skipped: list[dict] = (), baseline: str | None = None
+           ) -> list[dict]:
+    """Every row's numbers (None where not measured), with speedups over ``baseline``'s row
+    of the same shape (its time / this time: > 1 is faster)."""
+    rows = [_values(r) for r in records] + [
+        {"kernel": s["kernel"], **{k: s["attention"][k] for k in SHAPE}, "status": "skipped",
+         "note": s["reason"]} for s in skipped]
+    base = {_shape(r): r for r in rows if r["kernel"] == baseline and r["status"] == "ok"}
+    for r in rows:
+        b = base.get(tuple(r[k] for k in SHAPE))
+        for phase in ("fwd", "bwd", "fwd_bwd"):
+            mine, theirs = r.get(f"{phase}_ms"), b and b.get(f"{phase}_ms")
+            r[f"speedup_{phase}"] = theirs / mine if mine and theirs and mine > 0 else None
+    return rows
+
+
+def _cell(x, spec: str = ".2f", status: str = "ok") -> str:
+    if x is None:
+        return status if status in ("OOM", "skipped") else "-"
+    return format(x, spec)
+
+
+def _table_row(r: dict) -> dict:
+    st = r["status"]
+    return {
+        "Kernel": r["kernel"], "Seq Len": str(r["seqlen"]), "Heads": str(r["heads"]),
+        "Head Dim": str(r["head_dim"]), "dtype": r["dtype"],
+        "Causal": "yes" if r["causal"] else "no",
+        "FWD (ms)": _cell(r.get("fwd_ms"), status=st), "BWD (ms)": _cell(r.get("bwd_ms"), status=st),
+        "FWD+BWD (ms)": _cell(r.get("fwd_bwd_ms"), status=st),
+        "Memory (MB)": _cell(r.get("memory_mb"), ".1f", st),
+        "FWD TFLOPs/s": _cell(r.get("fwd_tflops"), ".4f", st),
+        "FWD+BWD TFLOPs/s": _cell(r.get("fwd_bwd_tflops"), ".4f", st),
+        "Speedup FWD": _speed(r["speedup_fwd"]), "Speedup BWD": _speed(r["speedup_bwd"]),
+        "Speedup FWD+BWD": _speed(r["speedup_fwd_bwd"]), "Note": r.get("note") or "",
+    }
+
+
+def _speed(x) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def render_kernels(records: list[dict], fmt: str, *, skipped: list[dict] = (),
+                   baseline: str | None = None) -> str:
+    """The kernels table in ``fmt`` (table, markdown: seed layouts; csv, json: numbers)."""
+    rows = values(records, skipped, baseline)
+    if not rows:
+        return "no kernel cases\n"
+    if fmt == "json":
+        return json.dumps(rows, indent=1) + "\n"
+    if fmt == "csv":
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows({k: "" if v is None else v for k, v in r.items()} for r in rows)
+        return buf.getvalue()
+    title = "Attention kernels" + (f" (speedup: {baseline}'s time / this time)"
+                                   if baseline else "")
+    return "\n".join(render(title, [_table_row(r) for r in rows], fmt)) + "\n"

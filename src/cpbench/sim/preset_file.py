@@ -1,0 +1,91 @@
+"""A measured hardware preset as YAML: the format of ``cpbench/sim/presets/*.yaml`` (read by
+``cpbench.sim.hardware``), each value with a comment saying it was measured, when and how.
+``scripts/calibrate_hardware.py`` (a fit to published rows) writes the same fields."""
+
+from __future__ import annotations
+
+from cpbench import metrics
+from cpbench.sim.calibrate import TINY, Spec, fit_line
+
+
+def curves(kernel_ms: dict[int, tuple[float, float]], spec: Spec
+           ) -> tuple[float, list[list[float]], list[list[float]]]:
+    """(overhead µs, fwd points, bwd points): the overhead is the tiny block's forward; the
+    curve is each block's FLOPs over its time less that overhead (never less than half the
+    time: a noisy tiny block must not make a rate out of nothing)."""
+    tiny_fwd, _ = kernel_ms[TINY]
+    overhead_ms = tiny_fwd
+    fwd, bwd = [], []
+    for side in spec.sides:
+        t_fwd, t_both = kernel_ms[side]
+        flops = metrics.attention_flops(batch=1, seqlen_q=side, seqlen_k=side,
+                                        heads=spec.heads, head_dim=spec.head_dim, causal=False)
+        for points, t, f in ((fwd, t_fwd, flops), (bwd, t_both - t_fwd,
+                                                   flops * metrics.BWD_FACTOR)):
+            net = max(t - overhead_ms, t / 2)
+            points.append([side, round(f / (net / 1e3) / 1e12, 5)])
+    return overhead_ms * 1e3, fwd, bwd
+
+
+def _flow(points) -> str:
+    return "[" + ", ".join(f"[{int(s)}, {t:g}]" for s, t in points) + "]"
+
+
+def render(measured: dict, spec: Spec, memory_gib: float) -> str:
+    """The preset's YAML text."""
+    env = measured["env"]
+    when = env["utc"]
+    how = (f"cpbench calibrate on {env['hostnames'][0]}, {measured['world']} ranks "
+           f"({spec.ranks_per_node} a node), {measured['threads_per_rank']} thread(s) a rank, "
+           f"torch {env['torch']}, {env['device_name']}")
+    overhead_us, fwd, bwd = curves(measured["kernel_ms"], spec)
+    peak = max(t for _, t in fwd + bwd)
+    links = measured["links_ms"]
+    lines = [
+        f"# Measured by {how}, {when}.",
+        f"# Kernel: the `auto` kernel on full {spec.dtype} blocks, H={spec.heads}, "
+        f"D={spec.head_dim}, every rank at once, cpbench run's timer (median of the slowest",
+        "# rank). Links: batch_isend_irecv with a partner / all_to_all_single, 4 KiB-16 MiB,",
+        "# least-squares latency + bytes / bandwidth through the medians.",
+        f"name: calibrated {env['device_name']} ({env['hostnames'][0]})",
+        f"description: measured by cpbench calibrate, {when}",
+        f"gpus_per_node: {spec.ranks_per_node}  # ranks per node when measured",
+        f"nodes: {measured['world'] // spec.ranks_per_node}  # nodes when measured",
+        f"memory_gib: {memory_gib:.1f}  # total memory per rank ({spec.device}), read {when}",
+        f"peak_tflops_bf16: {peak:g}  # no datasheet figure: the highest rate measured",
+        f"dtypes: [{spec.dtype}]  # the dtype the kernel was measured in",
+        "kernel:",
+        f"  # measured {when}: TFLOP/s of the rest of each call (its time less the overhead)",
+        f"  fwd: {_flow(fwd)}",
+        f"  bwd: {_flow(bwd)}",
+        f"  step_overhead_us: {overhead_us:.1f}  # measured {when}: a {TINY}-token block's "
+        "forward",
+    ]
+    lines += _link_lines(links, when)
+    return "\n".join(lines) + "\n"
+
+
+def _link_lines(links: dict, when: str) -> list[str]:
+    intra = links.get("intra") or links.get("all_to_all")
+    lat, bw = fit_line(intra)
+    where = "a partner in the node" if "intra" in links else "all_to_all (one rank a node)"
+    out = ["intra_node:",
+           f"  bandwidth_gbs: {bw:.3g}  # measured {when}: batch_isend_irecv with {where}",
+           f"  latency_us: {lat:.1f}  # measured {when}: the fit's intercept"]
+    if "inter" in links:
+        ilat, ibw = fit_line(links["inter"])
+        out += ["inter_node:",
+                f"  bandwidth_gbs_per_gpu: {ibw:.3g}  # measured {when}: batch_isend_irecv "
+                "with the same slot on the next node",
+                f"  node_bandwidth_gbs: {ibw:.3g}  # not measured on its own: one pair's",
+                f"  latency_us: {ilat:.1f}  # measured {when}: the fit's intercept"]
+    else:
+        out += ["inter_node:  # not measured (one node): the intra-node figures",
+                f"  bandwidth_gbs_per_gpu: {bw:.3g}",
+                f"  node_bandwidth_gbs: {bw:.3g}",
+                f"  latency_us: {lat:.1f}"]
+    alat, abw = fit_line(links["all_to_all"])
+    out += ["all_to_all:  # measured, for reference (the model prices all-to-alls on the links)",
+            f"  bandwidth_gbs: {abw:.3g}  # all_to_all_single over the world, {when}",
+            f"  latency_us: {alat:.1f}"]
+    return out
