@@ -46,6 +46,15 @@ def add_parser(sub) -> None:
     s.add_argument("--validate", metavar="FILE.csv",
                    help="predict published rows (configs/validation/*.csv) and print the "
                         "relative errors; ignores the other flags but --hardware")
+    s.add_argument("--self-check", action="store_true",
+                   help="run the cases on local CPU ranks (cpbench run --nproc) and print "
+                        "predicted vs measured with the relative error, and the worst; CPU "
+                        "problem defaults, --seqlen default 2k,4k,8k; give --hardware a preset "
+                        "from cpbench calibrate")
+    s.add_argument("--nproc", type=integer, default=2,
+                   help="--self-check: local ranks (default 2)")
+    s.add_argument("--iters", type=integer, default=3,
+                   help="--self-check: timed iterations a case (default 3, after 1 warm-up)")
     s.add_argument("--plot", metavar="OUT.png",
                    help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib)")
     s.add_argument("--format", choices=FORMATS, default="table")
@@ -100,6 +109,8 @@ def _simulate(args) -> int:
     from cpbench.sim import command, hardware, validate
 
     hw = hardware.load(args.hardware)
+    if args.self_check:
+        return _self_check(args, hw)
     if args.validate:
         if args.out or args.plot or args.compare_placements:
             raise UsageError("--validate prints its own table; drop --out, --plot and "
@@ -131,4 +142,33 @@ def _simulate(args) -> int:
 
         plot.plot(records, args.plot, title_note=f"simulated on {hw.name}")
         sys.stderr.write(f"{PROG}: plot written to {args.plot}\n")
+    return 0
+
+
+SELF_CHECK_SEQLENS = (2048, 4096, 8192)
+
+
+def _self_check(args, hw) -> int:
+    from cpbench.config import CPU_ATTENTION
+    from cpbench.sim import selfcheck
+
+    if args.validate or args.out or args.plot or args.compare_placements:
+        raise UsageError("--self-check prints its own table; drop --validate, --out, --plot "
+                         "and --compare-placements")
+    if args.nodes is not None or args.gpus_per_node is not None:
+        raise UsageError("--self-check predicts the topology cpbench run --nproc uses; drop "
+                         "--nodes and --gpus-per-node")
+    if args.nproc < 2 or args.iters < 1:
+        raise UsageError("--self-check needs --nproc >= 2 and --iters >= 1")
+    given, options = cli_args.problem(args)
+    given.pop("seqlen", None)
+    attention = {**CPU_ATTENTION, **given}
+    AttentionConfig(**attention)
+    if attention["dtype"] not in hw.dtypes:
+        raise UsageError(f"the {hw.name} preset models {'/'.join(hw.dtypes)} kernels; give "
+                         f"--dtype {hw.dtypes[0]} or a preset from cpbench calibrate")
+    seqlens = list(args.seqlen or SELF_CHECK_SEQLENS)
+    records = selfcheck.measure(args.strategy, attention, options, seqlens, nproc=args.nproc,
+                                warmup=1, iters=args.iters)
+    sys.stdout.write(selfcheck.render(selfcheck.compare(records, hw), hw, args.nproc))
     return 0

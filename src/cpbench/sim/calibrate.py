@@ -92,13 +92,15 @@ def _all_to_all(nbytes: int, world: int, device: str):
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(latency µs, bandwidth GB/s) of the least-squares line ms = a + bytes · b through
-    (bytes, ms) points; latency clipped at 0."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    """(latency µs, bandwidth GB/s) of the line ms = a + bytes · b through (bytes, ms) points,
+    least squares in relative error (weights 1/ms²), so the small messages that set the
+    latency count as much as the large ones that set the bandwidth; a clipped at 0."""
+    w = [1.0 / max(y, 1e-9) ** 2 for _, y in points]
+    sw = sum(w)
+    mx = sum(wi * x for wi, (x, _) in zip(w, points)) / sw
+    my = sum(wi * y for wi, (_, y) in zip(w, points)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, points))
+    slope = sum(wi * (x - mx) * (y - my) for wi, (x, y) in zip(w, points)) / sxx
     slope = max(slope, 1e-15)
     intercept = max(0.0, my - slope * mx)
     return intercept * 1e3, 1.0 / slope / 1e9 * 1e3  # ms per byte → GB/s

@@ -1,0 +1,102 @@
+"""``cpbench simulate --self-check``: the simulator against fresh measurements on this machine.
+
+``cpbench run --nproc N`` measures every strategy (and variant) at each sequence length; the
+model predicts the same cases on the same topology from a preset (``cpbench calibrate``'s
+for this machine); the table prints both and the relative error, FWD and FWD+BWD, and last
+the worst one. Nothing is fitted here: the preset is taken as given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from cpbench import results, strategies
+from cpbench.bench import driver
+from cpbench.bench import plan as planning
+from cpbench.config import AttentionConfig, RunConfig
+from cpbench.errors import UsageError
+from cpbench.report import labels
+from cpbench.sim import model
+from cpbench.sim.hardware import Hardware
+from cpbench.topology import Topology
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    seqlen: int
+    phase: str  # "FWD" or "FWD+BWD"
+    predicted_ms: float
+    measured_ms: float
+
+    @property
+    def error(self) -> float:
+        """(predicted − measured) / measured."""
+        return self.predicted_ms / self.measured_ms - 1
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """The ranks' own tables go to stderr (progress), the comparison alone to stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def measure(names: tuple[str, ...], attention: dict, options: dict, seqlens: list[int], *,
+            nproc: int, warmup: int, iters: int) -> list[dict]:
+    """``cpbench run --nproc`` at each length; the records of the rows that ran."""
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seqlen in seqlens:
+            out = os.path.join(tmp, f"{seqlen}.jsonl")
+            run = RunConfig(strategy=names, nproc=nproc, warmup=warmup, iters=iters, out=out)
+            p = planning.plan(run, {**attention, "seqlen": seqlen}, options, launcher="self")
+            with _stdout_to_stderr():
+                driver.launch(p)
+            records += [r for r in results.read(out) if r["status"] == results.OK]
+    return records
+
+
+def compare(records: list[dict], hw: Hardware) -> list[Row]:
+    """Predicted vs measured, per record and phase, on each record's own topology."""
+    rows = []
+    for r in records:
+        cfg, topo = r["config"], r["topology"]
+        options = strategies.get(cfg["strategy"]).Options(**cfg["options"])
+        p = model.predict(cfg["strategy"], options, AttentionConfig(**cfg["attention"]),
+                          Topology(world_size=topo["world_size"],
+                                   ranks_per_node=topo["ranks_per_node"]), hw)
+        d, label = r["derived"], labels.row_label(r)
+        seqlen = cfg["attention"]["seqlen"]
+        rows.append(Row(label, seqlen, "FWD", p.fwd_s * 1e3, d["fwd_ms"]))
+        if d.get("fwd_bwd_ms"):
+            rows.append(Row(label, seqlen, "FWD+BWD", p.fwd_bwd_s * 1e3, d["fwd_bwd_ms"]))
+    return rows
+
+
+def render(rows: list[Row], hw: Hardware, nproc: int) -> str:
+    if not rows:
+        raise UsageError("no case ran to completion: nothing to compare")
+    width = max(len(r.label) for r in rows)
+    head = (f"Simulator self-check: {hw.name} predicted vs measured by cpbench run --nproc "
+            f"{nproc} on this machine")
+    lines = [head, "", f"{'Strategy':<{width}}  {'Seq Len':>7}  {'phase':<7}  "
+             f"{'predicted ms':>12}  {'measured ms':>11}  {'error':>8}"]
+    for r in rows:
+        lines.append(f"{r.label:<{width}}  {r.seqlen:>7}  {r.phase:<7}  "
+                     f"{r.predicted_ms:>12.2f}  {r.measured_ms:>11.2f}  {r.error * 100:>+7.1f}%")
+    worst = max(rows, key=lambda r: abs(r.error))
+    lines += ["", f"worst |error| {abs(worst.error) * 100:.1f} % ({worst.label}, "
+                  f"{worst.seqlen}, {worst.phase})"]
+    return "\n".join(lines) + "\n"
