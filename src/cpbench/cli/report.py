@@ -47,6 +47,10 @@ def _records(args) -> list[dict]:
 
 def _text(args, records: list[dict]) -> str:
     from cpbench import report
+    from cpbench.report import kernels
+
+    if kernels.is_kernel_bench(records):  # a `cpbench kernels` file: its own table
+        return kernels.render_kernels(records, args.format)
 
     sweep_view = args.view == "sweep" or (args.view == "auto" and records
                                           and not report.sweep.one_launch(records))

@@ -53,16 +53,19 @@ def _median_ms(fn, spec: Spec, timer: Timer, iters: int | None = None) -> float:
     return metrics.step_time(gather_samples(samples, spec.device))
 
 
-def kernel_times(spec: Spec, timer: Timer) -> dict[int, tuple[float, float]]:
-    """Side → (FWD ms, FWD+BWD ms) of the ``auto`` kernel on a full block, every rank at once."""
-    out = {}
-    for side in (TINY, *spec.sides):
-        case = kernelbench.Case(seqlen=side, heads=spec.heads, head_dim=spec.head_dim,
-                                dtype=_torch_dtype(spec.dtype), causal=False)
-        (fwd, fwd_bwd), _ = kernelbench.closures("auto", case, spec.device)
-        # tiny blocks are noisy relative to their time: more samples cost nothing
-        iters = 50 if side == TINY else None
-        out[side] = (_median_ms(fwd, spec, timer, iters), _median_ms(fwd_bwd, spec, timer, iters))
+def kernel_times(spec: Spec, timer: Timer) -> dict[bool, dict[int, tuple[float, float]]]:
+    """Causal? → side → (FWD ms, FWD+BWD ms) of the ``auto`` kernel on a square block, every
+    rank at once; the tiny overhead block is full only."""
+    out: dict[bool, dict[int, tuple[float, float]]] = {False: {}, True: {}}
+    for causal in (False, True):
+        for side in ((TINY,) if not causal else ()) + spec.sides:
+            case = kernelbench.Case(seqlen=side, heads=spec.heads, head_dim=spec.head_dim,
+                                    dtype=_torch_dtype(spec.dtype), causal=causal)
+            (fwd, fwd_bwd), _ = kernelbench.closures("auto", case, spec.device)
+            # tiny blocks are noisy relative to their time: more samples cost nothing
+            iters = 50 if side == TINY else None
+            out[causal][side] = (_median_ms(fwd, spec, timer, iters),
+                                 _median_ms(fwd_bwd, spec, timer, iters))
     return out
 
 

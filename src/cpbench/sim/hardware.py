@@ -69,9 +69,21 @@ class Hardware:
     inter: Link  # one GPU's share of the inter-node network when it alone sends
     node_inter_gbs: float  # all of a node's NICs together, one direction
     dtypes: tuple[str, ...] = ("bf16", "fp16")
+    # a causal (diagonal) block's own curves where measured (``cpbench calibrate``): half its
+    # tiles are masked, so it attains less per FLOP than a full block of the same side
+    kernel_fwd_causal: KernelCurve | None = None
+    kernel_bwd_causal: KernelCurve | None = None
 
-    def kernel(self, phase: str) -> KernelCurve:
+    def kernel(self, phase: str, causal: bool = False) -> KernelCurve:
+        if causal:
+            curve = self.kernel_fwd_causal if phase == "fwd" else self.kernel_bwd_causal
+            if curve is not None:
+                return curve
         return self.kernel_fwd if phase == "fwd" else self.kernel_bwd
+
+    def curves(self) -> tuple[KernelCurve, ...]:
+        return tuple(c for c in (self.kernel_fwd, self.kernel_bwd, self.kernel_fwd_causal,
+                                 self.kernel_bwd_causal) if c is not None)
 
 
 def _curve(points, what: str) -> KernelCurve:
@@ -79,6 +91,10 @@ def _curve(points, what: str) -> KernelCurve:
         return KernelCurve(tuple((float(s), float(t)) for s, t in points))
     except (TypeError, ValueError) as e:
         raise UsageError(f"{what}: {e} (write [[side, tflops], ...])") from None
+
+
+def _optional_curve(k: dict, key: str, source: str) -> KernelCurve | None:
+    return None if k.get(key) is None else _curve(k[key], f"{source}: kernel.{key}")
 
 
 def _number(d: dict, key: str, source: str, kind=float, default=None):
@@ -124,6 +140,8 @@ def from_dict(d: dict, source: str = "preset") -> Hardware:
             inter=Link(_number(inter, "bandwidth_gbs_per_gpu", f"{source}: inter_node"),
                        _number(inter, "latency_us", f"{source}: inter_node")),
             node_inter_gbs=_number(inter, "node_bandwidth_gbs", f"{source}: inter_node"),
+            kernel_fwd_causal=_optional_curve(k, "fwd_causal", source),
+            kernel_bwd_causal=_optional_curve(k, "bwd_causal", source),
             dtypes=_dtypes(d.get("dtypes", ["bf16", "fp16"]), source),
         )
     except KeyError as e:
@@ -146,7 +164,7 @@ def from_dict(d: dict, source: str = "preset") -> Hardware:
     for name, value in not_negative.items():
         if not value >= 0:
             raise UsageError(f"{source}: {name} must be >= 0, got {value:g}")
-    top = max(t for _, t in hw.kernel_fwd.points + hw.kernel_bwd.points)
+    top = max(t for curve in hw.curves() for _, t in curve.points)
     if top > hw.peak_tflops:
         raise UsageError(f"{source}: a kernel curve reaches {top:g} TFLOP/s, above the "
                          f"peak {hw.peak_tflops:g}")

@@ -82,6 +82,7 @@ class RankStep:
     inter_exp: float = 0.0
     node_ov: float = 0.0
     node_exp: float = 0.0
+    causal: bool = False  # a diagonal block: priced on the preset's causal curve if it has one
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,8 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
             step = sched[i]
             side = math.sqrt(step.block[0] * step.block[1]) if step.block else 0.0
             views.add(RankStep(step.flops, side, *rank_loads.moved[i],
-                               *node_out[topo.node_of(strat.rank)]))
+                               *node_out[topo.node_of(strat.rank)],
+                               causal=bool(step.block and step.block[2])))
         steps.append(StepLoad(first.phase, tuple(sorted(views, key=dataclasses.astuple))))
     buffers = 2.0 * max(max(rank_loads.in_flight) for rank_loads in loads)  # sent + received
     rank0 = ranks[0]
@@ -294,12 +296,12 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
     compute_total = {FWD: 0.0, BWD: 0.0}
     overhead = hw.step_overhead_us * 1e-6
     for step in c.steps:
-        curve = hw.kernel(step.phase)
         worst = worst_compute = 0.0
         for r in step.ranks:
             compute = 0.0
             if r.flops:
-                compute = r.flops * square / (curve.tflops(r.side * length) * 1e12) + overhead
+                rate = hw.kernel(step.phase, r.causal).tflops(r.side * length)
+                compute = r.flops * square / (rate * 1e12) + overhead
             ov = _comm_s(hw, r.intra_ov * linear, r.inter_ov * linear, r.node_ov * linear)
             exp = _comm_s(hw, r.intra_exp * linear, r.inter_exp * linear, r.node_exp * linear)
             worst = max(worst, max(compute, ov) + exp)

@@ -8,23 +8,21 @@ from cpbench import metrics
 from cpbench.sim.calibrate import TINY, Spec, fit_line
 
 
-def curves(kernel_ms: dict[int, tuple[float, float]], spec: Spec
-           ) -> tuple[float, list[list[float]], list[list[float]]]:
-    """(overhead µs, fwd points, bwd points): the overhead is the tiny block's forward; the
-    curve is each block's FLOPs over its time less that overhead (never less than half the
-    time: a noisy tiny block must not make a rate out of nothing)."""
-    tiny_fwd, _ = kernel_ms[TINY]
-    overhead_ms = tiny_fwd
+def curves(kernel_ms: dict[int, tuple[float, float]], spec: Spec, overhead_ms: float,
+           causal: bool) -> tuple[list[list[float]], list[list[float]]]:
+    """(fwd points, bwd points): each block's FLOPs over its time less the per-step overhead
+    (never less than half its time: a noisy tiny block must not make a rate out of
+    nothing)."""
     fwd, bwd = [], []
     for side in spec.sides:
         t_fwd, t_both = kernel_ms[side]
         flops = metrics.attention_flops(batch=1, seqlen_q=side, seqlen_k=side,
-                                        heads=spec.heads, head_dim=spec.head_dim, causal=False)
+                                        heads=spec.heads, head_dim=spec.head_dim, causal=causal)
         for points, t, f in ((fwd, t_fwd, flops), (bwd, t_both - t_fwd,
                                                    flops * metrics.BWD_FACTOR)):
             net = max(t - overhead_ms, t / 2)
             points.append([side, round(f / (net / 1e3) / 1e12, 5)])
-    return overhead_ms * 1e3, fwd, bwd
+    return fwd, bwd
 
 
 def _flow(points) -> str:
@@ -38,8 +36,11 @@ def render(measured: dict, spec: Spec, memory_gib: float) -> str:
     how = (f"cpbench calibrate on {env['hostnames'][0]}, {measured['world']} ranks "
            f"({spec.ranks_per_node} a node), {measured['threads_per_rank']} thread(s) a rank, "
            f"torch {env['torch']}, {env['device_name']}")
-    overhead_us, fwd, bwd = curves(measured["kernel_ms"], spec)
-    peak = max(t for _, t in fwd + bwd)
+    kernel_ms = measured["kernel_ms"]
+    overhead_ms = kernel_ms[False][TINY][0]  # the tiny block's forward: what any call pays
+    fwd, bwd = curves(kernel_ms[False], spec, overhead_ms, causal=False)
+    fwd_c, bwd_c = curves(kernel_ms[True], spec, overhead_ms, causal=True)
+    peak = max(t for _, t in fwd + bwd + fwd_c + bwd_c)
     links = measured["links_ms"]
     lines = [
         f"# Measured by {how}, {when}.",
@@ -58,8 +59,11 @@ def render(measured: dict, spec: Spec, memory_gib: float) -> str:
         f"  # measured {when}: TFLOP/s of the rest of each call (its time less the overhead)",
         f"  fwd: {_flow(fwd)}",
         f"  bwd: {_flow(bwd)}",
-        f"  step_overhead_us: {overhead_us:.1f}  # measured {when}: a {TINY}-token block's "
-        "forward",
+        "  # the same on causal (diagonal) blocks, FLOPs counted as half the square's",
+        f"  fwd_causal: {_flow(fwd_c)}",
+        f"  bwd_causal: {_flow(bwd_c)}",
+        f"  step_overhead_us: {overhead_ms * 1e3:.1f}  # measured {when}: a {TINY}-token "
+        "block's forward",
     ]
     lines += _link_lines(links, when)
     return "\n".join(lines) + "\n"

@@ -1,0 +1,97 @@
+"""cpbench calibrate's pieces without processes: the link fit, the partners, the preset it
+writes (loaded by the simulator), and causal curves in the model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from cpbench import metrics
+from cpbench.config import AttentionConfig
+from cpbench.sim import hardware, model, preset_file
+from cpbench.sim.calibrate import TINY, Spec, _partners, fit_line
+from cpbench.topology import Topology
+
+SPEC = Spec(device="cpu", dtype="fp32", heads=8, head_dim=64, sides=(256, 1024),
+            ranks_per_node=2)
+
+
+def test_fit_line_recovers_latency_and_bandwidth():
+    lat_us, gbs = 50.0, 2.0
+    points = [(n, lat_us / 1e3 + n / (gbs * 1e9) * 1e3) for n in (4096, 65536, 1 << 20, 16 << 20)]
+    got_lat, got_gbs = fit_line(points)
+    assert got_lat == pytest.approx(lat_us, rel=1e-6) and got_gbs == pytest.approx(gbs, rel=1e-6)
+
+
+def test_partners_pair_inside_a_node_and_across_nodes():
+    assert _partners(0, 2, 2) == (1, None)  # one node of two
+    assert _partners(1, 2, 1) == (None, 0)  # two nodes of one
+    assert [_partners(r, 8, 4) for r in (0, 3, 5)] == [(1, 4), (2, 7), (4, 1)]
+    assert _partners(2, 3, 3) == (None, None)  # the odd one out waits
+
+
+def _measured(overhead_ms=0.1, fwd_rate=50e9):
+    def times(causal):
+        out = {} if causal else {TINY: (overhead_ms, 3 * overhead_ms)}
+        for side in SPEC.sides:
+            f = metrics.attention_flops(batch=1, seqlen_q=side, seqlen_k=side, heads=8,
+                                        head_dim=64, causal=causal)
+            fwd = overhead_ms + f / fwd_rate * 1e3
+            out[side] = (fwd, fwd + overhead_ms + 2.5 * f / fwd_rate * 1e3)
+        return out
+
+    link = [(n, 0.05 + n / 1e9 * 1e3) for n in (4096, 1 << 20, 16 << 20)]
+    env = {"utc": "2026-01-01T00:00:00Z", "hostnames": ["h"], "torch": "2.x",
+           "device_name": "test cpu"}
+    return {"kernel_ms": {False: times(False), True: times(True)},
+            "links_ms": {"intra": link, "all_to_all": link}, "env": env, "world": 2,
+            "threads_per_rank": 1}
+
+
+def test_the_written_preset_loads_and_says_what_was_measured(tmp_path):
+    text = preset_file.render(_measured(), SPEC, memory_gib=8.0)
+    path = tmp_path / "cpu.yaml"
+    path.write_text(text)
+    hw = hardware.load(str(path))
+    assert hw.dtypes == ("fp32",) and hw.step_overhead_us == pytest.approx(100.0)
+    # the curve is the rate of what is left after the overhead: the rate the times were made at
+    assert hw.kernel_fwd.tflops(1024) == pytest.approx(0.05, rel=1e-3)
+    assert hw.kernel_bwd.tflops(256) == pytest.approx(0.05, rel=1e-3)
+    assert hw.kernel("fwd", causal=True) is hw.kernel_fwd_causal
+    assert hw.intra.bandwidth_gbs == pytest.approx(1.0, rel=1e-2)
+    assert hw.intra.latency_us == pytest.approx(50.0, rel=1e-2)
+    assert "not measured (one node)" in text  # the inter-node figures are said to be copies
+    data = yaml.safe_load(text)
+    assert set(data) >= {"kernel", "intra_node", "inter_node", "memory_gib", "name"}
+    assert text.count("measured 2026-01-01T00:00:00Z") >= 4
+
+
+def test_the_simulator_predicts_a_cpu_problem_with_a_measured_preset(tmp_path):
+    path = tmp_path / "cpu.yaml"
+    path.write_text(preset_file.render(_measured(), SPEC, memory_gib=8.0))
+    hw = hardware.load(str(path))
+    attn = AttentionConfig(seqlen=2048, heads=8, head_dim=64, dtype="fp32", causal=True)
+    p = model.predict("zigzag", _options("zigzag"), attn,
+                      Topology(world_size=2, ranks_per_node=1), hw)
+    assert 0 < p.fwd_s < p.fwd_bwd_s
+
+
+def _options(name):
+    from cpbench import strategies
+
+    return strategies.get(name).Options()
+
+
+def test_a_slower_causal_curve_slows_only_diagonal_blocks():
+    base = hardware.load("a800-sxm")
+    half = hardware.KernelCurve(tuple((s, t / 2) for s, t in base.kernel_fwd.points))
+    slow = dataclasses.replace(base, kernel_fwd_causal=half)
+    topo = Topology(world_size=8, ranks_per_node=8)
+    causal = AttentionConfig(seqlen=65536, heads=40, head_dim=128, dtype="bf16", causal=True)
+    full = dataclasses.replace(causal, causal=False)
+    for attn, slower in ((causal, True), (full, False)):
+        a = model.predict("zigzag", _options("zigzag"), attn, topo, base)
+        b = model.predict("zigzag", _options("zigzag"), attn, topo, slow)
+        assert (b.fwd_s > a.fwd_s * 1.01) is slower and b.bwd_s == pytest.approx(a.bwd_s)
