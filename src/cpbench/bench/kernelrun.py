@@ -93,7 +93,8 @@ def run_grid(grid: Grid, *, device: str, warmup: int, iters: int,
             skipped.append({"kernel": name, "attention": _attention(case).to_dict(),
                             "reason": m.reason})
             continue
-        shown = name if name != "auto" else f"auto ({kernelbench.resolved_name(name, case, device)})"
+        shown = name if name != "auto" else \
+            f"auto ({kernelbench.resolved_name(name, case, device)})"
         record = _record(shown, case, m, run, env)
         records.append(record)
         if out:

@@ -18,8 +18,18 @@ from __future__ import annotations
 
 import sys
 
-from cpbench.cli import (calibrate, comm, compare, kernels, profile, report, run, simulate,
-                         strategies, sweep)
+from cpbench.cli import (
+    calibrate,
+    comm,
+    compare,
+    kernels,
+    profile,
+    report,
+    run,
+    simulate,
+    strategies,
+    sweep,
+)
 from cpbench.cli.args import Parser
 
 COMMANDS = (run, sweep, simulate, calibrate, kernels, comm, strategies, report, profile,

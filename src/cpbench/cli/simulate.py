@@ -51,6 +51,9 @@ def add_parser(sub) -> None:
                         "predicted vs measured with the relative error, and the worst; CPU "
                         "problem defaults, --seqlen default 2k,4k,8k; give --hardware a preset "
                         "from cpbench calibrate")
+    s.add_argument("--measured", metavar="FILE.jsonl",
+                   help="--self-check: predict the rows of an earlier self-check's --out "
+                        "instead of measuring again")
     s.add_argument("--nproc", type=integer, default=2,
                    help="--self-check: local ranks (default 2)")
     s.add_argument("--iters", type=integer, default=3,
@@ -60,7 +63,8 @@ def add_parser(sub) -> None:
     s.add_argument("--format", choices=FORMATS, default="table")
     s.add_argument("--out", metavar="FILE.jsonl",
                    help="also append the predictions as result records (marked simulated; "
-                        "`cpbench report` re-renders them, beside measured ones)")
+                        "`cpbench report` re-renders them, beside measured ones); with "
+                        "--self-check, the measured records (re-check them with --measured)")
     cli_args.add_strategy_options(p, {s.name for s in attention_settings()})
     p.set_defaults(func=main)
 
@@ -85,7 +89,9 @@ def _checked(args, hw):
         raise UsageError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} x {gpn}")
     given, options = cli_args.problem(args)
     given.pop("seqlen", None)  # a list here: one simulation per length
-    attention = {**GPU_ATTENTION, **given}
+    # a measured preset (cpbench calibrate on a CPU) models its own dtype: default to it
+    dtype = GPU_ATTENTION["dtype"] if GPU_ATTENTION["dtype"] in hw.dtypes else hw.dtypes[0]
+    attention = {**GPU_ATTENTION, "dtype": dtype, **given}
     AttentionConfig(**attention)  # one line for a bad shape, before anything is built
     if args.compare_placements and options:
         raise UsageError("--compare-placements tries every option value itself; drop the "
@@ -149,15 +155,29 @@ SELF_CHECK_SEQLENS = (2048, 4096, 8192)
 
 
 def _self_check(args, hw) -> int:
-    from cpbench.config import CPU_ATTENTION
+    from cpbench import results
     from cpbench.sim import selfcheck
 
-    if args.validate or args.out or args.plot or args.compare_placements:
-        raise UsageError("--self-check prints its own table; drop --validate, --out, --plot "
-                         "and --compare-placements")
+    if args.validate or args.plot or args.compare_placements:
+        raise UsageError("--self-check prints its own table; drop --validate, --plot and "
+                         "--compare-placements")
     if args.nodes is not None or args.gpus_per_node is not None:
         raise UsageError("--self-check predicts the topology cpbench run --nproc uses; drop "
                          "--nodes and --gpus-per-node")
+    if args.measured:  # an earlier self-check's measurements, predicted again
+        records = selfcheck.ok_records(results.read(args.measured))
+        nproc = max((r["topology"]["world_size"] for r in records), default=0)
+    else:
+        records, nproc = _self_check_measure(args, hw), args.nproc
+    rows, skipped = selfcheck.compare(records, hw)
+    sys.stdout.write(selfcheck.render(rows, hw, nproc, skipped))
+    return 0
+
+
+def _self_check_measure(args, hw) -> list[dict]:
+    from cpbench.config import CPU_ATTENTION
+    from cpbench.sim import selfcheck
+
     if args.nproc < 2 or args.iters < 1:
         raise UsageError("--self-check needs --nproc >= 2 and --iters >= 1")
     given, options = cli_args.problem(args)
@@ -167,8 +187,10 @@ def _self_check(args, hw) -> int:
     if attention["dtype"] not in hw.dtypes:
         raise UsageError(f"the {hw.name} preset models {'/'.join(hw.dtypes)} kernels; give "
                          f"--dtype {hw.dtypes[0]} or a preset from cpbench calibrate")
-    seqlens = list(args.seqlen or SELF_CHECK_SEQLENS)
-    records = selfcheck.measure(args.strategy, attention, options, seqlens, nproc=args.nproc,
-                                warmup=1, iters=args.iters)
-    sys.stdout.write(selfcheck.render(selfcheck.compare(records, hw), hw, args.nproc))
-    return 0
+    if args.out:
+        from cpbench.bench.plan import open_out
+
+        open_out(args.out)
+    return selfcheck.measure(args.strategy, attention, options,
+                             list(args.seqlen or SELF_CHECK_SEQLENS), nproc=args.nproc,
+                             warmup=1, iters=args.iters, out=args.out)

@@ -20,7 +20,9 @@ hardware preset (``cpbench.sim.hardware``). Modelling assumptions, and where the
    per-step overhead (kernel launches, stream waits, posting the p2p batch). The curves are
    measured end to end per step, so they include the LSE merge / fp32 accumulation that goes
    with each block. Heads and batch only scale the FLOPs (FlashAttention parallelises over
-   them; at the block sizes CP runs, ≥ 1k tokens, the grid fills the GPU).
+   them; at the block sizes CP runs, ≥ 1k tokens, the grid fills the GPU). A causal
+   (diagonal) block is priced on the preset's causal curves where it has them (``cpbench
+   calibrate`` measures them: half the block is masked, so its rate per FLOP is lower).
 4. Links: a message inside a node moves at the intra-node link rate (NVSwitch: every GPU has
    its own full-rate port). A message crossing nodes takes the longer of its bytes over the
    GPU's own share of the network (one NIC) and its node's inter-node bytes of that step
@@ -123,7 +125,8 @@ class Prediction:
         return self.memory_bytes > self.capacity_bytes
 
 
-_KERNEL = kernels.get("torch")  # schedules never call the kernel; constructors want one
+# schedules never call the kernel; constructors want one, and the one every strategy takes
+_KERNEL = kernels.get("sdpa-cpu")
 
 
 def build(name: str, options, attn: AttentionConfig, topo: Topology, rank: int = 0) -> Strategy:

@@ -54,38 +54,51 @@ def _stdout_to_stderr():
 
 
 def measure(names: tuple[str, ...], attention: dict, options: dict, seqlens: list[int], *,
-            nproc: int, warmup: int, iters: int) -> list[dict]:
-    """``cpbench run --nproc`` at each length; the records of the rows that ran."""
+            nproc: int, warmup: int, iters: int, out: str | None = None) -> list[dict]:
+    """``cpbench run --nproc`` at each length; the records of the rows that ran (also
+    appended to ``out`` when given, so a later check can re-read them)."""
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for seqlen in seqlens:
-            out = os.path.join(tmp, f"{seqlen}.jsonl")
-            run = RunConfig(strategy=names, nproc=nproc, warmup=warmup, iters=iters, out=out)
+            path = out or os.path.join(tmp, f"{seqlen}.jsonl")
+            offset = os.path.getsize(path) if os.path.exists(path) else 0
+            run = RunConfig(strategy=names, nproc=nproc, warmup=warmup, iters=iters, out=path)
             p = planning.plan(run, {**attention, "seqlen": seqlen}, options, launcher="self")
             with _stdout_to_stderr():
                 driver.launch(p)
-            records += [r for r in results.read(out) if r["status"] == results.OK]
+            records += ok_records(results.read_from(path, offset))
     return records
 
 
-def compare(records: list[dict], hw: Hardware) -> list[Row]:
-    """Predicted vs measured, per record and phase, on each record's own topology."""
-    rows = []
+def ok_records(records: list[dict]) -> list[dict]:
+    """The measured rows that ran to completion (no predictions)."""
+    return [r for r in records if r["status"] == results.OK
+            and not r.get("env", {}).get("simulated") and not r["env"].get("kernel_bench")]
+
+
+def compare(records: list[dict], hw: Hardware) -> tuple[list[Row], list[str]]:
+    """Predicted vs measured, per record and phase, on each record's own topology; and the
+    rows the model cannot predict, with why."""
+    rows, skipped = [], []
     for r in records:
         cfg, topo = r["config"], r["topology"]
+        label, seqlen = labels.row_label(r), cfg["attention"]["seqlen"]
         options = strategies.get(cfg["strategy"]).Options(**cfg["options"])
-        p = model.predict(cfg["strategy"], options, AttentionConfig(**cfg["attention"]),
-                          Topology(world_size=topo["world_size"],
-                                   ranks_per_node=topo["ranks_per_node"]), hw)
-        d, label = r["derived"], labels.row_label(r)
-        seqlen = cfg["attention"]["seqlen"]
+        try:
+            p = model.predict(cfg["strategy"], options, AttentionConfig(**cfg["attention"]),
+                              Topology(world_size=topo["world_size"],
+                                       ranks_per_node=topo["ranks_per_node"]), hw)
+        except UsageError as e:
+            skipped.append(f"{label} at {seqlen}: {e}")
+            continue
+        d = r["derived"]
         rows.append(Row(label, seqlen, "FWD", p.fwd_s * 1e3, d["fwd_ms"]))
         if d.get("fwd_bwd_ms"):
             rows.append(Row(label, seqlen, "FWD+BWD", p.fwd_bwd_s * 1e3, d["fwd_bwd_ms"]))
-    return rows
+    return rows, skipped
 
 
-def render(rows: list[Row], hw: Hardware, nproc: int) -> str:
+def render(rows: list[Row], hw: Hardware, nproc: int, skipped: list[str] = ()) -> str:
     if not rows:
         raise UsageError("no case ran to completion: nothing to compare")
     width = max(len(r.label) for r in rows)
@@ -96,6 +109,8 @@ def render(rows: list[Row], hw: Hardware, nproc: int) -> str:
     for r in rows:
         lines.append(f"{r.label:<{width}}  {r.seqlen:>7}  {r.phase:<7}  "
                      f"{r.predicted_ms:>12.2f}  {r.measured_ms:>11.2f}  {r.error * 100:>+7.1f}%")
+    if skipped:
+        lines += ["", "not predicted:", *(f"  {why}" for why in skipped)]
     worst = max(rows, key=lambda r: abs(r.error))
     lines += ["", f"worst |error| {abs(worst.error) * 100:.1f} % ({worst.label}, "
                   f"{worst.seqlen}, {worst.phase})"]

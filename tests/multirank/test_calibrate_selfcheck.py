@@ -1,0 +1,34 @@
+"""cpbench calibrate on 2 local ranks writes a preset that cpbench simulate accepts, and
+``simulate --self-check`` with it prints predicted vs measured and the worst error (tiny
+sizes: this checks the chain, not the model's accuracy, which the README states)."""
+
+from __future__ import annotations
+
+import re
+
+from cpbench.cli import main
+from cpbench.sim import hardware
+
+
+def test_calibrate_then_self_check(tmp_path, capsys):
+    preset = tmp_path / "cpu.yaml"
+    assert main(["calibrate", "--out", str(preset), "--nproc", "2", "--sides", "64,128",
+                 "--heads", "2", "--head-dim", "16", "--iters", "1"]) == 0
+    assert "preset written to" in capsys.readouterr().out
+    hw = hardware.load(str(preset))
+    assert hw.dtypes == ("fp32",) and hw.kernel_fwd_causal is not None
+    assert hw.step_overhead_us > 0 and hw.intra.bandwidth_gbs > 0
+
+    assert main(["simulate", "--hardware", str(preset), "--seqlen", "256", "--heads", "2",
+                 "--head-dim", "16", "--strategy", "zigzag,local"]) == 0  # plain simulate too
+    capsys.readouterr()
+
+    assert main(["simulate", "--self-check", "--hardware", str(preset), "--seqlen", "256",
+                 "--heads", "2", "--head-dim", "16", "--strategy", "zigzag,ulysses",
+                 "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if re.search(r"[+-]\d+\.\d%$", line)]
+    assert len(rows) == 4  # two strategies x FWD, FWD+BWD
+    errors = [abs(float(line.split()[-1].rstrip("%"))) for line in rows]
+    worst = float(re.search(r"worst \|error\| ([\d.]+) %", out).group(1))
+    assert worst == max(errors)
