@@ -62,8 +62,8 @@ def kernel_times(spec: Spec, timer: Timer) -> dict[bool, dict[int, tuple[float, 
             case = kernelbench.Case(seqlen=side, heads=spec.heads, head_dim=spec.head_dim,
                                     dtype=_torch_dtype(spec.dtype), causal=causal)
             (fwd, fwd_bwd), _ = kernelbench.closures("auto", case, spec.device)
-            # tiny blocks are noisy relative to their time: more samples cost nothing
-            iters = 50 if side == TINY else None
+            # tiny blocks are noisy relative to their time: more samples cost little
+            iters = 10 * spec.iters if side == TINY else None
             out[causal][side] = (_median_ms(fwd, spec, timer, iters),
                                  _median_ms(fwd_bwd, spec, timer, iters))
     return out
@@ -139,7 +139,7 @@ def link_times(spec: Spec, timer: Timer, rank: int, world: int) -> dict[str, lis
         for nbytes in MESSAGE_BYTES:
             fn = _all_to_all(nbytes, world, spec.device) if kind == "all_to_all" else \
                 _exchange(partner, nbytes, spec.device)
-            points.append((nbytes, _median_ms(fn, spec, timer, iters=max(5, spec.iters))))
+            points.append((nbytes, _median_ms(fn, spec, timer, iters=2 * spec.iters + 1)))
         out[kind] = points
     return out
 

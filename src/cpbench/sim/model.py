@@ -125,8 +125,7 @@ class Prediction:
         return self.memory_bytes > self.capacity_bytes
 
 
-# schedules never call the kernel; constructors want one, and the one every strategy takes
-_KERNEL = kernels.get("sdpa-cpu")
+_KERNEL = kernels.get("torch")  # schedules never call the kernel; constructors want one
 
 
 def build(name: str, options, attn: AttentionConfig, topo: Topology, rank: int = 0) -> Strategy:
