@@ -10,7 +10,6 @@ that reason before anything is allocated; one that runs out of memory anyway is 
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -199,10 +198,9 @@ def measure(name: str, case: Case, *, device: str, warmup: int, iters: int,
     except Exception as e:
         if not agreement.is_oom(e):
             raise
-        with contextlib.suppress(Exception):
-            x = None
-            if device == "cuda":
-                torch.cuda.empty_cache()
+        x = fwd = fwd_bwd = None  # the inputs go before the next case allocates its own
+        if device == "cuda":
+            torch.cuda.empty_cache()
         return Measured(**got, status="OOM", reason=agreement.one_line(e))
     return Measured(**got)
 
