@@ -34,7 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=tuple(DTYPES), help="default fp32 on CPU, bf16 on GPU")
     p.add_argument("--heads", type=integer, help="default 8 on CPU, 40 on GPU")
     p.add_argument("--head-dim", type=integer, help="default 64 on CPU, 128 on GPU")
-    p.add_argument("--iters", type=integer, default=3, help="timed iterations a point (default 3)")
+    p.add_argument("--iters", type=integer, default=5,
+                   help="timed passes over the kernel points, iterations a link size (default 5)")
     p.set_defaults(func=main)
 
 

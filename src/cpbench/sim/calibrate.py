@@ -3,9 +3,10 @@
 Run on every rank at once (local gloo ranks, or a torchrun job), so each figure is taken
 under the contention the benchmark itself sees:
 
-- the kernel curve: the attention kernel ``cpbench run`` would use (``auto``), on full
-  square blocks of each side, timed by ``cpbench run``'s timer (barrier, per-iteration
-  samples, the slowest rank's median), forward and backward (FWD+BWD − FWD);
+- the kernel curve: the attention kernel ``cpbench run`` would use (``auto``), on full and
+  on causal square blocks of each side, timed by ``cpbench run``'s timer (barrier,
+  per-iteration samples, the slowest rank's median, the points timed in round-robin
+  passes), forward and backward (FWD+BWD − FWD);
 - the per-step overhead: the same kernel on a block of 16 tokens, whose FLOPs are nothing:
   what any step pays (calls, allocation, dispatch). The curve is the rate of the rest,
   flops / (t − overhead), so the model (flops / rate + overhead) gives back the time measured;
@@ -18,6 +19,7 @@ under the contention the benchmark itself sees:
 from __future__ import annotations
 
 import socket
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -55,17 +57,25 @@ def _median_ms(fn, spec: Spec, timer: Timer, iters: int | None = None) -> float:
 
 def kernel_times(spec: Spec, timer: Timer) -> dict[bool, dict[int, tuple[float, float]]]:
     """Causal? → side → (FWD ms, FWD+BWD ms) of the ``auto`` kernel on a square block, every
-    rank at once; the tiny overhead block is full only."""
+    rank at once; the tiny overhead block is full only. Round robin: each pass times every
+    block once (the tiny one 10 times), so a burst of load from outside lands on all the
+    points alike instead of bending the curve at one of them; a point is its median."""
+    points = [(False, TINY)] + [(c, s) for c in (False, True) for s in spec.sides]
+    closures = {}
+    for causal, side in points:
+        case = kernelbench.Case(seqlen=side, heads=spec.heads, head_dim=spec.head_dim,
+                                dtype=_torch_dtype(spec.dtype), causal=causal)
+        closures[causal, side], _ = kernelbench.closures("auto", case, spec.device)
+    samples: dict[tuple, tuple[list, list]] = {p: ([], []) for p in points}
+    for i in range(spec.iters):
+        for p in points:
+            reps = 10 if p[1] == TINY else 1
+            for fn, kept in zip(closures[p], samples[p]):
+                times = timer.measure(fn, warmup=spec.warmup if i == 0 else 0, iters=reps)
+                kept += metrics.slowest_per_iter(gather_samples(times, spec.device))
     out: dict[bool, dict[int, tuple[float, float]]] = {False: {}, True: {}}
-    for causal in (False, True):
-        for side in ((TINY,) if not causal else ()) + spec.sides:
-            case = kernelbench.Case(seqlen=side, heads=spec.heads, head_dim=spec.head_dim,
-                                    dtype=_torch_dtype(spec.dtype), causal=causal)
-            (fwd, fwd_bwd), _ = kernelbench.closures("auto", case, spec.device)
-            # tiny blocks are noisy relative to their time: more samples cost little
-            iters = 10 * spec.iters if side == TINY else None
-            out[causal][side] = (_median_ms(fwd, spec, timer, iters),
-                                 _median_ms(fwd_bwd, spec, timer, iters))
+    for (causal, side), (fwd, both) in samples.items():
+        out[causal][side] = (statistics.median(fwd), statistics.median(both))
     return out
 
 
