@@ -38,8 +38,8 @@ def _measured(overhead_ms=0.1, fwd_rate=50e9):
         for side in SPEC.sides:
             f = metrics.attention_flops(batch=1, seqlen_q=side, seqlen_k=side, heads=8,
                                         head_dim=64, causal=causal)
-            fwd = overhead_ms + f / fwd_rate * 1e3
-            out[side] = (fwd, fwd + overhead_ms + 2.5 * f / fwd_rate * 1e3)
+            out[side] = (overhead_ms + f / fwd_rate * 1e3,
+                         overhead_ms + 2.5 * f / fwd_rate * 1e3)  # FWD, BWD alone
         return out
 
     link = [(n, 0.05 + n / 1e9 * 1e3) for n in (4096, 1 << 20, 16 << 20)]

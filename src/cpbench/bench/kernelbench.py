@@ -166,6 +166,24 @@ def _flex_call(case: Case, device: str) -> Callable:
     return lambda q, k, v: flex_attention(q, k, v, block_mask=mask)
 
 
+def forward_backward(name: str, case: Case, device: str, seed: int = 0) -> Closures:
+    """(forward, backward) of one of cpbench's backends, each alone: the backward gets the
+    forward's out and lse, computed once (as a CP step's backward gets them)."""
+    backend = kernels.get(resolved_name(name, case, device))
+    x = _inputs(case, device, bhsd=False, seed=seed)
+    scale = 1.0 / math.sqrt(case.head_dim)
+    out, lse = backend.forward(x["q"], x["k"], x["v"], causal=case.causal, softmax_scale=scale)
+
+    def fwd():
+        return backend.forward(x["q"], x["k"], x["v"], causal=case.causal, softmax_scale=scale)
+
+    def bwd():
+        return backend.backward(x["dout"], x["q"], x["k"], x["v"], out, lse,
+                                causal=case.causal, softmax_scale=scale)
+
+    return fwd, bwd
+
+
 def closures(name: str, case: Case, device: str, seed: int = 0) -> tuple[Closures, dict]:
     """(FWD, FWD+BWD) closures of ``name`` on ``case``, and the inputs they hold."""
     if name in _SDPA or name == FLEX:

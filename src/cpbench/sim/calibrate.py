@@ -6,7 +6,8 @@ under the contention the benchmark itself sees:
 - the kernel curve: the attention kernel ``cpbench run`` would use (``auto``), on full and
   on causal square blocks of each side, timed by ``cpbench run``'s timer (barrier,
   per-iteration samples, the slowest rank's median, the points timed in round-robin
-  passes), forward and backward (FWD+BWD − FWD);
+  passes), forward and backward, each call timed alone (a difference of two noisy
+  medians can even come out negative on a shared machine);
 - the per-step overhead: the same kernel on a block of 16 tokens, whose FLOPs are nothing:
   what any step pays (calls, allocation, dispatch). The curve is the rate of the rest,
   flops / (t − overhead), so the model (flops / rate + overhead) gives back the time measured;
@@ -56,16 +57,17 @@ def _median_ms(fn, spec: Spec, timer: Timer, iters: int | None = None) -> float:
 
 
 def kernel_times(spec: Spec, timer: Timer) -> dict[bool, dict[int, tuple[float, float]]]:
-    """Causal? → side → (FWD ms, FWD+BWD ms) of the ``auto`` kernel on a square block, every
-    rank at once; the tiny overhead block is full only. Round robin: each pass times every
-    block once (the tiny one 10 times), so a burst of load from outside lands on all the
-    points alike instead of bending the curve at one of them; a point is its median."""
+    """Causal? → side → (FWD ms, BWD ms) of the ``auto`` kernel on a square block, each call
+    timed alone, every rank at once; the tiny overhead block is full only. Round robin: each
+    pass times every block once (the tiny one 10 times), so a burst of load from outside
+    lands on all the points alike instead of bending the curve at one of them; a point is
+    its median."""
     points = [(False, TINY)] + [(c, s) for c in (False, True) for s in spec.sides]
     closures = {}
     for causal, side in points:
         case = kernelbench.Case(seqlen=side, heads=spec.heads, head_dim=spec.head_dim,
                                 dtype=_torch_dtype(spec.dtype), causal=causal)
-        closures[causal, side], _ = kernelbench.closures("auto", case, spec.device)
+        closures[causal, side] = kernelbench.forward_backward("auto", case, spec.device)
     samples: dict[tuple, tuple[list, list]] = {p: ([], []) for p in points}
     for i in range(spec.iters):
         for p in points:
@@ -74,8 +76,8 @@ def kernel_times(spec: Spec, timer: Timer) -> dict[bool, dict[int, tuple[float, 
                 times = timer.measure(fn, warmup=spec.warmup if i == 0 else 0, iters=reps)
                 kept += metrics.slowest_per_iter(gather_samples(times, spec.device))
     out: dict[bool, dict[int, tuple[float, float]]] = {False: {}, True: {}}
-    for (causal, side), (fwd, both) in samples.items():
-        out[causal][side] = (statistics.median(fwd), statistics.median(both))
+    for (causal, side), (fwd, bwd) in samples.items():
+        out[causal][side] = (statistics.median(fwd), statistics.median(bwd))
     return out
 
 

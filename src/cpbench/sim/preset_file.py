@@ -15,11 +15,10 @@ def curves(kernel_ms: dict[int, tuple[float, float]], spec: Spec, overhead_ms: f
     nothing)."""
     fwd, bwd = [], []
     for side in spec.sides:
-        t_fwd, t_both = kernel_ms[side]
+        t_fwd, t_bwd = kernel_ms[side]
         flops = metrics.attention_flops(batch=1, seqlen_q=side, seqlen_k=side,
                                         heads=spec.heads, head_dim=spec.head_dim, causal=causal)
-        for points, t, f in ((fwd, t_fwd, flops), (bwd, t_both - t_fwd,
-                                                   flops * metrics.BWD_FACTOR)):
+        for points, t, f in ((fwd, t_fwd, flops), (bwd, t_bwd, flops * metrics.BWD_FACTOR)):
             net = max(t - overhead_ms, t / 2)
             points.append([side, round(f / (net / 1e3) / 1e12, 5)])
     return fwd, bwd
