@@ -153,9 +153,12 @@ class RunConfig:
     format: str = arg("table", "how the summary prints", choices=FORMATS)
     nproc: int | None = arg(None, "start this many local CPU ranks (gloo) instead of running "
                             "under torchrun (default: 4)")
-    collective_timeout: float = arg(600.0, "seconds a rank waits for its peers in one "
-                                    "collective (the process groups' timeout) before the "
-                                    "run is stopped as broken", metavar="SECONDS")
+    collective_timeout: float | None = arg(None, "seconds a rank waits for its peers in one "
+                                           "collective (the process groups' timeout) before "
+                                           "the case is recorded as failed and the group is "
+                                           "formed again (default: per case, from a "
+                                           "pessimistic estimate of its step time, at least "
+                                           "60 s)", metavar="SECONDS")
     deadline: float | None = arg(None, "--nproc only: seconds before the whole run is "
                                  "stopped (default: none)", metavar="SECONDS")
 

@@ -22,15 +22,24 @@ from typing import Any
 
 import torch
 
-from cpbench import kernels, results, strategies
+from cpbench import kernels, metrics, results, strategies
 from cpbench.bench import env as env_mod
 from cpbench.bench import memory
 from cpbench.config import AttentionConfig, RunConfig, default_attention, flag
 from cpbench.errors import UsageError
-from cpbench.metrics import gib
 from cpbench.topology import Topology, divisors
 
 DEFAULT_NPROC = 4
+
+# The default collective timeout of a case: its step's FLOPs at a pessimistic rate (a few
+# per cent of a data-centre GPU's; a slow CPU core), times the steps a peer can be behind
+# (warm-up, timing skew, the memory step), plus --check's float64 reference on rank 0. A
+# failing case then costs about as long as it could legitimately take, not a flat 600 s.
+MIN_COLLECTIVE_TIMEOUT_S = 60.0
+PESSIMISTIC_FLOPS = {"cuda": 20e12, "cpu": 1e9}  # per rank and second
+REFERENCE_FLOPS = {"cuda": 1e12, "cpu": 0.5e9}  # float64, on rank 0
+STEPS_BEHIND = 10
+MIN_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -60,11 +69,19 @@ class Plan:
     out: str | None
     launcher: str  # "torchrun" or "self"
     skipped: tuple[str, ...] = ()  # variants the config does not allow, and why
+    # per case: (collective timeout, how long a rank that failed by itself waits for its
+    # peers in the agreement on gloo), in seconds; see case_waits
+    waits: tuple[tuple[float, float], ...] = ()
 
     @property
     def topo(self) -> Topology:
         return Topology(world_size=self.world_size, ranks_per_node=self.ranks_per_node,
-                        group_timeout_s=self.run.collective_timeout)
+                        group_timeout_s=self.init_timeout)
+
+    @property
+    def init_timeout(self) -> float:
+        """The process group's timeout before the first case sets its own."""
+        return max((w[0] for w in self.waits), default=MIN_COLLECTIVE_TIMEOUT_S)
 
     def keys(self) -> tuple[str, ...]:
         """``results.record_key`` of every row this plan records, in order."""
@@ -90,6 +107,26 @@ def failure_record(p: Plan, index: int, status: str, error: str, **sections) -> 
         kernel=p.kernel, world_size=p.world_size, ranks_per_node=p.ranks_per_node,
         ranks_per_problem=strat.ranks_per_problem, env=env, status=status, error=error,
         **sections)
+
+
+def case_waits(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int
+               ) -> tuple[float, float]:
+    """(collective timeout, agreement grace) of a case in seconds; ``run.collective_timeout``
+    overrides the timeout. The grace, on gloo: how long a rank that failed by itself waits
+    for its peers to agree before it decides they are stuck waiting on it (a step)."""
+    flops = metrics.attention_flops(batch=attn.batch, seqlen_q=attn.seqlen,
+                                    seqlen_k=attn.seqlen, heads=attn.heads,
+                                    head_dim=attn.head_dim, causal=attn.causal,
+                                    mode="fwd" if run.fwd_only else "fwd_bwd")
+    step_s = flops / ranks_per_problem / PESSIMISTIC_FLOPS[run.device]
+    wait = STEPS_BEHIND * step_s
+    if run.check:
+        wait += metrics.attention_flops(batch=attn.batch, seqlen_q=attn.seqlen,
+                                        seqlen_k=attn.seqlen, heads=attn.heads,
+                                        head_dim=attn.head_dim, causal=attn.causal,
+                                        mode="fwd_bwd") / REFERENCE_FLOPS[run.device]
+    timeout = run.collective_timeout or max(MIN_COLLECTIVE_TIMEOUT_S, wait)
+    return timeout, min(timeout, max(MIN_GRACE_S, step_s))
 
 
 def _device(run: RunConfig, launcher: str) -> str:
@@ -167,9 +204,9 @@ def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend, d
             ", or more ranks" if strat.ranks_per_problem > 1
             else f" ({case.strategy} holds the whole sequence on every rank)")
         raise UsageError(
-            f"{case.label}: seqlen {attn.seqlen} needs at least {gib(need)} per rank "
+            f"{case.label}: seqlen {attn.seqlen} needs at least {metrics.gib(need)} per rank "
             f"for q, k, v, out and their gradients alone (an estimate), more than the "
-            f"{gib(capacity)} a rank has here; {fix}")
+            f"{metrics.gib(capacity)} a rank has here; {fix}")
     return strat
 
 
@@ -212,8 +249,8 @@ def _reference_fits(attn: AttentionConfig, device: str, local_ranks: int,
         raise UsageError(
             f"--check builds the global tensors on every rank and a float64 reference "
             f"on rank 0: at seqlen {attn.seqlen} that is about "
-            f"{gib(per_rank * sharing + reference)} (an estimate), more than the "
-            f"{gib(capacity * sharing)} here; check at a small --seqlen "
+            f"{metrics.gib(per_rank * sharing + reference)} (an estimate), more than the "
+            f"{metrics.gib(capacity * sharing)} here; check at a small --seqlen "
             f"(e.g. 8k) and time this size without --check")
 
 
@@ -300,4 +337,6 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
             open_profile_dir(run.profile)
     return Plan(attn=attn, run=run, world_size=world, ranks_per_node=topo.ranks_per_node,
                 kernel=backend.name, cases=tuple(cases), out=out, launcher=launcher,
-                skipped=tuple(skipped))
+                skipped=tuple(skipped),
+                waits=tuple(case_waits(attn, run, strat.ranks_per_problem)
+                            for _, strat in built))
