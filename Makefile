@@ -1,6 +1,7 @@
 # Two entry points a new user needs: `make bench` (the main job) and `make test`.
-# Both create .venv and install what is missing on first use. `make lint` runs ruff and the
-# import-layer contracts (CI runs it before the tests); `make test-fast` the unit layer alone.
+# Both create .venv and install what is missing on first use. `make lint` runs ruff, the
+# import-layer contracts and shellcheck (CI runs it before the tests); `make test-fast` the
+# unit layer alone.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -28,6 +29,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/shellcheck src/cpbench/slurm/cpbench.sbatch scripts/ensure_torch.sh .ci/run
 
 clean:
 	rm -rf $(VENV) .pytest_cache

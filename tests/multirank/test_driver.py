@@ -115,6 +115,7 @@ def test_check_time_record_and_report(tmp_path):
         assert len(r["samples_ms"]["fwd"]) == 2 and len(r["samples_ms"]["fwd"][0]) == 2
         assert len(r["samples_ms"]["fwd_bwd"]) == 2 and min(r["memory_bytes"]) > 0
         assert r["env"]["hostnames"] and r["env"]["torch"] == torch.__version__
+        assert r["env"]["cpus_usable"] == len(os.sched_getaffinity(0))
         assert r["derived"] == results.derive(r)
     assert [r["ranks_per_problem"] for r in records] == [2, 1]
     # the printed tables are exactly what the report renders from the file

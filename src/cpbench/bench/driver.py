@@ -385,11 +385,15 @@ def rank_main(rank: int, world: int, p: Plan) -> int:
     import torch.distributed as dist
 
     console.setup(rank, p.run.format)
-    hostnames = [None] * world
-    dist.all_gather_object(hostnames, socket.gethostname())
+    where = [None] * world
+    dist.all_gather_object(where, (socket.gethostname(), env_mod.cpus_usable()))
+    hostnames, cpus = [h for h, _ in where], [c for _, c in where]
     env = env_mod.capture(device=p.run.device, launcher=p.launcher, hostnames=hostnames,
-                          world_size=world, ranks_per_node=p.ranks_per_node) if rank == 0 else {}
+                          world_size=world, ranks_per_node=p.ranks_per_node,
+                          cpus=cpus) if rank == 0 else {}
     _header(p, world)
+    for line in env_mod.cpu_warnings(hostnames, cpus):
+        log.info("%s", line)
     records, failed, broken = _run_cases(p, rank, env)
     if rank == 0:
         _footer(p, records, failed, broken)

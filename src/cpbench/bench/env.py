@@ -52,6 +52,29 @@ def max_local_ranks() -> int:
     return max(1, limit)
 
 
+def cpus_usable() -> int:
+    """The cores this process may run on (its affinity: what Slurm's binding leaves it), not
+    the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_warnings(hostnames: list[str], cpus: list[int]) -> list[str]:
+    """A line for each host whose ranks have less than one usable core each (by rank:
+    ``hostnames[r]``, ``cpus[r]``): e.g. an srun step bound to one core."""
+    lines = []
+    for host in dict.fromkeys(hostnames):
+        ranks = [r for r, h in enumerate(hostnames) if h == host]
+        fewest = min(cpus[r] for r in ranks)
+        if fewest < len(ranks):
+            lines.append(f"warning: {host}: {len(ranks)} ranks share {fewest} usable "
+                         f"core(s) (less than one each: timings will be slow); give the job "
+                         f"step the node's cores (srun --cpus-per-task, see README 'Slurm')")
+    return lines
+
+
 def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -87,8 +110,9 @@ def device_name(device: str) -> str:
 
 
 def capture(*, device: str, launcher: str, hostnames: list[str], world_size: int,
-            ranks_per_node: int) -> dict:
-    """The environment record of this run (called on rank 0; ``hostnames`` by rank)."""
+            ranks_per_node: int, cpus: list[int] | None = None) -> dict:
+    """The environment record of this run (called on rank 0; ``hostnames`` and ``cpus``, the
+    usable cores, by rank). ``cpus_usable``: the fewest any rank may use."""
     nccl = None
     if torch.cuda.is_available():
         try:
@@ -109,6 +133,7 @@ def capture(*, device: str, launcher: str, hostnames: list[str], world_size: int
         "device": device,
         "device_name": device_name(device),
         "cpu_count": os.cpu_count(),
+        "cpus_usable": min(cpus) if cpus else cpus_usable(),
         "threads_per_rank": torch.get_num_threads(),
         "hostnames": hostnames,
         "world_size": world_size,

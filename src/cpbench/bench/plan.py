@@ -95,12 +95,12 @@ class Plan:
 def failure_record(p: Plan, index: int, status: str, error: str, **sections) -> dict:
     """The record of case ``index`` of ``p`` when its launch ended without one (the ranks
     died, or a sweep's case timed out): no measurements, the status and why."""
-    from cpbench.bench.env import utc_now
+    from cpbench.bench.env import cpus_usable, utc_now
 
     case = p.cases[index]
     strat = strategies.get(case.strategy)(p.attn, p.topo, 0, kernel=kernels.get(p.kernel),
                                           options=case.options, create_groups=False)
-    env = {"utc": utc_now(), "launcher": p.launcher,
+    env = {"utc": utc_now(), "launcher": p.launcher, "cpus_usable": cpus_usable(),
            "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
     return results.make_record(
         strategy=case.strategy, options=case.options, attention=p.attn, run=p.run,
