@@ -31,6 +31,16 @@ def torchrun_world() -> tuple[int, int, int]:
             int(os.environ["LOCAL_WORLD_SIZE"]))
 
 
+def bind_local_gpu() -> None:
+    """Under torchrun with GPUs: make this rank's GPU (LOCAL_RANK) current before anything
+    touches torch.cuda (the plan reads the device's memory), so no rank opens a context on
+    GPU 0. Leaves it to the plan to refuse more local ranks than GPUs."""
+    if under_torchrun() and torch.cuda.is_available():
+        local = int(os.environ["LOCAL_RANK"])
+        if local < torch.cuda.device_count():
+            torch.cuda.set_device(local)
+
+
 def meminfo_bytes(field: str) -> int | None:
     """A ``/proc/meminfo`` figure (``MemTotal``, ``MemAvailable``, …) in bytes; None where
     there is no such file or field (not Linux)."""

@@ -129,7 +129,23 @@ def case_waits(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int
     return timeout, min(timeout, max(MIN_GRACE_S, step_s))
 
 
+def check_gpu_count(local_ranks: int, visible: int) -> None:
+    """Under torchrun on CUDA every local rank needs its own GPU: LOCAL_RANK indexes them."""
+    if local_ranks > visible:
+        raise UsageError(
+            f"torchrun starts {local_ranks} ranks on this node but {visible} GPU(s) are "
+            f"visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            f"use --nproc-per-node {visible} (or --nproc-per-node gpu)")
+
+
 def _device(run: RunConfig, launcher: str) -> str:
+    device = _pick_device(run, launcher)
+    if device == "cuda" and launcher == "torchrun":
+        check_gpu_count(env_mod.torchrun_world()[2], torch.cuda.device_count())
+    return device
+
+
+def _pick_device(run: RunConfig, launcher: str) -> str:
     if run.device == "auto":
         return "cuda" if launcher == "torchrun" and torch.cuda.is_available() else "cpu"
     if run.device == "cuda" and launcher == "self":
