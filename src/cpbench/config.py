@@ -129,8 +129,9 @@ class RunConfig:
     strategy: tuple[str, ...] = arg(("all",), "a strategy name, a comma list, or all "
                                     "(see `cpbench strategies`)", parse=parse_names,
                                     metavar="NAME[,NAME...]|all")
-    kernel: str = arg("auto", "attention kernel backend (auto: flash-attn on CUDA, sdpa-cpu "
-                      "on CPU)")
+    kernel: str = arg("auto", "attention kernel backend (auto: on CUDA FlashAttention-3 "
+                      "on sm90 when installed, else flash-attn 2, never the plain reference; "
+                      "sdpa-cpu on CPU)")
     device: str = arg("auto", "where ranks compute (auto: cuda under torchrun when a GPU is "
                       "present, else cpu; --nproc always runs on cpu)", choices=DEVICES)
     ranks_per_node: int | None = arg(None, "ranks per (emulated) node; default: "

@@ -390,7 +390,8 @@ def rank_main(rank: int, world: int, p: Plan) -> int:
     hostnames, cpus = [h for h, _ in where], [c for _, c in where]
     env = env_mod.capture(device=p.run.device, launcher=p.launcher, hostnames=hostnames,
                           world_size=world, ranks_per_node=p.ranks_per_node,
-                          cpus=cpus) if rank == 0 else {}
+                          cpus=cpus, kernel_package=kernels.get(p.kernel).provenance()
+                          ) if rank == 0 else {}
     _header(p, world)
     for line in env_mod.cpu_warnings(hostnames, cpus):
         log.info("%s", line)

@@ -120,9 +120,11 @@ def device_name(device: str) -> str:
 
 
 def capture(*, device: str, launcher: str, hostnames: list[str], world_size: int,
-            ranks_per_node: int, cpus: list[int] | None = None) -> dict:
+            ranks_per_node: int, cpus: list[int] | None = None,
+            kernel_package: dict | None = None) -> dict:
     """The environment record of this run (called on rank 0; ``hostnames`` and ``cpus``, the
-    usable cores, by rank). ``cpus_usable``: the fewest any rank may use."""
+    usable cores, by rank). ``cpus_usable``: the fewest any rank may use. ``kernel_package``:
+    the kernel's distribution, version and file (``KernelBackend.provenance``)."""
     nccl = None
     if torch.cuda.is_available():
         try:
@@ -140,6 +142,7 @@ def capture(*, device: str, launcher: str, hostnames: list[str], world_size: int
         "cuda": torch.version.cuda,
         "nccl": nccl,
         "flash_attn": _version("flash-attn") or _version("flash_attn"),
+        "kernel_package": kernel_package,
         "device": device,
         "device_name": device_name(device),
         "cpu_count": os.cpu_count(),

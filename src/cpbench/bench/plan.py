@@ -330,9 +330,10 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
                          "scheduler's time limit (e.g. sbatch --time): drop --deadline")
     run = dataclasses.replace(run, ranks_per_node=topo.ranks_per_node,
                               nproc=world if launcher == "self" else None)
+    kernel_notes: list[str] = []
     backend = kernels.resolve(run.kernel, device=device, dtype=attn.torch_dtype,
                               head_dim=attn.head_dim, heads=attn.heads,
-                              kv_heads=attn.num_kv_heads)
+                              kv_heads=attn.num_kv_heads, notes=kernel_notes)
     local_ranks = topo.ranks_per_node if launcher == "torchrun" else world
     capacity = memory.capacity_bytes(device, local_ranks) if job is None else None
     built, skipped = _runnable(expand_cases(run.strategy, options, topo), run.strategy, attn,
@@ -353,6 +354,6 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
             open_profile_dir(run.profile)
     return Plan(attn=attn, run=run, world_size=world, ranks_per_node=topo.ranks_per_node,
                 kernel=backend.name, cases=tuple(cases), out=out, launcher=launcher,
-                skipped=tuple(skipped),
+                skipped=(*kernel_notes, *skipped),
                 waits=tuple(case_waits(attn, run, strat.ranks_per_problem)
                             for _, strat in built))
