@@ -194,14 +194,37 @@ def _fa3_limits(device: str, dtype: torch.dtype, head_dim: int) -> str | None:
     return fa3_limits_for(capability, fa3_generation(params), dtype, head_dim)
 
 
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+ALIGN_BYTES = 16  # flash-attn's 128-bit loads and FA3's TMA need 16-byte-aligned bases
+
+
+def _ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernels take it: a unit last stride and a 16-byte-aligned base (a view
+    starting mid-row of a packed buffer fails with "misaligned address"); copied only when
+    it is not."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t if t.data_ptr() % ALIGN_BYTES == 0 else t.clone()
+
+
+def forward_inputs(q, k, v) -> tuple[torch.Tensor, ...]:
+    """q, k, v as the forward kernel gets them."""
+    return tuple(_ready(t) for t in (q, k, v))
+
+
+def backward_inputs(dout, q, k, v, out, lse) -> tuple[torch.Tensor, ...]:
+    """dout, q, k, v, out, lse as the backward kernel gets them. lse is read as a dense fp32
+    (b, h, s) array: a zigzag half of it is a strided view, always copied (small)."""
+    q, k, v = (_ready(t) for t in (q, k, v))
+    # out and dout may come from an fp32 merge but must match q's dtype
+    dout, out = _ready(dout.to(q.dtype)), _ready(out.to(q.dtype))
+    return dout, q, k, v, out, _ready(lse.float().contiguous())
 
 
 def _make_fns(module: str, fwd_map, bwd_map):
     def forward(q, k, v, *, causal: bool, softmax_scale: float):
         check_shapes(q, k, v, causal)
         fn, (params, required), _, _ = _load(module)
+        q, k, v = forward_inputs(q, k, v)
         kwargs = fwd_map(params, q=q, k=k, v=v, softmax_scale=float(softmax_scale),
                          causal=bool(causal), required=required)
         return unpack_forward(fn(**kwargs))
@@ -210,14 +233,10 @@ def _make_fns(module: str, fwd_map, bwd_map):
         check_shapes(q, k, v, causal)
         _, _, fn, (params, required) = _load(module)
         # The kernels take any strides with a unit last one (flash-attn 2.8's own backward
-        # only fixes a non-unit last stride): copy only then, not the half-blocks a ring
-        # hands over for batch > 1 (a copy in the timed region). (flash-attn 2.0.x gave wrong
-        # grads for a non-contiguous dout, issue #355: use >= 2.1.) lse is read as a dense fp32
-        # (b, h, s) array; out and dout may come from an fp32 merge but must match q's dtype.
-        q, k, v = (_unit_last_stride(t) for t in (q, k, v))
-        dout = _unit_last_stride(dout.to(q.dtype))
-        out = _unit_last_stride(out.to(q.dtype))
-        lse = lse.float().contiguous()
+        # only fixes a non-unit last stride): copy only then (or for a misaligned base), not
+        # the half-blocks a ring hands over for batch > 1 (a copy in the timed region).
+        # (flash-attn 2.0.x gave wrong grads for a non-contiguous dout, issue #355: >= 2.1.)
+        dout, q, k, v, out, lse = backward_inputs(dout, q, k, v, out, lse)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         fn(**bwd_map(params, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk,
                      dv=dv, softmax_scale=float(softmax_scale), causal=bool(causal),
