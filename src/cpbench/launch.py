@@ -1,4 +1,5 @@
-"""Start N local CPU ranks with gloo and run a function on each.
+"""Start N local ranks (CPU with gloo; GPUs with NCCL for the doctor's probe) and run a
+function on each.
 
 Used by the multi-rank tests and by ``cpbench run --nproc N``. Any rank's exception is
 re-raised in the parent with that rank's traceback, and a rank that dies without a word is
@@ -58,7 +59,8 @@ def _context():
     return ctx
 
 
-def _worker(fn, rank, nproc, port, args, results, threads, pg_timeout_s, leave_together):
+def _worker(fn, rank, nproc, port, args, results, threads, pg_timeout_s, leave_together,
+            backend):
     import torch
     import torch.distributed as dist
 
@@ -67,8 +69,12 @@ def _worker(fn, rank, nproc, port, args, results, threads, pg_timeout_s, leave_t
                       LOCAL_WORLD_SIZE=str(nproc))
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=nproc,
-                                timeout=timedelta(seconds=pg_timeout_s))
+        device_id = None
+        if backend == "nccl":  # one GPU per rank, current before anything touches CUDA
+            device_id = torch.device("cuda", rank)
+            torch.cuda.set_device(device_id)
+        dist.init_process_group(backend, rank=rank, world_size=nproc,
+                                timeout=timedelta(seconds=pg_timeout_s), device_id=device_id)
         out = fn(rank, nproc, *args)
         if leave_together:
             dist.barrier()  # gloo can abort when peers close connections first
@@ -85,14 +91,15 @@ def _worker(fn, rank, nproc, port, args, results, threads, pg_timeout_s, leave_t
 
 def run_ranks(fn: Callable[..., Any], nproc: int, *args, timeout: float | None = 300.0,
               collective_timeout: float | None = None, threads: int | None = None,
-              leave_together: bool = True) -> list[Any]:
+              leave_together: bool = True, backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks; return results by rank.
 
     ``fn`` must be importable by name (defined at module level). Raises RankError with the
     first failing rank's traceback, or LaunchTimeout after ``timeout`` seconds (None: no
     deadline). ``collective_timeout``: the process group's timeout (default: the deadline,
     at least 30 s; 600 s without one). ``leave_together``: a barrier after ``fn`` (False
-    when ``fn`` leaves by itself, e.g. skipping the barrier on a broken group).
+    when ``fn`` leaves by itself, e.g. skipping the barrier on a broken group). ``backend``:
+    "nccl" gives rank r GPU r (``cpbench doctor``'s probe on a GPU node).
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -105,7 +112,7 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, timeout: float | None =
     procs = [
         ctx.Process(target=_worker, daemon=True,
                     args=(fn, r, nproc, port, args, results, threads, collective_timeout,
-                          leave_together))
+                          leave_together, backend))
         for r in range(nproc)
     ]
     for p in procs:

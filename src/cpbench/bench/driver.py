@@ -1,11 +1,6 @@
 """The benchmark driver behind ``cpbench run`` and ``torchrun -m cpbench.run``.
 
-1. ``bench.plan``: everything is validated before any process group exists — strategy names,
-   options, topology, kernel and dtype, each strategy's own ``validate()`` (built with
-   ``create_groups=False`` for every rank), sizes that obviously cannot fit, the ``--out``
-   file. A bad request is one UsageError whose message says the fix. (Variants a strategy
-   suggests, and under ``all`` whole strategies, that the config does not allow or that
-   cannot fit are skipped with a note.)
+1. ``bench.plan`` validates everything before any process group exists (see there).
 2. ``launch`` (``--nproc``: local gloo ranks through ``cpbench.launch.run_ranks``) or
    ``torchrun_main`` (init from torchrun's environment: nccl on CUDA, gloo on CPU). Every
    process group, the strategies' subgroups included, times out after the case's collective
@@ -14,10 +9,9 @@
 3. ``rank_main`` on every rank, per (strategy, options) case: build the strategy (its groups),
    ``--check`` against the float64 reference, build this rank's input shard straight from
    the seed, time FWD and gather its samples, time FWD+BWD and gather its samples, then
-   measure peak memory (``bench.memory``) as a separate step, so a failed or OOM memory
-   measurement leaves the timings in the record; with ``--profile``, profile a few more
-   steps (``bench.profiling``), again a step of its own; on rank 0 append the record and
-   print.
+   measure peak memory (``bench.memory``) and, with ``--profile``, profile a few steps
+   (``bench.profiling``), each a step of its own (a failure there keeps the timings); on
+   rank 0 append the record and print.
 
 Every phase ends with all ranks agreeing on its outcome (``bench.agreement``), so an OOM or
 an exception in one case becomes that row's status on every rank and the run goes on.

@@ -119,19 +119,24 @@ def device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
+def nccl_version() -> str | None:
+    """The NCCL torch runs with, or None (no GPU, or a build without NCCL)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        version = torch.cuda.nccl.version()  # a tuple in recent torch, an int in old ones
+    except Exception:  # NCCL absent from this build
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
 def capture(*, device: str, launcher: str, hostnames: list[str], world_size: int,
             ranks_per_node: int, cpus: list[int] | None = None,
             kernel_package: dict | None = None) -> dict:
     """The environment record of this run (called on rank 0; ``hostnames`` and ``cpus``, the
     usable cores, by rank). ``cpus_usable``: the fewest any rank may use. ``kernel_package``:
     the kernel's distribution, version and file (``KernelBackend.provenance``)."""
-    nccl = None
-    if torch.cuda.is_available():
-        try:
-            version = torch.cuda.nccl.version()  # a tuple in recent torch, an int in old ones
-            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-        except Exception:  # NCCL absent from this build
-            nccl = None
+    nccl = nccl_version()
     sha = _git("rev-parse", "HEAD")
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if sha else None
     return {
