@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.cpbench-installed
 
-.PHONY: bench test test-fast lint install clean
+.PHONY: bench test test-fast test-gpu lint install clean
 
 $(STAMP): pyproject.toml scripts/ensure_torch.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not multirank and not gpu"
+
+# the GPU-marked tests (tests/gpu and a few unit ones): on a machine with 2 or more GPUs,
+# flash-attn installed (pip install -e '.[gpu]')
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
