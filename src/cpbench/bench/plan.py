@@ -310,6 +310,20 @@ def _default_out(run: RunConfig, attn: AttentionConfig) -> str:
     return str(Path("runs") / f"{utc}_{names}_{attn.seqlen}" / "results.jsonl")
 
 
+def _kernel(run: RunConfig, device: str, attn: AttentionConfig, notes: list[str], *,
+            elsewhere: bool):
+    """The kernel backend. ``elsewhere``: a GPU job planned off its nodes (a sweep checked
+    on a login node), where ``auto`` is decided by the job itself: validate as flash-attn 2."""
+    try:
+        return kernels.resolve(run.kernel, device=device, dtype=attn.torch_dtype,
+                               head_dim=attn.head_dim, heads=attn.heads,
+                               kv_heads=attn.num_kv_heads, notes=notes)
+    except UsageError:
+        if not (elsewhere and device == "cuda" and run.kernel == kernels.AUTO):
+            raise
+        return kernels.get("flash-attn")
+
+
 def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
          job: tuple[int, int] | None = None) -> Plan:
     """Validate a request and resolve its defaults. ``attention``: the AttentionConfig fields
@@ -331,9 +345,7 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     run = dataclasses.replace(run, ranks_per_node=topo.ranks_per_node,
                               nproc=world if launcher == "self" else None)
     kernel_notes: list[str] = []
-    backend = kernels.resolve(run.kernel, device=device, dtype=attn.torch_dtype,
-                              head_dim=attn.head_dim, heads=attn.heads,
-                              kv_heads=attn.num_kv_heads, notes=kernel_notes)
+    backend = _kernel(run, device, attn, kernel_notes, elsewhere=job is not None)
     local_ranks = topo.ranks_per_node if launcher == "torchrun" else world
     capacity = memory.capacity_bytes(device, local_ranks) if job is None else None
     built, skipped = _runnable(expand_cases(run.strategy, options, topo), run.strategy, attn,
