@@ -1,7 +1,7 @@
 """The driver on real gloo ranks: check, timing, records, the printed tables; an OOM or an
 exception in one strategy becomes its row's status and the run goes on; a failed memory
-measurement keeps the timings; one rank failing inside a ring stops the run in bounded time,
-keeping what was measured."""
+measurement keeps the timings; one rank failing inside a ring is recorded with its own error,
+the process group is formed again and the next case runs; a rank dying is recorded."""
 
 from __future__ import annotations
 
