@@ -213,11 +213,14 @@ def set_timeout(seconds: float) -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
+    setter = getattr(c10d, "_set_pg_timeout", None)  # private: no public setter to date
+    if setter is None:  # then every group keeps the timeout it was made with
+        return
     timeout = timedelta(seconds=seconds)
-    c10d._set_pg_timeout(timeout, dist.group.WORLD)  # no public setter (torch 2.3-2.13)
+    setter(timeout, dist.group.WORLD)
     for world, pg in _PG_CACHE.values():
         if world is dist.group.WORLD:
-            c10d._set_pg_timeout(timeout, pg)
+            setter(timeout, pg)
 
 
 def forget_groups() -> None:
