@@ -48,6 +48,7 @@ import logging
 import os
 import socket
 import time
+from collections import Counter
 from datetime import timedelta
 from typing import Callable
 
@@ -94,8 +95,13 @@ def _record_lost_case(p: Plan, offset: int, error: str) -> str:
     run."""
     if not p.out:
         return ""
-    written = {results.record_key(r) for r in results.read_from(p.out, offset)}
-    missing = [i for i, k in enumerate(p.keys()) if k not in written]
+    written = Counter(results.record_key(r) for r in results.read_from(p.out, offset))
+    missing = []
+    for i, k in enumerate(p.keys()):  # a baseline timed at both ends has its key twice
+        if written[k] > 0:
+            written[k] -= 1
+        else:
+            missing.append(i)
     if not missing:
         return ""
     results.append(p.out, failure_record(p, missing[0], results.FAILED,
@@ -229,7 +235,7 @@ class _CaseRun:
         run = self.p.run
         prof = agreement.Agreement(run.device, store, f"{key}/profile")
         paths = profiling.trace_paths(run.profile, index, self.case.strategy,
-                                      self.p.world_size)
+                                      self.p.world_size, self.p.keys()[index - 1])
         mine = prof(lambda: profiling.profile_rank(step, path=paths[self.rank],
                                                    device=run.device,
                                                    barrier=_barrier(run.device)))
