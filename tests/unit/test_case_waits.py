@@ -44,5 +44,8 @@ def test_the_flag_overrides_and_check_adds_the_reference():
 def test_the_plan_holds_one_wait_per_case():
     p = planning.plan(RunConfig(strategy=("zigzag", "local"), nproc=2, out="none"),
                       {"seqlen": 2048}, {}, launcher="self")
-    assert len(p.waits) == len(p.cases) == 2 and p.init_timeout == max(w[0] for w in p.waits)
+    # local, zigzag, local (the baseline at both ends): local does it all on one rank
+    assert [c.strategy for c in p.cases] == ["local", "zigzag", "local"]
+    assert p.waits[0] == p.waits[2] and p.waits[0][1] == 2 * p.waits[1][1]
+    assert p.init_timeout == max(w[0] for w in p.waits)
     assert p.run.collective_timeout is None  # the record says: the default, per case

@@ -171,7 +171,7 @@ def test_self_launch_emulates_at_least_two_nodes(nproc, rpn):
     assert p.ranks_per_node == rpn
 
 
-def test_all_runs_every_strategy_and_variant_baselines_last():
+def test_all_runs_every_strategy_and_variant_baselines_at_both_ends():
     p = _plan(strategy=("all",), nproc=4)
     topo = p.topo
     ran = {(c.strategy, c.options) for c in p.cases}
@@ -189,7 +189,19 @@ def test_all_runs_every_strategy_and_variant_baselines_last():
     per_problem = [strategies.get(c.strategy)(p.attn, topo, 0, kernel=kernel, options=c.options,
                                               create_groups=False).ranks_per_problem
                    for c in p.cases]
-    assert 1 in per_problem and per_problem == sorted(per_problem, reverse=True)
+    base = per_problem.count(1) // 2
+    assert base and per_problem[:base] == per_problem[-base:] == [1] * base
+    assert 1 not in per_problem[base:-base]
+
+
+def test_the_baseline_is_timed_first_and_last_with_cp_strategies_between():
+    p = _plan(strategy=("zigzag", "local", "ring"), nproc=2)
+    assert [c.strategy for c in p.cases] == ["local", "zigzag", "ring", "local"]
+    assert p.keys()[0] == p.keys()[-1]  # one row of the table, timed twice
+    off = planning.plan(RunConfig(out="none", strategy=("zigzag", "local"), nproc=2), {}, {},
+                        launcher="self", baseline_both_ends=False)
+    assert [c.strategy for c in off.cases] == ["zigzag", "local"]
+    assert [c.strategy for c in _plan(strategy=("ring",), nproc=2).cases] == ["ring"]
 
 
 def test_option_applies_to_the_strategies_that_take_it():

@@ -28,13 +28,9 @@ destroys the process groups and forms them again under a fresh store prefix
 - A rank that dies (a crash, a kill) under ``--nproc``: the launching process tells the
   survivors (``launch.DEAD_KEY``), which stop; the case that was running is recorded as
   failed with the rank's error and the cases not run are listed.
-- NCCL (GPU): the peers wait out the case's collective timeout. With PyTorch's default
-  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` the watchdog then ends the processes (aborting a
-  communicator can itself hang) and torchrun ends the job non-zero: the records already
-  written are kept, the current case and the later ones are lost (the sweep launcher records
-  the case as failed). With ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` the watchdog aborts the
-  communicators and the processes survive: the error reaches Python, the case is recorded
-  and the group is formed again as on gloo.
+- NCCL (GPU): the peers wait out the case's collective timeout; then PyTorch's default
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` ends the processes (the records written are kept; a
+  sweep records the rest as failed), while ``=2`` lets them survive and go on as on gloo.
 - A rank stuck outside any collective (a kernel that never returns) is stopped only by
   ``--deadline`` (``--nproc``) or the scheduler's time limit.
 
@@ -49,6 +45,7 @@ import logging
 import os
 import socket
 import time
+from collections import Counter
 from datetime import timedelta
 from typing import Callable
 
@@ -95,8 +92,13 @@ def _record_lost_case(p: Plan, offset: int, error: str) -> str:
     run."""
     if not p.out:
         return ""
-    written = {results.record_key(r) for r in results.read_from(p.out, offset)}
-    missing = [i for i, k in enumerate(p.keys()) if k not in written]
+    written = Counter(results.record_key(r) for r in results.read_from(p.out, offset))
+    missing = []
+    for i, k in enumerate(p.keys()):  # a baseline timed at both ends has its key twice
+        if written[k] > 0:
+            written[k] -= 1
+        else:
+            missing.append(i)
     if not missing:
         return ""
     results.append(p.out, failure_record(p, missing[0], results.FAILED,
@@ -237,7 +239,7 @@ class _CaseRun:
         run = self.p.run
         prof = agreement.Agreement(run.device, store, f"{key}/profile", self.grace_s)
         paths = profiling.trace_paths(run.profile, index, self.case.strategy,
-                                      self.p.world_size)
+                                      self.p.world_size, self.p.keys()[index - 1])
         mine = prof(lambda: profiling.profile_rank(step, path=paths[self.rank],
                                                    device=run.device,
                                                    barrier=_barrier(run.device)))

@@ -324,15 +324,25 @@ def _kernel(run: RunConfig, device: str, attn: AttentionConfig, notes: list[str]
         return kernels.get("flash-attn")
 
 
+def bracket_baselines(built: list[tuple[Case, Any]]) -> list[Case]:
+    """With a no-CP baseline and a CP strategy in one run: the baselines first and again last,
+    the CP cases between them in their order. The machine's load drifts over a run; timing the
+    baseline at both ends lets the report pool both and warn when they disagree."""
+    base = [case for case, strat in built if strat.ranks_per_problem == 1]
+    cp = [case for case, strat in built if strat.ranks_per_problem > 1]
+    return base + cp + base if base and cp else [case for case, _ in built]
+
+
 def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
-         job: tuple[int, int] | None = None) -> Plan:
+         job: tuple[int, int] | None = None, baseline_both_ends: bool = True) -> Plan:
     """Validate a request and resolve its defaults. ``attention``: the AttentionConfig fields
     given on the command line; ``options``: the strategy options given. Pure apart from
     reading the machine and creating the ``--out`` file (empty, on rank 0); raises
     ValueError with the fix for anything it cannot run.
 
     ``job``: (world size, ranks per node) of a torchrun job planned from outside it (a sweep
-    validating GPU cases on another host): memory fit is then left to the job's own plan."""
+    validating GPU cases on another host): memory fit is then left to the job's own plan.
+    ``baseline_both_ends``: see ``bracket_baselines`` (off: each case once)."""
     device = _device(run, launcher) if job is None else (
         "cuda" if run.device == "auto" else run.device)
     run = run.resolved(device)
@@ -350,9 +360,8 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     capacity = memory.capacity_bytes(device, local_ranks) if job is None else None
     built, skipped = _runnable(expand_cases(run.strategy, options, topo), run.strategy, attn,
                                topo, backend, device, capacity)
-    if "all" in run.strategy:  # baselines after the CP rows they are compared with
-        built.sort(key=lambda cb: cb[1].ranks_per_problem == 1)
-    cases = [case for case, _ in built]
+    cases = bracket_baselines(built) if baseline_both_ends else [case for case, _ in built]
+    sharing = {case: strat.ranks_per_problem for case, strat in built}
     if run.check:
         _reference_fits(attn, device, local_ranks, capacity)
     out = None if (run.out or "").lower() == "none" else (run.out or _default_out(run, attn))
@@ -367,5 +376,4 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     return Plan(attn=attn, run=run, world_size=world, ranks_per_node=topo.ranks_per_node,
                 kernel=backend.name, cases=tuple(cases), out=out, launcher=launcher,
                 skipped=(*kernel_notes, *skipped),
-                waits=tuple(case_waits(attn, run, strat.ranks_per_problem)
-                            for _, strat in built))
+                waits=tuple(case_waits(attn, run, sharing[c]) for c in cases))

@@ -41,7 +41,7 @@ def _plan(args):
     run, attention, options = cli_args.request(args)
     run = RunConfig(**{**{k: getattr(run, k) for k in RUN_FLAGS}, "out": "none",
                        "warmup": 0, "iters": 1})
-    p = planning.plan(run, attention, options, launcher="self")
+    p = planning.plan(run, attention, options, launcher="self", baseline_both_ends=False)
     if args.steps and len(p.cases) != 1:
         raise UsageError(f"--steps lists one case's calls; {len(p.cases)} cases were asked "
                          f"for: give one --strategy (and its options)")
