@@ -219,7 +219,8 @@ def set_timeout(seconds: float) -> None:
     timeout = timedelta(seconds=seconds)
     setter(timeout, dist.group.WORLD)
     for world, pg in _PG_CACHE.values():
-        if world is dist.group.WORLD:
+        # a group this rank is not in is a placeholder (GroupMember.NON_GROUP_MEMBER)
+        if world is dist.group.WORLD and isinstance(pg, dist.ProcessGroup):
             setter(timeout, pg)
 
 
