@@ -253,3 +253,23 @@ def test_the_fit_check_reads_fixed_totals(monkeypatch):
     monkeypatch.setattr(memory, "meminfo_bytes",
                         lambda field: {"MemTotal": total}.get(field, 1))
     assert memory.capacity_bytes("cpu", 4) == total // 4
+
+
+def test_more_local_ranks_than_gpus_is_one_line_before_any_group(no_launch, capsys,
+                                                                 monkeypatch):
+    """torchrun --nproc-per-node 8 on a 4-GPU node: one line naming the fix (not "invalid
+    device ordinal" from set_device); the rank's GPU is made current before the plan asks
+    torch.cuda anything."""
+    import torch
+
+    for var, value in dict(RANK="2", WORLD_SIZE="8", LOCAL_RANK="2", LOCAL_WORLD_SIZE="8",
+                           MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(var, value)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: calls.append("count") or 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set", d)))
+    monkeypatch.setattr(planning.env_mod, "torchrun_world", lambda: (0, 8, 8))  # rank 0 speaks
+    err = _error(capsys, "--strategy", "ring")
+    assert "8 ranks on this node but 4 GPU(s)" in err and "--nproc-per-node 4" in err
+    assert calls[:2] == ["count", ("set", 2)] and calls[2:] == ["count"]

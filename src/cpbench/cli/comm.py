@@ -68,7 +68,7 @@ def main(args) -> int:
         return cli_args.fail(PROG, e)
     try:
         found = run_ranks(commrun.rank_comm, p.world_size, p, timeout=None,
-                          collective_timeout=p.run.collective_timeout)[0]
+                          collective_timeout=p.init_timeout)[0]
     except (RankError, LaunchTimeout) as e:
         sys.stderr.write(f"{PROG}: {e}\n")
         return 1
