@@ -310,6 +310,15 @@ def _default_out(run: RunConfig, attn: AttentionConfig) -> str:
     return str(Path("runs") / f"{utc}_{names}_{attn.seqlen}" / "results.jsonl")
 
 
+def bracket_baselines(built: list[tuple[Case, Any]]) -> list[Case]:
+    """With a no-CP baseline and a CP strategy in one run: the baselines first and again last,
+    the CP cases between them in their order. The machine's load drifts over a run; timing the
+    baseline at both ends lets the report pool both and warn when they disagree."""
+    base = [case for case, strat in built if strat.ranks_per_problem == 1]
+    cp = [case for case, strat in built if strat.ranks_per_problem > 1]
+    return base + cp + base if base and cp else [case for case, _ in built]
+
+
 def _kernel(run: RunConfig, device: str, attn: AttentionConfig, notes: list[str], *,
             elsewhere: bool):
     """The kernel backend. ``elsewhere``: a GPU job planned off its nodes (a sweep checked
@@ -322,15 +331,6 @@ def _kernel(run: RunConfig, device: str, attn: AttentionConfig, notes: list[str]
         if not (elsewhere and device == "cuda" and run.kernel == kernels.AUTO):
             raise
         return kernels.get("flash-attn")
-
-
-def bracket_baselines(built: list[tuple[Case, Any]]) -> list[Case]:
-    """With a no-CP baseline and a CP strategy in one run: the baselines first and again last,
-    the CP cases between them in their order. The machine's load drifts over a run; timing the
-    baseline at both ends lets the report pool both and warn when they disagree."""
-    base = [case for case, strat in built if strat.ranks_per_problem == 1]
-    cp = [case for case, strat in built if strat.ranks_per_problem > 1]
-    return base + cp + base if base and cp else [case for case, _ in built]
 
 
 def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
@@ -361,7 +361,7 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     built, skipped = _runnable(expand_cases(run.strategy, options, topo), run.strategy, attn,
                                topo, backend, device, capacity)
     cases = bracket_baselines(built) if baseline_both_ends else [case for case, _ in built]
-    sharing = {case: strat.ranks_per_problem for case, strat in built}
+    strat_of = dict(built)
     if run.check:
         _reference_fits(attn, device, local_ranks, capacity)
     out = None if (run.out or "").lower() == "none" else (run.out or _default_out(run, attn))
@@ -376,4 +376,5 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     return Plan(attn=attn, run=run, world_size=world, ranks_per_node=topo.ranks_per_node,
                 kernel=backend.name, cases=tuple(cases), out=out, launcher=launcher,
                 skipped=(*kernel_notes, *skipped),
-                waits=tuple(case_waits(attn, run, sharing[c]) for c in cases))
+                waits=tuple(case_waits(attn, run, strat_of[c].ranks_per_problem)
+                            for c in cases))
