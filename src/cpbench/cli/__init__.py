@@ -5,6 +5,7 @@
     cpbench strategies                                              # names, options
     cpbench report runs/…/results.jsonl --format markdown
     cpbench simulate --hardware a800-sxm --nodes 4 --seqlen 128K,512K  # predicted, no GPU
+    cpbench doctor                                                  # preflight a node
 
 One module per command (``cli.run``, ``cli.sweep``, …), each with ``add_parser`` and
 ``main``. The ``run`` flags are generated from the settings schema (``cpbench.settings``: the
@@ -22,6 +23,7 @@ from cpbench.cli import (
     calibrate,
     comm,
     compare,
+    doctor,
     kernels,
     profile,
     report,
@@ -33,7 +35,7 @@ from cpbench.cli import (
 from cpbench.cli.args import Parser
 
 COMMANDS = (run, sweep, simulate, calibrate, kernels, comm, strategies, report, profile,
-            compare)
+            compare, doctor)
 
 
 def build_parser() -> Parser:
