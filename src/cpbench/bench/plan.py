@@ -25,8 +25,15 @@ import torch
 from cpbench import kernels, results, strategies
 from cpbench.bench import env as env_mod
 from cpbench.bench import memory
-from cpbench.config import AttentionConfig, RunConfig, default_attention, flag
+from cpbench.config import (
+    AttentionConfig,
+    RunConfig,
+    default_attention,
+    flag,
+    resolved_documents,
+)
 from cpbench.errors import UsageError
+from cpbench.mask import mask_of
 from cpbench.metrics import gib
 from cpbench.topology import Topology, divisors
 
@@ -144,6 +151,11 @@ def expand_cases(names: tuple[str, ...], given: dict, topo: Topology) -> list[Ca
     return cases
 
 
+class MaskSkip(UsageError):
+    """A strategy that cannot take the run's mask: its row is skipped with the reason, even
+    when it was asked for by name (the other strategies still answer the question)."""
+
+
 def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend, device: str,
                    capacity: int | None) -> Any:
     """Build the strategy on every rank without groups (pure) and check that a rank's shard
@@ -154,6 +166,9 @@ def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend, d
         raise UsageError(f"{case.strategy} cannot run here: {why}")
     if cls.causal_only and not attn.causal:
         raise UsageError(f"{case.strategy} only runs causal attention; drop --no-causal")
+    why = cls.unsupported_mask(mask_of(attn))
+    if why:
+        raise MaskSkip(f"{case.label}: {why}")
     try:
         built = [cls(attn, topo, r, kernel=backend, options=case.options, create_groups=False)
                  for r in range(topo.world_size)]
@@ -189,6 +204,8 @@ def _runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
     for case in cases:
         try:
             built.append((case, _validate_case(case, attn, topo, backend, device, capacity)))
+        except MaskSkip as e:
+            skipped.append(str(e))
         except UsageError as e:
             skipped.append(str(e))
             first_error.setdefault(case.strategy, e)
@@ -269,7 +286,8 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     device = _device(run, launcher) if job is None else (
         "cuda" if run.device == "auto" else run.device)
     run = run.resolved(device)
-    attn = AttentionConfig(**{**default_attention(device), **attention})
+    attn = AttentionConfig(**resolved_documents({**default_attention(device), **attention},
+                                                run.seed))
     world, default_rpn = _world(run, launcher) if job is None else job
     topo = Topology(world_size=world, ranks_per_node=run.ranks_per_node or default_rpn)
     if launcher == "torchrun" and run.deadline is not None:
