@@ -32,7 +32,7 @@ from cpbench.config import (
     flag,
     resolved_documents,
 )
-from cpbench.errors import UsageError
+from cpbench.errors import Skipped, UsageError
 from cpbench.mask import mask_of
 from cpbench.metrics import gib
 from cpbench.topology import Topology, divisors
@@ -151,11 +151,6 @@ def expand_cases(names: tuple[str, ...], given: dict, topo: Topology) -> list[Ca
     return cases
 
 
-class MaskSkip(UsageError):
-    """A strategy that cannot take the run's mask: its row is skipped with the reason, even
-    when it was asked for by name (the other strategies still answer the question)."""
-
-
 def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend, device: str,
                    capacity: int | None) -> Any:
     """Build the strategy on every rank without groups (pure) and check that a rank's shard
@@ -168,12 +163,12 @@ def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend, d
         raise UsageError(f"{case.strategy} only runs causal attention; drop --no-causal")
     why = cls.unsupported_mask(mask_of(attn))
     if why:
-        raise MaskSkip(f"{case.label}: {why}")
+        raise Skipped(f"{case.label}: {why}")
     try:
         built = [cls(attn, topo, r, kernel=backend, options=case.options, create_groups=False)
                  for r in range(topo.world_size)]
     except UsageError as e:
-        raise UsageError(f"{case.label}: {e}") from None
+        raise type(e)(f"{case.label}: {e}") from None
     strat = built[0]
     need = memory.step_lower_bound(local_seqlen=max(b.local_seqlen for b in built),
                                    **_shape(attn))
@@ -200,12 +195,13 @@ def _runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
     out. Variants a strategy merely suggests (and, under ``all``, whole strategies) that
     cannot run this config or cannot fit are skipped; a strategy asked for by name with no
     runnable variant is an error, and so is nothing runnable but a no-CP baseline."""
-    built, skipped, first_error = [], [], {}
+    built, skipped, first_error, first_skip = [], [], {}, None
     for case in cases:
         try:
             built.append((case, _validate_case(case, attn, topo, backend, device, capacity)))
-        except MaskSkip as e:
+        except Skipped as e:  # skipped even when named: the others still answer
             skipped.append(str(e))
+            first_skip = first_skip or e
         except UsageError as e:
             skipped.append(str(e))
             first_error.setdefault(case.strategy, e)
@@ -215,6 +211,8 @@ def _runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
             raise first_error[name]
     if first_error and not any(strat.ranks_per_problem > 1 for _, strat in built):
         raise next(iter(first_error.values()))  # a baseline alone compares with nothing
+    if first_skip and not built:
+        raise first_skip
     return built, skipped
 
 
