@@ -59,10 +59,11 @@ def _mask_tiles(strat, me: int, src: int):
                        strat.seq_index(strat.ring_rank(src)))
 
 
-def kv_ring_areas(strat) -> list[list[int]]:
-    """Per rank, the attended pairs of each ring step (the layout and the mask)."""
+def kv_ring_areas(strat, ranks=None) -> list[list[int]]:
+    """Per rank (of ``ranks``, default all), the attended pairs of each ring step (the
+    layout and the mask)."""
     out = []
-    for r in range(strat.world_size):
+    for r in range(strat.world_size) if ranks is None else ranks:
         ranks = next(lst for lst in strat.cp_lists if r in lst)
         me, n = ranks.index(r), len(ranks)
         mine = strat.seq_index(r)
@@ -178,7 +179,7 @@ def kv_ring_schedule(strat) -> list[Step]:
     kv = strat.kv_bytes(s)
     dkv = kv * 4 // strat.attn.element_size
     steps = []
-    areas = kv_ring_areas(strat)[strat.rank] if not strat.mask.plain else None
+    areas = kv_ring_areas(strat, [strat.rank])[0] if not strat.mask.plain else None
     for phase in (FWD, BWD):
         for step in range(n):
             blk = strat.block(me, src_of(me, step, n), s) if areas is None else None

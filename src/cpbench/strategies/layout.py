@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpbench.errors import UsageError
+from cpbench.errors import Skipped, UsageError
 
 
 def contiguous_index(seqlen: int, n: int, r: int) -> torch.Tensor:
@@ -38,7 +38,7 @@ def check_documents_divisible(documents: tuple[int, ...], multiple: int, who: st
     """Refuse (rather than pad) documents a per-document split cannot cut evenly."""
     bad = [d for d in documents if d % multiple]
     if bad:
-        raise UsageError(
+        raise Skipped(
             f"{who} cuts each document into {multiple} chunks, so every document length "
             f"must be a multiple of {multiple}; {len(bad)} are not (e.g. {bad[0]}): refused, "
             f"not padded; give such lengths, or use ring, llama3 or ulysses")
