@@ -17,6 +17,7 @@ from cpbench.bench.env import utc_now
 from cpbench.bench.plan import Case, expand_cases
 from cpbench.config import AttentionConfig, RunConfig, resolved_documents
 from cpbench.errors import Skipped, UsageError
+from cpbench.mask import mask_of
 from cpbench.metrics import gib
 from cpbench.report import labels, tables
 from cpbench.sim import model
@@ -43,7 +44,9 @@ def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
         samples_ms=None if oom else {"fwd": [[p.fwd_s * 1e3]],
                                      "fwd_bwd": [[p.fwd_bwd_s * 1e3]]},
         memory_bytes=[int(p.memory_bytes)], memory_status=results.OOM if oom else None,
-        balance=model.build(case.strategy, case.options, attn, topo, 0).balance(),
+        # under a mask, the area each rank computes (a plain causal layout's is known)
+        balance=None if mask_of(attn).plain else
+        model.build(case.strategy, case.options, attn, topo, 0).balance(),
         simulation={"fwd_compute_ms": p.fwd_compute_s * 1e3,
                     "bwd_compute_ms": p.bwd_compute_s * 1e3,
                     "capacity_bytes": p.capacity_bytes})

@@ -112,18 +112,33 @@ class Llama3(Strategy):
     def schedule(self) -> list[Step]:
         g, s = self.groups["cp"], self.local_seqlen
         n, chunks = g.size, len(self.head_chunks())
-        share = self.stride / self.attn.num_kv_heads
-        kv = int(self.kv_bytes(s) * share)
-        pairs = self.area_per_rank()[self.rank] * share
-        steps = []
+        kv = self.kv_bytes(s) * self.stride // self.attn.num_kv_heads
+        steps: list[Step] = []
         for phase in (FWD, BWD):
-            for c in range(chunks):
+            for _ in range(chunks):
                 msgs = [Message("ag", g.name, kv * (n - 1), g.crosses_nodes,
                                 overlapped=False)] * 2 if n > 1 else []
                 if phase == BWD and n > 1:  # fp32 sums of the whole sequence's dK/dV
                     dkv = kv * 4 // self.attn.element_size * (n - 1)
                     msgs += [Message("rs", g.name, dkv, g.crosses_nodes, overlapped=False,
                                      after_compute=True)] * 2
-                step = self.pairs_step(phase, c, int(pairs), (s, self.attn.seqlen), msgs)
-                steps.append(step)
+                steps += self._chunk_steps(phase, len(steps), chunks, msgs)
         return steps
+
+    def _chunk_steps(self, phase: str, index: int, chunks: int, msgs) -> list[Step]:
+        """One head chunk's kernel work: under a mask, its attended pairs; plain causal,
+        the earlier ranks' keys in full and the diagonal block causal (the formula's
+        convention, as the rings count it); full, every key."""
+        s, me = self.local_seqlen, self.groups["cp"].index
+        if not self.mask.plain:
+            mine = self.mask.pairs(self.seq_index(self.rank), torch.arange(self.attn.seqlen))
+            pairs = mine / chunks
+            return [self.pairs_step(phase, index, pairs, (s, self.attn.seqlen), msgs)]
+        if not self.attn.causal:
+            return [self.kernel_step(phase, index, s, self.attn.seqlen, False, msgs,
+                                     head_share=chunks)]
+        diagonal = self.kernel_step(phase, index + 1, s, s, True, head_share=chunks)
+        if me == 0:
+            return [Step(phase, index, 0.0, tuple(msgs)), diagonal]
+        return [self.kernel_step(phase, index, s, me * s, False, msgs, head_share=chunks),
+                diagonal]

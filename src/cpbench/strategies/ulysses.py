@@ -193,11 +193,12 @@ class Ulysses(Strategy):
         n, s_full = g.size, self.attn.seqlen
         msgs = ulysses_messages(self, g, s_full // n, self.attn.num_kv_heads * self.replicas)
         steps = []
+        area = None if self.mask.plain else self.area_per_rank()[0]
         for phase in (FWD, BWD):
             # each rank computes the whole sequence for 1/N of the heads
             kernel = self.kernel_step(phase, 1, s_full, s_full, self.attn.causal,
-                                      head_share=n) if self.mask.plain else \
-                self.pairs_step(phase, 1, self.area_per_rank()[0], (s_full, s_full))
+                                      head_share=n) if area is None else \
+                self.pairs_step(phase, 1, area, (s_full, s_full))
             steps += [Step(phase, 0, 0.0, msgs[f"{phase}_in"]), kernel,
                       Step(phase, 2, 0.0, msgs[f"{phase}_out"])]
         return steps
