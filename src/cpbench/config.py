@@ -56,7 +56,9 @@ class AttentionConfig:
             object.__setattr__(self, "documents", resolve_documents(
                 self.documents, self.seqlen, 0, self.max_document))
         if self.window_size is not None:
-            object.__setattr__(self, "window_size", tuple(self.window_size))
+            # (-1, -1) is no window at all: the same problem as none, so the same record
+            window = tuple(self.window_size)
+            object.__setattr__(self, "window_size", None if window == (-1, -1) else window)
 
     @property
     def num_kv_heads(self) -> int:
