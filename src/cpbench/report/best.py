@@ -76,7 +76,7 @@ def _verdict(rows: list[dict]) -> Verdict:
     second = rows[1]
     margin = second["time"] / best["time"] - 1
     interval, tie = None, margin < SIM_TIE
-    if isinstance(best["iters"], list) and isinstance(second["iters"], list):
+    if all(isinstance(r["iters"], list) and len(r["iters"]) >= 3 for r in (best, second)):
         interval = bootstrap_ratio(second["iters"], best["iters"])
         tie = interval[0] <= 1.0
     return Verdict(best["problem"], best["topology"], name, best["time"],

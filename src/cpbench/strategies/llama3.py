@@ -17,28 +17,29 @@ the next head chunk's gather with this one's kernel; cpbench's is the plain algo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from cpbench.comm import all_gather_seq, reduce_scatter_seq
 from cpbench.errors import UsageError
+from cpbench.merge import OutLseAccumulator
 from cpbench.strategies import register
-from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, option, \
-    save_for_backward
-from cpbench.strategies.layout import check_divisible, contiguous_index
+from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, option, save_for_backward
+from cpbench.strategies.layout import check_divisible, contiguous_index, slice_len
 
 
 class _Llama3Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, strat, q, k, v):
-        g, tiles = strat.groups["cp"], strat.gathered_tiles()
+        g = strat.groups["cp"]
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32,
                           device=q.device)
         for qh, kh in strat.head_chunks():
             k_all, v_all = all_gather_seq(k[:, :, kh], g), all_gather_seq(v[:, :, kh], g)
-            o, lse[:, qh] = strat.masked_forward(q[:, :, qh], k_all, v_all, tiles)
+            o, lse[:, qh] = _attend(strat, q[:, :, qh], k_all, v_all)
             out[:, :, qh] = o.to(q.dtype)
         save_for_backward(ctx, strat, q, k, v, out, lse, lse=lse)
         return out, lse
@@ -47,17 +48,44 @@ class _Llama3Attention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         strat = ctx.strat
         q, k, v, out, lse = ctx.saved_tensors
-        g, tiles = strat.groups["cp"], strat.gathered_tiles()
+        g = strat.groups["cp"]
         dout = dout.contiguous()
         dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
         for qh, kh in strat.head_chunks():
             k_all, v_all = all_gather_seq(k[:, :, kh], g), all_gather_seq(v[:, :, kh], g)
-            dq_c, dk_all, dv_all = strat.masked_backward(
-                dout[:, :, qh], q[:, :, qh], k_all, v_all, out[:, :, qh], lse[:, qh], tiles)
+            dq_c, dk_all, dv_all = _attend_grads(strat, dout[:, :, qh], q[:, :, qh], k_all,
+                                                 v_all, out[:, :, qh], lse[:, qh])
             dq[:, :, qh] = dq_c.to(q.dtype)
             dk[:, :, kh] = reduce_scatter_seq(dk_all, g).to(k.dtype)
             dv[:, :, kh] = reduce_scatter_seq(dv_all, g).to(v.dtype)
         return None, dq, dk, dv
+
+
+def _attend(strat, q, k_all, v_all):
+    """The local queries against the gathered keys: (out fp32, lse)."""
+    if not strat.mask.plain:
+        return strat.masked_forward(q, k_all, v_all, strat.gathered_tiles())
+    acc = OutLseAccumulator(*q.shape, q.device)
+    for keys, causal in strat.plain_parts():
+        acc.update(*strat.kernel_call("forward", q, k_all[:, keys], v_all[:, keys],
+                                      causal=causal))
+    return acc.out, acc.lse
+
+
+def _attend_grads(strat, dout, q, k_all, v_all, out, lse):
+    """(dq, dk, dv of the whole gathered sequence), fp32, against the final out / lse."""
+    if not strat.mask.plain:
+        return strat.masked_backward(dout, q, k_all, v_all, out, lse, strat.gathered_tiles())
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k_all.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros_like(dk)
+    for keys, causal in strat.plain_parts():
+        bq, bk, bv = strat.kernel_call("backward", dout, q, k_all[:, keys], v_all[:, keys],
+                                       out, lse, causal=causal)
+        dq += bq
+        dk[:, keys] += bk
+        dv[:, keys] += bv
+    return dq, dk, dv
 
 
 @register
@@ -100,6 +128,15 @@ class Llama3(Strategy):
         return [(slice(h * group, (h + self.stride) * group), slice(h, h + self.stride))
                 for h in range(0, self.attn.num_kv_heads, self.stride)]
 
+    def plain_parts(self) -> list[tuple[slice, bool]]:
+        """Without documents or a window: the earlier ranks' keys in full, then the diagonal
+        block causal (the kernels' fast paths); full attention: every key."""
+        s, me = self.local_seqlen, self.groups["cp"].index
+        if not self.attn.causal:
+            return [(slice(0, self.attn.seqlen), False)]
+        return ([(slice(0, me * s), False)] if me else []) + [(slice(me * s, (me + 1) * s),
+                                                               True)]
+
     def gathered_tiles(self):
         """The local queries against the gathered sequence (member order: global order)."""
         ranks = next(lst for lst in self.cp_lists if self.rank in lst)
@@ -116,29 +153,29 @@ class Llama3(Strategy):
         steps: list[Step] = []
         for phase in (FWD, BWD):
             for _ in range(chunks):
-                msgs = [Message("ag", g.name, kv * (n - 1), g.crosses_nodes,
-                                overlapped=False)] * 2 if n > 1 else []
+                gather = [Message("ag", g.name, kv * (n - 1), g.crosses_nodes,
+                                  overlapped=False)] * 2 if n > 1 else []
+                scatter = []
                 if phase == BWD and n > 1:  # fp32 sums of the whole sequence's dK/dV
                     dkv = kv * 4 // self.attn.element_size * (n - 1)
-                    msgs += [Message("rs", g.name, dkv, g.crosses_nodes, overlapped=False,
-                                     after_compute=True)] * 2
-                steps += self._chunk_steps(phase, len(steps), chunks, msgs)
+                    scatter = [Message("rs", g.name, dkv, g.crosses_nodes, overlapped=False,
+                                       after_compute=True)] * 2
+                steps += self._chunk_steps(phase, len(steps), chunks, gather, scatter)
         return steps
 
-    def _chunk_steps(self, phase: str, index: int, chunks: int, msgs) -> list[Step]:
-        """One head chunk's kernel work: under a mask, its attended pairs; plain causal,
-        the earlier ranks' keys in full and the diagonal block causal (the formula's
-        convention, as the rings count it); full, every key."""
-        s, me = self.local_seqlen, self.groups["cp"].index
+    def _chunk_steps(self, phase: str, index: int, chunks: int, gather, scatter
+                     ) -> list[Step]:
+        """One head chunk: the gathers before its first kernel, the reduce-scatters after
+        its last; under a mask one kernel of its attended pairs, else ``plain_parts``."""
+        s = self.local_seqlen
         if not self.mask.plain:
             mine = self.mask.pairs(self.seq_index(self.rank), torch.arange(self.attn.seqlen))
-            pairs = mine / chunks
-            return [self.pairs_step(phase, index, pairs, (s, self.attn.seqlen), msgs)]
-        if not self.attn.causal:
-            return [self.kernel_step(phase, index, s, self.attn.seqlen, False, msgs,
-                                     head_share=chunks)]
-        diagonal = self.kernel_step(phase, index + 1, s, s, True, head_share=chunks)
-        if me == 0:
-            return [Step(phase, index, 0.0, tuple(msgs)), diagonal]
-        return [self.kernel_step(phase, index, s, me * s, False, msgs, head_share=chunks),
-                diagonal]
+            return [self.pairs_step(phase, index, mine / chunks, (s, self.attn.seqlen),
+                                    gather + scatter)]
+        parts = self.plain_parts()
+        steps = [self.kernel_step(phase, index + i, s, slice_len(keys, self.attn.seqlen),
+                                  causal, head_share=chunks)
+                 for i, (keys, causal) in enumerate(parts)]
+        steps[0] = dataclasses.replace(steps[0], messages=tuple(gather))
+        steps[-1] = dataclasses.replace(steps[-1], messages=steps[-1].messages + tuple(scatter))
+        return steps

@@ -31,6 +31,7 @@ from typing import ClassVar
 
 import torch
 
+from cpbench.errors import UsageError
 from cpbench.strategies import register
 from cpbench.strategies._upstream import (
     check_flash_kernel,
@@ -40,7 +41,6 @@ from cpbench.strategies._upstream import (
     no_schedule,
     unsupported_dtype,
 )
-from cpbench.errors import UsageError
 from cpbench.strategies.base import Strategy, Upstream, option
 from cpbench.strategies.layout import (
     ZigzagLayout,
