@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -147,9 +148,10 @@ def all_gather(x: torch.Tensor, pg=None) -> list[torch.Tensor]:
     return parts
 
 
-# torch 2.13 renames the tensor collectives (the old names warn); older torch has only those
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renames these tensor collectives and warns on the old names, which every torch
+# has and which `cpbench comm` traces (looked up at each call, where its tracer patches them)
+for _name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+    warnings.filterwarnings("ignore", f".*{_name}.* is deprecated", FutureWarning)
 
 
 def all_gather_seq(x_bs: torch.Tensor, group: Group) -> torch.Tensor:
@@ -162,7 +164,7 @@ def all_gather_seq(x_bs: torch.Tensor, group: Group) -> torch.Tensor:
     # gathered along dim 0 (members' tensors end to end), then their s-slices side by side
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _record("ag", group, nbytes(x) * (n - 1))  # to each of the n-1 others
-    _all_gather(_wire(out), _wire(x), group=group.pg)
+    dist.all_gather_into_tensor(_wire(out), _wire(x), group=group.pg)
     return out.unflatten(0, (n, -1)).movedim(0, 1).flatten(1, 2)
 
 
@@ -175,5 +177,5 @@ def reduce_scatter_seq(x_bs: torch.Tensor, group: Group) -> torch.Tensor:
     parts = x_bs.unflatten(1, (n, -1)).movedim(1, 0).contiguous()
     out = torch.empty(parts.shape[1:], dtype=x_bs.dtype, device=x_bs.device)
     _record("rs", group, nbytes(parts) * (n - 1) // n)
-    _reduce_scatter(out, parts.flatten(0, 1), group=group.pg)
+    dist.reduce_scatter_tensor(out, parts.flatten(0, 1), group=group.pg)
     return out
