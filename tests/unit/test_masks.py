@@ -140,3 +140,24 @@ def test_zigzag_refuses_documents_it_cannot_cut():
     p = plan(run, {"seqlen": 1024, "documents": (500, 524)}, {}, launcher="self")
     assert [c.strategy for c in p.cases] == ["ring"]
     assert any("multiple of 8" in s and "refused, not padded" in s for s in p.skipped)
+
+
+def test_report_best_names_a_winner_or_a_tie():
+    from test_results import fake_record
+
+    from cpbench.report.best import best_table, verdicts
+
+    def rec(name, times, seqlen=1024):
+        return fake_record(name, seqlen=seqlen, fwd_bwd=[times] * 4)
+
+    records = [rec("ring", [30.0, 31.0, 30.5, 30.2, 30.8]),
+               rec("zigzag", [20.0, 20.5, 20.2, 20.1, 20.4]),
+               rec("ring", [30.0, 31.0, 30.5, 30.2, 30.8], seqlen=2048),
+               rec("zigzag", [29.0, 32.0, 30.0, 31.5, 30.1], seqlen=2048)]
+    by_seqlen = {v.problem.split("S=")[1].split()[0]: v for v in verdicts(records)}
+    win, tie = by_seqlen["1024"], by_seqlen["2048"]
+    assert (win.winner, win.runner_up, win.tie) == ("zigzag", "ring", False)
+    assert win.margin == pytest.approx(30.5 / 20.2 - 1)
+    assert tie.tie and tie.interval[0] <= 1.0
+    text = best_table(records)
+    assert "wins" in text and "tie" in text
