@@ -161,3 +161,29 @@ def test_report_best_names_a_winner_or_a_tie():
     assert tie.tie and tie.interval[0] <= 1.0
     text = best_table(records)
     assert "wins" in text and "tie" in text
+
+
+def test_sweep_protocols_and_mask_axes(tmp_path):
+    from cpbench import sweep
+
+    path = tmp_path / "s.yaml"
+    path.write_text("""
+base: {strategy: [ring, llama3], nproc: 2, heads: 2, head_dim: 16, warmup: 0, iters: 1,
+       documents: "uniform:64-256"}
+sweep: {tokens_per_rank: [512, 1k], window_size: ["-1,-1", "63,0"]}
+cases: [{total_tokens: 2k, batch: 4, documents: [128, 384]}]
+""")
+    cfg = sweep.load(path)
+    seqlens = [c.settings["seqlen"] for c in cfg.cases]
+    assert seqlens == [1024, 1024, 2048, 2048, 512]  # 2 ranks × tokens; 2k / batch 4
+    docs = cfg.cases[0].plan.attn.documents  # sampled once, with the run's seed
+    assert sum(docs) == 1024 and max(docs) <= 256
+    assert cfg.cases[0].plan.attn.window_size is None  # (-1, -1): no window
+    assert cfg.cases[-1].plan.attn.documents == (128, 384)
+    cmd = sweep.command(cfg, cfg.cases[1], "/tmp/o.jsonl")
+    assert "--window-size" in cmd and "--documents" in cmd
+    cmd = sweep.command(cfg, cfg.cases[0], "/tmp/o.jsonl")
+    assert "--window-size=-1,-1" in cmd  # joined: "-1,-1" alone would read as a flag
+    path.write_text("base: {nproc: 2, seqlen: 1k}\nsweep: {tokens_per_rank: [512]}\n")
+    with pytest.raises(UsageError, match="each set the sequence length"):
+        sweep.load(path)
