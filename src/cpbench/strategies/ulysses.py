@@ -103,7 +103,7 @@ class _LocalAttention(torch.autograd.Function):
 def _tiles(strat: Strategy):
     """Under a mask: the whole gathered sequence (the group's shards in member order)
     against itself, by global positions."""
-    ranks = next(lst for lst in strat.cp_lists if strat.rank in lst)
+    ranks = strat.groups["ulysses"].ranks  # the all-to-all gathers in member order
     pos = torch.cat([strat.seq_index(r) for r in ranks])
     return strat.tiles("local", pos, pos)
 

@@ -4,7 +4,8 @@ reference under the same mask (out, lse, dq, dk, dv), cpbench's own also held to
 declared schedules. Two launches in all (CI time): 2 ranks for the mask matrix — random
 document lengths, a document shorter than a rank's shard, one spanning every rank, a window
 smaller than a shard and one larger — and 4 ranks for llama3 without a mask (causal and full,
-GQA, fp16, head chunks) beside ring / zigzag / llama3 on documents over 4 shards. (llama3 is
+GQA, fp16, head chunks) beside ring / zigzag / llama3 / usp on documents and a window over
+4 shards. (llama3 is
 checked here rather than in test_strategies' per-topology matrix: one launch, not five.)"""
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ def _four_rank_cases():
     cases.append(("llama3", _attn(), _options("llama3", heads_k_stride=1)))
     cases += [(name, _attn(documents=docs), _options(name))
               for name in ("ring", "zigzag", "llama3") for docs in ((24, 8, 32), (56, 8))]
+    # usp: the mask through its ring (2 × 2) and through its kernel (Ulysses 4, no ring)
+    cases += [("usp", _attn(kv_heads=None, documents=(56, 8)), _options("usp")),
+              ("usp", _attn(kv_heads=None, window_size=(5, 0)),
+               _options("usp", ulysses_degree=4, ring_impl="ring"))]
     return cases
 
 
