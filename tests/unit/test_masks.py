@@ -60,8 +60,9 @@ def test_window_flops_are_the_window_area_and_plain_keeps_the_formula():
     assert window / causal == pytest.approx(0.2344, abs=1e-4)
 
 
+@pytest.mark.parametrize("by_runs", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_masked_kernel_matches_the_float64_reference(dtype):
+def test_masked_kernel_matches_the_float64_reference(dtype, by_runs):
     """Documents and a window on queries and keys in a shuffled (zigzag-like) order: the
     tiles' out, lse and gradients against the float64 reference with the same mask."""
     gen = torch.Generator().manual_seed(0)
@@ -70,7 +71,10 @@ def test_masked_kernel_matches_the_float64_reference(dtype):
     k, v = (torch.randn(1, s, hk, d, generator=gen).to(dtype) for _ in range(2))
     mask = Mask(True, (40, 8, 48), (20, 0))
     pos = torch.cat([torch.arange(48, 96), torch.arange(0, 48)])  # the local order
-    tiles = masked.plan(mask.visible(pos, pos))
+    # by runs of positions, rows are in several tiles (merged by lse); else row tiles only
+    tiles = masked.plan(mask.visible(pos, pos), *((pos, pos) if by_runs else ()))
+    assert by_runs or len({int(r) for t in tiles for r in t.rows}) == sum(len(t.rows)
+                                                                          for t in tiles)
     backend = kernels.get("sdpa-cpu")
     out, lse = masked.forward(backend, tiles, q, k, v, softmax_scale=d ** -0.5)
     grads = masked.backward(backend, tiles, dout, q, k, v, out.to(dtype), lse,

@@ -1,8 +1,9 @@
 """Exact attention of a block under any mask (packed documents, sliding windows), on CPU.
 
 A strategy knows, for the queries and keys it holds, which pairs are visible (a bool matrix
-from ``cpbench.mask``). ``plan`` cuts it into row tiles and crops each tile to the rows and
-keys that see anything, so
+from ``cpbench.mask``) and their global positions. ``plan`` cuts it into tiles — runs of
+consecutive positions on both sides (a zigzag chunk, a contiguous shard), rows at most TILE —
+and crops each tile to the rows and keys that see anything, so
 - a block with nothing visible is skipped, not computed as masked zeros;
 - a crop that is all visible, or exactly the square causal triangle, runs the backend's own
   kernel (``causal=False`` / ``True``: sdpa-cpu's fast path);
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from cpbench.kernels.base import KernelBackend
+from cpbench.merge import merge
 
 TILE = 1024  # query rows per tile: a tile's mask is at most TILE × keys
 _FWD = "_scaled_dot_product_flash_attention_for_cpu"
@@ -35,26 +37,48 @@ class Tile:
     pairs: int
 
 
-def plan(visible: torch.Tensor) -> list[Tile]:
-    """The tiles of a (queries × keys) visibility; [] when nothing is visible."""
+def runs(pos: torch.Tensor, limit: int | None = None) -> list[tuple[int, int]]:
+    """(start, end) index ranges of consecutive positions, each at most ``limit`` long."""
+    breaks = ((pos[1:] - pos[:-1]) != 1).nonzero().flatten().add(1).tolist()
+    out = []
+    for a, b in zip([0, *breaks], [*breaks, len(pos)]):
+        step = limit or (b - a)
+        out += [(i, min(i + step, b)) for i in range(a, b, step)]
+    return out
+
+
+def plan(visible: torch.Tensor, q_pos: torch.Tensor | None = None,
+         k_pos: torch.Tensor | None = None) -> list[Tile]:
+    """The tiles of a (queries × keys) visibility; [] when nothing is visible. With the
+    positions, tiles follow their runs, so a zigzag block's chunk pairs each hit a fast path."""
+    q_runs = runs(q_pos, TILE) if q_pos is not None else \
+        [(i, min(i + TILE, visible.shape[0])) for i in range(0, visible.shape[0], TILE)]
+    k_runs = runs(k_pos) if k_pos is not None else [(0, visible.shape[1])]
     tiles = []
-    for t0 in range(0, visible.shape[0], TILE):
-        sub = visible[t0:t0 + TILE]
-        rows = sub.any(1).nonzero().flatten()
-        if rows.numel() == 0:
-            continue
-        cols = sub[rows].any(0).nonzero().flatten()
-        m = sub[rows][:, cols]
-        n = int(m.sum())
-        causal, bias = False, None
-        if n != m.numel():
-            tri = torch.ones_like(m).tril()
-            if m.shape[0] == m.shape[1] and bool((m == tri).all()):
-                causal = True
-            else:
-                bias = torch.zeros(m.shape).masked_fill_(~m, float("-inf"))
-        tiles.append(Tile(rows + t0, cols, causal, bias, n))
+    for q0, q1 in q_runs:
+        for k0, k1 in k_runs:
+            tile = _tile(visible[q0:q1, k0:k1], q0, k0)
+            if tile is not None:
+                tiles.append(tile)
     return tiles
+
+
+def _tile(sub: torch.Tensor, q0: int, k0: int) -> Tile | None:
+    """One block cropped to the rows and keys that see anything (None: nothing does)."""
+    rows = sub.any(1).nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    cols = sub[rows].any(0).nonzero().flatten()
+    m = sub[rows][:, cols]
+    n = int(m.sum())
+    causal, bias = False, None
+    if n != m.numel():
+        tri = torch.ones_like(m).tril()
+        if m.shape[0] == m.shape[1] and bool((m == tri).all()):
+            causal = True
+        else:
+            bias = torch.zeros(m.shape).masked_fill_(~m, float("-inf"))
+    return Tile(rows + q0, cols + k0, causal, bias, n)
 
 
 def _bhsd(x):
@@ -99,7 +123,7 @@ def _masked_backward(dout, q, k, v, out, lse, bias, scale):
 
 def forward(kernel: KernelBackend, tiles: list[Tile], q, k, v, *, softmax_scale: float):
     """(out (b, sq, h, d), lse (b, h, sq) fp32): rows that see nothing have lse -inf, so
-    the LSE merge takes them from the other blocks."""
+    the LSE merge takes them from the other blocks; a row in several tiles is merged."""
     b, s, h, d = q.shape
     out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
@@ -109,8 +133,9 @@ def forward(kernel: KernelBackend, tiles: list[Tile], q, k, v, *, softmax_scale:
             o, lt = kernel.forward(qt, kt, vt, causal=t.causal, softmax_scale=softmax_scale)
         else:
             o, lt = _masked_forward(qt, kt, vt, t.bias, softmax_scale)
-        out[:, t.rows] = o.float()
-        lse[:, :, t.rows] = lt.float()
+        o, lt = merge(out[:, t.rows], lse[:, :, t.rows], o, lt)
+        out[:, t.rows] = o
+        lse[:, :, t.rows] = lt
     return out, lse
 
 

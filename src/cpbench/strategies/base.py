@@ -258,7 +258,7 @@ class Strategy(ABC):
         ``key`` (the same blocks recur every iteration)."""
         cache = self.__dict__.setdefault("_tiles", {})
         if key not in cache:
-            cache[key] = masked.plan(self.mask.visible(q_pos, k_pos))
+            cache[key] = masked.plan(self.mask.visible(q_pos, k_pos), q_pos, k_pos)
         return cache[key]
 
     def masked_forward(self, q, k, v, tiles):
