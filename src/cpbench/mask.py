@@ -158,6 +158,14 @@ class Mask:
                 hi = torch.minimum(hi, q + right)
         return lo, hi
 
+    def run_key(self, pos: torch.Tensor) -> torch.Tensor:
+        """Positions made non-consecutive across a document boundary, so that runs of
+        consecutive keys (``kernels.masked.runs``) never span two documents."""
+        if self.documents is None:
+            return pos
+        ends = torch.tensor(self.documents, device=pos.device).cumsum(0)
+        return pos.long() + torch.searchsorted(ends, pos.long(), right=True) * 2 ** 40
+
     def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """(len q, len k) bool: True where the query sees the key."""
         lo, hi = self.key_interval(q_pos)

@@ -258,7 +258,8 @@ class Strategy(ABC):
         ``key`` (the same blocks recur every iteration)."""
         cache = self.__dict__.setdefault("_tiles", {})
         if key not in cache:
-            cache[key] = masked.plan(self.mask.visible(q_pos, k_pos), q_pos, k_pos)
+            m = self.mask  # tiles never span a document: each one's block hits a fast path
+            cache[key] = masked.plan(m.visible(q_pos, k_pos), m.run_key(q_pos), m.run_key(k_pos))
         return cache[key]
 
     def masked_forward(self, q, k, v, tiles):
