@@ -4,7 +4,7 @@ reference under the same mask (out, lse, dq, dk, dv), cpbench's own also held to
 declared schedules. Two launches in all (CI time): 2 ranks for the mask matrix — random
 document lengths, a document shorter than a rank's shard, one spanning every rank, a window
 smaller than a shard and one larger — and 4 ranks for llama3 without a mask (causal and full,
-GQA, fp16, head chunks) beside ring / zigzag / llama3 / usp on documents and a window over
+GQA, fp16, head chunks; rfa-llama3 causal and full) beside ring / zigzag / llama3 / usp on documents and a window over
 4 shards. (llama3 is
 checked here rather than in test_strategies' per-topology matrix: one launch, not five.)"""
 
@@ -55,6 +55,9 @@ def _four_rank_cases():
               _options("llama3"))
              for causal in (True, False) for kv, dtype in ((None, "fp32"), (2, "fp16"))]
     cases.append(("llama3", _attn(), _options("llama3", heads_k_stride=1)))
+    # its upstream twin without a mask (test_upstream leaves it to this launch)
+    cases += [("rfa-llama3", _attn(causal=causal), _options("rfa-llama3", heads_k_stride=1))
+              for causal in (True, False)]
     cases += [(name, _attn(documents=docs), _options(name))
               for name in ("ring", "zigzag", "llama3") for docs in ((24, 8, 32), (56, 8))]
     # usp: the mask through its ring (2 × 2) and through its kernel (Ulysses 4, no ring)
