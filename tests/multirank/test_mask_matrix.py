@@ -4,9 +4,9 @@ reference under the same mask (out, lse, dq, dk, dv), cpbench's own also held to
 declared schedules. Two launches in all (CI time): 2 ranks for the mask matrix — random
 document lengths, a document shorter than a rank's shard, one spanning every rank, a window
 smaller than a shard and one larger — and 4 ranks for llama3 without a mask (causal and full,
-GQA, fp16, head chunks; rfa-llama3 causal and full) beside ring / zigzag / llama3 / usp on documents and a window over
-4 shards. (llama3 is
-checked here rather than in test_strategies' per-topology matrix: one launch, not five.)"""
+GQA, fp16, head chunks; rfa-llama3 causal and full) beside ring / zigzag / llama3 / usp on
+documents and a window over 4 shards. (llama3 is checked here rather than in test_strategies'
+per-topology matrix: one launch, not five.)"""
 
 from __future__ import annotations
 

@@ -176,6 +176,9 @@ class Llama3(Strategy):
         steps = [self.kernel_step(phase, index + i, s, slice_len(keys, self.attn.seqlen),
                                   causal, head_share=chunks)
                  for i, (keys, causal) in enumerate(parts)]
+        if self.attn.causal and len(parts) == 1:  # rank 0 has no earlier keys: an empty
+            # step in their place, so every rank has as many steps (the simulator's rule)
+            steps = [Step(phase, index, 0.0), dataclasses.replace(steps[0], index=index + 1)]
         steps[0] = dataclasses.replace(steps[0], messages=tuple(gather))
         steps[-1] = dataclasses.replace(steps[-1], messages=steps[-1].messages + tuple(scatter))
         return steps
