@@ -1,12 +1,13 @@
 # Two entry points a new user needs: `make bench` (the main job) and `make test`.
-# Both create .venv and install what is missing on first use. `make lint` runs ruff and the
-# import-layer contracts (CI runs it before the tests); `make test-fast` the unit layer alone.
+# Both create .venv and install what is missing on first use. `make lint` runs ruff, the
+# import-layer contracts and shellcheck (CI runs it before the tests); `make test-fast` the
+# unit layer alone.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.cpbench-installed
 
-.PHONY: bench test test-fast lint install clean
+.PHONY: bench test test-fast test-gpu lint install clean
 
 $(STAMP): pyproject.toml scripts/ensure_torch.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,9 +26,15 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not multirank and not gpu"
 
+# the GPU-marked tests (tests/gpu and a few unit ones): on a machine with 2 or more GPUs,
+# flash-attn installed (pip install -e '.[gpu]')
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/shellcheck src/cpbench/slurm/cpbench.sbatch scripts/ensure_torch.sh .ci/run
 
 clean:
 	rm -rf $(VENV) .pytest_cache

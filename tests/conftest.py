@@ -3,7 +3,7 @@ import sys
 
 # Rank bodies live in plain modules beside the tests so spawned ranks can import them; the
 # unit tests share helpers the same way.
-for _dir in ("multirank", "unit"):
+for _dir in ("multirank", "unit", "gpu"):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), _dir))
 
 

@@ -149,8 +149,9 @@ class RunConfig:
     strategy: tuple[str, ...] = arg(("all",), "a strategy name, a comma list, or all "
                                     "(see `cpbench strategies`)", parse=parse_names,
                                     metavar="NAME[,NAME...]|all")
-    kernel: str = arg("auto", "attention kernel backend (auto: flash-attn on CUDA, sdpa-cpu "
-                      "on CPU)")
+    kernel: str = arg("auto", "attention kernel backend (auto: on CUDA FlashAttention-3 "
+                      "on sm90 when installed, else flash-attn 2, never the plain reference; "
+                      "sdpa-cpu on CPU)")
     device: str = arg("auto", "where ranks compute (auto: cuda under torchrun when a GPU is "
                       "present, else cpu; --nproc always runs on cpu)", choices=DEVICES)
     ranks_per_node: int | None = arg(None, "ranks per (emulated) node; default: "
@@ -173,9 +174,12 @@ class RunConfig:
     format: str = arg("table", "how the summary prints", choices=FORMATS)
     nproc: int | None = arg(None, "start this many local CPU ranks (gloo) instead of running "
                             "under torchrun (default: 4)")
-    collective_timeout: float = arg(600.0, "seconds a rank waits for its peers in one "
-                                    "collective (the process groups' timeout) before the "
-                                    "run is stopped as broken", metavar="SECONDS")
+    collective_timeout: float | None = arg(None, "seconds a rank waits for its peers in one "
+                                           "collective (the process groups' timeout) before "
+                                           "the case is recorded as failed and the group is "
+                                           "formed again (default: per case, from a "
+                                           "pessimistic estimate of its step time, at least "
+                                           "60 s)", metavar="SECONDS")
     deadline: float | None = arg(None, "--nproc only: seconds before the whole run is "
                                  "stopped (default: none)", metavar="SECONDS")
 

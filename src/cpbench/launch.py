@@ -1,13 +1,19 @@
-"""Start N local CPU ranks with gloo and run a function on each.
+"""Start N local ranks (CPU with gloo; GPUs with NCCL for the doctor's probe) and run a
+function on each.
 
 Used by the multi-rank tests and by ``cpbench run --nproc N``. Any rank's exception is
 re-raised in the parent with that rank's traceback, and a rank that dies without a word is
 noticed; an optional deadline kills the whole group. A rank waiting on a live peer that
 will never answer is bounded by the process groups' (collective) timeout.
+
+``reform_world`` forms the process group again after a collective failed (the processes
+stay); when a rank has died, the launcher tells the survivors through the rendezvous store
+(``DEAD_KEY``), so they stop waiting for it there.
 """
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -26,6 +32,9 @@ class RankError(RuntimeError):
         super().__init__(message)
         self.reported = dict(reported or {})
 
+
+# set in the rendezvous store by the launcher when a rank died: reform_world stops waiting
+DEAD_KEY = "cpbench/dead"
 
 # after a rank dies, how long the others have to notice (gloo: a closed connection fails
 # their collective at once) and report, before they are killed
@@ -50,7 +59,8 @@ def _context():
     return ctx
 
 
-def _worker(fn, rank, nproc, port, args, results, threads, pg_timeout_s, leave_together):
+def _worker(fn, rank, nproc, port, args, results, threads, pg_timeout_s, leave_together,
+            backend):
     import torch
     import torch.distributed as dist
 
@@ -59,8 +69,12 @@ def _worker(fn, rank, nproc, port, args, results, threads, pg_timeout_s, leave_t
                       LOCAL_WORLD_SIZE=str(nproc))
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=nproc,
-                                timeout=timedelta(seconds=pg_timeout_s))
+        device_id = None
+        if backend == "nccl":  # one GPU per rank, current before anything touches CUDA
+            device_id = torch.device("cuda", rank)
+            torch.cuda.set_device(device_id)
+        dist.init_process_group(backend, rank=rank, world_size=nproc,
+                                timeout=timedelta(seconds=pg_timeout_s), device_id=device_id)
         out = fn(rank, nproc, *args)
         if leave_together:
             dist.barrier()  # gloo can abort when peers close connections first
@@ -77,14 +91,15 @@ def _worker(fn, rank, nproc, port, args, results, threads, pg_timeout_s, leave_t
 
 def run_ranks(fn: Callable[..., Any], nproc: int, *args, timeout: float | None = 300.0,
               collective_timeout: float | None = None, threads: int | None = None,
-              leave_together: bool = True) -> list[Any]:
+              leave_together: bool = True, backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks; return results by rank.
 
     ``fn`` must be importable by name (defined at module level). Raises RankError with the
     first failing rank's traceback, or LaunchTimeout after ``timeout`` seconds (None: no
     deadline). ``collective_timeout``: the process group's timeout (default: the deadline,
     at least 30 s; 600 s without one). ``leave_together``: a barrier after ``fn`` (False
-    when ``fn`` leaves by itself, e.g. skipping the barrier on a broken group).
+    when ``fn`` leaves by itself, e.g. skipping the barrier on a broken group). ``backend``:
+    "nccl" gives rank r GPU r (``cpbench doctor``'s probe on a GPU node).
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -97,14 +112,14 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, timeout: float | None =
     procs = [
         ctx.Process(target=_worker, daemon=True,
                     args=(fn, r, nproc, port, args, results, threads, collective_timeout,
-                          leave_together))
+                          leave_together, backend))
         for r in range(nproc)
     ]
     for p in procs:
         p.start()
     by_rank: dict[int, Any] = {}
     try:
-        _collect(procs, results, by_rank, timeout)
+        _collect(procs, results, by_rank, timeout, port)
     finally:
         for p in procs:
             if p.is_alive() and len(by_rank) < nproc:
@@ -116,7 +131,8 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, timeout: float | None =
     return [by_rank[r] for r in range(nproc)]
 
 
-def _collect(procs: list, results, by_rank: dict[int, Any], timeout: float | None) -> None:
+def _collect(procs: list, results, by_rank: dict[int, Any], timeout: float | None,
+             port: int) -> None:
     """Fill ``by_rank`` with every rank's report; raise on the first failure, on a rank that
     died without one, or past the deadline."""
     nproc = len(procs)
@@ -132,6 +148,7 @@ def _collect(procs: list, results, by_rank: dict[int, Any], timeout: float | Non
             dead = [r for r, p in enumerate(procs)
                     if r not in by_rank and p.exitcode not in (None, 0)]
             if dead:
+                _tell_survivors(port, dead)
                 _drain(procs, results, by_rank, dead)
                 raise RankError(f"rank {dead[0]} died with exit code "
                                 f"{procs[dead[0]].exitcode} and no report", by_rank) from None
@@ -139,6 +156,58 @@ def _collect(procs: list, results, by_rank: dict[int, Any], timeout: float | Non
         if status == "error":
             raise RankError(f"rank {rank} failed:\n{payload}", by_rank)
         by_rank[rank] = payload
+
+
+def _tell_survivors(port: int, dead: list[int]) -> None:
+    """Leave DEAD_KEY in the rendezvous store (rank 0 hosts it: gone if rank 0 died)."""
+    if 0 in dead:
+        return
+    try:
+        from torch.distributed import TCPStore
+
+        TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2),
+                 wait_for_workers=False).set(DEAD_KEY, ",".join(map(str, dead)))
+    except Exception:  # best effort: the survivors' re-forming then times out
+        pass
+
+
+def _base_store(store):
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+def reform_world(generation: int, timeout_s: float) -> None:
+    """Destroy every process group and form the world again, over the same rendezvous store
+    under a fresh prefix (``generation``: the same on every rank); the processes stay.
+    Collective. Raises RuntimeError when a rank does not come within ``timeout_s`` or the
+    launcher reported one dead; the caller then stops."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from cpbench import topology
+
+    rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    base = _base_store(c10d._get_default_store())
+    device_id = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    topology.forget_groups()
+    gc.collect()  # the last references to the old groups: their connections close now
+    dist.destroy_process_group()
+    store = dist.PrefixStore(f"cpbench/reform/{generation}", base)
+    store.set(f"arrived/{rank}", "1")
+    waiting = [f"arrived/{r}" for r in range(world)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(waiting):
+        if base.check([DEAD_KEY]):
+            raise RuntimeError(f"rank {base.get(DEAD_KEY).decode()} died: the process group "
+                               f"cannot be formed again")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not every rank came to form the process group again within "
+                               f"{timeout_s:.0f} s")
+        time.sleep(0.05)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s), device_id=device_id)
 
 
 def _drain(procs: list, results, by_rank: dict[int, Any], dead: list[int]) -> None:

@@ -42,6 +42,7 @@ line, which ``read`` skips with a warning.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -107,11 +108,14 @@ def record_key(record: dict) -> str:
 
 
 def append(path: str | os.PathLike, record: dict) -> None:
-    """Append ``record`` as one line; returns once it is on disk."""
+    """Append ``record`` as one line; returns once it is on disk. The append holds an
+    exclusive lock on the file: writers sharing it (Slurm array tasks on NFS, where the
+    client only emulates O_APPEND) would otherwise interleave their records."""
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released by close
         view = memoryview(line)
         while view:  # O_APPEND: each write lands at the end; loop only on a short write
             view = view[os.write(fd, view):]

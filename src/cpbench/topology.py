@@ -205,3 +205,26 @@ def new_groups(topo: Topology, name: str, rank: int, rank_lists: Sequence[Sequen
         if rank in ranks:
             mine = Group(mine.name, mine.ranks, mine.index, mine.crosses_nodes, pg)
     return mine
+
+
+def set_timeout(seconds: float) -> None:
+    """Make ``seconds`` the timeout of the default group and of every group created under it
+    (the driver's per-case wait: a case's collectives wait about as long as it can take)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    setter = getattr(c10d, "_set_pg_timeout", None)  # private: no public setter to date
+    if setter is None:  # then every group keeps the timeout it was made with
+        return
+    timeout = timedelta(seconds=seconds)
+    setter(timeout, dist.group.WORLD)
+    for world, pg in _PG_CACHE.values():
+        # a group this rank is not in is a placeholder (GroupMember.NON_GROUP_MEMBER)
+        if world is dist.group.WORLD and isinstance(pg, dist.ProcessGroup):
+            setter(timeout, pg)
+
+
+def forget_groups() -> None:
+    """Drop every cached group, before the groups are destroyed: a reference kept here would
+    keep a gloo group's connections open, and its peers blocked on them."""
+    _PG_CACHE.clear()

@@ -33,7 +33,9 @@ def test_run_profile_traces_and_breakdown(tmp_path):
     rules = groups.load()
     for index, (record, op) in enumerate(zip(records, ("send_recv", "all_to_all")), 1):
         p = record["profile"]
-        case_dir = prof / f"{index}_{record['config']['strategy']}"
+        case_dir = Path(p["traces"][0]).parent
+        assert case_dir.parent == prof and case_dir.name.startswith(
+            f"{index}_{record['config']['strategy']}_")  # + the digest of the record's key
         assert p["traces"] == [str(case_dir / f"rank{r}.trace.json.gz") for r in (0, 1)]
         for path in p["traces"]:  # a Chrome trace, as Perfetto and HTA load it
             doc = json.loads(gzip.decompress(Path(path).read_bytes()))
@@ -46,6 +48,8 @@ def test_run_profile_traces_and_breakdown(tmp_path):
         # the same figures, recomputed from the saved trace of the rank the record names
         again = breakdown.from_file(p["traces"][p["rank"]], rules).to_dict()
         assert {k: p[k] for k in again} == again
+        assert len(p["per_iteration"]) == len(p["per_iteration_ms"]) == 3
+        assert all(abs(sum(it.values()) - 100) <= 1 for it in p["per_iteration"])
     summary = _cpbench("profile", "summarize", records[1]["profile"]["traces"][0])
     assert summary.returncode == 0, summary.stderr
     assert "communication/all_to_all" in summary.stdout

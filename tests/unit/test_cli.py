@@ -171,7 +171,7 @@ def test_self_launch_emulates_at_least_two_nodes(nproc, rpn):
     assert p.ranks_per_node == rpn
 
 
-def test_all_runs_every_strategy_and_variant_baselines_last():
+def test_all_runs_every_strategy_and_variant_baselines_at_both_ends():
     p = _plan(strategy=("all",), nproc=4)
     topo = p.topo
     ran = {(c.strategy, c.options) for c in p.cases}
@@ -189,7 +189,19 @@ def test_all_runs_every_strategy_and_variant_baselines_last():
     per_problem = [strategies.get(c.strategy)(p.attn, topo, 0, kernel=kernel, options=c.options,
                                               create_groups=False).ranks_per_problem
                    for c in p.cases]
-    assert 1 in per_problem and per_problem == sorted(per_problem, reverse=True)
+    base = per_problem.count(1) // 2
+    assert base and per_problem[:base] == per_problem[-base:] == [1] * base
+    assert 1 not in per_problem[base:-base]
+
+
+def test_the_baseline_is_timed_first_and_last_with_cp_strategies_between():
+    p = _plan(strategy=("zigzag", "local", "ring"), nproc=2)
+    assert [c.strategy for c in p.cases] == ["local", "zigzag", "ring", "local"]
+    assert p.keys()[0] == p.keys()[-1]  # one row of the table, timed twice
+    off = planning.plan(RunConfig(out="none", strategy=("zigzag", "local"), nproc=2), {}, {},
+                        launcher="self", baseline_both_ends=False)
+    assert [c.strategy for c in off.cases] == ["zigzag", "local"]
+    assert [c.strategy for c in _plan(strategy=("ring",), nproc=2).cases] == ["ring"]
 
 
 def test_option_applies_to_the_strategies_that_take_it():
@@ -241,3 +253,23 @@ def test_the_fit_check_reads_fixed_totals(monkeypatch):
     monkeypatch.setattr(memory, "meminfo_bytes",
                         lambda field: {"MemTotal": total}.get(field, 1))
     assert memory.capacity_bytes("cpu", 4) == total // 4
+
+
+def test_more_local_ranks_than_gpus_is_one_line_before_any_group(no_launch, capsys,
+                                                                 monkeypatch):
+    """torchrun --nproc-per-node 8 on a 4-GPU node: one line naming the fix (not "invalid
+    device ordinal" from set_device); the rank's GPU is made current before the plan asks
+    torch.cuda anything."""
+    import torch
+
+    for var, value in dict(RANK="2", WORLD_SIZE="8", LOCAL_RANK="2", LOCAL_WORLD_SIZE="8",
+                           MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(var, value)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: calls.append("count") or 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set", d)))
+    monkeypatch.setattr(planning.env_mod, "torchrun_world", lambda: (0, 8, 8))  # rank 0 speaks
+    err = _error(capsys, "--strategy", "ring")
+    assert "8 ranks on this node but 4 GPU(s)" in err and "--nproc-per-node 4" in err
+    assert calls[:2] == ["count", ("set", 2)] and calls[2:] == ["count"]

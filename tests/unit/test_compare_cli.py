@@ -123,6 +123,7 @@ def test_unmatched_cases_environment_and_last_record(tmp_path, capsys):
         r["env"]["torch"] = "2.14.0+cpu"
         r["config"]["run"]["iters"] = 50  # how it was launched does not make another case
     stale = _map_samples(records[:1], _scaled(0.5))  # zigzag recorded twice: the last counts
+    stale[0]["env"]["utc"] = "2026-01-01T00:00:00Z"  # by an earlier run (a re-run)
     b = _write(tmp_path / "b.jsonl", stale + b_records)
     assert cpbench_compare(FIXTURE, b) == 0
     out = capsys.readouterr().out
@@ -196,3 +197,17 @@ def test_bad_flag_values_are_one_line_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         cpbench_compare(FIXTURE, FIXTURE, "--min-effect", "two")
     assert e.value.code == 2 and "cannot read 'two'" in capsys.readouterr().err
+
+
+def test_a_baseline_timed_at_both_ends_of_a_run_pools_its_samples():
+    from cpbench.compare import match
+
+    first = {"config": {"strategy": "local", "options": {}, "attention": {"seqlen": 8}},
+             "topology": {"world_size": 2, "ranks_per_node": 1}, "kernel": "k",
+             "env": {"utc": "t0"}, "samples_ms": {"fwd": [[1.0, 2.0], [1.5, 2.5]]}}
+    last = {**first, "samples_ms": {"fwd": [[3.0], [3.5]]}}
+    other_run = {**first, "env": {"utc": "t1"}, "samples_ms": {"fwd": [[9.0], [9.5]]}}
+    pooled, = match.latest([first, last]).values()
+    assert pooled["samples_ms"]["fwd"] == [[1.0, 2.0, 3.0], [1.5, 2.5, 3.5]]
+    alone, = match.latest([first, last, other_run]).values()  # a later run replaces it
+    assert alone["samples_ms"]["fwd"] == [[9.0], [9.5]]

@@ -230,8 +230,9 @@ def test_not_importable_here_without_flash_attn():
     for backend in (fa.FLASH_ATTN, fa.FLASH_ATTN3):
         if not backend.is_importable():
             assert not backend.is_available()
-            assert "not installed" in backend.unsupported_reason(
-                device="cuda", dtype=torch.bfloat16, head_dim=64, heads=4, kv_heads=4)
+            assert "cannot be imported: ModuleNotFoundError: No module named" in \
+                backend.unsupported_reason(device="cuda", dtype=torch.bfloat16, head_dim=64,
+                                           heads=4, kv_heads=4)
 
 
 def _ref_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal):
@@ -321,3 +322,20 @@ def test_against_torch_reference_on_gpu(backend, causal, kv_heads):
     for g, r in zip(grads, ref):
         assert g.shape == r.shape
         torch.testing.assert_close(g, r, atol=5e-2, rtol=5e-2)
+
+
+def test_kernel_inputs_are_copied_only_when_strided_or_misaligned():
+    """A view starting 8 bytes into a buffer (a packed part) is copied to an aligned one; a
+    ring's half-block (strided, unit last stride, aligned) is handed over as is; lse always
+    leaves dense."""
+    buf = torch.zeros(4 + 2 * 25 * 5 * 8, dtype=torch.bfloat16)
+    packed = buf[4:].view(2, 25, 5, 8)  # 8 bytes past an aligned base
+    assert packed.data_ptr() % fa.ALIGN_BYTES == 8
+    half = torch.zeros(2, 50, 5, 8, dtype=torch.bfloat16)[:, 25:]  # batch 2: strided
+    (q,) = fa.forward_inputs(packed, half, half)[:1]
+    assert q.data_ptr() % fa.ALIGN_BYTES == 0 and torch.equal(q, packed)
+    assert fa.forward_inputs(packed, half, half)[1].data_ptr() == half.data_ptr()
+    lse = torch.zeros(2, 5, 50)[:, :, 25:]
+    got = fa.backward_inputs(half, half, half, half, half, lse)
+    assert got[5].is_contiguous() and got[5].data_ptr() % fa.ALIGN_BYTES == 0
+    assert all(t.data_ptr() == half.data_ptr() for t in got[:5])

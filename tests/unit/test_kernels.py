@@ -157,3 +157,84 @@ def test_unsupported_request_names_working_backends():
                         kv_heads=8)
     with pytest.raises(ValueError, match="unknown kernel"):
         kernels.get("nope")
+
+
+# -- choice on CUDA (mocked: no GPU here) --------------------------------------------------------
+
+CUDA_BF16 = dict(device="cuda", dtype=torch.bfloat16, head_dim=128, heads=8, kv_heads=8)
+
+
+@pytest.fixture
+def fake_flash(monkeypatch):
+    """flash-attn 2 and FA3 as if installed (a 2025 FA3 unless told), on a GPU of the given
+    capability; set ``state["broken"][module]`` to make one fail to import."""
+    from cpbench.kernels import flash_attn as fa
+
+    state = {"capability": (9, 0), "fa3_params": ("q", "k", "v", "cu_seqlens_q"), "broken": {}}
+
+    def load(module):
+        if module in state["broken"]:
+            raise state["broken"][module]
+        params = state["fa3_params"] if module == fa.FA3_MODULE else ("q", "k", "v")
+        return None, (params, frozenset()), None, (params, frozenset())
+
+    monkeypatch.setattr(fa, "_load", load)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: state["capability"])
+    return state
+
+
+def test_auto_on_hopper_picks_fa3_and_elsewhere_flash_attn_2_with_a_note(fake_flash):
+    assert kernels.resolve("auto", **CUDA_BF16).name == "flash-attn3"
+    fake_flash["capability"] = (8, 0)  # A100
+    notes = []
+    assert kernels.resolve("auto", **CUDA_BF16, notes=notes).name == "flash-attn"
+    assert notes == ["flash-attn3 (flash-attn3 needs a Hopper GPU (sm90); this one is sm80): "
+                     "using flash-attn"]
+
+
+def test_auto_checks_the_fa3_builds_api_generation(fake_flash):
+    fake_flash["fa3_params"] = ("q", "k", "v", "softmax_scale", "causal")  # a 2024 build
+    notes = []
+    assert kernels.resolve("auto", **CUDA_BF16, notes=notes).name == "flash-attn"
+    assert "backward in fp16 only" in notes[0]
+    fp16_d256 = {**CUDA_BF16, "dtype": torch.float16, "head_dim": 256}
+    assert "backward up to 128" in kernels.get("flash-attn3").unsupported_reason(**fp16_d256)
+    assert kernels.resolve("auto", **{**fp16_d256, "head_dim": 128}).name == "flash-attn3"
+
+
+def test_auto_on_cuda_never_falls_back_to_the_reference(fake_flash):
+    """A broken install keeps its real exception; fp32 says why; neither picks torch."""
+    from cpbench.kernels import flash_attn as fa
+
+    fake_flash["broken"] = {
+        fa.FA2_MODULE: OSError("libcudart.so.12: cannot open shared object file"),
+        fa.FA3_MODULE: ModuleNotFoundError("No module named 'flash_attn_interface'")}
+    with pytest.raises(ValueError) as e:
+        kernels.resolve("auto", **CUDA_BF16)
+    msg = str(e.value)
+    assert "flash-attn cannot be imported: OSError: libcudart.so.12" in msg
+    assert "--kernel torch" in msg and "no flash kernel" in msg
+    with pytest.raises(ValueError, match="libcudart.so.12"):  # asked for by name: the same
+        kernels.resolve("flash-attn", **CUDA_BF16)
+    fake_flash["broken"] = {}
+    with pytest.raises(ValueError, match="flash-attn does not support fp32.*--dtype bf16"):
+        kernels.resolve("auto", **{**CUDA_BF16, "dtype": torch.float32})
+    assert kernels.resolve("torch", **{**CUDA_BF16, "dtype": torch.float32}).name == "torch"
+
+
+def test_the_kernels_distribution_is_found_by_its_module(monkeypatch):
+    """FA3's module is flash_attn_interface whatever its distribution is called."""
+    from importlib import metadata
+
+    from cpbench.kernels import flash_attn as fa
+
+    monkeypatch.setattr(fa, "_importable", lambda module: True)
+    monkeypatch.setattr(fa.importlib, "import_module",
+                        lambda m: type("M", (), {"__file__": f"/site/{m}.py"}))
+    monkeypatch.setattr(metadata, "packages_distributions",
+                        lambda: {"flash_attn_interface": ["flashattn-hopper"]})
+    monkeypatch.setattr(metadata, "version", lambda d: "3.0.0b1")
+    assert fa.provenance(fa.FA3_MODULE) == {
+        "module": "flash_attn_interface", "distribution": "flashattn-hopper",
+        "version": "3.0.0b1", "path": "/site/flash_attn_interface.py"}

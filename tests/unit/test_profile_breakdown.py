@@ -128,6 +128,8 @@ def test_record_section_is_the_slowest_rank_and_prints():
     b = bd.partition([(0, 110, "attention/fwd")], [(0, 120)], bd.CPU).to_dict()
     paths = profiling.trace_paths("prof", 2, "zigzag", 2)
     assert paths[1].endswith("prof/2_zigzag/rank1.trace.json.gz")
+    keyed = [profiling.trace_paths("prof", 1, "zigzag", 2, key) for key in ("{a}", "{b}")]
+    assert keyed[0] != keyed[1]  # a sweep's cases (each its run's case 1) apart
     s = profiling.section([a, b], paths)
     assert s["rank"] == 1 and s["step_ms"] == 0.12 and s["traces"] == paths
     assert s["step_ms_by_rank"] == [0.1, 0.12] and s["exposed_comm_ms_by_rank"] == [0.03, 0]
@@ -138,3 +140,14 @@ def test_record_section_is_the_slowest_rank_and_prints():
     assert lines[-1].endswith("2_zigzag/rank*.trace.json.gz (2 ranks)")
     assert summary.detail_lines({"error": "boom", "traces": paths}) == \
         ["Where the time goes: not profiled (boom)"]
+
+
+def test_each_step_keeps_its_own_shares_and_wall_time():
+    # step 1: 60 µs attention of 100; step 2: 20 µs of 50 waiting on a send, the rest idle
+    b = bd.partition([(0, 60, "attention/fwd"), (200, 220, "communication/send_recv")],
+                     [(0, 100), (200, 250)], bd.CPU).to_dict()
+    assert b["per_iteration_ms"] == [0.1, 0.05]
+    assert b["per_iteration"] == [{"attention/fwd": 60.0, "idle": 40.0},
+                                  {"communication/send_recv": 40.0, "idle": 60.0}]
+    assert b["wall_pct"] == {"attention/fwd": 40.0, "communication/send_recv": 13.333,
+                             "idle": 46.667}

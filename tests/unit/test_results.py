@@ -1,8 +1,10 @@
 """JSONL records: whole-line appends, a torn last line skipped with a warning, derived figures
 recomputed from the raw samples."""
 
+import fcntl
 import json
 import logging
+import threading
 
 import pytest
 
@@ -52,6 +54,22 @@ def test_append_read_roundtrip(tmp_path):
     lines = path.read_bytes().split(b"\n")
     assert lines[-1] == b"" and len(lines) == 3  # whole lines, newline-terminated
     assert results.read(path) == recs
+
+
+def test_append_waits_for_the_file_lock(tmp_path):
+    """Another writer holding the lock (an array task on NFS) delays the append until it lets
+    go, so two records never interleave."""
+    path = tmp_path / "r.jsonl"
+    path.touch()
+    done = threading.Event()
+    with open(path, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        writer = threading.Thread(target=lambda: (results.append(path, fake_record()),
+                                                  done.set()))
+        writer.start()
+        assert not done.wait(0.3) and path.read_bytes() == b""
+    writer.join(5)
+    assert done.is_set() and len(results.read(path)) == 1
 
 
 def test_torn_last_line_skipped_with_warning(tmp_path, caplog):

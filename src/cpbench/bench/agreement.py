@@ -6,14 +6,20 @@ rank becomes the phase's status everywhere, with that rank's message. A rank fai
 a strategy's communication, while its peers wait on it, cannot be agreed on: the collective
 fails (gloo) or the watchdog aborts (NCCL). A rank that sees a collective fail does not enter
 the agreement; it leaves its own error in the rendezvous store, where rank 0 reads the likely
-cause, and the phase is marked ``broken``: no further collective is attempted (see
-``cpbench.bench.driver``).
+cause, and the phase is marked ``broken``: no further collective is attempted in the case,
+and the driver forms the process group again (see ``cpbench.bench.driver``).
+
+A rank that failed by itself waits for its peers in the agreement only ``grace_s`` (gloo):
+past that they are blocked inside the strategy's communication, waiting on it, and would
+wait out the whole collective timeout; it gives up on the group instead, and when it destroys
+the group, gloo fails their waits at once (a closed connection).
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import time
 import traceback
 from typing import Any, Callable
 
@@ -67,10 +73,10 @@ class Agreement:
     it left it in the store; else "failed" with this rank's collective error), ``broken`` is
     set, and no further collective is attempted (see the module docstring)."""
 
-    def __init__(self, device: str, store=None, key: str = ""):
+    def __init__(self, device: str, store=None, key: str = "", grace_s: float | None = None):
         import torch.distributed as dist
 
-        self.dist, self.store, self.key = dist, store, key
+        self.dist, self.store, self.key, self.grace_s = dist, store, key, grace_s
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)  # allocated before any OOM
         self.status, self.error, self.traceback = results.OK, None, None
         self.broken = False
@@ -94,7 +100,7 @@ class Agreement:
             return None
         try:
             self.flag.fill_(_STATUS_CODE[mine])
-            self.dist.all_reduce(self.flag, op=self.dist.ReduceOp.MAX)
+            self._all_reduce(failed_here=mine != results.OK)
             agreed = int(self.flag.item())
             if not agreed:
                 return value
@@ -108,6 +114,22 @@ class Agreement:
                                   if rep[0] == self.status)
         self.error, self.traceback = f"rank {rank}: {msg}", tb
         return None
+
+    def _all_reduce(self, *, failed_here: bool) -> None:
+        """The flag's all-reduce; bounded by ``grace_s`` on a rank that failed by itself."""
+        op = self.dist.ReduceOp.MAX
+        if not failed_here or self.grace_s is None:
+            self.dist.all_reduce(self.flag, op=op)
+            return
+        work = self.dist.all_reduce(self.flag, op=op, async_op=True)
+        deadline = time.monotonic() + self.grace_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the other ranks did not come to agree within "
+                                   f"{self.grace_s:.0f} s: they wait on this rank inside the "
+                                   f"strategy's communication")
+            time.sleep(0.01)
+        work.wait()
 
     def _publish(self, status: str, msg: str, tb: str, collective: bool) -> None:
         """Leave this rank's failure in the store, where rank 0 can read it if the group
@@ -149,8 +171,7 @@ class Agreement:
             return
         rank, status, msg, tb = cause
         self.status, self.traceback = status, tb
-        self.error = f"rank {rank}: {msg}; then a collective failed, so the run stopped " \
-                     f"({broke})"
+        self.error = f"rank {rank}: {msg}; then a collective failed ({broke})"
 
 
 def cleanup() -> None:

@@ -8,6 +8,7 @@ global order and rank 0 compares them tensor by tensor with the reference.
 from __future__ import annotations
 
 import os
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -89,13 +90,35 @@ def check_strategy(strategy: Strategy, seed: int, *, device="cpu",
         solved[name] = [strategy.unshard(parts, seq_dim=seq_dim)] if problems == 1 else parts
     found: list = [None]
     if strategy.rank == 0:
-        cache = {} if cache is None else cache
-        key = (attn, seed)
-        if key not in cache:
-            cache.clear()  # one problem at a time: never hold two references
-            cache[key] = {n: t.cpu() for n, t in _reference(inputs, attn).items()}
-        found = [[_worst(compare(n, got.cpu(), cache[key][n], attn.dtype) for got in solved[n])
-                  for n in names]]
+        # rank 0's failure (its reference can run out of memory) is the broadcast's payload:
+        # raised after the broadcast on every rank, so no rank is left waiting in it
+        try:
+            found = [_compare_on_rank0(solved, names, inputs, attn, seed, cache)]
+        except Exception as e:
+            found = [_portable(e)]
     if strategy.world_size > 1:
         dist.broadcast_object_list(found, src=0)
+    if isinstance(found[0], BaseException):
+        raise found[0]
     return found[0]
+
+
+def _compare_on_rank0(solved: dict, names, inputs: dict, attn: AttentionConfig, seed: int,
+                      cache: dict | None) -> list[Comparison]:
+    cache = {} if cache is None else cache
+    key = (attn, seed)
+    if key not in cache:
+        cache.clear()  # one problem at a time: never hold two references
+        cache[key] = {n: t.cpu() for n, t in _reference(inputs, attn).items()}
+    return [_worst(compare(n, got.cpu(), cache[key][n], attn.dtype) for got in solved[n])
+            for n in names]
+
+
+def _portable(e: Exception) -> Exception:
+    """``e`` if it survives pickling (the broadcast pickles it), else a RuntimeError that
+    says what it was."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"rank 0: {type(e).__name__}: {e}")

@@ -1,39 +1,36 @@
 """The benchmark driver behind ``cpbench run`` and ``torchrun -m cpbench.run``.
 
-1. ``bench.plan``: everything is validated before any process group exists — strategy names,
-   options, topology, kernel and dtype, each strategy's own ``validate()`` (built with
-   ``create_groups=False`` for every rank), sizes that obviously cannot fit, the ``--out``
-   file. A bad request is one UsageError whose message says the fix. (Variants a strategy
-   suggests, and under ``all`` whole strategies, that the config does not allow or that
-   cannot fit are skipped with a note.)
+1. ``bench.plan`` validates everything before any process group exists (see there).
 2. ``launch`` (``--nproc``: local gloo ranks through ``cpbench.launch.run_ranks``) or
    ``torchrun_main`` (init from torchrun's environment: nccl on CUDA, gloo on CPU). Every
-   process group, the strategies' subgroups included, times out after
-   ``--collective-timeout``.
+   process group, the strategies' subgroups included, times out after the case's collective
+   timeout: ``--collective-timeout``, or by default one derived per case from a pessimistic
+   estimate of its step time, at least 60 s (``bench.plan.case_waits``).
 3. ``rank_main`` on every rank, per (strategy, options) case: build the strategy (its groups),
    ``--check`` against the float64 reference, build this rank's input shard straight from
    the seed, time FWD and gather its samples, time FWD+BWD and gather its samples, then
-   measure peak memory (``bench.memory``) as a separate step, so a failed or OOM memory
-   measurement leaves the timings in the record; with ``--profile``, profile a few more
-   steps (``bench.profiling``), again a step of its own; on rank 0 append the record and
-   print.
+   measure peak memory (``bench.memory``) and, with ``--profile``, profile a few steps
+   (``bench.profiling``), each a step of its own (a failure there keeps the timings); on
+   rank 0 append the record and print.
 
 Every phase ends with all ranks agreeing on its outcome (``bench.agreement``), so an OOM or
 an exception in one case becomes that row's status on every rank and the run goes on.
 
 A rank failing *inside* a strategy's communication, while its peers wait on it, cannot be
-agreed on: its peers are blocked in the collective until it times out. What happens then:
+agreed on: its peers are blocked in the collective. The case is recorded with the failing
+rank's own error (OOM or failed: it leaves it in the rendezvous store), then every rank
+destroys the process groups and forms them again under a fresh store prefix
+(``launch.reform_world``; the processes stay) and the run goes on with the next case:
 
-- gloo (CPU): the waiting ranks' collective fails after ``--collective-timeout`` and the
-  process group is unusable from then on (gloo closes the connection). Rank 0 records the
-  case as failed, with the failing rank's own error when it left one in the rendezvous store,
-  keeps every record already written, lists the cases that did not run, and every rank exits
-  1. It takes up to about twice ``--collective-timeout``.
-- A rank that dies (a crash, a kill) under ``--nproc``: the launching process records the
-  case that was running as failed with the rank's error, and lists the cases not run.
-- NCCL (GPU): the NCCL watchdog aborts the processes when the collective times out, before
-  Python sees an error; torchrun ends the job non-zero. The records already written are kept;
-  the current case and the later ones are lost (re-run them).
+- gloo (CPU): the failing rank waits for its peers in the agreement for a short grace (one
+  estimated step, at least 5 s), then destroys its groups; the closed connections fail its
+  peers' waits at once. A case that breaks otherwise ends at its collective timeout.
+- A rank that dies (a crash, a kill) under ``--nproc``: the launching process tells the
+  survivors (``launch.DEAD_KEY``), which stop; the case that was running is recorded as
+  failed with the rank's error and the cases not run are listed.
+- NCCL (GPU): the peers wait out the case's collective timeout; then PyTorch's default
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` ends the processes (the records written are kept; a
+  sweep records the rest as failed), while ``=2`` lets them survive and go on as on gloo.
 - A rank stuck outside any collective (a kernel that never returns) is stopped only by
   ``--deadline`` (``--nproc``) or the scheduler's time limit.
 
@@ -48,12 +45,13 @@ import logging
 import os
 import socket
 import time
+from collections import Counter
 from datetime import timedelta
 from typing import Callable
 
 import torch
 
-from cpbench import kernels, results, strategies
+from cpbench import kernels, results, strategies, topology
 from cpbench.bench import agreement, memory, profiling, timer
 from cpbench.bench import env as env_mod
 from cpbench.bench.check import check_strategy
@@ -77,7 +75,7 @@ def launch(p: Plan) -> int:
     offset = os.path.getsize(p.out) if p.out and os.path.exists(p.out) else 0
     try:
         return run_ranks(rank_main, p.world_size, p, timeout=p.run.deadline,
-                         collective_timeout=p.run.collective_timeout,
+                         collective_timeout=p.init_timeout,
                          leave_together=False)[0]
     except LaunchTimeout as e:
         lost = _record_lost_case(p, offset, f"{agreement.one_line(e)} (--deadline)")
@@ -94,8 +92,13 @@ def _record_lost_case(p: Plan, offset: int, error: str) -> str:
     run."""
     if not p.out:
         return ""
-    written = {results.record_key(r) for r in results.read_from(p.out, offset)}
-    missing = [i for i, k in enumerate(p.keys()) if k not in written]
+    written = Counter(results.record_key(r) for r in results.read_from(p.out, offset))
+    missing = []
+    for i, k in enumerate(p.keys()):  # a baseline timed at both ends has its key twice
+        if written[k] > 0:
+            written[k] -= 1
+        else:
+            missing.append(i)
     if not missing:
         return ""
     results.append(p.out, failure_record(p, missing[0], results.FAILED,
@@ -113,10 +116,14 @@ def torchrun_main(p: Plan) -> int:
     import torch.distributed as dist
 
     rank, world, _ = env_mod.torchrun_world()
+    device_id = None
     if p.run.device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device_id = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device_id)
+    # device_id: NCCL errors surface at init (not at the first collective), and new groups
+    # can split the world's communicator instead of building their own
     dist.init_process_group("nccl" if p.run.device == "cuda" else "gloo",
-                            timeout=timedelta(seconds=p.run.collective_timeout))
+                            timeout=timedelta(seconds=p.init_timeout), device_id=device_id)
     try:
         return rank_main(rank, world, p)
     finally:
@@ -174,6 +181,8 @@ class _CaseRun:
     rank: int
     phase: agreement.Agreement
     status: Callable[[str], None]
+    grace_s: float | None = None  # see agreement.Agreement
+    timeout_s: float | None = None  # the groups' collective timeout in this case
     strat: Strategy | None = None
     inputs: dict | None = None
 
@@ -181,7 +190,8 @@ class _CaseRun:
         """(the options as resolved, the library that runs: see Strategy.provenance)."""
         def build():
             cls = strategies.get(self.case.strategy)
-            self.strat = cls(self.p.attn, self.p.topo, self.rank,
+            topo = dataclasses.replace(self.p.topo, group_timeout_s=self.timeout_s)
+            self.strat = cls(self.p.attn, topo, self.rank,
                              kernel=kernels.get(self.p.kernel), options=self.case.options)
             return self.strat.resolved_options(), self.strat.provenance()
 
@@ -217,7 +227,7 @@ class _CaseRun:
         """Peak memory per rank as its own phase (its own status: the timings stay)."""
         self.status("measuring memory")
         dev = self.p.run.device
-        mem = agreement.Agreement(dev, store, f"{key}/memory")
+        mem = agreement.Agreement(dev, store, f"{key}/memory", self.grace_s)
         peak = mem(lambda: memory.peak_bytes(step, device=dev, inputs=self.inputs.values()))
         return mem, mem(lambda: [int(v[0]) for v in timer.gather_samples([peak], dev)])
 
@@ -227,9 +237,9 @@ class _CaseRun:
         record's ``profile`` section, or its error."""
         self.status("profiling")
         run = self.p.run
-        prof = agreement.Agreement(run.device, store, f"{key}/profile")
+        prof = agreement.Agreement(run.device, store, f"{key}/profile", self.grace_s)
         paths = profiling.trace_paths(run.profile, index, self.case.strategy,
-                                      self.p.world_size)
+                                      self.p.world_size, self.p.keys()[index - 1])
         mine = prof(lambda: profiling.profile_rank(step, path=paths[self.rank],
                                                    device=run.device,
                                                    barrier=_barrier(run.device)))
@@ -257,8 +267,13 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     def status(text):
         log.info("%s: %s", prefix or case.label, text, extra={"transient": True})
 
-    phase = agreement.Agreement(p.run.device, store, key)
-    c = _CaseRun(p, case, rank, phase, status)
+    timeout_s, grace_s = p.waits[index - 1]
+    # NCCL: closing a communicator does not free the peers blocked on it; they wait out the
+    # timeout, so a failing rank waits for them as long (no grace)
+    grace_s = grace_s if p.run.device == "cpu" else None
+    topology.set_timeout(timeout_s)
+    phase = agreement.Agreement(p.run.device, store, key, grace_s)
+    c = _CaseRun(p, case, rank, phase, status, grace_s, timeout_s)
     resolved, upstream = c.build()
     checks = c.check(ref_cache) if p.run.check else None
     samples, step = c.time()
@@ -283,11 +298,11 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     return record, any(ph is not None and ph.broken for ph in (phase, mem, prof))
 
 
-def _not_run_note(broke_in: Case, rest: tuple[Case, ...]) -> str:
+def _not_run_note(broke_in: Case, rest: tuple[Case, ...], why: str) -> str:
     names = ",".join(dict.fromkeys(c.strategy for c in rest))
     return (f"not run: {', '.join(c.label for c in rest)} — a collective failed in "
-            f"{broke_in.label} and the process group is unusable; re-run them with "
-            f"--strategy {names}")
+            f"{broke_in.label} and the process group could not be formed again ({why}); "
+            f"re-run them with --strategy {names}")
 
 
 def _say_record(p: Plan, record: dict, prefix: str, seconds: float) -> None:
@@ -305,15 +320,27 @@ def _say_record(p: Plan, record: dict, prefix: str, seconds: float) -> None:
             log.info("  %s", Comparison(**c).line())
 
 
-def _run_cases(p: Plan, rank: int, env: dict, store) -> tuple[list[dict], bool, bool]:
-    """(rank 0's records, whether any failed, whether the process group broke)."""
+def _reform(p: Plan, i: int) -> str | None:
+    """After case ``i`` broke the group: form it again for case i + 1; why not, or None."""
+    from cpbench.launch import reform_world
+
+    log.info("a collective failed: forming the process group again")
+    try:
+        reform_world(i, p.waits[i][0])
+    except Exception as e:  # a rank died or cannot come: stop here
+        return agreement.one_line(e)
+    return None
+
+
+def _run_cases(p: Plan, rank: int, env: dict) -> tuple[list[dict], bool, bool]:
+    """(rank 0's records, whether any failed, whether the process group broke for good)."""
     records, ref_cache, failed = [], {}, False
     for i, case in enumerate(p.cases, 1):
         prefix = f"[{i}/{len(p.cases)}] {case.label}"
         log.info("%s", prefix, extra={"transient": "plain"})
         t0 = time.perf_counter()
-        record, broken = run_case(p, case, rank, env, ref_cache, store=store, key=str(i),
-                                  prefix=prefix, index=i)
+        record, broken = run_case(p, case, rank, env, ref_cache, store=agreement.store(),
+                                  key=str(i), prefix=prefix, index=i)
         failed |= results.FAILED in (record["status"], record["memory_status"])
         failed |= bool((record.get("profile") or {}).get("error"))
         failed |= record["derived"]["check_passed"] is False
@@ -321,9 +348,11 @@ def _run_cases(p: Plan, rank: int, env: dict, store) -> tuple[list[dict], bool, 
             _say_record(p, record, prefix, time.perf_counter() - t0)
             records.append(record)
         if broken:
-            if p.cases[i:]:
-                log.info("%s", _not_run_note(case, p.cases[i:]))
-            return records, failed, True
+            why = _reform(p, i) if p.cases[i:] else "no case left"
+            if why is not None:
+                if p.cases[i:]:
+                    log.info("%s", _not_run_note(case, p.cases[i:], why))
+                return records, failed, True
     return records, failed, False
 
 
@@ -354,12 +383,17 @@ def rank_main(rank: int, world: int, p: Plan) -> int:
     import torch.distributed as dist
 
     console.setup(rank, p.run.format)
-    hostnames = [None] * world
-    dist.all_gather_object(hostnames, socket.gethostname())
+    where = [None] * world
+    dist.all_gather_object(where, (socket.gethostname(), env_mod.cpus_usable()))
+    hostnames, cpus = [h for h, _ in where], [c for _, c in where]
     env = env_mod.capture(device=p.run.device, launcher=p.launcher, hostnames=hostnames,
-                          world_size=world, ranks_per_node=p.ranks_per_node) if rank == 0 else {}
+                          world_size=world, ranks_per_node=p.ranks_per_node,
+                          cpus=cpus, kernel_package=kernels.get(p.kernel).provenance()
+                          ) if rank == 0 else {}
     _header(p, world)
-    records, failed, broken = _run_cases(p, rank, env, agreement.store())
+    for line in env_mod.cpu_warnings(hostnames, cpus):
+        log.info("%s", line)
+    records, failed, broken = _run_cases(p, rank, env)
     if rank == 0:
         _footer(p, records, failed, broken)
     if not broken:

@@ -31,6 +31,16 @@ def torchrun_world() -> tuple[int, int, int]:
             int(os.environ["LOCAL_WORLD_SIZE"]))
 
 
+def bind_local_gpu() -> None:
+    """Under torchrun with GPUs: make this rank's GPU (LOCAL_RANK) current before anything
+    touches torch.cuda (the plan reads the device's memory), so no rank opens a context on
+    GPU 0. Leaves it to the plan to refuse more local ranks than GPUs."""
+    if under_torchrun() and torch.cuda.is_available():
+        local = int(os.environ["LOCAL_RANK"])
+        if local < torch.cuda.device_count():
+            torch.cuda.set_device(local)
+
+
 def meminfo_bytes(field: str) -> int | None:
     """A ``/proc/meminfo`` figure (``MemTotal``, ``MemAvailable``, …) in bytes; None where
     there is no such file or field (not Linux)."""
@@ -50,6 +60,29 @@ def max_local_ranks() -> int:
     if available is not None:
         limit = min(limit, available // RANK_OVERHEAD_BYTES)
     return max(1, limit)
+
+
+def cpus_usable() -> int:
+    """The cores this process may run on (its affinity: what Slurm's binding leaves it), not
+    the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_warnings(hostnames: list[str], cpus: list[int]) -> list[str]:
+    """A line for each host whose ranks have less than one usable core each (by rank:
+    ``hostnames[r]``, ``cpus[r]``): e.g. an srun step bound to one core."""
+    lines = []
+    for host in dict.fromkeys(hostnames):
+        ranks = [r for r, h in enumerate(hostnames) if h == host]
+        fewest = min(cpus[r] for r in ranks)
+        if fewest < len(ranks):
+            lines.append(f"warning: {host}: {len(ranks)} ranks share {fewest} usable "
+                         f"core(s) (less than one each: timings will be slow); give the job "
+                         f"step the node's cores (srun --cpus-per-task, see README 'Slurm')")
+    return lines
 
 
 def utc_now() -> str:
@@ -86,16 +119,24 @@ def device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
+def nccl_version() -> str | None:
+    """The NCCL torch runs with, or None (no GPU, or a build without NCCL)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        version = torch.cuda.nccl.version()  # a tuple in recent torch, an int in old ones
+    except Exception:  # NCCL absent from this build
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
 def capture(*, device: str, launcher: str, hostnames: list[str], world_size: int,
-            ranks_per_node: int) -> dict:
-    """The environment record of this run (called on rank 0; ``hostnames`` by rank)."""
-    nccl = None
-    if torch.cuda.is_available():
-        try:
-            version = torch.cuda.nccl.version()  # a tuple in recent torch, an int in old ones
-            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-        except Exception:  # NCCL absent from this build
-            nccl = None
+            ranks_per_node: int, cpus: list[int] | None = None,
+            kernel_package: dict | None = None) -> dict:
+    """The environment record of this run (called on rank 0; ``hostnames`` and ``cpus``, the
+    usable cores, by rank). ``cpus_usable``: the fewest any rank may use. ``kernel_package``:
+    the kernel's distribution, version and file (``KernelBackend.provenance``)."""
+    nccl = nccl_version()
     sha = _git("rev-parse", "HEAD")
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if sha else None
     return {
@@ -106,9 +147,11 @@ def capture(*, device: str, launcher: str, hostnames: list[str], world_size: int
         "cuda": torch.version.cuda,
         "nccl": nccl,
         "flash_attn": _version("flash-attn") or _version("flash_attn"),
+        "kernel_package": kernel_package,
         "device": device,
         "device_name": device_name(device),
         "cpu_count": os.cpu_count(),
+        "cpus_usable": min(cpus) if cpus else cpus_usable(),
         "threads_per_rank": torch.get_num_threads(),
         "hostnames": hostnames,
         "world_size": world_size,

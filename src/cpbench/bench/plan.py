@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from cpbench import kernels, results, strategies
+from cpbench import kernels, metrics, results, strategies
 from cpbench.bench import env as env_mod
 from cpbench.bench import memory
 from cpbench.config import (
@@ -34,10 +34,19 @@ from cpbench.config import (
 )
 from cpbench.errors import Skipped, UsageError
 from cpbench.mask import mask_of
-from cpbench.metrics import gib
 from cpbench.topology import Topology, divisors
 
 DEFAULT_NPROC = 4
+
+# The default collective timeout of a case: its step's FLOPs at a pessimistic rate (a few
+# per cent of a data-centre GPU's; a slow CPU core), times the steps a peer can be behind
+# (warm-up, timing skew, the memory step), plus --check's float64 reference on rank 0. A
+# failing case then costs about as long as it could legitimately take, not a flat 600 s.
+MIN_COLLECTIVE_TIMEOUT_S = 60.0
+PESSIMISTIC_FLOPS = {"cuda": 20e12, "cpu": 1e9}  # per rank and second
+REFERENCE_FLOPS = {"cuda": 1e12, "cpu": 0.5e9}  # float64, on rank 0
+STEPS_BEHIND = 10
+MIN_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -67,11 +76,19 @@ class Plan:
     out: str | None
     launcher: str  # "torchrun" or "self"
     skipped: tuple[str, ...] = ()  # variants the config does not allow, and why
+    # per case: (collective timeout, how long a rank that failed by itself waits for its
+    # peers in the agreement on gloo), in seconds; see case_waits
+    waits: tuple[tuple[float, float], ...] = ()
 
     @property
     def topo(self) -> Topology:
         return Topology(world_size=self.world_size, ranks_per_node=self.ranks_per_node,
-                        group_timeout_s=self.run.collective_timeout)
+                        group_timeout_s=self.init_timeout)
+
+    @property
+    def init_timeout(self) -> float:
+        """The process group's timeout before the first case sets its own."""
+        return max((w[0] for w in self.waits), default=MIN_COLLECTIVE_TIMEOUT_S)
 
     def keys(self) -> tuple[str, ...]:
         """``results.record_key`` of every row this plan records, in order."""
@@ -85,12 +102,12 @@ class Plan:
 def failure_record(p: Plan, index: int, status: str, error: str, **sections) -> dict:
     """The record of case ``index`` of ``p`` when its launch ended without one (the ranks
     died, or a sweep's case timed out): no measurements, the status and why."""
-    from cpbench.bench.env import utc_now
+    from cpbench.bench.env import cpus_usable, utc_now
 
     case = p.cases[index]
     strat = strategies.get(case.strategy)(p.attn, p.topo, 0, kernel=kernels.get(p.kernel),
                                           options=case.options, create_groups=False)
-    env = {"utc": utc_now(), "launcher": p.launcher,
+    env = {"utc": utc_now(), "launcher": p.launcher, "cpus_usable": cpus_usable(),
            "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
     return results.make_record(
         strategy=case.strategy, options=case.options, attention=p.attn, run=p.run,
@@ -99,7 +116,43 @@ def failure_record(p: Plan, index: int, status: str, error: str, **sections) -> 
         **sections)
 
 
+def case_waits(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int
+               ) -> tuple[float, float]:
+    """(collective timeout, agreement grace) of a case in seconds; ``run.collective_timeout``
+    overrides the timeout. The grace, on gloo: how long a rank that failed by itself waits
+    for its peers to agree before it decides they are stuck waiting on it (a step)."""
+    flops = metrics.attention_flops(batch=attn.batch, seqlen_q=attn.seqlen,
+                                    seqlen_k=attn.seqlen, heads=attn.heads,
+                                    head_dim=attn.head_dim, causal=attn.causal,
+                                    mode="fwd" if run.fwd_only else "fwd_bwd")
+    step_s = flops / ranks_per_problem / PESSIMISTIC_FLOPS[run.device]
+    wait = STEPS_BEHIND * step_s
+    if run.check:
+        wait += metrics.attention_flops(batch=attn.batch, seqlen_q=attn.seqlen,
+                                        seqlen_k=attn.seqlen, heads=attn.heads,
+                                        head_dim=attn.head_dim, causal=attn.causal,
+                                        mode="fwd_bwd") / REFERENCE_FLOPS[run.device]
+    timeout = run.collective_timeout or max(MIN_COLLECTIVE_TIMEOUT_S, wait)
+    return timeout, min(timeout, max(MIN_GRACE_S, step_s))
+
+
+def check_gpu_count(local_ranks: int, visible: int) -> None:
+    """Under torchrun on CUDA every local rank needs its own GPU: LOCAL_RANK indexes them."""
+    if local_ranks > visible:
+        raise UsageError(
+            f"torchrun starts {local_ranks} ranks on this node but {visible} GPU(s) are "
+            f"visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            f"use --nproc-per-node {visible} (or --nproc-per-node gpu)")
+
+
 def _device(run: RunConfig, launcher: str) -> str:
+    device = _pick_device(run, launcher)
+    if device == "cuda" and launcher == "torchrun":
+        check_gpu_count(env_mod.torchrun_world()[2], torch.cuda.device_count())
+    return device
+
+
+def _pick_device(run: RunConfig, launcher: str) -> str:
     if run.device == "auto":
         return "cuda" if launcher == "torchrun" and torch.cuda.is_available() else "cpu"
     if run.device == "cuda" and launcher == "self":
@@ -177,9 +230,9 @@ def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend, d
             ", or more ranks" if strat.ranks_per_problem > 1
             else f" ({case.strategy} holds the whole sequence on every rank)")
         raise UsageError(
-            f"{case.label}: seqlen {attn.seqlen} needs at least {gib(need)} per rank "
+            f"{case.label}: seqlen {attn.seqlen} needs at least {metrics.gib(need)} per rank "
             f"for q, k, v, out and their gradients alone (an estimate), more than the "
-            f"{gib(capacity)} a rank has here; {fix}")
+            f"{metrics.gib(capacity)} a rank has here; {fix}")
     return strat
 
 
@@ -227,8 +280,8 @@ def _reference_fits(attn: AttentionConfig, device: str, local_ranks: int,
         raise UsageError(
             f"--check builds the global tensors on every rank and a float64 reference "
             f"on rank 0: at seqlen {attn.seqlen} that is about "
-            f"{gib(per_rank * sharing + reference)} (an estimate), more than the "
-            f"{gib(capacity * sharing)} here; check at a small --seqlen "
+            f"{metrics.gib(per_rank * sharing + reference)} (an estimate), more than the "
+            f"{metrics.gib(capacity * sharing)} here; check at a small --seqlen "
             f"(e.g. 8k) and time this size without --check")
 
 
@@ -272,15 +325,39 @@ def _default_out(run: RunConfig, attn: AttentionConfig) -> str:
     return str(Path("runs") / f"{utc}_{names}_{attn.seqlen}" / "results.jsonl")
 
 
+def bracket_baselines(built: list[tuple[Case, Any]]) -> list[Case]:
+    """With a no-CP baseline and a CP strategy in one run: the baselines first and again last,
+    the CP cases between them in their order. The machine's load drifts over a run; timing the
+    baseline at both ends lets the report pool both and warn when they disagree."""
+    base = [case for case, strat in built if strat.ranks_per_problem == 1]
+    cp = [case for case, strat in built if strat.ranks_per_problem > 1]
+    return base + cp + base if base and cp else [case for case, _ in built]
+
+
+def _kernel(run: RunConfig, device: str, attn: AttentionConfig, notes: list[str], *,
+            elsewhere: bool):
+    """The kernel backend. ``elsewhere``: a GPU job planned off its nodes (a sweep checked
+    on a login node), where ``auto`` is decided by the job itself: validate as flash-attn 2."""
+    try:
+        return kernels.resolve(run.kernel, device=device, dtype=attn.torch_dtype,
+                               head_dim=attn.head_dim, heads=attn.heads,
+                               kv_heads=attn.num_kv_heads, notes=notes)
+    except UsageError:
+        if not (elsewhere and device == "cuda" and run.kernel == kernels.AUTO):
+            raise
+        return kernels.get("flash-attn")
+
+
 def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
-         job: tuple[int, int] | None = None) -> Plan:
+         job: tuple[int, int] | None = None, baseline_both_ends: bool = True) -> Plan:
     """Validate a request and resolve its defaults. ``attention``: the AttentionConfig fields
     given on the command line; ``options``: the strategy options given. Pure apart from
     reading the machine and creating the ``--out`` file (empty, on rank 0); raises
     ValueError with the fix for anything it cannot run.
 
     ``job``: (world size, ranks per node) of a torchrun job planned from outside it (a sweep
-    validating GPU cases on another host): memory fit is then left to the job's own plan."""
+    validating GPU cases on another host): memory fit is then left to the job's own plan.
+    ``baseline_both_ends``: see ``bracket_baselines`` (off: each case once)."""
     device = _device(run, launcher) if job is None else (
         "cuda" if run.device == "auto" else run.device)
     run = run.resolved(device)
@@ -293,16 +370,14 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
                          "scheduler's time limit (e.g. sbatch --time): drop --deadline")
     run = dataclasses.replace(run, ranks_per_node=topo.ranks_per_node,
                               nproc=world if launcher == "self" else None)
-    backend = kernels.resolve(run.kernel, device=device, dtype=attn.torch_dtype,
-                              head_dim=attn.head_dim, heads=attn.heads,
-                              kv_heads=attn.num_kv_heads)
+    kernel_notes: list[str] = []
+    backend = _kernel(run, device, attn, kernel_notes, elsewhere=job is not None)
     local_ranks = topo.ranks_per_node if launcher == "torchrun" else world
     capacity = memory.capacity_bytes(device, local_ranks) if job is None else None
     built, skipped = _runnable(expand_cases(run.strategy, options, topo), run.strategy, attn,
                                topo, backend, device, capacity)
-    if "all" in run.strategy:  # baselines after the CP rows they are compared with
-        built.sort(key=lambda cb: cb[1].ranks_per_problem == 1)
-    cases = [case for case, _ in built]
+    cases = bracket_baselines(built) if baseline_both_ends else [case for case, _ in built]
+    strat_of = dict(built)
     if run.check:
         _reference_fits(attn, device, local_ranks, capacity)
     out = None if (run.out or "").lower() == "none" else (run.out or _default_out(run, attn))
@@ -316,4 +391,6 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
             open_profile_dir(run.profile)
     return Plan(attn=attn, run=run, world_size=world, ranks_per_node=topo.ranks_per_node,
                 kernel=backend.name, cases=tuple(cases), out=out, launcher=launcher,
-                skipped=tuple(skipped))
+                skipped=(*kernel_notes, *skipped),
+                waits=tuple(case_waits(attn, run, strat_of[c].ranks_per_problem)
+                            for c in cases))

@@ -5,6 +5,7 @@
     cpbench strategies                                              # names, options
     cpbench report runs/…/results.jsonl --format markdown
     cpbench simulate --hardware a800-sxm --nodes 4 --seqlen 128K,512K  # predicted, no GPU
+    cpbench doctor                                                  # preflight a node
 
 One module per command (``cli.run``, ``cli.sweep``, …), each with ``add_parser`` and
 ``main``. The ``run`` flags are generated from the settings schema (``cpbench.settings``: the
@@ -18,10 +19,20 @@ from __future__ import annotations
 
 import sys
 
-from cpbench.cli import comm, compare, profile, report, run, simulate, strategies, sweep
+from cpbench.cli import (
+    comm,
+    compare,
+    doctor,
+    profile,
+    report,
+    run,
+    simulate,
+    strategies,
+    sweep,
+)
 from cpbench.cli.args import Parser
 
-COMMANDS = (run, sweep, simulate, comm, strategies, report, profile, compare)
+COMMANDS = (run, sweep, simulate, comm, strategies, report, profile, compare, doctor)
 
 
 def build_parser() -> Parser:

@@ -41,7 +41,7 @@ def _plan(args):
     run, attention, options = cli_args.request(args)
     run = RunConfig(**{**{k: getattr(run, k) for k in RUN_FLAGS}, "out": "none",
                        "warmup": 0, "iters": 1})
-    p = planning.plan(run, attention, options, launcher="self")
+    p = planning.plan(run, attention, options, launcher="self", baseline_both_ends=False)
     if args.steps and len(p.cases) != 1:
         raise UsageError(f"--steps lists one case's calls; {len(p.cases)} cases were asked "
                          f"for: give one --strategy (and its options)")
@@ -68,7 +68,7 @@ def main(args) -> int:
         return cli_args.fail(PROG, e)
     try:
         found = run_ranks(commrun.rank_comm, p.world_size, p, timeout=None,
-                          collective_timeout=p.run.collective_timeout)[0]
+                          collective_timeout=p.init_timeout)[0]
     except (RankError, LaunchTimeout) as e:
         sys.stderr.write(f"{PROG}: {e}\n")
         return 1

@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
                                    "(host prefixes such as 'g43:' allowed), an nsys "
                                    "cuda_gpu_kern_sum export (tab-separated, CSV or columns) "
                                    "or a Chrome trace (.json / .json.gz); print each "
-                                   "group's time, %% of device time, calls, average and top "
+                                   "group's time, % of device time, calls, average and top "
                                    "kernels, and for a trace the step breakdown.")
     s.add_argument("files", nargs="+", metavar="FILE")
     s.add_argument("--groups", metavar="FILE",

@@ -27,10 +27,11 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     from cpbench.bench import driver
     from cpbench.bench import plan as planning
-    from cpbench.bench.env import torchrun_world, under_torchrun
+    from cpbench.bench.env import bind_local_gpu, torchrun_world, under_torchrun
     from cpbench.launch import LaunchTimeout, RankError
 
     launcher = "torchrun" if under_torchrun() else "self"
+    bind_local_gpu()  # before the plan touches torch.cuda
     try:
         run, attention, options = cli_args.request(args)
         plan = planning.plan(run, attention, options, launcher=launcher)

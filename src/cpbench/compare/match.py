@@ -4,7 +4,8 @@ A case is (strategy, options as the strategy resolved them, attention problem, t
 kernel that ran): what the timing depends on, not how the run was launched (iterations,
 warm-up, seed, output file), so a run of 20 iterations matches one of 50, and USP's automatic
 degree matches the degree another run asked for by name. A file holding a case more than once
-(a re-run, a resumed sweep) counts its last record.
+(a re-run, a resumed sweep) counts its last record, with the samples of every record of it
+from the same run (the baseline a run times at both ends).
 """
 
 from __future__ import annotations
@@ -42,11 +43,29 @@ def case_key(record: dict) -> str:
 
 
 def latest(records: list[dict]) -> dict[str, dict]:
-    """Each case's last record, in first-seen order of the cases."""
-    out: dict[str, dict] = {}
+    """Each case's last record, in first-seen order of the cases; where its run timed the case
+    more than once (the baseline at both ends), with the samples of every such record."""
+    groups: dict[str, list[dict]] = {}
     for r in records:
-        out[case_key(r)] = r  # a later record replaces the value; the key keeps its place
-    return out
+        groups.setdefault(case_key(r), []).append(r)
+    return {k: _pooled(rs) for k, rs in groups.items()}
+
+
+def _pooled(records: list[dict]) -> dict:
+    """The last record, its samples joined per rank with those of the same run's other
+    records of the case (a run is its records' start time, ``env.utc``)."""
+    last = records[-1]
+    run = (last.get("env") or {}).get("utc")
+    same = [r for r in records if (r.get("env") or {}).get("utc") == run and r.get("samples_ms")]
+    if len(same) < 2 or not last.get("samples_ms"):
+        return last
+    merged = {}
+    for phase, by_rank in last["samples_ms"].items():
+        parts = [r["samples_ms"].get(phase) for r in same]
+        if any(not p or len(p) != len(by_rank) for p in parts):
+            return last  # not the same shape of run: the last record alone
+        merged[phase] = [[t for p in parts for t in p[rank]] for rank in range(len(by_rank))]
+    return {**last, "samples_ms": merged}
 
 
 # (field, text) of the problem and topology: a label shows those that differ between cases

@@ -1,13 +1,15 @@
 """Where the time went: each profiled part's share of the step (β) in run A and run B.
 
 Reads a record's ``profile`` as ``cpbench run --profile`` writes it, and nothing else of it:
-``per_iteration`` (per profiled iteration, {part: % of the step}) and ``wall_pct`` ({part: % of
-the step}, the aggregate). Kept in this one module so a change of that format touches it alone.
+``per_iteration`` (per profiled iteration, {part: % of the step}), ``per_iteration_ms`` (each
+profiled iteration's wall time) and ``wall_pct`` ({part: % of the step}, the aggregate).
+Kept in this one module so a change of that format touches it alone.
 
 With per-iteration shares on both sides, per part: β_A, β_B (mean share over iterations), Δβ
 in percentage points, Z(β) and its p-value (Welch's t over iterations, scipy), the Mann–Whitney
-p of the shares, the part's time μ = β × the run's step time (median over iterations of the
-slowest rank, FWD+BWD where timed), Z(log μ) likewise, and seed 004's suspicion score
+p of the shares, the part's time μ = β × the step time (per profiled iteration where the
+profile has its times, else the timed median of the slowest rank, FWD+BWD where timed), Z(log μ)
+likewise, and seed 004's suspicion score
 |Δβ|·(|Z(β)| + |Z(log μ)|). These p-values rank findings; they are not corrected and give no
 verdict. With only the aggregate on a side, Δβ alone, untested.
 """
@@ -24,6 +26,7 @@ from scipy import stats
 from cpbench import metrics
 
 PER_ITERATION, AGGREGATE = "per_iteration", "wall_pct"
+ITERATION_MS = "per_iteration_ms"
 
 
 @dataclass(frozen=True)
@@ -70,10 +73,19 @@ def _welch(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     return float(res.statistic), float(res.pvalue)
 
 
-def _log_mu(shares: np.ndarray, step_ms: float) -> np.ndarray:
+def _iteration_ms(record: dict, step_ms: float) -> np.ndarray:
+    """Each profiled iteration's step time: its own where recorded, else the timed median."""
+    profile = record["profile"]
+    own = profile.get(ITERATION_MS) or []
+    if len(own) == len(profile[PER_ITERATION]):
+        return np.asarray(own, dtype=float)
+    return np.full(len(profile[PER_ITERATION]), step_ms)
+
+
+def _log_mu(shares: np.ndarray, step_ms: np.ndarray) -> np.ndarray:
     # iterations where the part did not run have no time to take the log of: left out
-    kept = shares[shares > 0]
-    return np.log(kept / 100.0 * step_ms)
+    kept = shares > 0
+    return np.log(shares[kept] / 100.0 * step_ms[kept])
 
 
 def _tested(case: str, a: dict, b: dict) -> list[PartChange]:
@@ -90,7 +102,8 @@ def _tested(case: str, a: dict, b: dict) -> list[PartChange]:
         mu_a = mu_b = z_mu = None
         if step_a and step_b:
             mu_a, mu_b = beta_a / 100 * step_a, beta_b / 100 * step_b
-            z_mu, _ = _welch(_log_mu(sa[:, j], step_a), _log_mu(sb[:, j], step_b))
+            z_mu, _ = _welch(_log_mu(sa[:, j], _iteration_ms(a, step_a)),
+                             _log_mu(sb[:, j], _iteration_ms(b, step_b)))
         delta = beta_b - beta_a
         # no change in share scores 0, even where a constant share gives an infinite Z
         score = abs(delta) * (abs(z_beta) + abs(z_mu or 0.0)) if delta else 0.0

@@ -1,7 +1,10 @@
 """Attention kernel backends: ``get(name)``, ``resolve(name, ...)``, ``available()``.
 
-A backend is a ``KernelBackend`` (see ``base.py``). ``auto`` picks flash-attn on CUDA when it
-imports, else the CPU flash kernel on CPU, else the plain-torch reference.
+A backend is a ``KernelBackend`` (see ``base.py``). ``auto`` picks, on CUDA, FlashAttention-3
+where it can run (an sm90 GPU, a build whose API runs the request), else flash-attn 2, and
+never the plain-torch reference (full S × S scores: out of memory at long S, or ~10× slower):
+with neither it is an error with each one's reason. On CPU it picks the CPU flash kernel
+(sdpa-cpu), else the reference.
 """
 
 from __future__ import annotations
@@ -53,21 +56,17 @@ def resolve(
     seqlen_q: int | None = None,
     seqlen_k: int | None = None,
     causal: bool = False,
+    notes: list[str] | None = None,
 ) -> KernelBackend:
     """The backend for ``name`` (``auto`` allowed) that can run this request.
 
-    Raises ValueError naming the backends that would work.
+    Raises ValueError naming the backends that would work. ``notes``: where ``auto`` passed
+    over a backend that is installed (FA3 on a non-Hopper GPU), a line saying why.
     """
     request = dict(device=device, dtype=dtype, head_dim=head_dim, heads=heads, kv_heads=kv_heads,
                    seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=causal)
     if name == AUTO:
-        order = ["flash-attn3", "flash-attn"] if device == "cuda" else ["sdpa-cpu"]
-        for candidate in [*order, "torch"]:
-            b = _BACKENDS.get(candidate)
-            if b is not None and b.unsupported_reason(**request) is None:
-                return b
-        reasons = "; ".join(b.unsupported_reason(**request) for b in _BACKENDS.values())
-        raise UsageError(f"no kernel backend runs this request: {reasons}")
+        return _auto(device, request, [] if notes is None else notes)
     backend = get(name)
     reason = backend.unsupported_reason(**request)
     if reason is not None:
@@ -75,6 +74,28 @@ def resolve(
         hint = f"use --kernel {' or '.join(working)}" if working else "no backend can run it here"
         raise UsageError(f"{reason}; {hint}")
     return backend
+
+
+# auto's candidates by device, best first; on CUDA never the reference
+AUTO_ORDER = {"cuda": ("flash-attn3", "flash-attn"), "cpu": ("sdpa-cpu", "torch")}
+
+
+def _auto(device: str, request: dict, notes: list[str]) -> KernelBackend:
+    order = [n for n in AUTO_ORDER.get(device, ()) if n in _BACKENDS]
+    reasons = {n: _BACKENDS[n].unsupported_reason(**request) for n in order}
+    for i, n in enumerate(order):
+        if reasons[n] is None:
+            notes += [f"{m} ({reasons[m]}): using {n}" for m in order[:i]
+                      if _BACKENDS[m].is_importable()]
+            return _BACKENDS[n]
+    why = "; ".join(reasons.values()) or f"no kernel backend for {device}"
+    if device == "cuda":
+        raise UsageError(
+            f"--kernel auto found no flash kernel that runs this on CUDA: {why}; fix that "
+            f"(pip install flash-attn --no-build-isolation; --dtype bf16 or fp16), or ask "
+            f"for the plain-torch reference with --kernel torch (full S x S scores: far "
+            f"slower, out of memory at long sequences)")
+    raise UsageError(f"no kernel backend runs this request: {why}")
 
 
 __all__ = ["KernelBackend", "available", "get", "names", "resolve", "AUTO"]

@@ -42,7 +42,13 @@ class KernelBackend:
     gqa: bool = True
     causal_unequal: bool = False  # causal with seq_q != seq_k, top-left aligned
     is_importable: Callable[[], bool] = field(default=lambda: True)
-
+    # the real reason the backend does not import (the exception, one line), or None
+    import_error: Callable[[], str | None] | None = None
+    # what this install and this device allow beyond the fields above (a GPU generation, an
+    # API generation's head dims): why not, or None; called as limits(device, dtype, head_dim)
+    limits: Callable[[str, torch.dtype, int], str | None] | None = None
+    # where the kernel comes from: {"distribution", "version", "path"} (None: built in)
+    provenance: Callable[[], dict | None] = field(default=lambda: None)
     def is_available(self, device: str | None = None) -> bool:
         """Whether this backend can run here (on ``device`` if given)."""
         if not self.is_importable():
@@ -65,8 +71,10 @@ class KernelBackend:
     ) -> str | None:
         """Why this backend cannot run the request, or None if it can. The sequence
         lengths only matter for causal attention with seqlen_q != seqlen_k."""
-        if not self.is_importable():
-            return f"{self.name} is not installed"
+        why = self.import_error() if self.import_error else (
+            None if self.is_importable() else "not installed")
+        if why is not None:
+            return f"{self.name} cannot be imported: {why}"
         if device not in self.devices:
             return f"{self.name} does not run on {device}"
         if dtype not in self.dtypes:
@@ -76,6 +84,9 @@ class KernelBackend:
                 f"{self.name} needs head_dim <= {self.max_head_dim} and a multiple of "
                 f"{self.head_dim_multiple}, got {head_dim}"
             )
+        limit = self.limits(device, dtype, head_dim) if self.limits else None
+        if limit is not None:
+            return limit
         if kv_heads != heads and not self.gqa:
             return f"{self.name} does not support GQA (kv_heads != heads)"
         if causal and seqlen_q != seqlen_k and not self.causal_unequal:

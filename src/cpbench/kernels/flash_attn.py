@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+from importlib import metadata
 from typing import Any, Collection, Sequence
 
 import torch
@@ -136,22 +137,94 @@ def _load(module: str):
     return fwd, signature_params(fwd), bwd, signature_params(bwd)
 
 
-def _importable(module: str) -> bool:
+def import_error(module: str) -> str | None:
+    """Why ``module`` does not load, as its exception says it (one line), or None. Not only
+    ImportError: a build against another torch or CUDA fails with OSError (a missing
+    libcudart), RuntimeError or an undefined symbol, and that is what the user must see."""
     try:
         _load(module)
-    except Exception:  # ImportError, but also OSError/RuntimeError from a mismatched .so
-        return False
-    return True
+    except Exception as e:
+        return " ".join(f"{type(e).__name__}: {e}".split())
+    return None
 
 
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+def _importable(module: str) -> bool:
+    return import_error(module) is None
+
+
+def provenance(module: str) -> dict | None:
+    """The installed distribution behind ``module`` (FA3 installs as flashattn-hopper,
+    flash_attn or flash_attn_3, depending on the build), its version and file."""
+    if not _importable(module):
+        return None
+    mod = importlib.import_module(module)
+    dists = metadata.packages_distributions().get(module.split(".")[0], [])
+    dist = dists[0] if dists else None
+    version = metadata.version(dist) if dist else getattr(mod, "__version__", None)
+    return {"module": module, "distribution": dist, "version": version,
+            "path": getattr(mod, "__file__", None)}
+
+
+def fa3_generation(forward_params: Sequence[str]) -> int:
+    """2024 for the first FA3 builds (``_flash_attn_forward(q, k, v, softmax_scale, causal,
+    ...)``, varlen a separate function), 2025 for the one forward with ``cu_seqlens_q``."""
+    return 2025 if "cu_seqlens_q" in forward_params else 2024
+
+
+def fa3_limits_for(capability: tuple[int, int] | None, generation: int, dtype: torch.dtype,
+                   head_dim: int) -> str | None:
+    """Why FA3 cannot run forward and backward here, or None (pure: tests give it any GPU and
+    build). ``capability``: the GPU's (major, minor), None when unknown (planned elsewhere)."""
+    if capability is not None and capability[0] != 9:
+        return (f"flash-attn3 needs a Hopper GPU (sm90); this one is "
+                f"sm{capability[0]}{capability[1]}")
+    if generation == 2024:
+        if head_dim not in (64, 128):  # forward: 64, 128, 256; backward: up to 128
+            return (f"this flash-attn3 build (2024 API) runs the forward at head_dim 64, 128 "
+                    f"or 256 and the backward up to 128, got {head_dim}; update it")
+        if dtype != torch.float16:
+            return "this flash-attn3 build (2024 API) runs the backward in fp16 only; update it"
+    return None
+
+
+def _fa3_limits(device: str, dtype: torch.dtype, head_dim: int) -> str | None:
+    capability = torch.cuda.get_device_capability() if device == "cuda" and \
+        torch.cuda.is_available() else None
+    _, (params, _), _, _ = _load(FA3_MODULE)
+    return fa3_limits_for(capability, fa3_generation(params), dtype, head_dim)
+
+
+ALIGN_BYTES = 16  # flash-attn's 128-bit loads and FA3's TMA need 16-byte-aligned bases
+
+
+def _ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernels take it: a unit last stride and a 16-byte-aligned base (a view
+    starting mid-row of a packed buffer fails with "misaligned address"); copied only when
+    it is not."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t if t.data_ptr() % ALIGN_BYTES == 0 else t.clone()
+
+
+def forward_inputs(q, k, v) -> tuple[torch.Tensor, ...]:
+    """q, k, v as the forward kernel gets them."""
+    return tuple(_ready(t) for t in (q, k, v))
+
+
+def backward_inputs(dout, q, k, v, out, lse) -> tuple[torch.Tensor, ...]:
+    """dout, q, k, v, out, lse as the backward kernel gets them. lse is read as a dense fp32
+    (b, h, s) array: a zigzag half of it is a strided view, always copied (small)."""
+    q, k, v = (_ready(t) for t in (q, k, v))
+    # out and dout may come from an fp32 merge but must match q's dtype
+    dout, out = _ready(dout.to(q.dtype)), _ready(out.to(q.dtype))
+    return dout, q, k, v, out, _ready(lse.float().contiguous())
 
 
 def _make_fns(module: str, fwd_map, bwd_map):
     def forward(q, k, v, *, causal: bool, softmax_scale: float):
         check_shapes(q, k, v, causal)
         fn, (params, required), _, _ = _load(module)
+        q, k, v = forward_inputs(q, k, v)
         kwargs = fwd_map(params, q=q, k=k, v=v, softmax_scale=float(softmax_scale),
                          causal=bool(causal), required=required)
         return unpack_forward(fn(**kwargs))
@@ -160,14 +233,10 @@ def _make_fns(module: str, fwd_map, bwd_map):
         check_shapes(q, k, v, causal)
         _, _, fn, (params, required) = _load(module)
         # The kernels take any strides with a unit last one (flash-attn 2.8's own backward
-        # only fixes a non-unit last stride): copy only then, not the half-blocks a ring
-        # hands over for batch > 1 (a copy in the timed region). (flash-attn 2.0.x gave wrong
-        # grads for a non-contiguous dout, issue #355: use >= 2.1.) lse is read as a dense fp32
-        # (b, h, s) array; out and dout may come from an fp32 merge but must match q's dtype.
-        q, k, v = (_unit_last_stride(t) for t in (q, k, v))
-        dout = _unit_last_stride(dout.to(q.dtype))
-        out = _unit_last_stride(out.to(q.dtype))
-        lse = lse.float().contiguous()
+        # only fixes a non-unit last stride): copy only then (or for a misaligned base), not
+        # the half-blocks a ring hands over for batch > 1 (a copy in the timed region).
+        # (flash-attn 2.0.x gave wrong grads for a non-contiguous dout, issue #355: >= 2.1.)
+        dout, q, k, v, out, lse = backward_inputs(dout, q, k, v, out, lse)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         fn(**bwd_map(params, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk,
                      dv=dv, softmax_scale=float(softmax_scale), causal=bool(causal),
@@ -195,6 +264,8 @@ FLASH_ATTN = KernelBackend(
     head_dim_multiple=8,  # the internal functions do not pad; flash_attn_func does
     causal_unequal=False,
     is_importable=lambda: _importable(FA2_MODULE),
+    import_error=lambda: import_error(FA2_MODULE),
+    provenance=lambda: provenance(FA2_MODULE),
 )
 
 FLASH_ATTN3 = KernelBackend(
@@ -208,4 +279,7 @@ FLASH_ATTN3 = KernelBackend(
     head_dim_multiple=8,
     causal_unequal=False,
     is_importable=lambda: _importable(FA3_MODULE),
+    import_error=lambda: import_error(FA3_MODULE),
+    limits=_fa3_limits,
+    provenance=lambda: provenance(FA3_MODULE),
 )

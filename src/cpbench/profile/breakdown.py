@@ -93,50 +93,62 @@ def windows(trace: Trace, events: list[Event], kind: str) -> list[tuple[float, f
     return found
 
 
+def attribute_span(intervals: list[tuple[float, float, str, tuple]], w0: float, w1: float
+                   ) -> tuple[dict[str, float], float]:
+    """Each instant of the span [w0, w1) to the active interval of the smallest key: (µs per
+    label, idle µs). ``intervals``: (start, end, label, key), clipped to the span (a step owns
+    only its own time)."""
+    totals: dict[str, float] = defaultdict(float)
+    idle = 0.0
+    edges = []
+    for i, (s, e, _, _) in enumerate(intervals):
+        s, e = max(s, w0), min(e, w1)
+        if e > s:
+            edges += [(s, 1, i), (e, -1, i)]
+    edges.sort()  # at equal times, ends before starts
+    heap: list[tuple[tuple, int]] = []
+    live: set[int] = set()
+    at = w0
+    for t, delta, i in edges:
+        if t > at:
+            while heap and heap[0][1] not in live:  # lazily drop ended intervals
+                heapq.heappop(heap)
+            if heap:
+                totals[intervals[heap[0][1]][2]] += t - at
+            else:
+                idle += t - at
+            at = t
+        if delta > 0:
+            live.add(i)
+            heapq.heappush(heap, (intervals[i][3], i))
+        else:
+            live.discard(i)
+    return dict(totals), idle + (w1 - at)
+
+
 def attribute(intervals: list[tuple[float, float, str, tuple]],
               spans: list[tuple[float, float]]) -> tuple[dict[str, float], float, float]:
-    """Each instant of each span to the active interval of the smallest key: (µs per label,
-    idle µs, wall µs). ``intervals``: (start, end, label, key), clipped to each span (a step
-    owns only its own time)."""
+    """``attribute_span`` summed over ``spans``: (µs per label, idle µs, wall µs)."""
     totals: dict[str, float] = defaultdict(float)
-    idle = wall = 0.0
+    idle = 0.0
     for w0, w1 in spans:
-        edges = []
-        for i, (s, e, _, _) in enumerate(intervals):
-            s, e = max(s, w0), min(e, w1)
-            if e > s:
-                edges += [(s, 1, i), (e, -1, i)]
-        edges.sort()  # at equal times, ends before starts
-        heap: list[tuple[tuple, int]] = []
-        live: set[int] = set()
-        at = w0
-        for t, delta, i in edges:
-            if t > at:
-                while heap and heap[0][1] not in live:  # lazily drop ended intervals
-                    heapq.heappop(heap)
-                if heap:
-                    totals[intervals[heap[0][1]][2]] += t - at
-                else:
-                    idle += t - at
-                at = t
-            if delta > 0:
-                live.add(i)
-                heapq.heappush(heap, (intervals[i][3], i))
-            else:
-                live.discard(i)
-        idle += w1 - at
-        wall += w1 - w0
-    return dict(totals), idle, wall
+        part_us, span_idle = attribute_span(intervals, w0, w1)
+        for k, v in part_us.items():
+            totals[k] += v
+        idle += span_idle
+    return dict(totals), idle, sum(w1 - w0 for w0, w1 in spans)
 
 
 @dataclass(frozen=True)
 class Breakdown:
-    """One rank's profiled steps: µs per part (idle included), summed over the steps."""
+    """One rank's profiled steps: µs per part (idle included), summed over the steps, and
+    each step's own (``per_step``: (wall µs, {part: µs})), which tests across steps need."""
 
     timeline: str
     steps: int
     wall_us: float
     part_us: dict[str, float]
+    per_step: tuple[tuple[float, dict[str, float]], ...] = ()
 
     @property
     def busy_us(self) -> float:
@@ -156,7 +168,10 @@ class Breakdown:
                 "busy_pct": {k: round(100 * v / busy, 3) for k, v in self.part_us.items()
                              if k != IDLE},
                 "exposed_comm_ms": round(self.exposed_comm_us / 1e3 / max(self.steps, 1), 4),
-                "exposed_comm_pct": round(100 * self.exposed_comm_us / wall, 3)}
+                "exposed_comm_pct": round(100 * self.exposed_comm_us / wall, 3),
+                "per_iteration": [{k: round(100 * v / (w or 1.0), 3) for k, v in parts.items()}
+                                  for w, parts in self.per_step],
+                "per_iteration_ms": [round(w / 1e3, 4) for w, _ in self.per_step]}
 
 
 def breakdown(trace: Trace, rules: Rules) -> Breakdown:
@@ -170,10 +185,20 @@ def partition(intervals: list[tuple[float, float, str]], spans: list[tuple[float
               kind: str = GPU) -> Breakdown:
     """Each instant of each step to the highest-priority part active then (else idle).
     ``intervals``: (start, end, part) with parts named as ``part()`` names them."""
-    totals, idle, wall = attribute([(s, e, p, priority_of(p)) for s, e, p in intervals], spans)
-    part_us = {p: totals[p] for p in sorted(totals, key=priority_of) if totals[p] > 0}
-    part_us[IDLE] = idle
-    return Breakdown(kind, len(spans), wall, part_us)
+    keyed = [(s, e, p, priority_of(p)) for s, e, p in intervals]
+    per_step = []
+    totals: dict[str, float] = defaultdict(float)
+    for w0, w1 in spans:
+        part_us, idle = attribute_span(keyed, w0, w1)
+        part_us = {p: part_us[p] for p in sorted(part_us, key=priority_of) if part_us[p] > 0}
+        part_us[IDLE] = idle
+        per_step.append((w1 - w0, part_us))
+        for k, v in part_us.items():
+            totals[k] += v
+    ordered_us = {p: totals[p] for p in ordered(totals) if totals[p] > 0 or p == IDLE}
+    ordered_us.setdefault(IDLE, 0.0)
+    return Breakdown(kind, len(spans), sum(w for w, _ in per_step), ordered_us,
+                     tuple(per_step))
 
 
 def from_file(path: str, rules: Rules) -> Breakdown:

@@ -33,7 +33,10 @@ from cpbench.errors import UsageError
 # shipped with the package (scripts/slurm/cpbench.sbatch in a checkout links here)
 SBATCH_SCRIPT = Path(__file__).resolve().parent / "cpbench.sbatch"
 DEFAULT_PORT = 29500
-DEFAULT_GPUS_PER_NODE = 8
+# torchrun's --nproc-per-node value that counts the node's GPUs itself
+DETECT_GPUS = "gpu"
+# what cpbench sweep replaces in a --launcher per case (sweep_launcher)
+CASE_FIELD, PORT_FIELD = "{case}", "{port}"
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -77,7 +80,8 @@ def _expand_name(name: str) -> list[str]:
 
 
 def _gpus(value: str) -> int:
-    """``8``, ``h100:8`` or ``gpu:h100:8`` → 8 (SLURM_GPUS_PER_NODE's forms)."""
+    """``8``, ``h100:8``, ``gpu:h100:8`` or ``gpu:h100:8(S:0-1)`` → 8 (SLURM_GPUS_PER_NODE's
+    forms)."""
     return int(value.split("(")[0].split(":")[-1])
 
 
@@ -88,19 +92,29 @@ class SlurmWorld:
     job_id: str
     num_nodes: int
     node_rank: int
-    gpus_per_node: int
+    gpus_per_node: int | None  # None: torchrun counts the node's GPUs (DETECT_GPUS)
     master_addr: str  # the first node: the c10d rendezvous host
     array_task_id: int | None = None
+    cpus_per_node: int | None = None  # SLURM_CPUS_ON_NODE: every step gets them all
 
     @property
-    def world_size(self) -> int:
-        return self.num_nodes * self.gpus_per_node
+    def world_size(self) -> int | None:
+        return None if self.gpus_per_node is None else self.num_nodes * self.gpus_per_node
+
+    @property
+    def cpu_binding(self) -> str:
+        """Each srun step's CPU option: the node's cores for the one task (srun >= 22.05 no
+        longer inherits --cpus-per-task from sbatch: the step would get one core), or no
+        binding where Slurm did not say how many there are."""
+        return f"--cpus-per-task={self.cpus_per_node}" if self.cpus_per_node else \
+            "--cpu-bind=none"
 
 
 def slurm_world(environ: Mapping[str, str] | None = None) -> SlurmWorld:
-    """Read ``SLURM_*``: job id, nodes, this node's rank, GPUs per node, the first host.
-    GPUs per node: ``CPBENCH_GPUS_PER_NODE``, else ``SLURM_GPUS_ON_NODE``, else
-    ``SLURM_GPUS_PER_NODE``, else 8 — the same order as the sbatch script."""
+    """Read ``SLURM_*``: job id, nodes, this node's rank, GPUs per node, the first host, the
+    node's cores. GPUs per node: ``CPBENCH_GPUS_PER_NODE``, else ``SLURM_GPUS_ON_NODE``, else
+    ``SLURM_GPUS_PER_NODE``, else None (torchrun counts them) — the same variables in the
+    same order as the sbatch script."""
     env = os.environ if environ is None else environ
     missing = [v for v in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST") if v not in env]
     if missing:
@@ -110,34 +124,40 @@ def slurm_world(environ: Mapping[str, str] | None = None) -> SlurmWorld:
     num_nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or len(hosts))
     gpus = env.get("CPBENCH_GPUS_PER_NODE") or env.get("SLURM_GPUS_ON_NODE")
     gpus_per_node = (int(gpus) if gpus else _gpus(env["SLURM_GPUS_PER_NODE"])
-                     if env.get("SLURM_GPUS_PER_NODE") else DEFAULT_GPUS_PER_NODE)
+                     if env.get("SLURM_GPUS_PER_NODE") else None)
+    cpus = env.get("SLURM_CPUS_ON_NODE")
     node_rank = int(env.get("SLURM_NODEID") or env.get("SLURM_PROCID") or 0)
     array = env.get("SLURM_ARRAY_TASK_ID")
     return SlurmWorld(job_id=env["SLURM_JOB_ID"], num_nodes=num_nodes, node_rank=node_rank,
                       gpus_per_node=gpus_per_node, master_addr=hosts[0],
-                      array_task_id=int(array) if array else None)
+                      array_task_id=int(array) if array else None,
+                      cpus_per_node=int(cpus) if cpus else None)
 
 
 def torchrun_command(world: SlurmWorld, args: Sequence[str] = (), *, rdzv_id: str | None = None,
-                     port: int = DEFAULT_PORT, torchrun: str = "torchrun",
+                     port: int | str = DEFAULT_PORT, torchrun: str = "torchrun",
                      entry: Sequence[str] = ("-m", "cpbench.run")) -> list[str]:
     """One node's torchrun: c10d rendezvous on the first node, the job id as rendezvous id."""
-    return [torchrun, f"--nnodes={world.num_nodes}", f"--nproc-per-node={world.gpus_per_node}",
+    nproc = world.gpus_per_node or DETECT_GPUS
+    return [torchrun, f"--nnodes={world.num_nodes}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={world.master_addr}:{port}",
             f"--rdzv-id={rdzv_id or world.job_id}", *entry, *args]
 
 
 def srun_command(world: SlurmWorld, args: Sequence[str] = (), **torchrun_kw) -> list[str]:
-    """The job step the sbatch script runs: one task per node, each a torchrun; one failed
-    node ends the step."""
-    return ["srun", f"--nodes={world.num_nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-            *torchrun_command(world, args, **torchrun_kw)]
+    """The job step the sbatch script runs: one task per node with all its cores, each a
+    torchrun; one failed node ends the step."""
+    return ["srun", f"--nodes={world.num_nodes}", "--ntasks-per-node=1", world.cpu_binding,
+            "--kill-on-bad-exit=1", *torchrun_command(world, args, **torchrun_kw)]
 
 
 def sweep_launcher(world: SlurmWorld, **torchrun_kw) -> str:
     """``cpbench sweep --launcher``'s value inside an allocation: the srun + torchrun prefix
     each case's ``-m cpbench.run`` follows (what the sbatch script passes with
-    ``CPBENCH_SWEEP``)."""
+    ``CPBENCH_SWEEP``). Its rendezvous id and port hold ``{case}`` and ``{port}``, which
+    the sweep replaces per case: a timed-out case's agent may still hold the last ones."""
+    torchrun_kw = {"rdzv_id": f"{world.job_id}-{CASE_FIELD}", "port": PORT_FIELD,
+                   **torchrun_kw}
     return shlex.join(srun_command(world, entry=(), **torchrun_kw))
 
 

@@ -9,7 +9,10 @@ bandwidth (and, on CPU, cores) as the CP runs it is compared with.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from cpbench.strategies import register
+from cpbench.strategies._kv_ring import kv_ring_lists
 from cpbench.strategies.ring import Ring
 
 
@@ -19,10 +22,17 @@ class Local(Ring):
     description = ("no CP: each rank computes the whole sequence with the same kernel "
                    "(the baseline of CP efficiency)")
 
+    @dataclass(frozen=True, kw_only=True)
+    class Options:  # nothing to choose: ring's options are about the ring it has none of
+        pass
+
     def __init__(self, attn, topo, rank, *, cp_lists=None, **kwargs):
         # Each rank alone in its own ring; ``cp_lists`` is ignored: there is nothing to split.
         super().__init__(attn, topo, rank, cp_lists=[[r] for r in range(topo.world_size)],
                          **kwargs)
+
+    def group_lists(self):
+        return kv_ring_lists(self.cp_lists, "shared")
 
     @property
     def ranks_per_problem(self) -> int:

@@ -18,12 +18,16 @@ from cpbench import results
 from cpbench.bench.plan import failure_record
 from cpbench.config import flag
 from cpbench.errors import UsageError
+from cpbench.launch import free_port
 from cpbench.sweep.config import Sweep, SweepCase
 
 KILL_GRACE_S = 5.0
 # what each case's launch runs: the package's own entry, so an installed cpbench works from
 # any directory (torchrun takes it as `-m cpbench.run`)
 ENTRY = ("-m", "cpbench.run")
+# in a --launcher, replaced per case: its own rendezvous id and a free port (a timed-out
+# case's torchrun agent may still hold the last port; reusing its id would join its store)
+CASE_FIELD, PORT_FIELD = "{case}", "{port}"
 
 
 def run_flags(settings: dict) -> list[str]:
@@ -41,11 +45,15 @@ def run_flags(settings: dict) -> list[str]:
     return argv
 
 
-def command(sweep: Sweep, case: SweepCase, out: str, launcher: str | None = None) -> list[str]:
-    """The command line of one case's launch."""
+def command(sweep: Sweep, case: SweepCase, out: str, launcher: str | None = None,
+            port: int | None = None) -> list[str]:
+    """The command line of one case's launch; ``port`` fills the launcher's {port}."""
     flags = [*run_flags(case.settings), "--out", out]
     if launcher:  # e.g. "srun ... torchrun --nnodes 4 --nproc-per-node 8 ..."
-        return [*shlex.split(launcher), *ENTRY, *flags]
+        words = [w.replace(CASE_FIELD, str(case.index)) for w in shlex.split(launcher)]
+        if port is not None:
+            words = [w.replace(PORT_FIELD, str(port)) for w in words]
+        return [*words, *ENTRY, *flags]
     if sweep.nodes is None:
         return [sys.executable, *ENTRY, *flags]
     if sweep.nodes > 1:
@@ -214,7 +222,7 @@ class _Runner:
         log_path = self.logs / f"case{case.index:03d}_{digest}.log"
         _repair_tail(self.out)
         offset = self.out.stat().st_size if self.out.exists() else 0
-        cmd = command(self.sweep, case, str(self.out), self.launcher)
+        cmd = command(self.sweep, case, str(self.out), self.launcher, free_port())
         rc, timed_out = _launch(cmd, log_path, limit)
         _repair_tail(self.out)
         written = {results.record_key(r): r["status"]

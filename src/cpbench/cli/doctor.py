@@ -1,0 +1,191 @@
+"""``cpbench doctor``: the preflight to run on a node (or under srun on every node) before
+spending cluster hours. One line per check, ``ok`` / ``warn`` / ``error``; exit 1 on an error.
+
+It checks the GPUs visible against the ranks a node will start, their compute capability,
+every kernel backend (importable, with its version, or the real reason not), torch / CUDA /
+NCCL versions, the NCCL and CUDA variables in force, the cores each rank may use, and probes
+point-to-point and all-to-all between local ranks with the strategies' own calls. On a machine
+without GPUs it runs too (gloo, CPU kernels) and says why each GPU piece is unavailable.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Iterator
+
+from cpbench.cli import args as cli_args
+from cpbench.errors import UsageError
+
+PROG = "cpbench doctor"
+OK, WARN, ERROR = "ok", "warn", "error"
+# the variables worth seeing: what changes NCCL's and CUDA's behaviour under a benchmark
+ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "CUDA_", "OMP_NUM_THREADS", "TORCH_DISTRIBUTED_")
+# the request the kernel check asks each backend about (the GPU default's head dim)
+KERNEL_REQUEST = dict(head_dim=128, heads=8, kv_heads=8)
+
+Check = tuple[str, str, str]  # (level, what, detail)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("doctor", help="preflight a node: GPUs, kernels, versions, "
+                                      "environment, cores, a communication probe",
+                       description="Check this node before a run: one line per check "
+                                   "(ok / warn / error), exit 1 on an error.")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="ranks this node will run (default: LOCAL_WORLD_SIZE under "
+                        "torchrun, else CPBENCH_GPUS_PER_NODE / SLURM_GPUS_ON_NODE, else the "
+                        "GPUs visible, else 2)")
+    p.add_argument("--no-probe", action="store_true",
+                   help="skip the point-to-point / all-to-all probe")
+    p.set_defaults(func=main)
+
+
+def local_ranks(given: int | None, environ=os.environ, gpus: int = 0) -> int:
+    """The ranks a node will start, read as the sbatch script and torchrun would."""
+    for value in (given, environ.get("LOCAL_WORLD_SIZE"), environ.get("CPBENCH_GPUS_PER_NODE"),
+                  environ.get("SLURM_GPUS_ON_NODE")):
+        if value:
+            return int(value)
+    return gpus or 2
+
+
+def versions() -> Iterator[Check]:
+    import torch
+
+    from cpbench.bench import env
+
+    nccl = env.nccl_version()
+    yield OK, "torch", (f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none'} "
+                        f"(this build), NCCL {nccl or 'none'}")
+
+
+def gpus(ranks: int) -> Iterator[Check]:
+    """GPUs visible vs ranks per node, and each GPU's compute capability."""
+    import torch
+
+    if torch.version.cuda is None:
+        yield WARN, "gpus", (f"none: torch {torch.__version__} is built without CUDA; GPU "
+                             f"runs need a CUDA build of torch")
+        return
+    if not torch.cuda.is_available():
+        yield WARN, "gpus", (f"none visible (CUDA_VISIBLE_DEVICES="
+                             f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}; no driver?)")
+        return
+    count = torch.cuda.device_count()
+    level = ERROR if ranks > count else OK
+    yield level, "gpus", (f"{count} visible for {ranks} rank(s) per node" +
+                          ("" if level == OK else f": start at most {count} "
+                           f"(torchrun --nproc-per-node {count} or gpu)"))
+    for i in range(count):
+        major, minor = torch.cuda.get_device_capability(i)
+        note = "FlashAttention-3 can run" if major == 9 else "FlashAttention-3 needs sm90: " \
+            "flash-attn 2 runs instead"
+        yield OK, f"gpu {i}", f"{torch.cuda.get_device_name(i)}, sm{major}{minor} ({note})"
+
+
+def _kernel_on(backend, device: str) -> str | None:
+    """Why ``backend`` cannot run the check's request on ``device``, or None."""
+    import torch
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    why = backend.unsupported_reason(device=device, dtype=dtype, **KERNEL_REQUEST)
+    if why is None and device == "cuda" and not torch.cuda.is_available():
+        why = "no GPU visible"
+    return why
+
+
+def kernel_checks(on_gpu: bool) -> Iterator[Check]:
+    """Every backend on each of its devices: runs (with its package's version and file), or
+    why not. On a GPU node no flash kernel for CUDA is an error (``--kernel auto`` would
+    refuse to run)."""
+    from cpbench import kernels
+
+    cuda_flash = False
+    for name in kernels.names()[1:]:
+        backend = kernels.get(name)
+        why = {d: _kernel_on(backend, d) for d in sorted(backend.devices)}
+        runs = [d for d, w in why.items() if w is None]
+        package = backend.provenance() if runs else None
+        where = f" ({package['distribution']} {package['version']}, {package['path']})" \
+            if package else ""
+        cuda_flash |= "cuda" in runs and name != "torch"
+        parts = [f"runs on {', '.join(runs)}{where}"] if runs else []
+        parts += [f"not on {d}: {w}" for d, w in why.items() if w is not None]
+        yield OK if runs else WARN, f"kernel {name}", "; ".join(parts)
+    if on_gpu and not cuda_flash:
+        yield ERROR, "kernel auto", "no flash kernel runs on this GPU node (see above)"
+
+
+def environment(environ=os.environ) -> Iterator[Check]:
+    shown = sorted(f"{k}={v}" for k, v in environ.items() if k.startswith(ENV_PREFIXES))
+    yield OK, "environment", ", ".join(shown) if shown else "no NCCL / CUDA variables set"
+    if environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1":
+        yield WARN, "environment", ("TORCH_NCCL_ASYNC_ERROR_HANDLING=1 aborts communicators "
+                                    "on a timeout, which can itself hang; unset it (PyTorch's "
+                                    "default 3) or 2 to let cpbench go on after a failed case")
+
+
+def cores(ranks: int) -> Iterator[Check]:
+    from cpbench.bench import env
+
+    usable = env.cpus_usable()
+    per_rank = usable / ranks
+    level = OK if per_rank >= 1 else WARN
+    yield level, "cores", (f"{usable} usable (of {os.cpu_count()}) for {ranks} rank(s): "
+                           f"{per_rank:.1f} each" + ("" if level == OK else
+                                                     "; give the job step the node's cores "
+                                                     "(srun --cpus-per-task)"))
+
+
+def probe_checks(ranks: int, gpus: int) -> Iterator[Check]:
+    """The probe on local ranks: NCCL on GPUs where there are two or more, else gloo on the
+    CPU (what ``cpbench run --nproc`` uses)."""
+    from cpbench.bench.probe import probe
+    from cpbench.launch import LaunchTimeout, RankError, run_ranks
+
+    device = "cuda" if gpus >= 2 else "cpu"
+    ranks = max(2, min(ranks, gpus if device == "cuda" else os.cpu_count() or 2))
+    backend = "nccl" if device == "cuda" else "gloo"
+    try:
+        got = run_ranks(probe, ranks, device, timeout=120, collective_timeout=60,
+                        backend=backend)[0]
+    except (RankError, LaunchTimeout) as e:
+        yield ERROR, "probe", f"{ranks} local ranks could not exchange data: {e}"
+        return
+    how = f"{ranks} ranks, {backend} on {device}"
+    if device == "cpu" and gpus:
+        how += " (one GPU: no GPU pair to probe)"
+    yield OK, "probe p2p", (f"{how}: latency {got['p2p_latency_us']:.0f} us "
+                            f"({got['small_bytes'] // 1024} KiB), bandwidth "
+                            f"{got['p2p_gb_s']:.2f} GB/s ({got['large_bytes'] // 2 ** 20} MiB)")
+    yield OK, "probe a2a", (f"{how}: bus bandwidth {got['a2a_gb_s']:.2f} GB/s "
+                            f"({got['large_bytes'] // 2 ** 20} MiB)")
+
+
+def main(args) -> int:
+    import torch
+
+    try:
+        if args.nproc is not None and args.nproc < 1:
+            raise UsageError(f"--nproc must be a positive integer, got {args.nproc}")
+    except UsageError as e:
+        return cli_args.fail(PROG, e)
+    on_gpu = torch.cuda.is_available()
+    count = torch.cuda.device_count() if on_gpu else 0
+    ranks = local_ranks(args.nproc, gpus=count)
+    checks = [*versions(), *gpus(ranks), *kernel_checks(on_gpu), *environment(),
+              *cores(ranks)]
+    for line in _lines(checks):
+        sys.stdout.write(line)
+    if not args.no_probe:
+        probed = list(probe_checks(ranks, count))
+        for line in _lines(probed):
+            sys.stdout.write(line)
+        checks += probed
+    return 1 if any(level == ERROR for level, _, _ in checks) else 0
+
+
+def _lines(checks: list[Check]) -> Iterator[str]:
+    for level, what, detail in checks:
+        yield f"{level:<5}  {what:<22} {detail}\n"
