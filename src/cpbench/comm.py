@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -145,3 +146,36 @@ def all_gather(x: torch.Tensor, pg=None) -> list[torch.Tensor]:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(pg))]
     dist.all_gather([_wire(p) for p in parts], _wire(x), group=pg)
     return parts
+
+
+# torch 2.13 renames these tensor collectives and warns on the old names, which every torch
+# has and which `cpbench comm` traces (looked up at each call, where its tracer patches them)
+for _name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+    warnings.filterwarnings("ignore", f".*{_name}.* is deprecated", FutureWarning)
+
+
+def all_gather_seq(x_bs: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every member's ``x`` (b, s, ...) laid end to end along dim 1, in member order (the
+    members' group ranks are their sorted global ranks; ``ranks`` lists them so)."""
+    n = group.size
+    if n == 1:
+        return x_bs
+    x = x_bs.contiguous()
+    # gathered along dim 0 (members' tensors end to end), then their s-slices side by side
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _record("ag", group, nbytes(x) * (n - 1))  # to each of the n-1 others
+    dist.all_gather_into_tensor(_wire(out), _wire(x), group=group.pg)
+    return out.unflatten(0, (n, -1)).movedim(0, 1).flatten(1, 2)
+
+
+def reduce_scatter_seq(x_bs: torch.Tensor, group: Group) -> torch.Tensor:
+    """The sum over members of ``x`` (b, n·s, ...), each member keeping its s-slice of dim 1
+    (the transpose of ``all_gather_seq``)."""
+    n = group.size
+    if n == 1:
+        return x_bs
+    parts = x_bs.unflatten(1, (n, -1)).movedim(1, 0).contiguous()
+    out = torch.empty(parts.shape[1:], dtype=x_bs.dtype, device=x_bs.device)
+    _record("rs", group, nbytes(parts) * (n - 1) // n)
+    dist.reduce_scatter_tensor(out, parts.flatten(0, 1), group=group.pg)
+    return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from cpbench.errors import UsageError
+from cpbench.mask import parse_documents, parse_size, parse_window, resolve_documents
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ("table", "markdown", "csv", "json")  # how results print (cpbench run and report)
@@ -30,6 +31,11 @@ class AttentionConfig:
     head_dim: int = 64
     dtype: str = "fp32"
     causal: bool = True
+    # the mask beyond causal (cpbench.mask): document lengths (resolved: a distribution is
+    # sampled by ``resolved_documents`` before the config is built) and flash-attn's window
+    documents: tuple[int, ...] | None = None
+    window_size: tuple[int, int] | None = None
+    max_document: int | None = None  # the cap of sampled documents (default: S / 4)
 
     def __post_init__(self):
         for name in ("batch", "seqlen", "heads", "head_dim"):
@@ -43,6 +49,16 @@ class AttentionConfig:
             )
         if self.dtype not in DTYPES:
             raise UsageError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
+        if isinstance(self.documents, str):
+            raise UsageError("a --documents distribution must be sampled before the problem "
+                             "is built (cpbench.mask.resolve_documents)")
+        if self.documents is not None:
+            object.__setattr__(self, "documents", resolve_documents(
+                self.documents, self.seqlen, 0, self.max_document))
+        if self.window_size is not None:
+            # (-1, -1) is no window at all: the same problem as none, so the same record
+            window = tuple(self.window_size)
+            object.__setattr__(self, "window_size", None if window == (-1, -1) else window)
 
     @property
     def num_kv_heads(self) -> int:
@@ -64,6 +80,17 @@ class AttentionConfig:
         return dataclasses.asdict(self)
 
 
+def resolved_documents(attention: dict, seed: int) -> dict:
+    """``attention`` (AttentionConfig fields) with a ``documents`` distribution sampled with
+    ``seed``: every strategy of a run, and of a sweep's case group, sees the same lengths."""
+    docs = attention.get("documents")
+    if docs is None:
+        return attention
+    seqlen = attention.get("seqlen", CPU_ATTENTION["seqlen"])
+    return {**attention, "documents": resolve_documents(docs, seqlen, seed,
+                                                        attention.get("max_document"))}
+
+
 # -- the benchmark run (owned by the driver; the CLI is generated from these fields) ----------
 
 def arg(default, help: str, *, choices: tuple | None = None, parse=None,
@@ -71,22 +98,6 @@ def arg(default, help: str, *, choices: tuple | None = None, parse=None,
     """A config field with its CLI help, allowed values and a parser for its text form."""
     return dataclasses.field(default=default, metadata={
         "help": help, "choices": choices, "parse": parse, "metavar": metavar})
-
-
-_SIZE_SUFFIX = {"k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
-
-
-def parse_size(text: str) -> int:
-    """A positive token count: ``524288``, ``8k``, ``128K``, ``1M`` (binary: 8k = 8192)."""
-    t = str(text).strip().lower()
-    scale = _SIZE_SUFFIX.get(t[-1:], 1)
-    digits = t[:-1] if scale > 1 else t
-    if not digits.lstrip("-").isdigit():
-        raise UsageError(f"cannot read {text!r} as a size; use an integer or a size like "
-                         f"8k, 128K, 1M")
-    if int(digits) < 1:
-        raise UsageError(f"a size must be positive, got {text!r}; use e.g. 8k, 128K, 1M")
-    return int(digits) * scale
 
 
 def parse_names(text: str) -> tuple[str, ...]:
@@ -105,9 +116,18 @@ ATTENTION_HELP = {
     "kv_heads": "key/value heads (GQA; must divide --heads); default: --heads",
     "head_dim": "head dimension D",
     "dtype": "activation dtype",
-    "causal": "causal (lower-triangular) mask",
+    "causal": "causal (lower-triangular) mask; inside documents and windows it keeps its "
+              "meaning",
+    "documents": "packed documents (attention never crosses one): lengths summing to "
+                 "--seqlen (4k,2k,1k,1k) or a distribution sampled with --seed: "
+                 "uniform:MIN-MAX, lognormal:MEDIAN,SIGMA, file:PATH (one length a line)",
+    "window_size": "sliding window LEFT,RIGHT as flash-attn's window_size: query i sees keys "
+                   "i-LEFT..i+RIGHT (-1: unbounded; 1023,0 with --causal: itself and the "
+                   "1,023 before)",
+    "max_document": "cap of each sampled document length (default: a quarter of --seqlen)",
 }
-ATTENTION_PARSE = {"seqlen": parse_size}
+ATTENTION_PARSE = {"seqlen": parse_size, "documents": parse_documents,
+                   "window_size": parse_window, "max_document": parse_size}
 
 # Defaults per device. GPU: seed 001's setting (its 128K row). CPU: small and fp32 (bf16 is
 # 2-3x slower on CPUs without native bf16), sized so `make bench` runs every strategy in well

@@ -8,6 +8,11 @@ FLOPs (flash-attention's benchmark convention): forward attention is two matmuls
 computed); backward is 2.5 × forward (five matmuls, counting dQ, dK, dV, dP and the
 recomputed S). H is the number of query heads.
 
+Under packed documents or a sliding window the forward is 4·B·H·D × the attended (query, key)
+pairs, counted exactly (``attended_pairs``), as MagiAttention counts its mask area; a plain
+causal or full sequence keeps the formula above (S²/2 causal: the seeds' convention, 1/S off
+the exact S(S+1)/2), so TFLOP/s compare across masks and with the seeds.
+
 Timing statistics (Megatron's timers, nccl-tests): per iteration the step time is the
 slowest rank's (a CP step ends when its last rank finishes); the reported figure is the
 median over iterations, so one descheduled iteration does not move it.
@@ -33,6 +38,56 @@ def attention_flops(*, batch: int, seqlen_q: int, seqlen_k: int, heads: int, hea
         fwd /= 2
     factor = {"fwd": 1.0, "bwd": BWD_FACTOR, "fwd_bwd": 1.0 + BWD_FACTOR}[mode]
     return fwd * factor
+
+
+def _abs_sum(a: int, b: int) -> int:
+    """sum of |d| for d in [a, b] (a <= b)."""
+    def tri(n: int) -> int:  # 0 + 1 + ... + n
+        return n * (n + 1) // 2
+
+    if a >= 0:
+        return tri(b) - tri(a - 1)
+    if b <= 0:
+        return tri(-a) - tri(-b - 1)
+    return tri(-a) + tri(b)
+
+
+def document_pairs(length: int, *, causal: bool, window: tuple[int, int] | None) -> int:
+    """Attended pairs inside one document: query i sees key j when j - i lies in
+    [-left, right] (right = 0 when causal; -1 is unbounded), both in [0, length)."""
+    left, right = window if window is not None else (-1, -1)
+    lo = -(length - 1) if left < 0 else max(-left, -(length - 1))
+    hi = length - 1 if right < 0 else min(right, length - 1)
+    if causal:
+        hi = min(hi, 0)
+    if lo > hi:
+        return 0
+    return (hi - lo + 1) * length - _abs_sum(lo, hi)
+
+
+def attended_pairs(*, seqlen: int, causal: bool, documents=None, window=None) -> int:
+    """Exact (query, key) pairs a mask attends (documents: lengths summing to seqlen)."""
+    return sum(document_pairs(n, causal=causal, window=window)
+               for n in (documents or (seqlen,)))
+
+
+def problem_flops(*, batch: int, seqlen: int, heads: int, head_dim: int, causal: bool,
+                  documents=None, window=None, mode: str = "fwd") -> tuple[float, str]:
+    """(FLOPs of the whole problem in ``mode``, how they were counted): "formula" for a
+    plain causal or full sequence (the seeds' S²/2 and S²), "exact pairs" under a mask."""
+    if documents is None and window is None:
+        return attention_flops(batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, heads=heads,
+                               head_dim=head_dim, causal=causal, mode=mode), "formula"
+    pairs = attended_pairs(seqlen=seqlen, causal=causal, documents=documents, window=window)
+    return pairs_flops(pairs, batch=batch, heads=heads, head_dim=head_dim,
+                       mode=mode), "exact pairs"
+
+
+def pairs_flops(pairs: int, *, batch: int, heads: int, head_dim: int, mode: str = "fwd"
+                ) -> float:
+    """FLOPs of ``pairs`` attended (query, key) pairs (every query head)."""
+    factor = {"fwd": 1.0, "bwd": BWD_FACTOR, "fwd_bwd": 1.0 + BWD_FACTOR}[mode]
+    return 4.0 * batch * heads * head_dim * pairs * factor
 
 
 def tflops_per_gpu(flops: float, world_size: int, seconds: float) -> float:

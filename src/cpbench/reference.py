@@ -20,13 +20,18 @@ TENSORS = ("out", "lse", "dq", "dk", "dv")
 
 
 def reference_attention(q_bshd, k_bshd, v_bshd, dout_bshd, *, causal: bool,
-                        softmax_scale: float) -> dict[str, torch.Tensor]:
-    """out, lse (b, h, s), dq, dk, dv in float64. k/v may have fewer heads (GQA)."""
+                        softmax_scale: float, visible: torch.Tensor | None = None
+                        ) -> dict[str, torch.Tensor]:
+    """out, lse (b, h, s), dq, dk, dv in float64. k/v may have fewer heads (GQA).
+    ``visible`` (sq, sk) bool: the whole mask (documents, window; causal included), which
+    then replaces ``causal``."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q_bshd, k_bshd, v_bshd))
     group = q.shape[2] // k.shape[2]
     ke, ve = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     s_bhqk = torch.einsum("bqhd,bkhd->bhqk", q, ke) * softmax_scale
-    if causal:
+    if visible is not None:
+        s_bhqk = s_bhqk.masked_fill(~visible.to(q.device), float("-inf"))
+    elif causal:
         sq, sk = s_bhqk.shape[-2:]
         future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
         s_bhqk = s_bhqk.masked_fill(future, float("-inf"))
@@ -37,7 +42,8 @@ def reference_attention(q_bshd, k_bshd, v_bshd, dout_bshd, *, causal: bool,
 
 
 def reference_by_head(inputs: dict, *, heads: int, kv_heads: int, causal: bool,
-                      softmax_scale: float) -> dict[str, torch.Tensor]:
+                      softmax_scale: float, visible: torch.Tensor | None = None
+                      ) -> dict[str, torch.Tensor]:
     """The float64 reference one query head at a time (heads are independent), so its S×S
     matrices exist for one head only; dK/dV of a shared KV head sum over its query heads."""
     group = heads // kv_heads
@@ -50,7 +56,8 @@ def reference_by_head(inputs: dict, *, heads: int, kv_heads: int, causal: bool,
         j = h // group
         ref = reference_attention(inputs["q"][:, :, h:h + 1], inputs["k"][:, :, j:j + 1],
                                   inputs["v"][:, :, j:j + 1], inputs["dout"][:, :, h:h + 1],
-                                  causal=causal, softmax_scale=softmax_scale)
+                                  causal=causal, softmax_scale=softmax_scale,
+                                  visible=visible)
         for name in parts:
             parts[name].append(ref[name])
         dk[:, :, j:j + 1] += ref["dk"]

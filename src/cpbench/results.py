@@ -24,7 +24,12 @@ A record holds what is needed to re-run it and to recompute every figure printed
   (what ``cpbench simulate`` predicted beside the times), ``upstream`` (the library an
   adapter strategy ran: package, version, the flash-attn beneath it) and ``profile``
   (``cpbench run --profile``: the slowest rank's step breakdown and every rank's trace; see
-  ``cpbench.bench.profiling``, or ``{"error", "traces"}`` when profiling failed).
+  ``cpbench.bench.profiling``, or ``{"error", "traces"}`` when profiling failed) and
+  ``balance`` (from the layout and the mask: attended pairs per rank and per ring step, and
+  ``imbalance`` = max / mean over ranks).
+The mask is part of the problem: ``config.attention.documents`` (the lengths) and
+``window_size``; ``derived.flops_counted`` says whether FLOPs come from the seeds' formula
+(plain causal / full) or the exact attended pairs (documents, windows).
 
 ``make_record`` is the one constructor: the driver, the sweep's failure records and the
 simulator's predictions all build records through it. ``record_key`` says which row of a run a
@@ -52,7 +57,7 @@ STATUSES = (OK, OOM, FAILED, TIMEOUT)  # timeout: a sweep's case ran past its li
 # what a case measured (null until it did), and the sections some records add
 MEASURED = ("resolved", "error", "traceback", "samples_ms", "memory_bytes", "memory_status",
             "memory_error", "check")
-SECTIONS = ("sweep", "simulation", "upstream", "profile")
+SECTIONS = ("sweep", "simulation", "upstream", "profile", "balance")
 # a row's key: what was asked for, not what a machine resolved it to (the device, the kernel
 # "auto" became), so a sweep checked on a login node matches records made on GPUs
 KEY_RUN_FIELDS = ("kernel", "warmup", "iters", "fwd_only", "check", "seed")
@@ -176,10 +181,17 @@ def _checked(record, where: str) -> dict:
 # -- derived figures -------------------------------------------------------------------------
 
 def problem_flops(attention: dict, mode: str) -> float:
-    """FLOPs of the whole attention problem (global S, query heads) in ``mode``."""
-    return metrics.attention_flops(
-        batch=attention["batch"], seqlen_q=attention["seqlen"], seqlen_k=attention["seqlen"],
-        heads=attention["heads"], head_dim=attention["head_dim"], causal=attention["causal"],
+    """FLOPs of the whole attention problem (global S, query heads) in ``mode``: the area
+    its mask attends (``metrics.problem_flops``)."""
+    return _flops(attention, mode)[0]
+
+
+def _flops(attention: dict, mode: str) -> tuple[float, str]:
+    docs, window = attention.get("documents"), attention.get("window_size")
+    return metrics.problem_flops(
+        batch=attention["batch"], seqlen=attention["seqlen"], heads=attention["heads"],
+        head_dim=attention["head_dim"], causal=attention["causal"],
+        documents=tuple(docs) if docs else None, window=tuple(window) if window else None,
         mode=mode)
 
 
@@ -187,7 +199,10 @@ def derive(record: dict) -> dict:
     """Every figure a report prints, from the record's raw measurements and config."""
     attention = record["config"]["attention"]
     out: dict = {"flops_fwd": problem_flops(attention, "fwd"),
-                 "flops_fwd_bwd": problem_flops(attention, "fwd_bwd")}
+                 "flops_fwd_bwd": problem_flops(attention, "fwd_bwd"),
+                 "flops_counted": _flops(attention, "fwd")[1]}
+    if record.get("balance"):
+        out["imbalance"] = record["balance"]["imbalance"]
     checks = record.get("check")
     out["check_passed"] = None if not checks else all(c["passed"] for c in checks)
     n = record["ranks_per_problem"]

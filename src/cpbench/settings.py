@@ -66,8 +66,8 @@ class Setting:
         """The value of a YAML scalar (a sweep setting); UsageError when it does not fit."""
         if value is None:
             return None
-        if self.name == "strategy" and isinstance(value, list):
-            value = ",".join(map(str, value))
+        if self.name in ("strategy", "documents", "window_size") and isinstance(value, list):
+            value = ",".join(map(str, value))  # a YAML list: the flag's comma list
         if self.type is bool:
             if not isinstance(value, bool):
                 raise UsageError(f"{self.name} must be true or false, got {value!r}")

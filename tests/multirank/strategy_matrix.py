@@ -87,3 +87,15 @@ def declared_segments(st) -> dict:
             seq.append(comm.KERNEL)
         seq += [(m.op, m.group, m.nbytes) for m in step.messages if m.after_compute]
     return {phase: _segments(seq) for phase, seq in events.items()}
+
+
+def check_named_cases(rank, world, rpn, cases):
+    """``check_cases`` for (strategy name, attn, options) triples: several strategies in one
+    launch (the mask matrix), cpbench's own also held to their declared schedules (the
+    adapters run a library's code and declare none)."""
+    failures = []
+    for name, attn, opts in cases:
+        own = strategies.get(name).upstream is None
+        failures += check_cases(rank, world, name, rpn, [(attn, opts)],
+                                [(attn, opts)] if own else [])
+    return failures

@@ -56,6 +56,8 @@ def _runs(cls, attn, topo, opts) -> bool:
 
 
 ON_CPU = ["rfa-zigzag", "rfa-ring", "rfa-stripe", "yunchang-usp", "torch-ring"]
+# checked in test_mask_matrix.py instead, in its launches (causal and full, documents, windows)
+ELSEWHERE = {"rfa-llama3"}
 
 
 # 8 ranks for the adapters whose mesh or layout depends on it (the rings of ring-flash-attn
@@ -78,7 +80,7 @@ def test_upstream_matches_reference(name, world, rpn):
 def test_every_adapter_that_runs_on_cpu_is_covered():
     adapters = set(strategies.names()) - set(strategies.own_names())
     on_cpu = {n for n in adapters if strategies.get(n).unavailable("cpu") is None}
-    assert on_cpu == set(ON_CPU)
+    assert on_cpu == set(ON_CPU) | ELSEWHERE
 
 
 @pytest.mark.parametrize("options", [

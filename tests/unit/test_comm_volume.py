@@ -335,9 +335,24 @@ def test_local_sends_nothing(world, rpn):
         assert volume(st, FWD) == {} and volume(st, BWD) == {}
 
 
+@pytest.mark.parametrize("prob", PROBLEMS)
+@pytest.mark.parametrize("world,rpn", TOPOS)
+@pytest.mark.parametrize("stride", [0, 1])
+def test_llama3(world, rpn, stride, prob):
+    """K and V all-gathered (each rank's s tokens to the N-1 others) forward and again
+    backward; dK/dV of the whole sequence reduce-scattered in fp32 ((N-1)/N of N·s tokens).
+    Gathering in head chunks moves the same bytes in more messages."""
+    B, S, H, HK, D, e = dims(PROBLEMS[prob])
+    N, s = world, S // world
+    ag = 2 * (N - 1) * B * s * HK * D * e
+    rs = 2 * (N - 1) * B * s * HK * D * F32
+    check(every_rank("llama3", world, rpn, PROBLEMS[prob], heads_k_stride=stride),
+          {("ag", "cp"): ag}, {("ag", "cp"): ag, ("rs", "cp"): rs})
+
+
 def test_every_registered_strategy_is_covered():
     covered = {"ring", "zigzag", "megatron-cp", "double-ring", "burst", "ulysses", "usp",
-               "megatron-cp-a2a+p2p", "local"}
+               "megatron-cp-a2a+p2p", "local", "llama3"}
     assert set(strategies.own_names()) == covered
 
 

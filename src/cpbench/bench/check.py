@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from cpbench import comm
 from cpbench.config import AttentionConfig
+from cpbench.mask import mask_of
 from cpbench.reference import TENSORS, Comparison, compare, reference_by_head
 from cpbench.strategies.base import Strategy
 
@@ -56,8 +57,11 @@ def _reference(inputs: dict, attn: AttentionConfig) -> dict[str, torch.Tensor]:
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
+        mask = mask_of(attn)
+        every = torch.arange(attn.seqlen)
         return reference_by_head(inputs, heads=attn.heads, kv_heads=attn.num_kv_heads,
-                                 causal=attn.causal, softmax_scale=attn.softmax_scale)
+                                 causal=attn.causal, softmax_scale=attn.softmax_scale,
+                                 visible=None if mask.plain else mask.visible(every, every))
     finally:
         torch.set_num_threads(threads)
 

@@ -282,6 +282,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     prof, profile = c.profile(step, store, key, index) \
         if p.run.profile and _usable(phase) and not (mem and mem.broken) else (None, None)
     ranks_per_problem = c.strat.ranks_per_problem if c.strat is not None else p.world_size
+    balance = c.strat.balance() if c.strat is not None and rank == 0 else None
     c.strat = c.inputs = step = None  # free the shards and graphs before the next case
     agreement.cleanup()
     record = results.make_record(
@@ -292,7 +293,8 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
         check=checks, upstream=upstream,
         samples_ms=samples if any(samples.values()) else None, memory_bytes=memory_bytes,
         memory_status=mem.status if mem is not None else None,
-        memory_error=mem.error if mem is not None else None, profile=profile)
+        memory_error=mem.error if mem is not None else None, profile=profile,
+        balance=balance)
     return record, any(ph is not None and ph.broken for ph in (phase, mem, prof))
 
 

@@ -25,8 +25,15 @@ import torch
 from cpbench import kernels, metrics, results, strategies
 from cpbench.bench import env as env_mod
 from cpbench.bench import memory
-from cpbench.config import AttentionConfig, RunConfig, default_attention, flag
-from cpbench.errors import UsageError
+from cpbench.config import (
+    AttentionConfig,
+    RunConfig,
+    default_attention,
+    flag,
+    resolved_documents,
+)
+from cpbench.errors import Skipped, UsageError
+from cpbench.mask import mask_of
 from cpbench.topology import Topology, divisors
 
 DEFAULT_NPROC = 4
@@ -207,11 +214,14 @@ def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend, d
         raise UsageError(f"{case.strategy} cannot run here: {why}")
     if cls.causal_only and not attn.causal:
         raise UsageError(f"{case.strategy} only runs causal attention; drop --no-causal")
+    why = cls.unsupported_mask(mask_of(attn))
+    if why:
+        raise Skipped(f"{case.label}: {why}")
     try:
         built = [cls(attn, topo, r, kernel=backend, options=case.options, create_groups=False)
                  for r in range(topo.world_size)]
     except UsageError as e:
-        raise UsageError(f"{case.label}: {e}") from None
+        raise type(e)(f"{case.label}: {e}") from None
     strat = built[0]
     need = memory.step_lower_bound(local_seqlen=max(b.local_seqlen for b in built),
                                    **_shape(attn))
@@ -238,10 +248,13 @@ def _runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
     out. Variants a strategy merely suggests (and, under ``all``, whole strategies) that
     cannot run this config or cannot fit are skipped; a strategy asked for by name with no
     runnable variant is an error, and so is nothing runnable but a no-CP baseline."""
-    built, skipped, first_error = [], [], {}
+    built, skipped, first_error, first_skip = [], [], {}, None
     for case in cases:
         try:
             built.append((case, _validate_case(case, attn, topo, backend, device, capacity)))
+        except Skipped as e:  # skipped even when named: the others still answer
+            skipped.append(str(e))
+            first_skip = first_skip or e
         except UsageError as e:
             skipped.append(str(e))
             first_error.setdefault(case.strategy, e)
@@ -251,6 +264,8 @@ def _runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
             raise first_error[name]
     if first_error and not any(strat.ranks_per_problem > 1 for _, strat in built):
         raise next(iter(first_error.values()))  # a baseline alone compares with nothing
+    if first_skip and not built:
+        raise first_skip
     return built, skipped
 
 
@@ -346,7 +361,8 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     device = _device(run, launcher) if job is None else (
         "cuda" if run.device == "auto" else run.device)
     run = run.resolved(device)
-    attn = AttentionConfig(**{**default_attention(device), **attention})
+    attn = AttentionConfig(**resolved_documents({**default_attention(device), **attention},
+                                                run.seed))
     world, default_rpn = _world(run, launcher) if job is None else job
     topo = Topology(world_size=world, ranks_per_node=run.ranks_per_node or default_rpn)
     if launcher == "torchrun" and run.deadline is not None:

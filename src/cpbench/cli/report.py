@@ -25,8 +25,13 @@ def add_parser(sub) -> None:
                         "side per topology, with their TFLOPs ratio; upstream: each of "
                         "cpbench's strategies beside its upstream twin (zigzag / rfa-zigzag, "
                         "usp / yunchang-usp, …) on the same problem, with the time ratio")
+    r.add_argument("--best", action="store_true",
+                   help="for each problem (mask, sequence, topology, kernel) the fastest "
+                        "strategy, its margin over the runner-up, and a tie when their "
+                        "intervals overlap; with --plot, a winner map")
     r.add_argument("--plot", metavar="OUT.png",
-                   help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib)")
+                   help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib); "
+                        "with --best the winner map (problem × topology)")
     r.set_defaults(func=main)
 
 
@@ -35,6 +40,9 @@ def _records(args) -> list[dict]:
     from cpbench import results
 
     records = [r for path in args.files for r in results.read(path)]
+    if args.best and (args.compare or args.format not in ("table", "markdown")):
+        raise UsageError("--best prints a table of winners; use --format table or markdown "
+                         "and no --compare")
     if args.compare and args.format not in ("table", "markdown"):
         raise UsageError(f"--compare prints tables; use --format table or markdown, not "
                          f"{args.format}")
@@ -54,6 +62,10 @@ def _text(args, records: list[dict]) -> str:
 
     sweep_view = args.view == "sweep" or (args.view == "auto" and records
                                           and not report.sweep.one_launch(records))
+    if args.best:
+        from cpbench.report.best import best_table
+
+        return best_table(records, args.format)
     if args.compare:
         from cpbench.report.upstream import compare_upstream
 
@@ -78,6 +90,12 @@ def main(args) -> int:
         from cpbench.report import plot, tables
 
         try:
+            if args.best:
+                from cpbench.report.best import plot_winners
+
+                plot_winners(records, args.plot)
+                sys.stderr.write(f"{PROG}: winner map written to {args.plot}\n")
+                return 0
             note = tables.simulated_note(records).strip(" ()") or None
             plot.plot(records, args.plot, title_note=note)
             if plot.plot_breakdown(records, plot.breakdown_path(args.plot)):

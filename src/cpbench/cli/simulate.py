@@ -5,7 +5,14 @@ from __future__ import annotations
 import sys
 
 from cpbench.cli import args as cli_args
-from cpbench.config import FORMATS, GPU_ATTENTION, AttentionConfig, parse_names, parse_size
+from cpbench.config import (
+    FORMATS,
+    GPU_ATTENTION,
+    AttentionConfig,
+    parse_names,
+    parse_size,
+    resolved_documents,
+)
 from cpbench.errors import UsageError
 from cpbench.settings import attention_settings
 
@@ -92,7 +99,8 @@ def _checked(args, hw):
     # a measured preset (cpbench calibrate on a CPU) models its own dtype: default to it
     dtype = GPU_ATTENTION["dtype"] if GPU_ATTENTION["dtype"] in hw.dtypes else hw.dtypes[0]
     attention = {**GPU_ATTENTION, "dtype": dtype, **given}
-    AttentionConfig(**attention)  # one line for a bad shape, before anything is built
+    for seqlen in args.seqlen or (GPU_ATTENTION["seqlen"],):  # one line for a bad shape
+        AttentionConfig(**resolved_documents({**attention, "seqlen": seqlen}, 0))
     if args.compare_placements and options:
         raise UsageError("--compare-placements tries every option value itself; drop the "
                          "strategy options")

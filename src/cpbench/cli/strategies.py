@@ -38,5 +38,8 @@ def main(args) -> int:
             lines.append(f"{'':<24}{option_usage(s)}  default {s.default}: {s.help}")
         if cls.causal_only:
             lines.append(f"{'':<24}(causal attention only)")
+        if cls.masks:  # beyond causal / full: --documents, --window-size
+            flags = ", ".join("--" + m.replace("window", "window-size") for m in sorted(cls.masks))
+            lines.append(f"{'':<24}takes {flags}")
     sys.stdout.write("\n".join(lines) + "\n")
     return 0

@@ -8,14 +8,14 @@ from statistics import median
 from typing import Iterable
 
 from cpbench.metrics import bootstrap_ratio, slowest_per_iter
-from cpbench.report.labels import joined, options_label
+from cpbench.report.labels import joined, options_label, window_text
 from cpbench.results import OK, derive
 
 # the columns that make two rows the same problem (an efficiency compares only those)
-PROBLEM = ["dtype", "batch", "seqlen", "heads", "kv_heads", "head_dim", "causal", "world",
-           "ranks_per_node", "kernel", "device"]
+PROBLEM = ["dtype", "batch", "seqlen", "heads", "kv_heads", "head_dim", "causal", "documents",
+           "window", "world", "ranks_per_node", "kernel", "device"]
 _FIGURES = ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "memory_mb", "fwd_tflops", "bwd_tflops",
-            "fwd_bwd_tflops", "check_passed")
+            "fwd_bwd_tflops", "check_passed", "imbalance")
 
 
 def _iterations(r: dict, phase: str) -> list[float] | None:
@@ -32,6 +32,8 @@ def _row(r: dict) -> dict:
         "dtype": a["dtype"], "batch": a["batch"], "seqlen": a["seqlen"],
         "heads": a["heads"], "kv_heads": a["kv_heads"] or a["heads"],
         "head_dim": a["head_dim"], "causal": a["causal"],
+        "documents": ",".join(map(str, a.get("documents") or ())) or "-",
+        "window": window_text(a),
         "world": topo["world_size"], "nodes": topo["num_nodes"],
         "ranks_per_node": topo["ranks_per_node"],
         "ranks_per_problem": r["ranks_per_problem"], "kernel": r["kernel"],

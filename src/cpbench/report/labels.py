@@ -33,3 +33,28 @@ def joined(strategy: str, options: str) -> str:
 def row_label(record: dict) -> str:
     """A record's row: ``strategy (options)``."""
     return joined(record["config"]["strategy"], options_label(record))
+
+
+def window_text(attention: dict) -> str:
+    """The seeds' "Window Size": flash-attn's (left, right), (-1, -1) when unbounded."""
+    w = attention.get("window_size")
+    return f"({w[0]}, {w[1]})" if w else "(-1, -1)"
+
+
+def documents_text(attention: dict) -> str:
+    """Packed documents in a cell: how many and the longest ("-" for one sequence)."""
+    docs = attention.get("documents")
+    return f"{len(docs)} (max {max(docs)})" if docs else "-"
+
+
+def mask_text(attention: dict) -> str:
+    """The mask in words: causal / full, within documents, with a window."""
+    text = "causal" if attention["causal"] else "full"
+    docs = attention.get("documents")
+    if docs:
+        shown = ",".join(map(str, docs[:8])) + (f",… ({len(docs)} in all)" if len(docs) > 8
+                                                 else "")
+        text += f" within documents {shown}"
+    if attention.get("window_size"):
+        text += f", window {window_text(attention)}"
+    return text

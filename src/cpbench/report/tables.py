@@ -15,10 +15,12 @@
 Rows are built with pandas from ``report.dataframe`` (every figure derived from the raw
 samples); the efficiency joins each CP row to its baseline on the problem's columns.
 
-"Window" is the attention's sliding window as the seeds print it; cpbench runs full
-attention, so it is None. (double-ring's ``--window``, its inner ring size, shows under
-Placement.) TFLOPs/s is per GPU for FWD+BWD (FWD alone with --fwd-only); every figure is
-recomputed from the record's raw samples by ``cpbench.results.derive``.
+"Window" is the attention's sliding window as the seeds print it (flash-attn's
+``window_size``; None without ``--window-size``; double-ring's ``--window``, its inner ring
+size, shows under Placement). With ``--documents`` a Documents column (count, longest), and
+wherever a record holds its ``balance`` an Imbalance column: max / mean attended area over
+ranks, from the layout and the mask. TFLOPs/s is per GPU for FWD+BWD (FWD alone with
+--fwd-only); every figure is recomputed from the record's raw samples by ``cpbench.results.derive``.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from __future__ import annotations
 import io
 import json
 import math
+import statistics
 
 from cpbench.config import FORMATS
 from cpbench.profile.summary import detail_lines
 from cpbench.reference import TENSORS, Comparison
 from cpbench.report.dataframe import baseline_drift, efficiencies, frame
-from cpbench.report.labels import option_text, row_label
+from cpbench.report.labels import mask_text, option_text, row_label, window_text
 from cpbench.results import FAILED, OK, OOM, derive
 
 _RULE = 50
@@ -62,6 +65,8 @@ def rows(records: list[dict]) -> list[dict]:
     with_check = any(r.get("check") for r in records)
     with_profile = df["exposed_comm_pct"].notna().any()
     mixed = df["simulated"].nunique() > 1  # measured and simulated rows side by side
+    with_docs = (df["documents"] != "-").any()
+    with_balance = df["imbalance"].notna().any()
     out = []
     for row in df.to_dict("records"):
         status = row["status"]
@@ -77,7 +82,11 @@ def rows(records: list[dict]) -> list[dict]:
             "Dtype": row["dtype"], "QKV Format": "bshd", "B": str(row["batch"]),
             "Seq Len": str(row["seqlen"]), "World": str(row["world"]),
             "Nodes×GPUs": f"{row['nodes']}×{row['ranks_per_node']}",
-            "CP": str(row["ranks_per_problem"] > 1), "Window": "None",
+            "CP": str(row["ranks_per_problem"] > 1),
+            "Window": "None" if row["window"] == "(-1, -1)" else row["window"],
+            **({"Documents": _docs_cell(row["documents"])} if with_docs else {}),
+            **({"Imbalance": "-" if _missing(row["imbalance"]) else
+                f"{row['imbalance']:.2f}"} if with_balance else {}),
             **({"Source": "simulated" if row["simulated"] else "measured"} if mixed else {}),
             "FWD (ms)": fwd, "FWD+BWD (ms)": both, "Memory (MB)": mem, "TFLOPs/s": tf,
         }
@@ -93,6 +102,13 @@ def rows(records: list[dict]) -> list[dict]:
                                   f"{_pct(row['cp_efficiency_high'])}]")
         out.append(cells)
     return out
+
+
+def _docs_cell(documents: str) -> str:
+    if documents == "-":
+        return "-"
+    lengths = [int(x) for x in documents.split(",")]
+    return f"{len(lengths)} (max {max(lengths)})"
 
 
 def _pct(x) -> str:
@@ -198,8 +214,9 @@ def _data(records: list[dict]):
     df["cp"] = df["ranks_per_problem"] > 1
     df["tflops"] = df["fwd_tflops"].where(df["fwd_only"], df["fwd_bwd_tflops"])
     cols = ["strategy", "placement", "dtype", "qkv_format", "batch", "seqlen", "heads",
-            "kv_heads", "head_dim", "causal", "world", "nodes", "gpus_per_node", "cp", "kernel",
-            "status", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "memory_mb", "tflops", "check",
+            "kv_heads", "head_dim", "causal", "documents", "window", "world", "nodes",
+            "gpus_per_node", "cp", "kernel", "status", "fwd_ms", "bwd_ms", "fwd_bwd_ms",
+            "memory_mb", "tflops", "imbalance", "check",
             "cp_efficiency", "cp_efficiency_low", "cp_efficiency_high", "exposed_comm_pct",
             "exposed_comm_ms", "error", "memory_status", "memory_error"]
     return df[cols]
@@ -216,6 +233,8 @@ def detail(record: dict) -> str:
         checked = {c["tensor"] for c in record["check"]}
         lines += [f"  {n:>4}: not returned by {record['config']['strategy']}, not checked"
                   for n in TENSORS if n not in checked]
+    if record.get("balance"):
+        lines += ["", *_balance_lines(record)]
     if record.get("profile"):  # run --profile: where the profiled step's time went
         lines += ["", *detail_lines(record["profile"])]
     lines.append("=" * _RULE)
@@ -233,8 +252,8 @@ def _configuration(record: dict) -> list[str]:
              f"  - Batch Size: {a['batch']}", f"  - Sequence Length: {a['seqlen']}",
              f"  - Num Heads: {a['heads']}", f"  - Num KV Heads: {a['kv_heads'] or a['heads']}",
              f"  - Head Dimension: {a['head_dim']}",
-             f"  - Attention Mask: {'causal' if a['causal'] else 'full'}",
-             "  - Window Size: (-1, -1)",
+             f"  - Attention Mask: {mask_text(a)}",
+             f"  - Window Size: {window_text(a)}",
              f"  - Context Parallel: {record['ranks_per_problem'] > 1}",
              f"  - World Size: {topo['world_size']} ({topo['num_nodes']} node(s) × "
              f"{topo['ranks_per_node']} ranks)",
@@ -268,6 +287,25 @@ def _performance(record: dict, d: dict) -> list[str]:
                     f"  - Performance: {_tflops(d['fwd_bwd_tflops'])} TFLOPs/s (forward "
                     f"{_tflops(d['fwd_tflops'])}, backward {_tflops(d['bwd_tflops'])})",
                     f"  - Slowest Rank: {d['slowest_rank_fwd_bwd']}"]
+
+
+def _balance_lines(record: dict) -> list[str]:
+    """Attended area per rank (from the layout and the mask) beside each rank's measured
+    median step time, and per ring step where the strategy has steps."""
+    bal = record["balance"]
+    samples = (record.get("samples_ms") or {})
+    timed = samples.get("fwd_bwd") or samples.get("fwd")
+    what = "FWD+BWD" if samples.get("fwd_bwd") else "FWD"
+    lines = [f"Load balance (attended pairs per rank; imbalance = max / mean = "
+             f"{bal['imbalance']:.2f}):"]
+    for r, area in enumerate(bal["area_per_rank"]):
+        line = f"  rank {r}: {area:,} pairs"
+        if timed and r < len(timed):
+            line += f", {what} median {statistics.median(timed[r]):.2f} ms"
+        if bal.get("area_per_step"):
+            line += f"; per ring step: {', '.join(f'{a:,}' for a in bal['area_per_step'][r])}"
+        lines.append(line)
+    return lines
 
 
 def _memory_text(record: dict, d: dict) -> str:

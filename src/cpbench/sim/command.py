@@ -15,8 +15,9 @@ import typing
 from cpbench import results, strategies
 from cpbench.bench.env import utc_now
 from cpbench.bench.plan import Case, expand_cases
-from cpbench.config import AttentionConfig, RunConfig
-from cpbench.errors import UsageError
+from cpbench.config import AttentionConfig, RunConfig, resolved_documents
+from cpbench.errors import Skipped, UsageError
+from cpbench.mask import mask_of
 from cpbench.metrics import gib
 from cpbench.report import labels, tables
 from cpbench.sim import model
@@ -43,6 +44,9 @@ def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
         samples_ms=None if oom else {"fwd": [[p.fwd_s * 1e3]],
                                      "fwd_bwd": [[p.fwd_bwd_s * 1e3]]},
         memory_bytes=[int(p.memory_bytes)], memory_status=results.OOM if oom else None,
+        # under a mask, the area each rank computes (a plain causal layout's is known)
+        balance=None if mask_of(attn).plain else
+        model.build(case.strategy, case.options, attn, topo, 0).balance(),
         simulation={"fwd_compute_ms": p.fwd_compute_s * 1e3,
                     "bwd_compute_ms": p.bwd_compute_s * 1e3,
                     "capacity_bytes": p.capacity_bytes})
@@ -62,9 +66,13 @@ def simulate(names: tuple[str, ...], options: dict, attention: dict, seqlens: li
         # a new (strategy, topology) builds every rank's schedule: seconds at 128 GPUs
         log.info("simulating %d/%d: %s at seqlen %d", i, len(todo), case.label, seqlen,
                  extra={"transient": True})
-        attn = AttentionConfig(**{**attention, "seqlen": seqlen})
+        # sampled documents are drawn per length with seed 0 (a run's default seed)
+        attn = AttentionConfig(**resolved_documents({**attention, "seqlen": seqlen}, 0))
         try:
             p = model.predict(case.strategy, case.options, attn, topo, hw)
+        except Skipped as e:  # cannot take this mask or dtype: the others still answer
+            skipped.append(f"{case.label} at seqlen {seqlen}: {e}")
+            continue
         except UsageError as e:
             skipped.append(f"{case.label} at seqlen {seqlen}: {e}")
             first_error.setdefault(case.strategy, e)

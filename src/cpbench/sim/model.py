@@ -62,7 +62,8 @@ from functools import lru_cache
 
 from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
-from cpbench.errors import UsageError
+from cpbench.errors import Skipped, UsageError
+from cpbench.mask import mask_of
 from cpbench.sim.hardware import GB, Hardware
 from cpbench.strategies.base import BWD, FWD, Strategy
 from cpbench.topology import Topology
@@ -133,6 +134,9 @@ def build(name: str, options, attn: AttentionConfig, topo: Topology, rank: int =
     cls = strategies.get(name)
     if cls.causal_only and not attn.causal:
         raise UsageError(f"{name} only runs causal attention")
+    why = cls.unsupported_mask(mask_of(attn))
+    if why:
+        raise Skipped(why)
     return cls(attn, topo, rank, kernel=_KERNEL, options=options, create_groups=False)
 
 
@@ -247,6 +251,9 @@ def compiled_for(name: str, options, attn: AttentionConfig, topo: Topology) -> C
     length the strategy accepts and batch 1, and re-scaled (exact: see the module
     docstring)."""
     build(name, options, attn, topo)  # this seqlen's own validation
+    if not mask_of(attn).plain:
+        # a mask's area does not scale as S² (documents, windows): compiled at its own size
+        return _compiled(name, options, attn, topo.world_size, topo.ranks_per_node)
     # bf16 and fp16 schedules are the same bytes: one compile serves both
     shape = dataclasses.replace(attn, seqlen=1, batch=1, dtype=_BY_SIZE[attn.element_size])
     key = (name, options, shape, topo.world_size, topo.ranks_per_node)

@@ -14,6 +14,10 @@ Groups: as upstream, the dK/dV ring shares the K/V ring's process group (ring-fl
 builds both ``RingComm``\\ s on one group), so on NCCL the two rings queue behind each other;
 ``--dkv-group separate`` gives the dK/dV ring its own group (a cpbench variant: both in
 flight at once).
+Under documents or a window (``cpbench.mask``) the block rule gives way to the mask itself:
+each step's block is what the local queries see of the held K/V by their global positions,
+computed exactly (``kernels.masked``); a step whose block sees nothing computes nothing, and
+its K/V still travel (the ring's schedule does not change with the mask).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from cpbench.comm import RingComm
 from cpbench.merge import OutLseAccumulator
 from cpbench.strategies.base import BWD, FWD, Message, Step, option, save_for_backward
-from cpbench.strategies.layout import slice_len
+from cpbench.strategies.layout import Block, slice_len
 
 DKV_GROUPS = ("shared", "separate")
 
@@ -49,6 +53,25 @@ def src_of(me: int, step: int, n: int) -> int:
     return (me - step) % n
 
 
+def _mask_tiles(strat, me: int, src: int):
+    """The masked kernel's tiles of ``me``'s queries against ring position ``src``'s K/V."""
+    return strat.tiles(("ring", src), strat.seq_index(strat.rank),
+                       strat.seq_index(strat.ring_rank(src)))
+
+
+def kv_ring_areas(strat, ranks=None) -> list[list[int]]:
+    """Per rank (of ``ranks``, default all), the attended pairs of each ring step (the
+    layout and the mask)."""
+    out = []
+    for r in range(strat.world_size) if ranks is None else ranks:
+        ranks = next(lst for lst in strat.cp_lists if r in lst)
+        me, n = ranks.index(r), len(ranks)
+        mine = strat.seq_index(r)
+        out.append([strat.mask.pairs(mine, strat.seq_index(ranks[src_of(me, i, n)]))
+                    for i in range(n)])
+    return out
+
+
 def _send_kv(comm: RingComm, k, v, into=(None, None)):
     """K and V (or dK and dV) to the next rank as two messages of one batch; receive into
     ``into`` where given (buffers free again), else fresh ones."""
@@ -69,8 +92,11 @@ class KVRingAttention(torch.autograd.Function):
         for step in range(n):
             if step + 1 < n:
                 next_k, next_v = _send_kv(comm, k, v)
-            blk = strat.block(me, src_of(me, step, n), s)
-            if blk is not None:
+            if not strat.mask.plain:
+                tiles = _mask_tiles(strat, me, src_of(me, step, n))
+                if tiles:  # an empty block is skipped, not computed as masked zeros
+                    acc.update(*strat.masked_forward(q, k, v, tiles))
+            elif (blk := strat.block(me, src_of(me, step, n), s)) is not None:
                 out, lse = strat.kernel_call("forward", q[:, blk.q], k[:, blk.kv], v[:, blk.kv],
                                              causal=blk.causal)
                 acc.update(out, lse, blk.q)
@@ -114,6 +140,13 @@ class KVRingAttention(torch.autograd.Function):
 
 def _block_grads(strat, me, step, n, s, dout, q, k, v, out, lse):
     """(block, dq, dk, dv) of this step's block, or None when it is skipped."""
+    if not strat.mask.plain:
+        tiles = _mask_tiles(strat, me, src_of(me, step, n))
+        if not tiles:
+            return None
+        every = slice(None)
+        return (Block(every, every, False),
+                *strat.masked_backward(dout, q, k, v, out, lse, tiles))
     blk = strat.block(me, src_of(me, step, n), s)
     if blk is None:
         return None
@@ -146,9 +179,10 @@ def kv_ring_schedule(strat) -> list[Step]:
     kv = strat.kv_bytes(s)
     dkv = kv * 4 // strat.attn.element_size
     steps = []
+    areas = kv_ring_areas(strat, [strat.rank])[0] if not strat.mask.plain else None
     for phase in (FWD, BWD):
         for step in range(n):
-            blk = strat.block(me, src_of(me, step, n), s)
+            blk = strat.block(me, src_of(me, step, n), s) if areas is None else None
             msgs = []
             if step + 1 < n:
                 msgs += [Message("p2p", g.name, kv, g.crosses_nodes)] * 2
@@ -156,6 +190,9 @@ def kv_ring_schedule(strat) -> list[Step]:
                 # the last dK/dV hop has nothing left to hide behind
                 msgs += [Message("p2p", g_dkv.name, dkv, g_dkv.crosses_nodes,
                                  overlapped=step + 1 < n, after_compute=True)] * 2
+            if areas is not None:
+                steps.append(strat.pairs_step(phase, step, areas[step], (s, s), msgs))
+                continue
             steps.append(Step(phase, step, 0.0, tuple(msgs)) if blk is None else
                          strat.kernel_step(phase, step, slice_len(blk.q, s),
                                            slice_len(blk.kv, s), blk.causal, msgs))

@@ -14,7 +14,7 @@ import importlib.machinery
 import importlib.util
 import sys
 
-from cpbench.errors import UsageError
+from cpbench.errors import Skipped, UsageError
 
 # the kernels beneath flash-attn's interface, per device: on CPU the interface runs the aten
 # CPU flash kernel that `sdpa-cpu` is, so an adapter and cpbench's own strategies share it
@@ -62,7 +62,7 @@ def unsupported_dtype(strat) -> None:
     returns ``dq.to(torch.bfloat16)``; yunchang 0.6.4's ring copies the same lines). Refused
     rather than timed wrong."""
     if strat.attn.dtype == "fp32":
-        raise UsageError(f"{strat.upstream.package} {strat.upstream.version()} "
+        raise Skipped(f"{strat.upstream.package} {strat.upstream.version()} "
                          f"computes wrong gradients in fp32 (its ring is written for "
                          f"flash-attn, which has none); use --dtype bf16 or fp16")
 

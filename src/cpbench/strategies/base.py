@@ -24,8 +24,10 @@ import torch
 
 from cpbench import comm
 from cpbench.config import AttentionConfig
+from cpbench.kernels import masked
 from cpbench.kernels.base import KernelBackend
-from cpbench.metrics import attention_flops
+from cpbench.mask import Mask, mask_of
+from cpbench.metrics import attention_flops, pairs_flops
 from cpbench.topology import Group, Topology, new_groups, plan_group
 
 FWD, BWD = "fwd", "bwd"
@@ -114,6 +116,9 @@ class Strategy(ABC):
     causal_only: ClassVar[bool] = False
     upstream: ClassVar[Upstream | None] = None  # set by adapters running a library's code
     returns_lse: ClassVar[bool] = True  # False: attention() returns (out, None)
+    # the masks beyond causal it computes exactly ("documents", "window"); under any other
+    # its row is skipped with the reason (never run silently wrong)
+    masks: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, attn: AttentionConfig, topo: Topology, rank: int, *,
                  kernel: KernelBackend, options=None, create_groups: bool = True,
@@ -163,6 +168,35 @@ class Strategy(ABC):
     def schedule(self) -> list[Step]:
         """This rank's forward and backward steps: FLOPs and messages."""
 
+    @classmethod
+    def unsupported_mask(cls, mask: Mask) -> str | None:
+        """Why this strategy cannot take ``mask`` (None: it can)."""
+        missing = sorted(mask.kinds - cls.masks)
+        if not missing:
+            return None
+        flags = " and ".join("--" + k.replace("window", "window-size") for k in missing)
+        return f"{cls.name} does not support {flags} (masks it takes: " \
+               f"{', '.join(sorted(cls.masks)) or 'causal or full only'})"
+
+    def area_per_rank(self) -> list[int]:
+        """Attended (query, key) pairs each rank computes, from its layout and the mask:
+        by default a rank computes its own queries against every key they see (sequence
+        split); head-split strategies override it."""
+        every = torch.arange(self.attn.seqlen)
+        return [self.mask.pairs(self.seq_index(r), every) for r in range(self.world_size)]
+
+    def area_per_step(self) -> list[list[int]] | None:
+        """Per rank, the pairs of each ring step (None: no ring steps)."""
+        return None
+
+    def balance(self) -> dict:
+        """The record's ``balance``: attended pairs per rank (and per ring step) and
+        ``imbalance`` = max / mean over ranks (1.0: every rank computes the same area)."""
+        per_rank = self.area_per_rank()
+        mean = sum(per_rank) / len(per_rank)
+        return {"area_per_rank": per_rank, "area_per_step": self.area_per_step(),
+                "imbalance": max(per_rank) / mean if mean else 1.0}
+
     def held_bytes(self) -> int:
         """Bytes this rank keeps alive beyond the step that made them, at their peak (e.g.
         every received block kept to the end of the forward): the simulator's memory model
@@ -210,6 +244,41 @@ class Strategy(ABC):
         """Ranks that share one attention problem: per-GPU TFLOPs divide its FLOPs by this.
         Every rank for a CP strategy; 1 for a no-CP baseline (each rank solves it alone)."""
         return self.world_size
+
+    @property
+    def mask(self) -> Mask:
+        return mask_of(self.attn)
+
+    def ring_rank(self, position: int) -> int:
+        """The rank at ``position`` of this rank's CP ring."""
+        return next(ranks for ranks in self.cp_lists if self.rank in ranks)[position]
+
+    def tiles(self, key, q_pos: torch.Tensor, k_pos: torch.Tensor) -> list:
+        """The masked kernel's plan for these global query and key positions, cached under
+        ``key`` (the same blocks recur every iteration)."""
+        cache = self.__dict__.setdefault("_tiles", {})
+        if key not in cache:
+            m = self.mask  # tiles never span a document: each one's block hits a fast path
+            cache[key] = masked.plan(m.visible(q_pos, k_pos), m.run_key(q_pos), m.run_key(k_pos))
+        return cache[key]
+
+    def masked_forward(self, q, k, v, tiles):
+        comm.record_kernel()
+        return masked.forward(self.kernel, tiles, q, k, v,
+                              softmax_scale=self.attn.softmax_scale)
+
+    def masked_backward(self, dout, q, k, v, out, lse, tiles):
+        comm.record_kernel()
+        return masked.backward(self.kernel, tiles, dout, q, k, v, out, lse,
+                               softmax_scale=self.attn.softmax_scale)
+
+    def pairs_step(self, phase: str, index: int, pairs: int, shape: tuple[int, int],
+                   messages=()) -> Step:
+        """A step computing ``pairs`` attended pairs (a masked block) of ``shape``."""
+        a = self.attn
+        flops = pairs_flops(pairs, batch=a.batch, heads=a.heads, head_dim=a.head_dim,
+                            mode=phase)
+        return Step(phase, index, flops, tuple(messages), (*shape, False) if pairs else None)
 
     def cp_index(self, rank: int) -> int:
         """``rank``'s position in its CP ring: what its sequence shard is keyed by."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpbench.errors import UsageError
+from cpbench.errors import Skipped, UsageError
 
 
 def contiguous_index(seqlen: int, n: int, r: int) -> torch.Tensor:
@@ -21,6 +21,27 @@ def zigzag_index(seqlen: int, n: int, r: int) -> torch.Tensor:
     c = seqlen // (2 * n)
     return torch.cat([torch.arange(r * c, (r + 1) * c),
                       torch.arange((2 * n - 1 - r) * c, (2 * n - r) * c)])
+
+
+def zigzag_documents_index(documents: tuple[int, ...], n: int, r: int) -> torch.Tensor:
+    """Packed documents on the zigzag layout: *each document* cut into 2n chunks, rank r
+    holding chunks r and 2n-1-r of every document, document by document (ring-flash-attn's
+    varlen zigzag, TransformerEngine's THD layout), so every document is balanced."""
+    parts, start = [], 0
+    for length in documents:
+        parts.append(start + zigzag_index(length, n, r))
+        start += length
+    return torch.cat(parts)
+
+
+def check_documents_divisible(documents: tuple[int, ...], multiple: int, who: str) -> None:
+    """Refuse (rather than pad) documents a per-document split cannot cut evenly."""
+    bad = [d for d in documents if d % multiple]
+    if bad:
+        raise Skipped(
+            f"{who} cuts each document into {multiple} chunks, so every document length "
+            f"must be a multiple of {multiple}; {len(bad)} are not (e.g. {bad[0]}): refused, "
+            f"not padded; give such lengths, or use ring, llama3 or ulysses")
 
 
 def slice_len(part: slice, total: int) -> int:
@@ -78,7 +99,13 @@ class ZigzagLayout:
         n = self.cp_size
         check_divisible(self.attn.seqlen, 2 * n,
                         f"{self.name} over {n} ranks (zigzag: 2 chunks per rank)")
+        if self.attn.documents:
+            check_documents_divisible(self.attn.documents, 2 * n,
+                                      f"{self.name} over {n} ranks")
         super().validate()
 
     def seq_index(self, rank: int) -> torch.Tensor:
+        if self.attn.documents:
+            return zigzag_documents_index(self.attn.documents, self.cp_size,
+                                          self.cp_index(rank))
         return zigzag_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))

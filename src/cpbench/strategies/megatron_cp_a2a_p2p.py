@@ -109,6 +109,7 @@ class _ToSequence(torch.autograd.Function):
 @register
 class MegatronCPA2AP2P(Usp):
     name = "megatron-cp-a2a+p2p"
+    masks = frozenset()  # not usp's: its ring (megatron-cp) and TE's chunk order take none
     description = ("TE cp_comm_type a2a+p2p: q/k/v all-to-alls inside a node, megatron-cp K/V "
                    "ring across nodes, TE's global zigzag layout")
 

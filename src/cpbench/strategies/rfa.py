@@ -11,14 +11,27 @@ flash-attn itself, on CPU cpbench's CPU implementation of that interface
 Layouts, as the library's own tests shard inputs: zigzag, chunks r and 2N-1-r of 2N (its
 twin ``zigzag``); ring, contiguous shards (``ring``); stripe, token i on rank i mod N. Zigzag
 and stripe are causal only (the library asserts it).
+
+Packed documents (``--documents``) go to the library's varlen functions with ``cu_seqlens``
+(batch 1: the documents are the batch): ``rfa-zigzag`` runs
+``zigzag_ring_flash_attn_varlen_func`` on every document cut in 2N chunks (its twin's layout
+under documents), ``rfa-ring`` ``ring_flash_attn_varlen_func`` on every document cut in N
+contiguous parts (the library's varlen layout; ``ring`` splits the packed sequence instead),
+and ``rfa-llama3`` ``llama3_flash_attn_varlen_func`` (all-gather K/V, contiguous shards, with
+the library's ``llama3_flash_attn_prepare_cu_seqlens``; also with a sliding window). The ring
+varlen functions have the fp32 dQ aliasing of the others (ring_flash_attn_varlen.py:172,
+zigzag_ring_flash_attn_varlen.py:283) and are refused in fp32; the llama3 one writes dQ
+into its own buffer and runs in fp32.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from cpbench.errors import UsageError
 from cpbench.strategies import register
 from cpbench.strategies._upstream import (
     check_flash_kernel,
@@ -28,8 +41,13 @@ from cpbench.strategies._upstream import (
     no_schedule,
     unsupported_dtype,
 )
-from cpbench.strategies.base import Strategy, Upstream
-from cpbench.strategies.layout import ZigzagLayout, check_divisible, contiguous_index
+from cpbench.strategies.base import Strategy, Upstream, option
+from cpbench.strategies.layout import (
+    ZigzagLayout,
+    check_divisible,
+    check_documents_divisible,
+    contiguous_index,
+)
 
 PACKAGE, MODULE = "ring-flash-attn", "ring_flash_attn"
 
@@ -39,23 +57,46 @@ class _RingFlashAttn(Strategy):
 
     module: ClassVar[str]  # the library's file of the algorithm
     function: ClassVar[str]
+    varlen: ClassVar[tuple[str, str] | None] = None  # (file, function) for --documents
 
     def __init__(self, *args, create_groups: bool = True, **kwargs):
         super().__init__(*args, create_groups=create_groups, **kwargs)
         self.beneath = None
         if create_groups:  # about to run: the library and the flash-attn under it
             self.beneath = flash_attn_beneath(device_of(self.kernel))
-            self.fn = getattr(import_algorithms(MODULE, self.module), self.function)
+            module, function = (self.varlen if self.attn.documents and self.varlen
+                                else (self.module, self.function))
+            self.fn = getattr(import_algorithms(MODULE, module), function)
 
     def validate(self) -> None:
         check_flash_kernel(self)
         unsupported_dtype(self)
+        if self.attn.documents and self.attn.batch != 1:
+            raise UsageError(f"{self.name} runs {PACKAGE}'s varlen function on packed "
+                             f"tokens: use --batch 1 (the documents are the batch)")
         super().validate()
+
+    def local_cu_seqlens(self, device) -> torch.Tensor:
+        """cu_seqlens of this rank's tokens: every document holds 1/N of its length here."""
+        lengths = torch.tensor([0, *self.attn.documents], dtype=torch.int32, device=device)
+        return (lengths.cumsum(0) // self.cp_size).to(torch.int32)
+
+    def varlen_attention(self, q, k, v):
+        """The varlen function on (tokens, heads, dim): out back to bshd, lse (h, t) to
+        (1, h, t)."""
+        cu = self.local_cu_seqlens(q.device)
+        max_len = int((cu[1:] - cu[:-1]).max())
+        out, lse, _ = self.fn(q[0], k[0], v[0], cu, max_len,
+                              softmax_scale=self.attn.softmax_scale, causal=self.attn.causal,
+                              return_attn_probs=True, group=self.groups["rfa"].pg)
+        return out.unsqueeze(0), lse.unsqueeze(0)
 
     def group_lists(self):
         return {"rfa": self.cp_lists}
 
     def attention(self, q, k, v):
+        if self.attn.documents:
+            return self.varlen_attention(q, k, v)
         out, lse, _ = self.fn(q, k, v, softmax_scale=self.attn.softmax_scale,
                               causal=self.attn.causal, return_attn_probs=True,
                               group=self.groups["rfa"].pg)
@@ -74,7 +115,9 @@ class RfaZigzag(ZigzagLayout, _RingFlashAttn):
     description = "ring-flash-attn's zigzag_ring_flash_attn_func (the library's own code)"
     upstream = Upstream(PACKAGE, MODULE, twin="zigzag")
     causal_only = True
+    masks = frozenset({"documents"})
     module, function = "zigzag_ring_flash_attn", "zigzag_ring_flash_attn_func"
+    varlen = "zigzag_ring_flash_attn_varlen", "zigzag_ring_flash_attn_varlen_func"
 
 
 @register
@@ -82,15 +125,26 @@ class RfaRing(_RingFlashAttn):
     name = "rfa-ring"
     description = "ring-flash-attn's ring_flash_attn_func (the library's own code)"
     upstream = Upstream(PACKAGE, MODULE, twin="ring")
+    masks = frozenset({"documents"})
     module, function = "ring_flash_attn", "ring_flash_attn_func"
+    varlen = "ring_flash_attn_varlen", "ring_flash_attn_varlen_func"
 
     def validate(self) -> None:
         super().validate()
         check_divisible(self.attn.seqlen, self.cp_size, f"{self.name} over {self.cp_size} "
                         f"ranks")
+        if self.attn.documents:
+            check_documents_divisible(self.attn.documents, self.cp_size,
+                                      f"{self.name} over {self.cp_size} ranks (varlen)")
 
     def seq_index(self, rank: int) -> torch.Tensor:
-        return contiguous_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))
+        n, r = self.cp_size, self.cp_index(rank)
+        if not self.attn.documents:
+            return contiguous_index(self.attn.seqlen, n, r)
+        # the library's varlen layout: part r of N of every document, document by document
+        starts = [0, *torch.tensor(self.attn.documents).cumsum(0).tolist()]
+        return torch.cat([start + contiguous_index(length, n, r)
+                          for start, length in zip(starts, self.attn.documents)])
 
 
 @register
@@ -109,3 +163,56 @@ class RfaStripe(_RingFlashAttn):
 
     def seq_index(self, rank: int) -> torch.Tensor:
         return torch.arange(self.cp_index(rank), self.attn.seqlen, self.cp_size)
+
+
+@register
+class RfaLlama3(_RingFlashAttn):
+    name = "rfa-llama3"
+    description = ("ring-flash-attn's llama3_flash_attn_varlen_func: all-gather K/V "
+                   "(the library's own code)")
+    upstream = Upstream(PACKAGE, MODULE, twin="llama3")
+    masks = frozenset({"documents", "window"})
+    module, function = "llama3_flash_attn_varlen", "llama3_flash_attn_varlen_func"
+
+    @dataclass(frozen=True, kw_only=True)
+    class Options:
+        heads_k_stride: int = option(0, "K/V heads gathered at a time (0: all at once); "
+                                     "fewer caps the gathered buffers")
+
+    def validate(self) -> None:
+        check_flash_kernel(self)  # its dQ is its own buffer: fp32 is right (no dtype refusal)
+        if self.attn.batch != 1:
+            raise UsageError(f"{self.name} runs {PACKAGE}'s varlen function on packed tokens: "
+                             f"use --batch 1 (pack a batch as --documents)")
+        if self.attn.window_size and not self.attn.causal:
+            raise UsageError(f"{self.name}: the library aligns a window to the end of each "
+                             f"rank's key slice, right only when causal; add --causal")
+        check_divisible(self.attn.seqlen, self.cp_size, f"{self.name} over {self.cp_size} "
+                        f"ranks")
+        hk, stride = self.attn.num_kv_heads, self.opts.heads_k_stride
+        if stride < 0 or (stride and hk % stride):
+            raise UsageError(f"--heads-k-stride {stride} must divide the {hk} K/V heads, "
+                             f"or be 0 (all at once)")
+
+    def seq_index(self, rank: int) -> torch.Tensor:
+        return contiguous_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))
+
+    def resolved_options(self) -> dict:
+        return {"heads_k_stride": self.opts.heads_k_stride or self.attn.num_kv_heads}
+
+    def twin_options(self) -> dict:
+        return self.resolved_options()
+
+    def attention(self, q, k, v):
+        prepare = import_algorithms(MODULE, self.module).llama3_flash_attn_prepare_cu_seqlens
+        lengths = self.attn.documents or (self.attn.seqlen,)
+        cu = torch.tensor([0, *lengths], dtype=torch.int32, device=q.device).cumsum(0)
+        cu_q, cu_k, max_q, max_k, k_slice = prepare(cu.to(torch.int32), self.attn.causal,
+                                                    self.cp_index(self.rank), self.cp_size)
+        window = tuple(self.attn.window_size) if self.attn.window_size else (-1, -1)
+        out, lse, _ = self.fn(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k,
+                              self.resolved_options()["heads_k_stride"], k_slice,
+                              softmax_scale=self.attn.softmax_scale, causal=self.attn.causal,
+                              window_size=window, return_attn_probs=True,
+                              group=self.groups["rfa"].pg)
+        return out.unsqueeze(0), lse.unsqueeze(0)

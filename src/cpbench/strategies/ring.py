@@ -16,6 +16,7 @@ from cpbench.strategies import register
 from cpbench.strategies._kv_ring import (
     KVRingAttention,
     dkv_group_option,
+    kv_ring_areas,
     kv_ring_lists,
     kv_ring_schedule,
 )
@@ -26,6 +27,7 @@ from cpbench.strategies.layout import Block, check_divisible, contiguous_index
 @register
 class Ring(Strategy):
     name = "ring"
+    masks = frozenset({"documents", "window"})
     description = "contiguous shards, K/V ring; causal skips future blocks (imbalanced baseline)"
 
     def validate(self) -> None:
@@ -52,3 +54,6 @@ class Ring(Strategy):
 
     def schedule(self) -> list[Step]:
         return kv_ring_schedule(self)
+
+    def area_per_step(self) -> list[list[int]]:
+        return kv_ring_areas(self)

@@ -79,16 +79,33 @@ class _LocalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, strat: Strategy, q, k, v):
-        out, lse = strat.kernel_call("forward", q, k, v, causal=strat.attn.causal)
+        if strat.mask.plain:
+            out, lse = strat.kernel_call("forward", q, k, v, causal=strat.attn.causal)
+        else:
+            out, lse = strat.masked_forward(q, k, v, _tiles(strat))
+            out = out.to(q.dtype)
         save_for_backward(ctx, strat, q, k, v, out, lse, lse=lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.strat.kernel_call("backward", dout.contiguous(), q, k, v, out, lse,
-                                           causal=ctx.strat.attn.causal)
+        strat = ctx.strat
+        if strat.mask.plain:
+            dq, dk, dv = strat.kernel_call("backward", dout.contiguous(), q, k, v, out, lse,
+                                           causal=strat.attn.causal)
+        else:
+            dq, dk, dv = strat.masked_backward(dout.contiguous(), q, k, v, out, lse,
+                                               _tiles(strat))
         return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _tiles(strat: Strategy):
+    """Under a mask: the whole gathered sequence (the group's shards in member order)
+    against itself, by global positions."""
+    ranks = strat.groups["ulysses"].ranks  # the all-to-all gathers in member order
+    pos = torch.cat([strat.seq_index(r) for r in ranks])
+    return strat.tiles("local", pos, pos)
 
 
 def local_attention(strat: Strategy) -> Attention:
@@ -135,6 +152,7 @@ def ulysses_messages(strat: Strategy, group: Group, seqlen_local: int, kv_heads:
 @register
 class Ulysses(Strategy):
     name = "ulysses"
+    masks = frozenset({"documents", "window"})  # heads split: the mask never is
     description = ("DeepSpeed-Ulysses: all-to-all to head shards, full-sequence attention, "
                    "all-to-all back; K/V heads replicated when fewer than ranks (LoongTrain)")
 
@@ -161,6 +179,11 @@ class Ulysses(Strategy):
     def replicas(self) -> int:
         return kv_replicas(self.attn.num_kv_heads, self.cp_size)
 
+    def area_per_rank(self) -> list[int]:
+        # every rank computes the whole sequence's mask for 1/N of the heads
+        every = torch.arange(self.attn.seqlen)
+        return [self.mask.pairs(every, every) // self.cp_size] * self.world_size
+
     def attention(self, q, k, v):
         return ulysses_attention(q, k, v, self.groups["ulysses"], local_attention(self),
                                  self.replicas, self.need_lse)
@@ -170,9 +193,12 @@ class Ulysses(Strategy):
         n, s_full = g.size, self.attn.seqlen
         msgs = ulysses_messages(self, g, s_full // n, self.attn.num_kv_heads * self.replicas)
         steps = []
+        area = None if self.mask.plain else self.area_per_rank()[0]
         for phase in (FWD, BWD):
             # each rank computes the whole sequence for 1/N of the heads
-            steps += [Step(phase, 0, 0.0, msgs[f"{phase}_in"]),
-                      self.kernel_step(phase, 1, s_full, s_full, self.attn.causal, head_share=n),
+            kernel = self.kernel_step(phase, 1, s_full, s_full, self.attn.causal,
+                                      head_share=n) if area is None else \
+                self.pairs_step(phase, 1, area, (s_full, s_full))
+            steps += [Step(phase, 0, 0.0, msgs[f"{phase}_in"]), kernel,
                       Step(phase, 2, 0.0, msgs[f"{phase}_out"])]
         return steps

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from cpbench import strategies
-from cpbench.errors import UsageError
+from cpbench.errors import Skipped, UsageError
 from cpbench.strategies import register
 from cpbench.strategies.base import BWD, FWD, Step, Strategy, option
 from cpbench.strategies.layout import check_divisible, contiguous_index
@@ -73,6 +73,7 @@ def placement_option():
 @register
 class Usp(Strategy):
     name = "usp"
+    masks = frozenset({"documents", "window"})  # through its ring (ring, zigzag) or kernel
     description = ("ulysses all-to-all inside groups of u ranks × a ring strategy over N/u "
                    "ring positions (yunchang LongContextAttention)")
 
@@ -149,6 +150,10 @@ class Usp(Strategy):
         self.ulysses_lists = [[cp[i] for i in g] for cp in self.cp_lists for g in uly_pos]
         self.ring_lists = [[cp[i] for i in g] for cp in self.cp_lists for g in ring_pos]
         self.replicas = kv_replicas(a.num_kv_heads, u)
+        if self.ring_degree > 1 and not self.mask.plain:
+            why = strategies.get(self.ring_impl).unsupported_mask(self.mask)
+            if why:
+                raise Skipped(f"usp with --ring-impl {self.ring_impl}: {why}")
         self._ring_strategy(create_groups=False)  # the ring strategy validates its part
 
     def _ring_strategy(self, *, create_groups: bool) -> Strategy | None:
@@ -175,6 +180,23 @@ class Usp(Strategy):
         ring_set = self.ring.seq_index(rank)
         return ring_set.chunk(len(uly))[uly.index(rank)]
 
+    def _ring_set(self, rank: int) -> torch.Tensor:
+        """The tokens ``rank``'s Ulysses group holds together after the all-to-all."""
+        if self.ring is None:
+            return torch.arange(self.attn.seqlen)
+        return self.ring.seq_index(rank)
+
+    def area_per_rank(self) -> list[int]:
+        # after the all-to-all a rank computes its group's token set on heads/u of the heads
+        every, u = torch.arange(self.attn.seqlen), self.ulysses_degree
+        return [self.mask.pairs(self._ring_set(r), every) // u
+                for r in range(self.world_size)]
+
+    def area_per_step(self) -> list[list[int]] | None:
+        steps = None if self.ring is None else self.ring.area_per_step()
+        return None if steps is None else [[a // self.ulysses_degree for a in row]
+                                           for row in steps]
+
     # -- the algorithm -----------------------------------------------------------------------
 
     def attention(self, q, k, v):
@@ -186,7 +208,10 @@ class Usp(Strategy):
         g = self.groups["ulysses"]
         a = self.attn
         msgs = ulysses_messages(self, g, a.seqlen // self.cp_size, a.num_kv_heads * self.replicas)
-        if self.ring is None:
+        if self.ring is None and not self.mask.plain:
+            area = self.area_per_rank()[self.rank]
+            inner = [self.pairs_step(p, 0, area, (a.seqlen, a.seqlen)) for p in (FWD, BWD)]
+        elif self.ring is None:
             inner = [self.kernel_step(p, 0, a.seqlen, a.seqlen, a.causal, head_share=g.size)
                      for p in (FWD, BWD)]
         else:

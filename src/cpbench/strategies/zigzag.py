@@ -20,6 +20,7 @@ from cpbench.strategies import register
 from cpbench.strategies._kv_ring import (
     KVRingAttention,
     dkv_group_option,
+    kv_ring_areas,
     kv_ring_lists,
     kv_ring_schedule,
 )
@@ -30,6 +31,7 @@ from cpbench.strategies.layout import Block, ZigzagLayout, zigzag_block
 @register
 class Zigzag(ZigzagLayout, Strategy):
     name = "zigzag"
+    masks = frozenset({"documents", "window"})
     description = "zigzag layout (chunks r and 2N-1-r), K/V ring: causal work balanced over ranks"
 
     @dataclass(frozen=True, kw_only=True)
@@ -47,3 +49,6 @@ class Zigzag(ZigzagLayout, Strategy):
 
     def schedule(self) -> list[Step]:
         return kv_ring_schedule(self)
+
+    def area_per_step(self) -> list[list[int]]:
+        return kv_ring_areas(self)

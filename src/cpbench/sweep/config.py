@@ -12,12 +12,16 @@ import yaml
 
 from cpbench import strategies
 from cpbench.bench import plan as planning
-from cpbench.config import GPU_ATTENTION, GPU_ITERS, RunConfig
+from cpbench.config import GPU_ATTENTION, GPU_ITERS, RunConfig, parse_size
 from cpbench.errors import UsageError
 from cpbench.settings import Setting, attention_settings, run_settings, split
 
 TOP_KEYS = ("topology", "timeout", "base", "sweep", "cases", "description")
-SWEEP_ONLY = ("timeout",)  # settings of the sweep itself, not passed to `cpbench run`
+# settings of the sweep itself, not passed to `cpbench run`; the two protocols set seqlen:
+# tokens_per_rank (weak scaling: S = tokens × CP ranks, MagiAttention's 8K-per-GPU curves),
+# total_tokens (a fixed token budget split as batch × S: S = total / batch)
+SWEEP_ONLY = ("timeout", "tokens_per_rank", "total_tokens")
+PROTOCOLS = ("tokens_per_rank", "total_tokens")
 RESERVED = ("out",)  # the sweep sets these
 
 
@@ -121,8 +125,28 @@ def _raw_cases(doc: dict, spec: dict, errors: list[str]) -> tuple[dict, list[dic
     return base, raw if axes or extra else [dict(base)]
 
 
-def _typed(raw: dict, spec: dict, where: str, default_timeout, gpu: bool
-           ) -> tuple[dict, float | None, list[str]]:
+def protocol_seqlen(raw: dict, settings: dict, world: int | None) -> int | None:
+    """The sequence length a protocol key sets (None: no protocol key in this case).
+    ``world``: the ranks of a GPU topology, None for local ranks (``nproc``, default 4)."""
+    given = [k for k in PROTOCOLS if raw.get(k) is not None]
+    if not given:
+        return None
+    if len(given) > 1 or "seqlen" in raw:
+        raise UsageError(f"{' and '.join([*given, *(['seqlen'] if 'seqlen' in raw else [])])} "
+                         f"each set the sequence length; give one of them")
+    key = given[0]
+    tokens = parse_size(str(raw[key]))
+    if key == "tokens_per_rank":
+        return tokens * (world or settings.get("nproc") or planning.DEFAULT_NPROC)
+    batch = settings.get("batch", 1)
+    if tokens % batch:
+        raise UsageError(f"total_tokens {tokens} does not split into batch {batch} equal "
+                         f"sequences; give a batch that divides it")
+    return tokens // batch
+
+
+def _typed(raw: dict, spec: dict, where: str, default_timeout, gpu: bool,
+           world: int | None = None) -> tuple[dict, float | None, list[str]]:
     """(typed settings, timeout, errors) of one case."""
     settings, errors = {}, []
     for k, v in raw.items():
@@ -132,6 +156,13 @@ def _typed(raw: dict, spec: dict, where: str, default_timeout, gpu: bool
             settings[k] = spec[k].from_yaml(v)
         except UsageError as e:
             errors.append(f"{where}: {e}")
+    try:
+        seqlen = protocol_seqlen(raw, settings, world)
+    except UsageError as e:
+        errors.append(f"{where}: {e}")
+    else:
+        if seqlen is not None:
+            settings["seqlen"] = seqlen
     timeout = raw.get("timeout", default_timeout)
     if timeout is not None and (isinstance(timeout, bool) or
                                 not isinstance(timeout, (int, float)) or timeout <= 0):
@@ -147,8 +178,9 @@ def _cases(raw_cases: list[dict], base: dict, spec: dict, doc: dict,
     cases, seen = [], {}
     for i, raw in enumerate(raw_cases, 1):
         where = f"case {i} ({_label(raw, base)})"
+        world = topology[0] * topology[1] if topology else None
         settings, timeout, bad = _typed(raw, spec, where, doc.get("timeout"),
-                                        topology is not None)
+                                        topology is not None, world)
         errors += bad
         if bad:
             continue
@@ -186,7 +218,9 @@ def load(path: str | os.PathLike) -> Sweep:
         # GPU runs: seed 001's defaults, written out, so that the command lines and the rows'
         # keys do not depend on whether the machine checking the sweep has a GPU
         gpu_defaults = {**GPU_ATTENTION, **GPU_ITERS}
-        raw_cases = [{**gpu_defaults, **raw} for raw in raw_cases]
+        raw_cases = [{**{k: v for k, v in gpu_defaults.items()
+                         if k != "seqlen" or not any(raw.get(p) for p in PROTOCOLS)}, **raw}
+                     for raw in raw_cases]
         base = {**gpu_defaults, **base}
     cases = _cases(raw_cases, base, spec, doc, topology, errors)
     if errors:

@@ -38,10 +38,10 @@ def run_flags(settings: dict) -> list[str]:
             continue
         if isinstance(v, bool):
             argv.append(flag(k) if v else f"--no-{flag(k)[2:]}")
-        elif isinstance(v, tuple):
-            argv += [flag(k), ",".join(v)]
         else:
-            argv += [flag(k), str(v)]
+            text = ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
+            # "-1,-1" would read as a flag: joined to its own (--window-size=-1,-1)
+            argv += [f"{flag(k)}={text}"] if text.startswith("-") else [flag(k), text]
     return argv
 
 

@@ -1,0 +1,189 @@
+"""The attention mask beyond causal: packed documents and sliding windows.
+
+Query i sees key j when both lie in one document, ``j <= i`` under ``--causal``, and
+``i - left <= j <= i + right`` under ``--window-size LEFT,RIGHT`` (flash-attn's
+``window_size``; -1 is unbounded; causal caps the right side at 0). For one query the visible
+keys are therefore one interval of global positions, ``key_interval`` — everything else
+(the float64 reference's mask, a block's visibility, the attended area per rank and per ring
+step) follows from it.
+
+``--documents`` takes explicit lengths (``4k,2k,1k,1k``) or a distribution sampled with the
+run's seed until the sequence is full (``uniform:MIN-MAX``, ``lognormal:MEDIAN,SIGMA``,
+``file:PATH``), each length capped at ``--max-document`` (default a quarter of the sequence,
+as MagiAttention's benchmark caps its documents).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cpbench.errors import UsageError
+
+DISTRIBUTIONS = ("uniform", "lognormal", "file")
+
+
+_SIZE_SUFFIX = {"k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
+
+
+def parse_size(text: str) -> int:
+    """A positive token count: ``524288``, ``8k``, ``128K``, ``1M`` (binary: 8k = 8192).
+    Here rather than in ``config``, which imports it: document lengths are sizes too."""
+    t = str(text).strip().lower()
+    scale = _SIZE_SUFFIX.get(t[-1:], 1)
+    digits = t[:-1] if scale > 1 else t
+    if not digits.lstrip("-").isdigit():
+        raise UsageError(f"cannot read {text!r} as a size; use an integer or a size like "
+                         f"8k, 128K, 1M")
+    if int(digits) < 1:
+        raise UsageError(f"a size must be positive, got {text!r}; use e.g. 8k, 128K, 1M")
+    return int(digits) * scale
+
+
+_size = parse_size
+
+
+def parse_documents(text: str) -> tuple[int, ...] | str:
+    """``4k,2k,1k,1k`` → the lengths; a distribution spec is checked and kept as text (it is
+    sampled once the sequence length and seed are known: ``resolve_documents``)."""
+    t = str(text).strip()
+    kind, sep, rest = t.partition(":")
+    if sep:
+        if kind not in DISTRIBUTIONS:
+            raise UsageError(f"--documents {t!r}: unknown distribution {kind!r}; use lengths "
+                             f"(4k,2k,1k,1k), uniform:MIN-MAX, lognormal:MEDIAN,SIGMA or "
+                             f"file:PATH")
+        _sampler(t)  # reads the parameters now, so a typo fails before anything runs
+        return t
+    return tuple(_size(part) for part in t.split(",") if part.strip())
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    """``1023,0`` → (1023, 0): flash-attn's ``window_size`` (-1: unbounded on that side)."""
+    parts = str(text).split(",")
+    try:
+        left, right = (int(p) for p in parts)
+    except ValueError:
+        raise UsageError(f"--window-size {text!r}: give LEFT,RIGHT as integers, e.g. 1023,0 "
+                         f"(-1: unbounded on that side)") from None
+    if left < -1 or right < -1:
+        raise UsageError(f"--window-size {text!r}: each side is >= 0, or -1 for unbounded")
+    return left, right
+
+
+def _sampler(spec: str):
+    """A function rng -> one document length for a distribution spec."""
+    kind, _, rest = spec.partition(":")
+    try:
+        if kind == "uniform":
+            lo, hi = (_size(x) for x in rest.split("-"))
+            if lo > hi:
+                raise ValueError
+            return lambda rng: rng.randint(lo, hi)
+        if kind == "lognormal":
+            median, sigma = rest.split(",")
+            mu, sd = math.log(_size(median)), float(sigma)
+            return lambda rng: max(1, round(rng.lognormvariate(mu, sd)))
+        lengths = [int(line) for line in Path(rest).read_text().split() if line.strip()]
+        if not lengths or min(lengths) < 1:
+            raise ValueError
+        return lambda rng: rng.choice(lengths)
+    except OSError as e:
+        raise UsageError(f"--documents {spec}: cannot read {rest} ({e.strerror}); give a "
+                         f"file with one document length a line") from None
+    except (ValueError, UsageError):
+        raise UsageError(f"--documents {spec!r}: cannot read it; use uniform:MIN-MAX "
+                         f"(MIN <= MAX), lognormal:MEDIAN,SIGMA or file:PATH (one positive "
+                         f"length a line)") from None
+
+
+def resolve_documents(documents, seqlen: int, seed: int, max_document: int | None
+                      ) -> tuple[int, ...] | None:
+    """The document lengths of a run: explicit lengths as given (they must sum to the
+    sequence), or a distribution sampled with ``seed`` until the sequence is full, every
+    length capped (default: a quarter of the sequence); the last one is cut to fit."""
+    if documents is None:
+        return None
+    if not isinstance(documents, str):
+        lengths = tuple(int(x) for x in documents)
+        if sum(lengths) != seqlen or min(lengths, default=0) < 1:
+            raise UsageError(f"--documents lengths sum to {sum(lengths)}, not --seqlen "
+                             f"{seqlen}; give positive lengths that add up to the sequence")
+        return lengths
+    cap = max_document or max(1, seqlen // 4)
+    draw, rng, lengths = _sampler(documents), random.Random(seed), []
+    while sum(lengths) < seqlen:
+        lengths.append(min(draw(rng), cap, seqlen - sum(lengths)))
+    return tuple(lengths)
+
+
+@dataclass(frozen=True)
+class Mask:
+    """The whole problem's mask in global positions."""
+
+    causal: bool
+    documents: tuple[int, ...] | None = None
+    window: tuple[int, int] | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Causal or full over one sequence: what every kernel does natively."""
+        return self.documents is None and self.window is None
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        return frozenset(k for k, v in (("documents", self.documents),
+                                        ("window", self.window)) if v is not None)
+
+    def key_interval(self, q_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each query position, the first and last key position it sees (inclusive)."""
+        q = q_pos.long()
+        lo, hi = torch.full_like(q, -(2 ** 62)), torch.full_like(q, 2 ** 62)
+        if self.documents is not None:
+            ends = torch.tensor(self.documents, device=q.device).cumsum(0)
+            doc = torch.searchsorted(ends, q, right=True)
+            lo = ends[doc] - torch.tensor(self.documents, device=q.device)[doc]
+            hi = ends[doc] - 1
+        if self.causal:
+            hi = torch.minimum(hi, q)
+        if self.window is not None:
+            left, right = self.window
+            if left >= 0:
+                lo = torch.maximum(lo, q - left)
+            if right >= 0:
+                hi = torch.minimum(hi, q + right)
+        return lo, hi
+
+    def run_key(self, pos: torch.Tensor) -> torch.Tensor:
+        """Positions made non-consecutive across a document boundary, so that runs of
+        consecutive keys (``kernels.masked.runs``) never span two documents."""
+        if self.documents is None:
+            return pos
+        ends = torch.tensor(self.documents, device=pos.device).cumsum(0)
+        return pos.long() + torch.searchsorted(ends, pos.long(), right=True) * 2 ** 40
+
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """(len q, len k) bool: True where the query sees the key."""
+        lo, hi = self.key_interval(q_pos)
+        k = k_pos.long().to(q_pos.device)
+        return (k >= lo[:, None]) & (k <= hi[:, None])
+
+    def pairs(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> int:
+        """How many (query, key) pairs of these positions are visible, without the matrix
+        (sorted keys, two binary searches per query), so it is cheap at any length."""
+        lo, hi = self.key_interval(q_pos)
+        k = torch.sort(k_pos.long().to(q_pos.device)).values
+        n = torch.searchsorted(k, hi, right=True) - torch.searchsorted(k, lo)
+        return int(n.clamp(min=0).sum())
+
+
+def mask_of(attn) -> Mask:
+    """The mask of an ``AttentionConfig`` (or its dict form, as records hold it)."""
+    get = attn.get if isinstance(attn, dict) else (lambda k: getattr(attn, k))
+    docs, window = get("documents"), get("window_size")
+    return Mask(bool(get("causal")), tuple(docs) if docs else None,
+                tuple(window) if window else None)

@@ -1,0 +1,139 @@
+"""``cpbench report --best``: which strategy wins each problem, and by how much.
+
+A problem is everything but the strategy: the mask (causal or full, documents, window), the
+shape (dtype, B, S, heads, head dim), the topology (world, nodes × GPUs), the kernel and the
+device, measured or simulated. Among its CP rows that ran, the fastest FWD+BWD median (FWD
+with --fwd-only) wins; the margin is the runner-up's time over the winner's, less one.
+It is a tie when their intervals overlap: the 95 % bootstrap interval of the runner-up /
+winner ratio of per-iteration times reaches 1 (TransformerEngine's benchmark flags such
+near-ties in its winner maps); simulated rows, which have no spread, tie within 1 %.
+``--plot`` draws the winner map: problems × topologies, each cell coloured by its winner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cpbench.metrics import bootstrap_ratio
+from cpbench.report.dataframe import frame
+from cpbench.report.labels import joined
+from cpbench.results import OK
+
+SIM_TIE = 0.01  # simulated rows: a margin below this is a tie (a model has no spread)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    problem: str
+    topology: str
+    winner: str
+    time_ms: float
+    runner_up: str | None
+    margin: float | None  # runner-up / winner - 1
+    interval: tuple[float, float] | None  # of runner-up / winner
+    tie: bool
+
+
+def _problem(row: dict) -> str:
+    mask = "causal" if row["causal"] else "full"
+    if row["documents"] != "-":
+        docs = row["documents"].split(",")
+        mask += f" docs×{len(docs)}"
+    if row["window"] != "(-1, -1)":
+        mask += f" win{row['window'].replace(' ', '')}"
+    source = " (sim)" if row["simulated"] else ""
+    return (f"{mask} S={row['seqlen']} B={row['batch']} H={row['heads']} {row['dtype']} "
+            f"{row['kernel']}{source}")
+
+
+def verdicts(records: list[dict]) -> list[Verdict]:
+    df = frame(records)
+    df = df[(df["status"] == OK) & (df["ranks_per_problem"] > 1)]
+    out = []
+    for row in _groups(df):
+        out.append(_verdict(row))
+    return out
+
+
+def _groups(df):
+    if df.empty:
+        return []
+    df = df.assign(time=df["fwd_ms"].where(df["fwd_only"], df["fwd_bwd_ms"]),
+                   iters=df["iters_fwd"].where(df["fwd_only"], df["iters_fwd_bwd"]),
+                   problem=[_problem(r) for r in df.to_dict("records")],
+                   topology=[f"{n}×{g}" for n, g in zip(df["nodes"], df["ranks_per_node"])])
+    df = df[df["time"].notna()]
+    return [g.sort_values("time").to_dict("records")
+            for _, g in df.groupby(["problem", "topology", "world"], sort=False)]
+
+
+def _verdict(rows: list[dict]) -> Verdict:
+    best = rows[0]
+    name = joined(best["strategy"], best["options"])
+    if len(rows) == 1:
+        return Verdict(best["problem"], best["topology"], name, best["time"], None, None,
+                       None, False)
+    second = rows[1]
+    margin = second["time"] / best["time"] - 1
+    interval, tie = None, margin < SIM_TIE
+    if all(isinstance(r["iters"], list) and len(r["iters"]) >= 3 for r in (best, second)):
+        interval = bootstrap_ratio(second["iters"], best["iters"])
+        tie = interval[0] <= 1.0
+    return Verdict(best["problem"], best["topology"], name, best["time"],
+                   joined(second["strategy"], second["options"]), margin, interval, tie)
+
+
+def best_table(records: list[dict], fmt: str = "table") -> str:
+    """One line per problem and topology: the winner, its time, the runner-up, the margin."""
+    vs = verdicts(records)
+    if not vs:
+        return "no CP rows that ran: nothing to rank\n"
+    head = ["Problem", "Topology", "Winner", "Time (ms)", "Runner-up", "Margin", "Verdict"]
+    rows = []
+    for v in vs:
+        margin = "-" if v.margin is None else f"+{100 * v.margin:.1f} %"
+        if v.interval:
+            margin += f" [{100 * (v.interval[0] - 1):+.1f}, {100 * (v.interval[1] - 1):+.1f}]"
+        verdict = "only one" if v.runner_up is None else "tie" if v.tie else "wins"
+        rows.append([v.problem, v.topology, v.winner, f"{v.time_ms:.2f}", v.runner_up or "-",
+                     margin, verdict])
+    if fmt == "markdown":
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    fmt_row = " | ".join(f"{{:<{w}}}" for w in widths).format
+    rule = "-" * (sum(widths) + 3 * (len(widths) - 1))
+    return "\n".join(["Which strategy wins (fastest FWD+BWD; tie: the 95 % intervals "
+                      "overlap):", rule, fmt_row(*head), rule, *(fmt_row(*r) for r in rows),
+                      rule]) + "\n"
+
+
+def plot_winners(records: list[dict], path: str) -> None:
+    """The winner map: a row per problem, a column per topology, coloured by strategy;
+    a tie is hatched and names both."""
+    from cpbench.report.plot import require_matplotlib
+
+    plt = require_matplotlib()
+    vs = verdicts(records)
+    problems = list(dict.fromkeys(v.problem for v in vs))
+    topos = list(dict.fromkeys(v.topology for v in vs))
+    names = sorted({v.winner for v in vs})
+    colours = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(names)}
+    fig, ax = plt.subplots(figsize=(2.2 * len(topos) + 4, 0.6 * len(problems) + 1.5))
+    for v in vs:
+        x, y = topos.index(v.topology), problems.index(v.problem)
+        ax.add_patch(plt.Rectangle((x, y), 1, 1, color=colours[v.winner],
+                                   hatch="//" if v.tie else None, ec="white"))
+        text = v.winner + (f"\n~ {v.runner_up}" if v.tie else
+                           f"\n+{100 * v.margin:.0f} %" if v.margin is not None else "")
+        ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, len(topos))
+    ax.set_ylim(0, len(problems))
+    ax.set_xticks([i + 0.5 for i in range(len(topos))], topos)
+    ax.set_yticks([i + 0.5 for i in range(len(problems))], problems, fontsize=7)
+    ax.set_xlabel("nodes × GPUs")
+    ax.set_title("Fastest strategy per problem\n(hatched: a tie with the runner-up)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

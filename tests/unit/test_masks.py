@@ -1,0 +1,197 @@
+"""Packed documents and sliding windows without processes: parsing, sampling, the exact
+attended area (FLOPs), the masked CPU kernel against the float64 reference, the load balance
+each layout gives, and strategies that cannot take a mask being skipped with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpbench import kernels, metrics, strategies
+from cpbench.bench.plan import plan
+from cpbench.config import AttentionConfig, RunConfig
+from cpbench.errors import Skipped, UsageError
+from cpbench.kernels import masked
+from cpbench.mask import Mask, parse_documents, parse_window, resolve_documents
+from cpbench.reference import reference_attention
+from cpbench.topology import Topology
+
+
+def test_parse_documents_and_window():
+    assert parse_documents("4k,2k,1k,1k") == (4096, 2048, 1024, 1024)
+    assert parse_documents("uniform:1k-2k") == "uniform:1k-2k"
+    assert parse_window("1023,0") == (1023, 0)
+    for bad in ("normal:1,2", "uniform:2k-1k", "lognormal:1k"):
+        with pytest.raises(UsageError, match="--documents"):
+            parse_documents(bad)
+    with pytest.raises(UsageError, match="LEFT,RIGHT"):
+        parse_window("1023")
+
+
+def test_sampled_documents_fill_the_sequence_under_the_cap(tmp_path):
+    docs = resolve_documents("lognormal:2k,1.0", 65536, seed=3, max_document=None)
+    assert sum(docs) == 65536 and max(docs) <= 65536 // 4
+    assert docs == resolve_documents("lognormal:2k,1.0", 65536, seed=3, max_document=None)
+    assert docs != resolve_documents("lognormal:2k,1.0", 65536, seed=4, max_document=None)
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("300\n500\n")
+    docs = resolve_documents(f"file:{lengths}", 4096, seed=0, max_document=400)
+    assert set(docs[:-1]) <= {300, 400} and sum(docs) == 4096
+    with pytest.raises(UsageError, match="sum to 3072, not --seqlen 4096"):
+        resolve_documents((2048, 1024), 4096, 0, None)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("docs", [None, (5, 3, 8)])
+@pytest.mark.parametrize("window", [None, (2, 0), (1, 3), (0, 0), (-1, 2)])
+def test_attended_pairs_count_the_mask_exactly(causal, docs, window):
+    mask, pos = Mask(causal, docs, window), torch.arange(16)
+    by_matrix = int(mask.visible(pos, pos).sum())
+    assert metrics.attended_pairs(seqlen=16, causal=causal, documents=docs,
+                                  window=window) == by_matrix == mask.pairs(pos, pos)
+
+
+def test_window_flops_are_the_window_area_and_plain_keeps_the_formula():
+    shape = dict(batch=1, seqlen=8192, heads=8, head_dim=64, causal=True)
+    window, how = metrics.problem_flops(**shape, window=(1023, 0))
+    causal, plain = metrics.problem_flops(**shape)
+    assert (how, plain) == ("exact pairs", "formula")
+    assert causal == 4 * 8 * 64 * 8192 ** 2 / 2  # the seeds' S²/2
+    assert window / causal == pytest.approx(0.2344, abs=1e-4)
+
+
+@pytest.mark.parametrize("by_runs", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_kernel_matches_the_float64_reference(dtype, by_runs):
+    """Documents and a window on queries and keys in a shuffled (zigzag-like) order: the
+    tiles' out, lse and gradients against the float64 reference with the same mask."""
+    gen = torch.Generator().manual_seed(0)
+    s, h, hk, d = 96, 4, 2, 16
+    q, dout = (torch.randn(1, s, h, d, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(1, s, hk, d, generator=gen).to(dtype) for _ in range(2))
+    mask = Mask(True, (40, 8, 48), (20, 0))
+    pos = torch.cat([torch.arange(48, 96), torch.arange(0, 48)])  # the local order
+    # by runs of positions, rows are in several tiles (merged by lse); else row tiles only
+    tiles = masked.plan(mask.visible(pos, pos), *((pos, pos) if by_runs else ()))
+    assert by_runs or len({int(r) for t in tiles for r in t.rows}) == sum(len(t.rows)
+                                                                          for t in tiles)
+    backend = kernels.get("sdpa-cpu")
+    out, lse = masked.forward(backend, tiles, q, k, v, softmax_scale=d ** -0.5)
+    grads = masked.backward(backend, tiles, dout, q, k, v, out.to(dtype), lse,
+                            softmax_scale=d ** -0.5)
+    ref = reference_attention(q[:, pos.argsort()], k[:, pos.argsort()], v[:, pos.argsort()],
+                              dout[:, pos.argsort()], causal=True, softmax_scale=d ** -0.5,
+                              visible=mask.visible(torch.arange(s), torch.arange(s)))
+    tol = 2e-4 if dtype == torch.float32 else 6e-2
+    got = {"out": out, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+    for name, t in got.items():
+        assert torch.allclose(t[:, pos.argsort()].double(), ref[name], atol=tol, rtol=tol), name
+    assert torch.allclose(lse[..., pos.argsort()].double(), ref["lse"], atol=tol)
+
+
+def test_an_empty_block_is_no_tile():
+    mask = Mask(True, (64, 64), None)
+    assert masked.plan(mask.visible(torch.arange(64, 128), torch.arange(0, 64))) == []
+    assert masked.plan(mask.visible(torch.arange(0, 32), torch.arange(32, 64))) == []
+
+
+def _balance(name, attn, world=4, **opts):
+    cls = strategies.get(name)
+    topo = Topology(world_size=world, ranks_per_node=2)
+    return cls(attn, topo, 0, kernel=kernels.get("sdpa-cpu"), options=cls.Options(**opts),
+               create_groups=False).balance()
+
+
+def test_imbalance_of_each_layout_on_documents():
+    attn = AttentionConfig(seqlen=8192, documents=(4096, 2048, 1024, 1024))
+    ring, zigzag = _balance("ring", attn), _balance("zigzag", attn)
+    assert ring["imbalance"] == pytest.approx(2.18, abs=0.01)  # the acceptance's figure
+    assert zigzag["imbalance"] == pytest.approx(1.0, abs=0.01)  # each document balanced
+    assert _balance("ulysses", attn)["imbalance"] == 1.0  # heads split: the mask never is
+    total = metrics.attended_pairs(seqlen=8192, causal=True, documents=attn.documents)
+    for b in (ring, zigzag, _balance("llama3", attn)):
+        assert sum(b["area_per_rank"]) == total
+    # per ring step: ring's rank 0 sees only its own block; everything later is empty
+    assert ring["area_per_step"][0][1:] == [0, 0, 0]
+    assert [sum(steps) for steps in ring["area_per_step"]] == ring["area_per_rank"]
+
+
+def test_masked_schedules_declare_the_attended_area():
+    attn = AttentionConfig(seqlen=1024, heads=8, head_dim=16, window_size=(127, 0))
+    topo = Topology(world_size=4, ranks_per_node=2)
+    want = metrics.problem_flops(batch=1, seqlen=1024, heads=8, head_dim=16, causal=True,
+                                 window=(127, 0))[0]
+    for name in ("ring", "zigzag", "ulysses", "llama3", "usp"):
+        cls = strategies.get(name)
+        for opts in cls.variants(topo):
+            if getattr(opts, "ring_impl", None) == "double-ring":
+                continue  # skipped under a mask (double-ring takes none)
+            total = sum(step.flops for r in range(4)
+                        for step in cls(attn, topo, r, kernel=kernels.get("torch"),
+                                        options=opts, create_groups=False).schedule()
+                        if step.phase == "fwd")
+            assert total == pytest.approx(want, rel=1e-9), (name, opts)
+
+
+def test_a_strategy_that_cannot_take_the_mask_is_skipped_with_the_reason():
+    run = RunConfig(strategy=("ring", "megatron-cp"), nproc=4, out="none")
+    p = plan(run, {"seqlen": 1024, "documents": (512, 512)}, {}, launcher="self")
+    assert [c.strategy for c in p.cases] == ["ring"]
+    assert any("megatron-cp does not support --documents" in s for s in p.skipped)
+    alone = RunConfig(strategy=("megatron-cp",), nproc=4, out="none")
+    with pytest.raises(Skipped, match="does not support --documents"):
+        plan(alone, {"seqlen": 1024, "documents": (512, 512)}, {}, launcher="self")
+
+
+def test_zigzag_refuses_documents_it_cannot_cut():
+    run = RunConfig(strategy=("zigzag", "ring"), nproc=4, out="none")
+    p = plan(run, {"seqlen": 1024, "documents": (500, 524)}, {}, launcher="self")
+    assert [c.strategy for c in p.cases] == ["ring"]
+    assert any("multiple of 8" in s and "refused, not padded" in s for s in p.skipped)
+
+
+def test_report_best_names_a_winner_or_a_tie():
+    from test_results import fake_record
+
+    from cpbench.report.best import best_table, verdicts
+
+    def rec(name, times, seqlen=1024):
+        return fake_record(name, seqlen=seqlen, fwd_bwd=[times] * 4)
+
+    records = [rec("ring", [30.0, 31.0, 30.5, 30.2, 30.8]),
+               rec("zigzag", [20.0, 20.5, 20.2, 20.1, 20.4]),
+               rec("ring", [30.0, 31.0, 30.5, 30.2, 30.8], seqlen=2048),
+               rec("zigzag", [29.0, 32.0, 30.0, 31.5, 30.1], seqlen=2048)]
+    by_seqlen = {v.problem.split("S=")[1].split()[0]: v for v in verdicts(records)}
+    win, tie = by_seqlen["1024"], by_seqlen["2048"]
+    assert (win.winner, win.runner_up, win.tie) == ("zigzag", "ring", False)
+    assert win.margin == pytest.approx(30.5 / 20.2 - 1)
+    assert tie.tie and tie.interval[0] <= 1.0
+    text = best_table(records)
+    assert "wins" in text and "tie" in text
+
+
+def test_sweep_protocols_and_mask_axes(tmp_path):
+    from cpbench import sweep
+
+    path = tmp_path / "s.yaml"
+    path.write_text("""
+base: {strategy: [ring, llama3], nproc: 2, heads: 2, head_dim: 16, warmup: 0, iters: 1,
+       documents: "uniform:64-256"}
+sweep: {tokens_per_rank: [512, 1k], window_size: ["-1,-1", "63,0"]}
+cases: [{total_tokens: 2k, batch: 4, documents: [128, 384]}]
+""")
+    cfg = sweep.load(path)
+    seqlens = [c.settings["seqlen"] for c in cfg.cases]
+    assert seqlens == [1024, 1024, 2048, 2048, 512]  # 2 ranks × tokens; 2k / batch 4
+    docs = cfg.cases[0].plan.attn.documents  # sampled once, with the run's seed
+    assert sum(docs) == 1024 and max(docs) <= 256
+    assert cfg.cases[0].plan.attn.window_size is None  # (-1, -1): no window
+    assert cfg.cases[-1].plan.attn.documents == (128, 384)
+    cmd = sweep.command(cfg, cfg.cases[1], "/tmp/o.jsonl")
+    assert "--window-size" in cmd and "--documents" in cmd
+    cmd = sweep.command(cfg, cfg.cases[0], "/tmp/o.jsonl")
+    assert "--window-size=-1,-1" in cmd  # joined: "-1,-1" alone would read as a flag
+    path.write_text("base: {nproc: 2, seqlen: 1k}\nsweep: {tokens_per_rank: [512]}\n")
+    with pytest.raises(UsageError, match="each set the sequence length"):
+        sweep.load(path)
