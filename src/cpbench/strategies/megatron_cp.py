@@ -29,6 +29,11 @@ Not reproduced: THD and padding between sequences, attention bias, FP8, dropout,
 TE's unbatched even/odd isend/irecv order (L96-136; TE batches only for NVTE_BATCH_MHA_P2P_COMM=1
 or cp_size 2 below sm100): cpbench's comm layer batches every exchange (same messages, bytes and
 wait points). The a2a+p2p type runs this inside its rings (``megatron-cp-a2a+p2p``).
+Documents and windows (``cpbench.mask``; TE's THD path cuts each document into 2N chunks, the
+zigzag layout does that for the whole packed sequence): each step computes exactly what the
+local queries see of the held K/V by their global positions (``kernels.masked``) instead of
+the causal tile rule; a step that sees nothing computes nothing and keeps no output, and its
+K/V (and dK/dV) still travel: the ring's schedule does not change with the mask.
 """
 
 from __future__ import annotations
@@ -39,8 +44,11 @@ import torch
 
 from cpbench.comm import RingComm
 from cpbench.strategies import register
+from cpbench.strategies._kv_ring import kv_ring_areas
 from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, save_for_backward
-from cpbench.strategies.layout import ZigzagLayout, slice_len, zigzag_block
+from cpbench.strategies.layout import Block, ZigzagLayout, slice_len, zigzag_block
+
+_EVERY = Block(slice(None), slice(None), False)  # a masked step: all local rows and keys
 
 
 def _fwd_src(me: int, step: int, n: int) -> int:
@@ -100,8 +108,18 @@ class TileStreams:
             self.streams[0].wait_stream(self.streams[1])
 
 
+def _mask_tiles(strat, src: int) -> list:
+    """The masked kernel's tiles of the local queries against ring position ``src``'s K/V."""
+    return strat.tiles(("ring", src), strat.seq_index(strat.rank),
+                       strat.seq_index(strat.ring_rank(src)))
+
+
 def _tile(strat, q, kv, me: int, src: int):
-    """One forward tile: (block, out, lse) of the local q against K/V block ``src``."""
+    """One forward tile: (block, out, lse) of the local q against K/V block ``src``; None
+    when the mask hides all of it."""
+    if not strat.mask.plain:
+        tiles = _mask_tiles(strat, src)
+        return (_EVERY, *strat.masked_forward(q, kv[0], kv[1], tiles)) if tiles else None
     blk = zigzag_block(me, src, q.shape[1], strat.attn.causal)
     o, lse = strat.kernel_call("forward", q[:, blk.q], kv[0][:, blk.kv], kv[1][:, blk.kv],
                                causal=blk.causal)
@@ -112,11 +130,12 @@ def _correct_lse(lse, tile, step: int, n: int, streams: TileStreams):
     """Fold step ``step``'s lse into the running one on that step's stream (TE L1913-1968)."""
     streams.before_correction(step)
     with streams.on(step):
-        blk, _, lse_step = tile
-        if lse is None:  # step 0 is the diagonal (or "all") tile: every query row
-            lse = lse_step.float().clone()
-        else:
-            lse[:, :, blk.q] = torch.logaddexp(lse[:, :, blk.q], lse_step.float())
+        if tile is not None:  # an empty masked step has nothing to fold
+            blk, _, lse_step = tile
+            if lse is None:  # step 0's diagonal (or "all") tile, or a masked one: every row
+                lse = lse_step.float().clone()
+            else:
+                lse[:, :, blk.q] = torch.logaddexp(lse[:, :, blk.q], lse_step.float())
     streams.after_correction(step, n)
     return lse
 
@@ -125,7 +144,9 @@ def _sum_outputs(q, tiles, lse):
     """Every kept output rescaled by exp(lse_step - lse), summed in step order in the activation
     dtype: the product is fp32, each sum rounded to q's dtype as TE's ``out.add_`` (L1980-2030)."""
     out = None
-    for blk, o, lse_step in tiles:
+    for blk, o, lse_step in filter(None, tiles):
+        # a masked row that sees nothing in this step has o = 0 and lse_step = -inf: weight 0
+        # (the final lse is finite, every query sees at least itself)
         scaled = o * _rows(torch.exp(lse_step.float() - lse[:, :, blk.q]))
         if out is None:  # step 0 covers every row
             out = scaled.to(q.dtype)
@@ -171,20 +192,32 @@ def p2p_backward(strat, dout, q, kv, out, lse):
             part = slice(0, 1) if step == 0 else slice(1, 2) if step == n - 1 else slice(0, 2)
             comm.send_recv(cur[part], nxt[part], reverse=True)
             comm.commit()
-        blk = zigzag_block(me, _bwd_src(me, step, n), q.shape[1], strat.attn.causal)
-        bq, bk, bv = strat.kernel_call("backward", dout[:, blk.q], q[:, blk.q],
-                                       cur[0][0][:, blk.kv], cur[0][1][:, blk.kv],
-                                       out[:, blk.q], lse[:, :, blk.q], causal=blk.causal)
-        dq[:, blk.q] += bq
+        grads = _bwd_tile(strat, dout, q, cur[0], out, lse, me, _bwd_src(me, step, n))
+        if grads is not None:
+            dq[:, grads[0].q] += grads[1]
         comm.wait()
         # the dK/dV that came in belongs to the block just computed: add ours and it
         # leaves with the next step's message, rounded to the activation dtype
         dkv = nxt[1]
         if step == 0:
             dkv.zero_()
-        dkv[0][:, blk.kv] += bk
-        dkv[1][:, blk.kv] += bv
+        if grads is not None:
+            blk, _, bk, bv = grads
+            dkv[0][:, blk.kv] += bk
+            dkv[1][:, blk.kv] += bv
     return dq, bufs[n % 2][1]  # own block: every rank's contribution, the diagonal last
+
+
+def _bwd_tile(strat, dout, q, kv, out, lse, me: int, src: int):
+    """(block, dq, dk, dv) of the local q against K/V block ``src``; None when masked away."""
+    if not strat.mask.plain:
+        tiles = _mask_tiles(strat, src)
+        return (_EVERY, *strat.masked_backward(dout, q, kv[0], kv[1], out, lse, tiles)
+                ) if tiles else None
+    blk = zigzag_block(me, src, q.shape[1], strat.attn.causal)
+    return blk, *strat.kernel_call("backward", dout[:, blk.q], q[:, blk.q], kv[0][:, blk.kv],
+                                   kv[1][:, blk.kv], out[:, blk.q], lse[:, :, blk.q],
+                                   causal=blk.causal)
 
 
 class _TEP2PAttention(torch.autograd.Function):
@@ -205,6 +238,7 @@ class _TEP2PAttention(torch.autograd.Function):
 @register
 class MegatronCP(ZigzagLayout, Strategy):
     name = "megatron-cp"
+    masks = frozenset({"documents", "window"})
     description = ("TransformerEngine p2p CP (Megatron): zigzag layout, packed K/V ring, kept "
                    "per-step outputs, reverse ring with K/V+dK/dV in the activation dtype; "
                    "two forward streams on GPU")
@@ -221,8 +255,11 @@ class MegatronCP(ZigzagLayout, Strategy):
         lse (TE rescales and sums the outputs only once the final lse is known)."""
         g = self.groups["ring"]
         n, me, s = g.size, g.index, self.attn.seqlen // g.size
-        rows = [slice_len(zigzag_block(me, _fwd_src(me, step, n), s, self.attn.causal).q, s)
-                for step in range(n)]
+        if self.mask.plain:
+            rows = [slice_len(zigzag_block(me, _fwd_src(me, step, n), s, self.attn.causal).q, s)
+                    for step in range(n)]
+        else:  # a masked step keeps every row's output, an empty one none
+            rows = [s if pairs else 0 for pairs in kv_ring_areas(self, [self.rank])[0]]
         return (n - 1) * 2 * self.kv_bytes(s) + sum(self.q_bytes(r) + self.lse_bytes(r)
                                                      for r in rows)
 
@@ -233,7 +270,7 @@ class MegatronCP(ZigzagLayout, Strategy):
         steps = []
         for phase, src_of in ((FWD, _fwd_src), (BWD, _bwd_src)):
             for step in range(n):
-                blk = zigzag_block(me, src_of(me, step, n), s, self.attn.causal)
+                src = src_of(me, step, n)
                 nbytes = 0
                 if phase == FWD and step + 1 < n:
                     nbytes = kv
@@ -242,6 +279,20 @@ class MegatronCP(ZigzagLayout, Strategy):
                 # posted before the step's tile, awaited before the next tile (forward) or
                 # right after this one (backward): either way one tile hides it
                 msgs = (Message("p2p", "ring", nbytes, g.crosses_nodes),) if nbytes else ()
-                steps.append(self.kernel_step(phase, step, slice_len(blk.q, s),
-                                              slice_len(blk.kv, s), blk.causal, msgs))
+                steps.append(self._step(phase, step, src, msgs))
         return steps
+
+    def _step(self, phase: str, step: int, src: int, msgs) -> Step:
+        """The kernel work of one step against K/V block ``src``: the causal tile rule, or
+        the pairs the mask lets through."""
+        s = self.local_seqlen
+        if not self.mask.plain:
+            pairs = self.mask.pairs(self.seq_index(self.rank),
+                                    self.seq_index(self.ring_rank(src)))
+            return self.pairs_step(phase, step, pairs, (s, s), msgs)
+        blk = zigzag_block(self.groups["ring"].index, src, s, self.attn.causal)
+        return self.kernel_step(phase, step, slice_len(blk.q, s), slice_len(blk.kv, s),
+                                blk.causal, msgs)
+
+    def area_per_step(self) -> list[list[int]]:
+        return kv_ring_areas(self)  # forward order: K/V of position me-step at step
