@@ -39,7 +39,7 @@ def _options(name, **kw):
 
 def _mask_cases():
     cases = []
-    for name in ("ring", "zigzag", "megatron-cp", "ulysses", "llama3", "rfa-llama3"):
+    for name in ("ring", "zigzag", "megatron-cp", "double-ring", "ulysses", "llama3", "rfa-llama3"):
         for mask in MASKS:
             if name == "rfa-llama3" and mask.get("causal") is False:
                 continue  # refused: the library's window is right only when causal
@@ -60,7 +60,8 @@ def _four_rank_cases():
               for causal in (True, False)]
     cases += [(name, _attn(documents=docs), _options(name))
               for name in ("ring", "zigzag", "llama3") for docs in ((24, 8, 32), (56, 8))]
-    cases += [("megatron-cp", _attn(**mask), _options("megatron-cp"))
+    # megatron-cp's ring; double-ring's two levels (inner rings of 2, a real outer hop)
+    cases += [(name, _attn(**mask), _options(name)) for name in ("megatron-cp", "double-ring")
               for mask in (dict(documents=(56, 8)), dict(window_size=(5, 0)))]
     # usp: the mask through its ring (2 × 2) and through its kernel (Ulysses 4, no ring)
     cases += [("usp", _attn(kv_heads=None, documents=(56, 8)), _options("usp")),

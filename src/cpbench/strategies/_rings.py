@@ -17,6 +17,9 @@ backward bundle of four).
 
 The partial sums that go home behind the blocks (double-ring's dK/dV, burst's dQ) take each
 upstream's own path, so each strategy keeps its own next to its schedule.
+Under documents or a window (``cpbench.mask``, double-ring only) a step computes exactly what
+the local queries see of the held block by their global positions (``kernels.masked``), not
+the zigzag rule; a step that sees nothing computes nothing, and the blocks still travel.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from cpbench.comm import RingComm
 from cpbench.merge import OutLseAccumulator
 from cpbench.strategies.base import FWD, Message, Step, Strategy, save_for_backward
-from cpbench.strategies.layout import slice_len, zigzag_block
+from cpbench.strategies.layout import Block, slice_len, zigzag_block
 from cpbench.topology import Group, double_ring_groups
 
 
@@ -139,12 +142,27 @@ def fresh_sum(part: torch.Tensor, rows: slice, like: torch.Tensor, dtype: torch.
     return out
 
 
+def mask_tiles(strat: Strategy, src: int) -> list:
+    """The masked kernel's tiles of the local queries against ring position ``src``'s block."""
+    return strat.tiles(("ring", src), strat.seq_index(strat.rank),
+                       strat.seq_index(strat.ring_rank(src)))
+
+
+EVERY = Block(slice(None), slice(None), False)  # a masked step: all local rows and keys
+
+
 def zigzag_forward(strat: Strategy, rings: Rings, q, k, v):
     """Local out, lse: K and V circulate the rings; each step computes the zigzag rule
-    (layout.zigzag_block) of the block's source position, merged by LSE in fp32."""
+    (layout.zigzag_block) of the block's source position, or under a mask what it lets
+    through, merged by LSE in fp32."""
     b, s, h, d = q.shape
     acc = OutLseAccumulator(b, s, h, d, q.device)
     for j, t, (bk, bv) in circulate(rings, (k, v)):
+        if not strat.mask.plain:
+            tiles = mask_tiles(strat, rings.source(j, t))
+            if tiles:  # an empty block is skipped, not computed as masked zeros
+                acc.update(*strat.masked_forward(q, bk, bv, tiles))
+            continue
         blk = zigzag_block(rings.position, rings.source(j, t), s, strat.attn.causal)
         out, lse = strat.kernel_call("forward", q[:, blk.q], bk[:, blk.kv], bv[:, blk.kv],
                                      causal=blk.causal)
@@ -163,13 +181,34 @@ class ZigzagRingsAttention(torch.autograd.Function):
         return out, lse
 
 
+def ring_step(strat: Strategy, rings: Rings, phase: str, index: int, j: int, t: int,
+              msgs) -> Step:
+    """Step (j, t)'s kernel work: the zigzag rule of its block's source, or the pairs the
+    mask lets through."""
+    s, src = strat.local_seqlen, rings.source(j, t)
+    if not strat.mask.plain:
+        pairs = strat.mask.pairs(strat.seq_index(strat.rank), strat.seq_index(strat.ring_rank(src)))
+        return strat.pairs_step(phase, index, pairs, (s, s), msgs)
+    blk = zigzag_block(rings.position, src, s, strat.attn.causal)
+    return strat.kernel_step(phase, index, slice_len(blk.q, s), slice_len(blk.kv, s),
+                             blk.causal, msgs)
+
+
+def ring_areas(strat: Strategy, window: int) -> list[list[int]]:
+    """Per rank, the attended pairs of each step, in the rings' order (the layout and the
+    mask)."""
+    out = []
+    for r in range(strat.world_size):
+        ring = next(lst for lst in strat.cp_lists if r in lst)
+        rings = Rings(ring.index(r), window, len(ring) // window, None, None)
+        mine = strat.seq_index(r)
+        out.append([strat.mask.pairs(mine, strat.seq_index(ring[rings.source(j, t)]))
+                    for j, t in rings.steps()])
+    return out
+
+
 def forward_schedule(strat: Strategy, rings: Rings) -> list[Step]:
     """The steps of ``zigzag_forward``: K and V, one message each."""
-    s = strat.local_seqlen
-    kv = strat.kv_bytes(s)
-    steps = []
-    for index, (j, t) in enumerate(rings.steps()):
-        blk = zigzag_block(rings.position, rings.source(j, t), s, strat.attn.causal)
-        steps.append(strat.kernel_step(FWD, index, slice_len(blk.q, s), slice_len(blk.kv, s),
-                                       blk.causal, rings.circulate_messages(j, t, (kv, kv))))
-    return steps
+    kv = strat.kv_bytes(strat.local_seqlen)
+    return [ring_step(strat, rings, FWD, index, j, t, rings.circulate_messages(j, t, (kv, kv)))
+            for index, (j, t) in enumerate(rings.steps())]

@@ -20,6 +20,9 @@ activation dtype); an outer hop is awaited after the first kernel of the next wi
 sum starts from it. Variants: ``--dkv-dtype fp32`` keeps every partial sum in fp32;
 ``--dkv-await window-end`` awaits the outer hop only at the end of the next window (a whole
 window to hide it in), adding it to that window's own sum there.
+Documents and windows: each step computes exactly what the mask lets the local queries see
+of the held block (``kernels.masked``); an empty step computes nothing, but the K/V and the
+dK/dV sums still travel their hops (the schedule does not change with the mask).
 """
 
 from __future__ import annotations
@@ -32,16 +35,20 @@ from cpbench.comm import RingComm
 from cpbench.errors import UsageError
 from cpbench.strategies import register
 from cpbench.strategies._rings import (
+    EVERY,
     Rings,
     ZigzagRingsAttention,
     circulate,
     double_ring_lists,
     forward_schedule,
     fresh_sum,
+    mask_tiles,
+    ring_areas,
+    ring_step,
     send_block,
 )
 from cpbench.strategies.base import BWD, Message, Step, Strategy, option
-from cpbench.strategies.layout import ZigzagLayout, slice_len, zigzag_block
+from cpbench.strategies.layout import Block, ZigzagLayout, zigzag_block
 from cpbench.topology import Topology, divisors, node_local_block
 
 DKV_DTYPES = ("mixed", "fp32")
@@ -100,6 +107,22 @@ class _DkvHome:
         return self._wait_outer() if self.outer else self.total
 
 
+def _block_grads(strat, src: int, s: int, dout, q, k, v, out, lse):
+    """(block, dq, dk, dv) of the local queries against ring position ``src``'s K/V; a block
+    the mask hides gives empty rows (nothing computed)."""
+    if not strat.mask.plain:
+        tiles = mask_tiles(strat, src)
+        if not tiles:
+            none = Block(slice(0, 0), slice(0, 0), False)
+            return none, q[:, :0].float(), k[:, :0].float(), v[:, :0].float()
+        return EVERY, *strat.masked_backward(dout, q, k, v, out, lse, tiles)
+    blk = zigzag_block(strat.rings.position, src, s, strat.attn.causal)
+    # the kernel needs the final out/lse rows of exactly the queries it sees
+    return blk, *strat.kernel_call("backward", dout[:, blk.q], q[:, blk.q], k[:, blk.kv],
+                                   v[:, blk.kv], out[:, blk.q], lse[:, :, blk.q],
+                                   causal=blk.causal)
+
+
 class _DoubleRingAttention(ZigzagRingsAttention):
     @staticmethod
     def backward(ctx, dout, _dlse):
@@ -111,13 +134,10 @@ class _DoubleRingAttention(ZigzagRingsAttention):
         dq = torch.zeros_like(q, dtype=torch.float32)
         home = _DkvHome(strat, k)
         for j, t, (bk_in, bv_in) in circulate(rings, (k, v)):
-            blk = zigzag_block(rings.position, rings.source(j, t), s, strat.attn.causal)
-            # the kernel needs the final out/lse rows of exactly the queries it sees
-            bq, bk, bv = strat.kernel_call("backward", dout[:, blk.q], q[:, blk.q],
-                                           bk_in[:, blk.kv], bv_in[:, blk.kv],
-                                           out[:, blk.q], lse[:, :, blk.q], causal=blk.causal)
+            blk, bq, bk, bv = _block_grads(strat, rings.source(j, t), s, dout, q, bk_in,
+                                           bv_in, out, lse)
             dq[:, blk.q] += bq
-            home.add(j, t, blk.kv, bk, bv)
+            home.add(j, t, blk.kv, bk, bv)  # an empty block's sums go on all the same
         dk, dv = home.result()
         return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -125,6 +145,7 @@ class _DoubleRingAttention(ZigzagRingsAttention):
 @register
 class DoubleRing(ZigzagLayout, Strategy):
     name = "double-ring"
+    masks = frozenset({"documents", "window"})
     description = ("LoongTrain DoubleRing: zigzag K/V inner rings within a node, "
                    "outer hop across nodes hidden behind a whole inner ring")
 
@@ -182,15 +203,16 @@ class DoubleRing(ZigzagLayout, Strategy):
         return _DoubleRingAttention.apply(self, q, k, v)
 
     def schedule(self) -> list[Step]:
-        rings, s = self.rings, self.local_seqlen
-        kv = self.kv_bytes(s)
+        rings = self.rings
+        kv = self.kv_bytes(self.local_seqlen)
         steps = forward_schedule(self, rings)
         for index, (j, t) in enumerate(rings.steps()):
-            blk = zigzag_block(rings.position, rings.source(j, t), s, self.attn.causal)
             msgs = rings.circulate_messages(j, t, (kv, kv)) + self._dkv_messages(j, t)
-            steps.append(self.kernel_step(BWD, index, slice_len(blk.q, s), slice_len(blk.kv, s),
-                                          blk.causal, msgs))
+            steps.append(ring_step(self, rings, BWD, index, j, t, msgs))
         return steps
+
+    def area_per_step(self) -> list[list[int]]:
+        return ring_areas(self, self.window)
 
     def _dkv_messages(self, j: int, t: int) -> list[Message]:
         """What ``_DkvHome.add`` sends at (j, t), after the step's kernel: dK and dV."""
