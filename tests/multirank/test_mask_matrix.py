@@ -63,6 +63,10 @@ def _four_rank_cases():
     # megatron-cp's ring; double-ring's two levels (inner rings of 2, a real outer hop)
     cases += [(name, _attn(**mask), _options(name)) for name in ("megatron-cp", "double-ring")
               for mask in (dict(documents=(56, 8)), dict(window_size=(5, 0)))]
+    # a window through TE's a2a+p2p (2 × 2); usp on a double ring (its ring of 2 over nodes)
+    cases += [("megatron-cp-a2a+p2p", _attn(window_size=(5, 0)), _options("megatron-cp-a2a+p2p")),
+              ("usp", _attn(kv_heads=None, documents=(24, 8, 32)),
+               _options("usp", ulysses_degree=2, ring_impl="double-ring"))]
     # usp: the mask through its ring (2 × 2) and through its kernel (Ulysses 4, no ring)
     cases += [("usp", _attn(kv_heads=None, documents=(56, 8)), _options("usp")),
               ("usp", _attn(kv_heads=None, window_size=(5, 0)),

@@ -111,6 +111,12 @@ def test_imbalance_of_each_layout_on_documents():
     total = metrics.attended_pairs(seqlen=8192, causal=True, documents=attn.documents)
     for b in (ring, zigzag, _balance("llama3", attn)):
         assert sum(b["area_per_rank"]) == total
+    # megatron-cp: zigzag's layout and forward ring; double-ring: the same blocks, its order
+    assert _balance("megatron-cp", attn)["area_per_step"] == zigzag["area_per_step"]
+    double = _balance("double-ring", attn)
+    assert [sorted(s) for s in double["area_per_step"]] == \
+        [sorted(s) for s in zigzag["area_per_step"]]
+    assert [sum(s) for s in double["area_per_step"]] == zigzag["area_per_rank"]
     # per ring step: ring's rank 0 sees only its own block; everything later is empty
     assert ring["area_per_step"][0][1:] == [0, 0, 0]
     assert [sum(steps) for steps in ring["area_per_step"]] == ring["area_per_rank"]
@@ -121,11 +127,10 @@ def test_masked_schedules_declare_the_attended_area():
     topo = Topology(world_size=4, ranks_per_node=2)
     want = metrics.problem_flops(batch=1, seqlen=1024, heads=8, head_dim=16, causal=True,
                                  window=(127, 0))[0]
-    for name in ("ring", "zigzag", "ulysses", "llama3", "usp"):
+    for name in ("ring", "zigzag", "ulysses", "llama3", "usp", "megatron-cp", "double-ring",
+                 "megatron-cp-a2a+p2p"):
         cls = strategies.get(name)
         for opts in cls.variants(topo):
-            if getattr(opts, "ring_impl", None) == "double-ring":
-                continue  # skipped under a mask (double-ring takes none)
             total = sum(step.flops for r in range(4)
                         for step in cls(attn, topo, r, kernel=kernels.get("torch"),
                                         options=opts, create_groups=False).schedule()
@@ -134,11 +139,11 @@ def test_masked_schedules_declare_the_attended_area():
 
 
 def test_a_strategy_that_cannot_take_the_mask_is_skipped_with_the_reason():
-    run = RunConfig(strategy=("ring", "megatron-cp"), nproc=4, out="none")
+    run = RunConfig(strategy=("ring", "megatron-cp-a2a+p2p"), nproc=4, out="none")
     p = plan(run, {"seqlen": 1024, "documents": (512, 512)}, {}, launcher="self")
     assert [c.strategy for c in p.cases] == ["ring"]
-    assert any("megatron-cp does not support --documents" in s for s in p.skipped)
-    alone = RunConfig(strategy=("megatron-cp",), nproc=4, out="none")
+    assert any("megatron-cp-a2a+p2p does not support --documents" in s for s in p.skipped)
+    alone = RunConfig(strategy=("megatron-cp-a2a+p2p",), nproc=4, out="none")
     with pytest.raises(Skipped, match="does not support --documents"):
         plan(alone, {"seqlen": 1024, "documents": (512, 512)}, {}, launcher="self")
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from cpbench.comm import all_to_all
+from cpbench.errors import Skipped
 from cpbench.strategies import register
 from cpbench.strategies.base import option
 from cpbench.strategies.layout import check_divisible, zigzag_index
@@ -109,7 +110,9 @@ class _ToSequence(torch.autograd.Function):
 @register
 class MegatronCPA2AP2P(Usp):
     name = "megatron-cp-a2a+p2p"
-    masks = frozenset()  # not usp's: its ring (megatron-cp) and TE's chunk order take none
+    # a window through its ring (megatron-cp), as usp; documents would need TE's THD chunk order
+    # (each document in 2N chunks) carried through the all-to-all, not reproduced: refused
+    masks = frozenset({"window"})
     description = ("TE cp_comm_type a2a+p2p: q/k/v all-to-alls inside a node, megatron-cp K/V "
                    "ring across nodes, TE's global zigzag layout")
 
@@ -133,6 +136,10 @@ class MegatronCPA2AP2P(Usp):
         n = self.cp_size
         check_divisible(self.attn.seqlen, 2 * n,
                         f"{self.name} over {n} ranks (TE's zigzag: 2 chunks per rank)")
+        if self.ring_degree == 1 and not self.mask.plain:
+            # the local kernel would read the gathered positions in member order, not TE's
+            raise Skipped(f"{self.name} with a2a_degree {n} (no ring) does not take a window "
+                          f"here; use a smaller --a2a-degree")
 
     def resolved_options(self) -> dict:
         return {"a2a_degree": self.ulysses_degree, "p2p_degree": self.ring_degree}
