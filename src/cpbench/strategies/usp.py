@@ -73,7 +73,7 @@ def placement_option():
 @register
 class Usp(Strategy):
     name = "usp"
-    masks = frozenset({"documents", "window"})  # through its ring (ring, zigzag) or kernel
+    masks = frozenset({"documents", "window"})  # through its ring (any ring_impl) or kernel
     description = ("ulysses all-to-all inside groups of u ranks × a ring strategy over N/u "
                    "ring positions (yunchang LongContextAttention)")
 
