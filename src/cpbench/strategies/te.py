@@ -16,6 +16,11 @@ argument is passed by keyword (2.12 inserted ``bottom_right_diagonal`` mid-signa
   out none, so checks compare out, dq, dk, dv.
 - Constraints TE enforces under CP: bf16 / fp16 (its fp32 backend is disabled under CP), S
   divisible by 2N, heads and kv heads divisible by the all-to-all size (no K/V replication).
+- ``--documents``: qkv_format "thd" (``thd_kwargs``); every document cut into 2N chunks,
+  rank r holding chunks r and 2N-1-r of each, document by document (common/fused_attn/
+  context_parallel.cu L83-112, ``thd_partition_indices_kernel``: ``zigzag_documents_index``).
+  p2p, a2a, all_gather take thd; a2a+p2p does not (context_parallel.py L5021-5023).
+- ``--window-size``: a2a and all_gather only (context_parallel.py L5054-5060).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from cpbench.errors import UsageError
+from cpbench.errors import Skipped, UsageError
 from cpbench.strategies import register
 from cpbench.strategies._upstream import no_schedule
 from cpbench.strategies.base import Strategy, Upstream, option
@@ -36,24 +41,78 @@ from cpbench.topology import node_local_block
 PACKAGE, MODULE = "transformer-engine", "transformer_engine"
 
 
+# comm types whose CP path takes qkv_format "thd" (a2a+p2p asserts it away: CP L5021-5023)
+THD_COMM_TYPES = ("p2p", "a2a", "all_gather")
+# comm types whose CP path takes a sliding window (CP L5054-5060, "does not support sliding
+# window attention with cp_comm_type")
+WINDOW_COMM_TYPES = ("a2a", "all_gather")
+
+
+def te_window(attn, comm_type: str) -> tuple[int, int] | None:
+    """The ``window_size`` TE is given for cpbench's ``--window-size`` (None: no window)."""
+    if attn.window_size is None:
+        return None
+    left, right = attn.window_size
+    if attn.causal:
+        # causal already bounds the right side, and TE wants (x, 0) under a causal mask
+        # (utils.py L2467-2480 check_set_window_size): the same mask
+        window = (left, 0)
+    elif (left < 0) != (right < 0):
+        raise Skipped(f"TransformerEngine takes a non-causal window as (-1, -1) or (>=0, >=0), "
+                      f"not {attn.window_size} (utils.py L2489-2492); give both sides")
+    else:
+        window = (left, right)
+    if window not in ((-1, 0), (-1, -1)) and comm_type not in WINDOW_COMM_TYPES:
+        raise Skipped(f"TransformerEngine's cp_comm_type {comm_type} takes no sliding window "
+                      f"(context_parallel.py L5054-5060); use te-a2a or te-all-gather")
+    return window
+
+
+def thd_kwargs(documents: tuple[int, ...], batch: int) -> dict[str, Any]:
+    """``forward``'s THD arguments for ``batch`` rows of the packed ``documents``, one
+    sequence per document per row (rows flatten into t in row order)."""
+    lengths = torch.tensor(tuple(documents) * batch, dtype=torch.int32)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    # GLOBAL, not per rank: the lengths of whole documents. TE's test builds them so
+    # (tests/pytorch/attention/run_attention_with_cp.py L112-134, partitioned per rank by
+    # tex.thd_get_partitioned_indices L470-477) and divides them itself: p2p by N (CP
+    # L1447-1450), all_gather by 2N (L3144-3151). Padded = unpadded (every length divides
+    # by 2N, refused otherwise), the same tensor, so no padding between sequences.
+    # max_seqlen global too, the longest document (DPA L1361-1373 would round it up to 64).
+    return dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                cu_seqlens_kv_padded=cu, max_seqlen_q=max(documents),
+                max_seqlen_kv=max(documents))
+
+
 def te_kwargs(attn, comm_type: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(``DotProductAttention.__init__`` kwargs, ``forward`` kwargs besides q, k, v) for a
-    cpbench problem in bshd; ``pick`` keeps those an installed version has."""
-    mask = "causal" if attn.causal else "no_mask"
+    cpbench problem: bshd, or thd under documents; ``pick`` keeps those a version has."""
+    thd = bool(attn.documents)
+    if thd and comm_type not in THD_COMM_TYPES:
+        raise Skipped(f"TransformerEngine's cp_comm_type {comm_type} does not take packed "
+                      f"documents (qkv_format thd: context_parallel.py L5021-5023)")
+    fmt = "thd" if thd else "bshd"
+    # thd needs a padding mask type (DPA L1347-1349)
+    mask = {(False, True): "causal", (False, False): "no_mask",
+            (True, True): "padding_causal", (True, False): "padding"}[thd, attn.causal]
+    window = te_window(attn, comm_type)
     init = dict(num_attention_heads=attn.heads, kv_channels=attn.head_dim,
-                num_gqa_groups=attn.num_kv_heads, attention_dropout=0.0, qkv_format="bshd",
-                attn_mask_type=mask, window_size=None, sequence_parallel=False, tp_size=1,
+                num_gqa_groups=attn.num_kv_heads, attention_dropout=0.0, qkv_format=fmt,
+                attn_mask_type=mask, window_size=window, sequence_parallel=False, tp_size=1,
                 tp_group=None, layer_number=1, attention_type="self",
                 softmax_scale=attn.softmax_scale, softmax_type="vanilla",
                 return_max_logit=False, cp_comm_type=comm_type)
-    # max_seqlen / cu_seqlens left out: for bshd TE derives them from the local shapes and
+    # bshd: max_seqlen / cu_seqlens left out: TE derives them from the local shapes and
     # multiplies by the CP size (dot_product_attention.py L1334-1342); a global one would be
     # multiplied again
-    forward = dict(attention_mask=None, qkv_format="bshd", attn_mask_type=mask,
-                   window_size=None, checkpoint_core_attention=False,
+    forward = dict(attention_mask=None, qkv_format=fmt, attn_mask_type=mask,
+                   window_size=window, checkpoint_core_attention=False,
                    core_attention_bias_type="no_bias", core_attention_bias=None,
                    alibi_slopes=None, fast_zero_fill=True, inference_params=None,
                    pad_between_seqs=False, fp8_output=False, num_splits=1)
+    if thd:
+        forward.update(thd_kwargs(attn.documents, attn.batch))
     return init, forward
 
 
@@ -76,6 +135,7 @@ class _TransformerEngine(ZigzagLayout, Strategy):
     comm_type: ClassVar[str]
     upstream = Upstream(PACKAGE, MODULE, cuda_only=True)
     returns_lse = False
+    masks = frozenset({"documents", "window"})
 
     def __init__(self, *args, create_groups: bool = True, **kwargs):
         super().__init__(*args, create_groups=create_groups, **kwargs)
@@ -93,7 +153,18 @@ class _TransformerEngine(ZigzagLayout, Strategy):
             raise UsageError(f"heads {a.heads} and kv heads {a.num_kv_heads} must "
                              f"divide by the all-to-all size {heads_split} (TE does not "
                              f"replicate K/V heads)")
-        super().validate()
+        super().validate()  # the layout: documents divisible by 2N (TE asserts it: .cu L101)
+        te_kwargs(a, self.comm_type)  # what TE refuses for this comm type, before any collective
+
+    @classmethod
+    def unsupported_mask(cls, mask):
+        why = super().unsupported_mask(mask)
+        if why is None:
+            return None
+        cites = {"documents": "qkv_format thd: context_parallel.py L5021-5023",
+                 "window": "sliding window: context_parallel.py L5054-5060"}
+        return f"{why}: TransformerEngine refuses it for cp_comm_type {cls.comm_type} " \
+               f"({'; '.join(cites[k] for k in sorted(mask.kinds - cls.masks))})"
 
     def a2a_size(self) -> int:
         return 1
@@ -107,21 +178,35 @@ class _TransformerEngine(ZigzagLayout, Strategy):
     def _module(self):
         import transformer_engine.pytorch as te
 
-        init, _ = te_kwargs(self.attn, self.comm_type)
+        init, forward = te_kwargs(self.attn, self.comm_type)
         dpa = te.DotProductAttention(**_for(te.DotProductAttention.__init__, init))
+        self.forward_kwargs = _for(dpa.forward, _to_cuda(forward))
         self.stream = torch.cuda.Stream()
         dpa.set_context_parallel_group(self.cp_group_arg(), sorted(self.cp_lists[0]),
                                        self.stream, cp_comm_type=self.comm_type)
         return dpa
 
     def attention(self, q, k, v):
-        _, forward = te_kwargs(self.attn, self.comm_type)
-        out = self.module(q, k, v, **_for(self.module.forward, forward))
+        shape = q.shape
+        if self.attn.documents:  # thd: (b, s_local, h, d) -> (t, h, d), rows in order
+            q, k, v = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+        out = self.module(q, k, v, **self.forward_kwargs)
         out = out[0] if isinstance(out, tuple) else out
-        return out.view(q.shape), None
+        return out.view(shape), None
 
     def schedule(self):
         no_schedule(self)
+
+
+def _to_cuda(kwargs: dict) -> dict:
+    """Tensors moved once, one copy per tensor: cu_seqlens and the padded ones stay the same
+    object, which TE reads as "no padding between sequences" (DPA L1549-1556)."""
+    moved: dict[int, torch.Tensor] = {}
+    for v in kwargs.values():
+        if isinstance(v, torch.Tensor) and id(v) not in moved:
+            moved[id(v)] = v.to(torch.device("cuda", torch.cuda.current_device()))
+    return {k: moved.get(id(v), v) if isinstance(v, torch.Tensor) else v
+            for k, v in kwargs.items()}
 
 
 def _for(fn, candidates: dict) -> dict:
@@ -137,6 +222,7 @@ class TeP2P(_TransformerEngine):
     description = "TransformerEngine DotProductAttention, cp_comm_type p2p (GPU only)"
     upstream = Upstream(PACKAGE, MODULE, twin="megatron-cp", cuda_only=True)
     comm_type = "p2p"
+    masks = frozenset({"documents"})
 
 
 @register
@@ -164,6 +250,7 @@ class TeA2AP2P(_TransformerEngine):
                    "inside a node, p2p ring across (GPU only)")
     upstream = Upstream(PACKAGE, MODULE, twin="megatron-cp-a2a+p2p", cuda_only=True)
     comm_type = "a2a+p2p"
+    masks = frozenset()
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
