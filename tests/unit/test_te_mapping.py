@@ -7,10 +7,12 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 
 from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
-from cpbench.errors import UsageError
+from cpbench.errors import Skipped, UsageError
+from cpbench.mask import mask_of
 from cpbench.strategies import te
 from cpbench.strategies.layout import zigzag_index
 from cpbench.topology import Topology
@@ -171,3 +173,86 @@ def test_what_te_refuses_is_refused_before_anything_runs():
     with pytest.raises(UsageError, match="kv heads 2 must divide by the all-to-all size 8"):
         _built("te-a2a")  # 8 ranks, 2 kv heads: TE does not replicate K/V heads
     assert strategies.get("te-p2p").unavailable("cpu").endswith("(this run is on cpu)")
+
+
+# -- packed documents (qkv_format thd) and windows --------------------------------------------
+
+DOCS = AttentionConfig(seqlen=64, heads=8, dtype="bf16", documents=(8, 24, 32))
+
+
+def te_partitioned_indices(cu_seqlens: list[int], n: int, rank: int) -> list[int]:
+    """TE's ``tex.thd_get_partitioned_indices``, transcribed from v2.18
+    common/fused_attn/context_parallel.cu L83-112 (thd_partition_src_index + kernel)."""
+    cu_s = [c // n for c in cu_seqlens]
+    out = []
+    for token in range(cu_seqlens[-1] // n):
+        seq = max(i for i in range(len(cu_s) - 1) if cu_s[i] <= token)
+        seq_len, index = cu_s[seq + 1] - cu_s[seq], token - cu_s[seq]
+        offset = rank if index < seq_len // 2 else (n - 1) * 2 - rank
+        out.append(index + cu_s[seq] * n + seq_len // 2 * offset)
+    return out
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "a2a", "all_gather"])
+@pytest.mark.parametrize("causal, mask", [(True, "padding_causal"), (False, "padding")])
+def test_documents_map_to_thd_with_global_cu_seqlens(comm_type, causal, mask):
+    attn = AttentionConfig(batch=2, seqlen=64, heads=8, dtype="bf16", causal=causal,
+                           documents=(8, 24, 32))
+    init, forward = te.te_kwargs(attn, comm_type)
+    assert init["qkv_format"] == forward["qkv_format"] == "thd"
+    assert init["attn_mask_type"] == forward["attn_mask_type"] == mask
+    cu = forward["cu_seqlens_q"]
+    # global (whole documents, both rows), int32, padded = unpadded as one tensor
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 8, 32, 64, 72, 96, 128]
+    assert all(forward[k] is cu for k in ("cu_seqlens_kv", "cu_seqlens_q_padded",
+                                          "cu_seqlens_kv_padded"))
+    assert forward["max_seqlen_q"] == forward["max_seqlen_kv"] == 32
+    assert forward["pad_between_seqs"] is False
+    for spec in FORWARD_PARAMS.values():
+        _bind(spec, forward, dict(query_layer=1, key_layer=2, value_layer=3))
+
+
+@pytest.mark.parametrize("docs, n", [((8, 24, 32), 2), ((16, 48), 4), ((64,), 8)])
+@pytest.mark.parametrize("name", ["te-p2p", "te-a2a", "te-all-gather"])
+def test_seq_index_is_tes_thd_partition_for_every_rank(docs, n, name):
+    attn = AttentionConfig(batch=2, seqlen=64, heads=8, dtype="bf16", documents=docs)
+    _, forward = te.te_kwargs(attn, "p2p")
+    cu = forward["cu_seqlens_q"].tolist()  # both rows: t = 2 * 64
+    for rank in range(n):
+        st = _built(name, world=n, rpn=n, rank=rank, attn=attn)
+        rows = [b * 64 + st.seq_index(rank) for b in range(2)]  # (b, s_local) flattened
+        assert torch.cat(rows).tolist() == te_partitioned_indices(cu, n, rank)
+
+
+def test_what_te_refuses_under_documents_and_windows_is_skipped_with_its_source_line():
+    a2a_p2p = strategies.get("te-a2a+p2p")
+    assert "L5021-5023" in a2a_p2p.unsupported_mask(mask_of(DOCS))
+    with pytest.raises(Skipped, match="L5021-5023"):
+        te.te_kwargs(DOCS, "a2a+p2p")
+    with pytest.raises(Skipped, match="multiple of 4"):  # TE asserts it (.cu L101)
+        _built("te-p2p", world=2, rpn=2,
+               attn=AttentionConfig(seqlen=64, heads=8, dtype="bf16", documents=(10, 54)))
+    window = AttentionConfig(seqlen=64, heads=8, dtype="bf16", window_size=(15, 0))
+    for name in ("te-p2p", "te-a2a+p2p"):
+        assert "L5054-5060" in strategies.get(name).unsupported_mask(mask_of(window))
+    for name in ("te-a2a", "te-all-gather"):
+        assert strategies.get(name).unsupported_mask(mask_of(DOCS)) is None
+        assert strategies.get(name).unsupported_mask(mask_of(window)) is None
+    with pytest.raises(Skipped, match="L5054-5060"):
+        te.te_kwargs(window, "p2p")
+    one_sided = AttentionConfig(seqlen=64, heads=8, dtype="bf16", causal=False,
+                                window_size=(-1, 7))
+    with pytest.raises(Skipped, match="L2489-2492"):
+        te.te_kwargs(one_sided, "a2a")
+
+
+@pytest.mark.parametrize("causal, given, passed", [
+    (True, (15, 0), (15, 0)), (True, (15, 3), (15, 0)),  # causal bounds the right side
+    (False, (15, 3), (15, 3)), (True, (-1, 3), (-1, 0))])
+def test_window_is_passed_to_init_and_forward(causal, given, passed):
+    attn = AttentionConfig(seqlen=64, heads=8, dtype="bf16", causal=causal,
+                           window_size=given, documents=(32, 32))
+    for comm_type in ("a2a", "all_gather"):
+        init, forward = te.te_kwargs(attn, comm_type)
+        assert init["window_size"] == forward["window_size"] == passed
+    assert te.te_kwargs(ATTN, "a2a")[1]["window_size"] is None
