@@ -182,7 +182,7 @@ DOCS = AttentionConfig(seqlen=64, heads=8, dtype="bf16", documents=(8, 24, 32))
 
 def te_partitioned_indices(cu_seqlens: list[int], n: int, rank: int) -> list[int]:
     """TE's ``tex.thd_get_partitioned_indices``, transcribed from v2.18
-    common/fused_attn/context_parallel.cu L83-112 (thd_partition_src_index + kernel)."""
+    common/fused_attn/context_parallel.cu L83-113 (thd_partition_src_index + kernel)."""
     cu_s = [c // n for c in cu_seqlens]
     out = []
     for token in range(cu_seqlens[-1] // n):
@@ -229,7 +229,7 @@ def test_what_te_refuses_under_documents_and_windows_is_skipped_with_its_source_
     assert "L5021-5023" in a2a_p2p.unsupported_mask(mask_of(DOCS))
     with pytest.raises(Skipped, match="L5021-5023"):
         te.te_kwargs(DOCS, "a2a+p2p")
-    with pytest.raises(Skipped, match="multiple of 4"):  # TE asserts it (.cu L101)
+    with pytest.raises(Skipped, match="multiple of 4"):  # TE asserts it (.cu L102)
         _built("te-p2p", world=2, rpn=2,
                attn=AttentionConfig(seqlen=64, heads=8, dtype="bf16", documents=(10, 54)))
     window = AttentionConfig(seqlen=64, heads=8, dtype="bf16", window_size=(15, 0))

@@ -18,7 +18,7 @@ argument is passed by keyword (2.12 inserted ``bottom_right_diagonal`` mid-signa
   divisible by 2N, heads and kv heads divisible by the all-to-all size (no K/V replication).
 - ``--documents``: qkv_format "thd" (``thd_kwargs``); every document cut into 2N chunks,
   rank r holding chunks r and 2N-1-r of each, document by document (common/fused_attn/
-  context_parallel.cu L83-112, ``thd_partition_indices_kernel``: ``zigzag_documents_index``).
+  context_parallel.cu L83-113, ``thd_partition_indices_kernel``: ``zigzag_documents_index``).
   p2p, a2a, all_gather take thd; a2a+p2p does not (context_parallel.py L5021-5023).
 - ``--window-size``: a2a and all_gather only (context_parallel.py L5054-5060).
 """
@@ -77,7 +77,8 @@ def thd_kwargs(documents: tuple[int, ...], batch: int) -> dict[str, Any]:
     # GLOBAL, not per rank: the lengths of whole documents. TE's test builds them so
     # (tests/pytorch/attention/run_attention_with_cp.py L112-134, partitioned per rank by
     # tex.thd_get_partitioned_indices L470-477) and divides them itself: p2p by N (CP
-    # L1447-1450), all_gather by 2N (L3144-3151). Padded = unpadded (every length divides
+    # L1447-1450), all_gather by 2N (L3144-3151); a2a uses them as they are, its all-to-all
+    # giving each rank whole documents (L4399-4454). Padded = unpadded (every length divides
     # by 2N, refused otherwise), the same tensor, so no padding between sequences.
     # max_seqlen global too, the longest document (DPA L1361-1373 would round it up to 64).
     return dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
@@ -153,7 +154,7 @@ class _TransformerEngine(ZigzagLayout, Strategy):
             raise UsageError(f"heads {a.heads} and kv heads {a.num_kv_heads} must "
                              f"divide by the all-to-all size {heads_split} (TE does not "
                              f"replicate K/V heads)")
-        super().validate()  # the layout: documents divisible by 2N (TE asserts it: .cu L101)
+        super().validate()  # the layout: documents divisible by 2N (TE asserts it: .cu L102)
         te_kwargs(a, self.comm_type)  # what TE refuses for this comm type, before any collective
 
     @classmethod
