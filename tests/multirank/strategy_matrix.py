@@ -99,3 +99,13 @@ def check_named_cases(rank, world, rpn, cases):
         failures += check_cases(rank, world, name, rpn, [(attn, opts)],
                                 [(attn, opts)] if own else [])
     return failures
+
+
+def check_each_strategy(rank, world, rpn, per_strategy, kernel="sdpa-cpu"):
+    """``check_cases`` for several strategies in one launch: ``per_strategy`` is a list of
+    (name, cases, traffic cases)."""
+    failures = []
+    for name, cases, traffic in per_strategy:
+        failures += [f"{name}: {f}" for f in check_cases(rank, world, name, rpn, cases, traffic,
+                                                         kernel)]
+    return failures
