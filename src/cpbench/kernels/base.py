@@ -25,6 +25,16 @@ import torch
 
 ForwardFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 BackwardFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# Varlen (packed sequences, flash-attn's convention), for masked blocks on GPUs:
+#   varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, softmax_scale,
+#                  window=(-1, -1)) -> (out (t_q, h, d), lse (h, t_q) fp32)
+#   varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal,
+#                   softmax_scale, window=(-1, -1)) -> (dq, dk, dv) at q, k, v's sizes
+# q, k, v are (tokens, heads, dim); cu_q / cu_k int32 on the tensors' device; max_q / max_k
+# Python ints (known when the tiles are planned: no host sync); causal and the window
+# (left, right; -1: unbounded) are bottom-right aligned per sequence, as flash-attn's.
+VarlenForwardFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+VarlenBackwardFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +59,11 @@ class KernelBackend:
     limits: Callable[[str, torch.dtype, int], str | None] | None = None
     # where the kernel comes from: {"distribution", "version", "path"} (None: built in)
     provenance: Callable[[], dict | None] = field(default=lambda: None)
+    # packed sequences with per-sequence causal / window masks (see VarlenForwardFn); None:
+    # the backend has none, and masked blocks on its device are refused
+    varlen_forward: VarlenForwardFn | None = None
+    varlen_backward: VarlenBackwardFn | None = None
+
     def is_available(self, device: str | None = None) -> bool:
         """Whether this backend can run here (on ``device`` if given)."""
         if not self.is_importable():
