@@ -163,7 +163,7 @@ def _step(strat: Strategy, x: dict, device: str, fwd_only: bool, r: RankResult) 
     for t in x.values():
         meter.track(t)
     with meter, _SyncGuard(device):
-        with traced() as fwd:
+        with traced() as fwd, fakegrad.recording():
             out, _lse = strat.attention(x["q"], x["k"], x["v"])
         r.events["fwd"] = list(fwd)
         r.peak_fwd_bytes = meter.peak

@@ -9,15 +9,42 @@ own ``backward(ctx, ...)``, and a built-in op's node (``TransposeBackward0``, â€
 every consumer has handed it its gradient, the most recent node first (highest sequence
 number), None gradients of a Function's outputs materialised as zeros (the engine's default),
 a Function's saved tensors dropped after its backward, and leaf gradients accumulated into
-``.grad``. The dry run uses it on CUDA only; on CPU the real engine runs. A unit test holds it
+``.grad``. A Function's backward returns a value per forward argument, the graph has an edge
+per tensor argument only: ``recording()`` notes which were tensors while the forward runs. The dry run uses it on CUDA only; on CPU the real engine runs. A unit test holds it
 equal to the engine on real CPU tensors, gradient for gradient.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 
 import torch
+
+_TENSOR_ARGS = "_cpbench_tensor_args"
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, each autograd Function's node notes which forward arguments were
+    tensors (the edges of the graph), for ``backward``."""
+    fn = torch.autograd.Function
+    original = fn.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        out = original.__func__(cls, *args, **kwargs)
+        outs = out if isinstance(out, tuple) else (out,)
+        node = next((t.grad_fn for t in outs
+                     if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+        if node is not None and hasattr(node, "_forward_cls"):
+            setattr(node, _TENSOR_ARGS, tuple(isinstance(a, torch.Tensor) for a in args))
+        return out
+
+    fn.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        fn.apply = original
 
 
 def _consumers(root) -> dict:
@@ -47,6 +74,12 @@ def _call(node, grads: list):
                  for g, m in zip(grads, node._input_metadata)]
         result = node.apply(*grads)
         node.maybe_clear_saved_tensors()
+        result = result if isinstance(result, tuple) else (result,)
+        tensors = getattr(node, _TENSOR_ARGS, None)
+        if tensors is None and len(result) != len(node.next_functions):
+            raise RuntimeError(f"backward: {node.name()} ran outside fakegrad.recording(): "
+                               f"which of its arguments were tensors is unknown")
+        return tuple(g for g, t in zip(result, tensors or [True] * len(result)) if t)
     else:
         result = node(*grads)
     return result if isinstance(result, tuple) else (result,)
@@ -69,17 +102,19 @@ def backward(out: torch.Tensor, grad: torch.Tensor) -> None:
         _, _, node = heapq.heappop(ready)
         grads = buffers.pop(node)
         if type(node).__name__ == "AccumulateGrad":
-            _accumulate(node, grads[0])
+            if grads[0] is not None:
+                _accumulate(node, grads[0])
             continue
-        results = _call(node, grads)
+        # a node no gradient reached passes None on, as the engine's undefined gradients
+        results = _call(node, grads) if any(g is not None for g in grads) else \
+            (None,) * len(node.next_functions)
         for (nxt, slot), g in zip(node.next_functions, results):
             if nxt is None:
                 continue
+            buf = buffers.setdefault(nxt, [None] * max(1, len(nxt._input_metadata)))
             if g is not None:
-                buf = buffers.setdefault(nxt, [None] * max(1, len(nxt._input_metadata)))
                 buf[slot] = g if buf[slot] is None else buf[slot] + g
             pending[nxt] -= 1
             if pending[nxt] == 0:
-                if nxt in buffers:
-                    heapq.heappush(ready, (-nxt._sequence_nr(), id(nxt), nxt))
+                heapq.heappush(ready, (-nxt._sequence_nr(), id(nxt), nxt))
         del grads, results

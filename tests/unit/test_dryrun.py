@@ -1,0 +1,159 @@
+"""The dry run: the engine-free backward equals the engine; every own strategy's real code runs
+on fake tensors with the bytes its schedule declares; ranks called alike measure alike; host
+syncs and errors are reported with their line; the command's bad input is one line, exit 2."""
+
+import json
+
+import pytest
+import torch
+
+from cpbench import strategies
+from cpbench.bench import dryrun, fakegrad
+from cpbench.cli import main
+from cpbench.config import AttentionConfig
+from cpbench.topology import Topology
+
+OWN = ("ring", "zigzag", "megatron-cp", "megatron-cp-a2a+p2p", "double-ring", "burst",
+       "ulysses", "usp", "llama3")
+
+
+class _Twice(torch.autograd.Function):
+    """Two outputs, the second never used (its gradient arrives as None)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w, (x * x).sum(-1)
+
+    @staticmethod
+    def backward(ctx, g, g_sum):
+        x, w = ctx.saved_tensors
+        return g * w + 2 * x * g_sum[..., None], g * x
+
+
+def _graph(x, w):
+    out, _ = _Twice.apply(x[0].transpose(0, 1), w)
+    return torch.cat([out.unsqueeze(0), (out * x[0].t()).unsqueeze(0)], 2).exp()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fakegrad_equals_the_engine(seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 6, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(1, 5, 12, generator=gen, dtype=torch.float64)
+    _graph(x, w).backward(dout)
+    want = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    with fakegrad.recording():
+        out = _graph(x, w)
+    fakegrad.backward(out, dout)
+    torch.testing.assert_close((x.grad, w.grad), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["zigzag", "usp", "llama3"])
+def test_fakegrad_equals_the_engine_on_a_strategy(name):
+    attn = AttentionConfig(seqlen=256, heads=4, head_dim=16, dtype="fp32", causal=True)
+    topo = Topology(world_size=1, ranks_per_node=1)
+    with dryrun.fake_world(0, 1):  # one rank: nothing is sent, the values are real
+        strat = strategies.get(name)(attn, topo, 0, kernel=_kernel("sdpa-cpu"))
+        gen = torch.Generator().manual_seed(7)
+        q, k, v, dout = (torch.randn(1, 256, 4, 16, generator=gen) for _ in range(4))
+        grads = []
+        for run in (torch.Tensor.backward, fakegrad.backward):
+            x = [t.clone().requires_grad_() for t in (q, k, v)]
+            with fakegrad.recording():
+                out, _ = strat.attention(*x)
+            run(out, dout)
+            grads.append([t.grad for t in x])
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-6)
+
+
+def _kernel(name):
+    from cpbench import kernels
+
+    return kernels.get(name)
+
+
+ATTN = AttentionConfig(seqlen=32768, heads=8, head_dim=64, dtype="bf16", causal=True)
+TOPO = Topology(world_size=8, ranks_per_node=4)
+
+
+@pytest.mark.parametrize("name", OWN)
+def test_every_own_strategy_sends_its_schedule_on_every_distinct_rank(name):
+    opts = strategies.get(name).Options()
+    alike = dryrun.distinct_ranks(name, opts, ATTN, TOPO, kernel_name="sdpa-cpu")
+    assert sorted(r for ranks in alike.values() for r in ranks) == list(range(8))
+    for rank in alike:
+        r = dryrun.dry_rank(name, opts, ATTN, TOPO, rank, kernel_name="sdpa-cpu",
+                            device="cpu")
+        assert r.status == "ok", (rank, r.error, r.where)
+        want = dryrun.schedule_bytes(name, opts, ATTN, TOPO, rank, kernel_name="sdpa-cpu")
+        assert {p: r.sent_bytes(p) for p in ("fwd", "bwd")} == want
+        # at least q, k, v, dout, out and the gradients: a real peak, not a placeholder
+        shard = 1 * ATTN.seqlen // 8 * ATTN.heads * ATTN.head_dim * 2
+        assert r.peak_fwd_bwd_bytes >= 7 * shard and r.peak_fwd_bytes >= 5 * shard
+
+
+def test_ranks_called_alike_measure_alike():
+    name, opts = "usp", strategies.get("usp").Options(ulysses_degree=2)
+    alike = dryrun.distinct_ranks(name, opts, ATTN, TOPO, kernel_name="sdpa-cpu")
+    assert len(alike) < 8
+    for rep, ranks in alike.items():
+        found = {(r.peak_fwd_bytes, r.peak_fwd_bwd_bytes, r.sent_bytes("fwd"),
+                  r.sent_bytes("bwd"))
+                 for r in (dryrun.dry_rank(name, opts, ATTN, TOPO, x, kernel_name="sdpa-cpu",
+                                           device="cpu") for x in ranks)}
+        assert len(found) == 1, (rep, ranks, found)
+
+
+def test_a_host_sync_in_the_step_is_an_error_with_its_line(monkeypatch):
+    cls = strategies.get("ring")
+    real = cls.attention
+
+    def attention(self, q, k, v):
+        out, lse = real(self, q, k, v)
+        scale = float(out.abs().max())  # a host sync: the value read on the host
+        return out * scale, lse
+
+    monkeypatch.setattr(cls, "attention", attention)
+    r = dryrun.dry_rank("ring", cls.Options(), ATTN, TOPO, 1, kernel_name="sdpa-cpu",
+                        device="cpu")
+    assert r.status == "failed" and r.error.startswith("host sync")
+    assert r.where.endswith(f"test_dryrun.py:{attention.__code__.co_firstlineno + 2}")
+
+
+def test_an_error_in_a_kernel_names_its_file(monkeypatch):
+    import dataclasses
+
+    from cpbench.kernels import sdpa_cpu
+
+    def broken(*a, **k):
+        raise RuntimeError("misaligned address")
+
+    backend = dataclasses.replace(sdpa_cpu.BACKEND, forward=broken)
+    monkeypatch.setattr(dryrun.kernels, "get", lambda name: backend)
+    r = dryrun.dry_rank("zigzag", strategies.get("zigzag").Options(), ATTN, TOPO, 0,
+                        kernel_name="sdpa-cpu", device="cpu")
+    assert r.status == "failed" and "RuntimeError: misaligned address" in r.error
+    assert r.where.endswith(f"test_dryrun.py:{broken.__code__.co_firstlineno + 1}")
+
+
+def test_cli_json_rows_and_bad_input(capsys):
+    code = main(["dryrun", "--device", "cpu", "--strategy", "zigzag,llama3", "--nodes", "2",
+                 "--gpus-per-node", "2", "--seqlen", "8k", "--format", "json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert code == 0 and {r["strategy"] for r in rows} == {"zigzag", "llama3"}
+    assert all(r["status"] == "ok" and r["peak_fwd_bwd_bytes"] > 0 for r in rows)
+    assert main(["dryrun", "--device", "cpu", "--strategy", "zigzag", "--nodes", "1",
+                 "--gpus-per-node", "4", "--ranks", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--ranks 4 is not a rank of 4" in err[0]
+
+
+def test_cli_says_oom_and_by_how_much(capsys):
+    assert main(["dryrun", "--device", "cpu", "--hardware", "a800-sxm", "--strategy", "local",
+                 "--nodes", "1", "--gpus-per-node", "2", "--seqlen", "1M", "--heads", "40",
+                 "--head-dim", "128", "--dtype", "bf16", "--ranks", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "OOM: needs" in out and "over)" in out
