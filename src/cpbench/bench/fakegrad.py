@@ -10,8 +10,9 @@ every consumer has handed it its gradient, the most recent node first (highest s
 number), None gradients of a Function's outputs materialised as zeros (the engine's default),
 a Function's saved tensors dropped after its backward, and leaf gradients accumulated into
 ``.grad``. A Function's backward returns a value per forward argument, the graph has an edge
-per tensor argument only: ``recording()`` notes which were tensors while the forward runs. The dry run uses it on CUDA only; on CPU the real engine runs. A unit test holds it
-equal to the engine on real CPU tensors, gradient for gradient.
+per tensor argument only: ``recording()`` notes which were tensors while the forward runs.
+The dry run uses it on CUDA only; on CPU the real engine runs. A unit test holds it equal to
+the engine on real CPU tensors, gradient for gradient.
 """
 
 from __future__ import annotations
