@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from cpbench.errors import UsageError
+from cpbench.kernels.sdpa import backward_extras
 from cpbench.strategies import register
 from cpbench.strategies._upstream import device_of, no_schedule
 from cpbench.strategies.base import Strategy, Upstream, option, save_for_backward
@@ -65,13 +66,14 @@ class _TorchRing(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, strat, q, k, v):
-        fwd, _ = _ops(strat.device)
+        fwd, bwd = _ops(strat.device)
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
         with _cp_options(strat.balanced, strat.opts.rotate_method) as cpa:
-            out, lse, *_ = cpa._templated_ring_attention(
+            out, lse, *rest = cpa._templated_ring_attention(
                 strat.groups["cp"].pg, 2, fwd, qh, kh, vh, is_causal=strat.attn.causal,
                 dropout_p=0.0, scale=strat.attn.softmax_scale)
         save_for_backward(ctx, strat, qh, kh, vh, out, lse, lse=lse)
+        ctx.extras = backward_extras(fwd, bwd, rest)
         return out.transpose(1, 2), lse
 
     @staticmethod
@@ -83,7 +85,8 @@ class _TorchRing(torch.autograd.Function):
             dq, dk, dv = cpa._templated_ring_attention_backward(
                 strat.groups["cp"].pg, 2, bwd, grad_out=dout.transpose(1, 2),
                 grad_out_name="grad_out", query=qh, key=kh, value=vh, out=out, logsumexp=lse,
-                is_causal=strat.attn.causal, dropout_p=0.0, scale=strat.attn.softmax_scale)[:3]
+                is_causal=strat.attn.causal, dropout_p=0.0, scale=strat.attn.softmax_scale,
+                **ctx.extras)[:3]
         return None, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
