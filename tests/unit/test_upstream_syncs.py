@@ -9,9 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from tests.unit.schedule_helpers import plan
+from torch.utils._python_dispatch import TorchDispatchMode
 
 A = torch.ops.aten
 
