@@ -34,6 +34,7 @@ import torch
 from cpbench.errors import UsageError
 from cpbench.strategies import register
 from cpbench.strategies._upstream import (
+    FLASH_KERNELS,
     check_flash_kernel,
     device_of,
     flash_attn_beneath,
@@ -58,6 +59,7 @@ class _RingFlashAttn(Strategy):
     module: ClassVar[str]  # the library's file of the algorithm
     function: ClassVar[str]
     varlen: ClassVar[tuple[str, str] | None] = None  # (file, function) for --documents
+    accepted_kernels = FLASH_KERNELS
 
     def __init__(self, *args, create_groups: bool = True, **kwargs):
         super().__init__(*args, create_groups=create_groups, **kwargs)
