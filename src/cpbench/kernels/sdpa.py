@@ -134,7 +134,7 @@ BACKEND = KernelBackend(
     import_error=import_error,
     limits=_limits,
     provenance=lambda: {"distribution": "torch", "version": torch.__version__,
-                        "cuda": torch.version.cuda},
+                        "path": torch.__file__, "cuda": torch.version.cuda},
     varlen_forward=varlen_forward,
     varlen_backward=varlen_backward,
 )
