@@ -238,3 +238,91 @@ def test_the_kernels_distribution_is_found_by_its_module(monkeypatch):
     assert fa.provenance(fa.FA3_MODULE) == {
         "module": "flash_attn_interface", "distribution": "flashattn-hopper",
         "version": "3.0.0b1", "path": "/site/flash_attn_interface.py"}
+
+
+def test_auto_on_cuda_ends_with_torchs_flash_kernel(fake_flash, monkeypatch):
+    """Without flash-attn, auto takes torch's own CUDA flash op (``sdpa``), with a note for
+    each installed one it passed over; the order is FA3, flash-attn, sdpa."""
+    from cpbench.kernels import flash_attn as fa
+
+    assert kernels.AUTO_ORDER["cuda"] == ("flash-attn3", "flash-attn", "sdpa")
+    monkeypatch.setattr(torch.version, "cuda", "12.4")  # a CUDA build of torch
+    fake_flash["broken"] = {fa.FA2_MODULE: ModuleNotFoundError("No module named 'flash_attn'"),
+                            fa.FA3_MODULE: ModuleNotFoundError("no flash_attn_interface")}
+    notes = []
+    assert kernels.resolve("auto", **CUDA_BF16, notes=notes).name == "sdpa"
+    assert notes == []  # neither is installed: nothing to explain
+    fake_flash["broken"] = {fa.FA3_MODULE: ModuleNotFoundError("no flash_attn_interface")}
+    assert kernels.resolve("auto", **CUDA_BF16).name == "flash-attn"
+    assert kernels.resolve("sdpa", **CUDA_BF16).name == "sdpa"
+
+
+def _adapter_kernel(name, backend, **kw):
+    from cpbench import strategies
+    from cpbench.strategies._upstream import case_kernel
+
+    return case_kernel(strategies.get(name), kernels.get(backend), CUDA_BF16, **kw)
+
+
+@pytest.mark.parametrize("name", ["rfa-zigzag", "rfa-llama3", "yunchang-usp"])
+def test_auto_fa3_keeps_the_adapters_on_flash_attn_2(fake_flash, name):
+    """FA3 is auto's pick on Hopper; the libraries call flash-attn 2's interface: they run on
+    flash-attn (installed here), with a note, instead of being skipped."""
+    assert kernels.resolve("auto", **CUDA_BF16).name == "flash-attn3"
+    backend, note = _adapter_kernel(name, "flash-attn3", auto=True)
+    assert backend.name == "flash-attn" and note.startswith("flash-attn3 for " + name)
+    assert _adapter_kernel(name, "flash-attn3", auto=False) == (kernels.get("flash-attn3"),
+                                                                None)  # asked for by name
+    assert _adapter_kernel(name, "flash-attn", auto=True) == (kernels.get("flash-attn"), None)
+    assert _adapter_kernel("ring", "flash-attn3", auto=True) == (kernels.get("flash-attn3"),
+                                                                 None)  # cpbench's own: any
+
+
+def test_auto_gives_torch_ring_torchs_flash_op_on_cuda(fake_flash, monkeypatch):
+    assert _adapter_kernel("torch-ring", "flash-attn3", auto=True)[0].name == "flash-attn3"
+    monkeypatch.setattr(torch.version, "cuda", "12.4")  # now sdpa can run
+    backend, note = _adapter_kernel("torch-ring", "flash-attn", auto=True)
+    assert backend.name == "sdpa" and "using sdpa" in note
+    # planned off the job's nodes (a sweep on a login node): the job decides availability
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert _adapter_kernel("torch-ring", "flash-attn", auto=True, elsewhere=True)[0].name \
+        == "sdpa"
+
+
+@pytest.mark.parametrize("name,kernel,hint", [
+    ("torch-ring", "flash-attn", "use --kernel sdpa (or auto), not flash-attn"),
+    ("torch-ring", "torch", "use --kernel sdpa on CUDA, sdpa-cpu on CPU (or auto)"),
+    ("torch-ring", "flash-attn-cpu", "use --kernel sdpa-cpu (or auto)"),
+    ("rfa-ring", "flash-attn3", "use --kernel flash-attn (or auto), not flash-attn3"),
+    ("rfa-ring", "sdpa", "use --kernel flash-attn (or auto), not sdpa"),
+    ("yunchang-usp", "torch", "use --kernel flash-attn on CUDA, sdpa-cpu or flash-attn-cpu on "
+                              "CPU (or auto)"),
+])
+def test_each_refusal_names_kernels_of_the_device(name, kernel, hint):
+    """A hint names only kernels that run where the refused one runs (torch-ring said sdpa-cpu
+    on CUDA)."""
+    from cpbench import strategies
+    from cpbench.config import AttentionConfig
+    from cpbench.errors import UsageError
+    from cpbench.topology import Topology
+
+    attn = AttentionConfig(batch=1, seqlen=64, heads=4, kv_heads=4, head_dim=16, dtype="bf16",
+                           causal=True)
+    with pytest.raises(UsageError, match=hint.replace("(", r"\(").replace(")", r"\)")):
+        strategies.get(name)(attn, Topology(world_size=2, ranks_per_node=2), 0,
+                             kernel=kernels.get(kernel), create_groups=False)
+
+
+def test_a_plan_under_auto_runs_the_adapters_on_their_kernels(fake_flash):
+    """``--strategy all --kernel auto`` on Hopper with FA3: the adapters are planned on
+    flash-attn, torch-ring on sdpa, cpbench's own on FA3; the records name each."""
+    from cpbench.bench import plan as planning
+    from cpbench.config import RunConfig
+
+    p = planning.plan(RunConfig(out="none", strategy=("all",), device="cuda", kernel="auto"),
+                      {"seqlen": 4096}, {}, launcher="torchrun", job=(8, 8))
+    assert p.kernel == "flash-attn3"
+    by = {c.strategy: p.kernel_of(c) for c in p.cases}
+    assert by["rfa-zigzag"] == by["yunchang-usp"] == "flash-attn"
+    assert by["torch-ring"] == "sdpa" and by["ring"] == "flash-attn3"
+    assert any(s.startswith("flash-attn3 for rfa-zigzag") for s in p.skipped)

@@ -192,7 +192,8 @@ class _CaseRun:
             cls = strategies.get(self.case.strategy)
             topo = dataclasses.replace(self.p.topo, group_timeout_s=self.timeout_s)
             self.strat = cls(self.p.attn, topo, self.rank,
-                             kernel=kernels.get(self.p.kernel), options=self.case.options)
+                             kernel=kernels.get(self.p.kernel_of(self.case)),
+                             options=self.case.options)
             return self.strat.resolved_options(), self.strat.provenance()
 
         self.status("building groups")
@@ -287,7 +288,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     agreement.cleanup()
     record = results.make_record(
         strategy=case.strategy, options=case.options, attention=p.attn, run=p.run,
-        kernel=p.kernel, world_size=p.world_size, ranks_per_node=p.ranks_per_node,
+        kernel=p.kernel_of(case), world_size=p.world_size, ranks_per_node=p.ranks_per_node,
         ranks_per_problem=ranks_per_problem, env=env, status=phase.status,
         error=phase.error, traceback=_traceback(phase, mem, prof), resolved=resolved,
         check=checks, upstream=upstream,

@@ -34,6 +34,7 @@ from cpbench.config import (
 )
 from cpbench.errors import Skipped, UsageError
 from cpbench.mask import mask_of
+from cpbench.strategies._upstream import case_kernel
 from cpbench.topology import Topology, divisors
 
 DEFAULT_NPROC = 4
@@ -55,6 +56,7 @@ class Case:
 
     strategy: str
     options: Any
+    kernel: str | None = None  # None: the plan's (else see strategies._upstream.case_kernel)
 
     @property
     def label(self) -> str:
@@ -90,6 +92,10 @@ class Plan:
         """The process group's timeout before the first case sets its own."""
         return max((w[0] for w in self.waits), default=MIN_COLLECTIVE_TIMEOUT_S)
 
+    def kernel_of(self, case: Case) -> str:
+        """The backend ``case`` runs on."""
+        return case.kernel or self.kernel
+
     def keys(self) -> tuple[str, ...]:
         """``results.record_key`` of every row this plan records, in order."""
         run, attn = self.run.to_dict(), self.attn.to_dict()
@@ -105,13 +111,14 @@ def failure_record(p: Plan, index: int, status: str, error: str, **sections) -> 
     from cpbench.bench.env import cpus_usable, utc_now
 
     case = p.cases[index]
-    strat = strategies.get(case.strategy)(p.attn, p.topo, 0, kernel=kernels.get(p.kernel),
+    strat = strategies.get(case.strategy)(p.attn, p.topo, 0,
+                                          kernel=kernels.get(p.kernel_of(case)),
                                           options=case.options, create_groups=False)
     env = {"utc": utc_now(), "launcher": p.launcher, "cpus_usable": cpus_usable(),
            "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
     return results.make_record(
         strategy=case.strategy, options=case.options, attention=p.attn, run=p.run,
-        kernel=p.kernel, world_size=p.world_size, ranks_per_node=p.ranks_per_node,
+        kernel=p.kernel_of(case), world_size=p.world_size, ranks_per_node=p.ranks_per_node,
         ranks_per_problem=strat.ranks_per_problem, env=env, status=status, error=error,
         **sections)
 
@@ -242,16 +249,23 @@ def _shape(attn: AttentionConfig) -> dict:
 
 
 def runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
-              topo: Topology, backend, device: str, capacity: int | None
-              ) -> tuple[list, list[str]]:
+             topo: Topology, backend, device: str, capacity: int | None, *,
+             auto: bool = False, elsewhere: bool = False) -> tuple[list, list[str]]:
     """The cases the config allows, each with rank 0's strategy, and why the others are left
-    out. Variants a strategy merely suggests (and, under ``all``, whole strategies) that
-    cannot run this config or cannot fit are skipped; a strategy asked for by name with no
-    runnable variant is an error, and so is nothing runnable but a no-CP baseline."""
+    out. ``auto``: the kernel was auto's pick, which a library's strategy may run on its own
+    kernel instead (see ``case_kernel``; ``elsewhere`` as for ``_kernel``). Variants a
+    strategy merely suggests (and, under ``all``, whole strategies) that cannot run this
+    config or cannot fit are skipped; a strategy asked for by name with no runnable variant
+    is an error, and so is nothing runnable but a no-CP baseline."""
     built, skipped, first_error, first_skip = [], [], {}, None
     for case in cases:
+        mine, note = case_kernel(strategies.get(case.strategy), backend,
+                                 _request(attn, device), auto=auto, elsewhere=elsewhere)
+        if mine is not backend:
+            case = dataclasses.replace(case, kernel=mine.name)
         try:
-            built.append((case, _validate_case(case, attn, topo, backend, device, capacity)))
+            built.append((case, _validate_case(case, attn, topo, mine, device, capacity)))
+            skipped += [note] if note and note not in skipped else []
         except Skipped as e:  # skipped even when named: the others still answer
             skipped.append(str(e))
             first_skip = first_skip or e
@@ -334,14 +348,18 @@ def bracket_baselines(built: list[tuple[Case, Any]]) -> list[Case]:
     return base + cp + base if base and cp else [case for case, _ in built]
 
 
+def _request(attn: AttentionConfig, device: str) -> dict:
+    """What a kernel backend is asked to run (KernelBackend.unsupported_reason's fields)."""
+    return dict(device=device, dtype=attn.torch_dtype, head_dim=attn.head_dim,
+                heads=attn.heads, kv_heads=attn.num_kv_heads)
+
+
 def _kernel(run: RunConfig, device: str, attn: AttentionConfig, notes: list[str], *,
             elsewhere: bool):
     """The kernel backend. ``elsewhere``: a GPU job planned off its nodes (a sweep checked
     on a login node), where ``auto`` is decided by the job itself: validate as flash-attn 2."""
     try:
-        return kernels.resolve(run.kernel, device=device, dtype=attn.torch_dtype,
-                               head_dim=attn.head_dim, heads=attn.heads,
-                               kv_heads=attn.num_kv_heads, notes=notes)
+        return kernels.resolve(run.kernel, **_request(attn, device), notes=notes)
     except UsageError:
         if not (elsewhere and device == "cuda" and run.kernel == kernels.AUTO):
             raise
@@ -375,7 +393,8 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     local_ranks = topo.ranks_per_node if launcher == "torchrun" else world
     capacity = memory.capacity_bytes(device, local_ranks) if job is None else None
     built, skipped = runnable(expand_cases(run.strategy, options, topo), run.strategy, attn,
-                               topo, backend, device, capacity)
+                              topo, backend, device, capacity, auto=run.kernel == kernels.AUTO,
+                              elsewhere=job is not None)
     cases = bracket_baselines(built) if baseline_both_ends else [case for case, _ in built]
     strat_of = dict(built)
     if run.check:

@@ -109,10 +109,12 @@ def request(args):
     given = {k: v for k, v in given.items() if k in AttentionConfig.__dataclass_fields__}
     attn = AttentionConfig(**resolved_documents({**default_attention(device), **given},
                                                 args.seed))
+    notes: list[str] = []
     backend = kernels.resolve(args.kernel, device=device, dtype=attn.torch_dtype,
                               head_dim=attn.head_dim, heads=attn.heads,
-                              kv_heads=attn.num_kv_heads)
-    cases, skipped = cases_for(args.strategy, options, attn, topo, backend, device)
+                              kv_heads=attn.num_kv_heads, notes=notes)
+    cases, skipped = cases_for(args.strategy, options, attn, topo, backend, device,
+                               auto=args.kernel == kernels.AUTO)
     if args.out:
         from cpbench.bench.plan import open_out
 
@@ -120,7 +122,7 @@ def request(args):
     return Request(attn=attn, topo=topo, cases=tuple(cases), kernel=backend.name,
                    device=device, capacity_bytes=_capacity(args, device, gpn, hw),
                    hardware=hw, ranks=args.ranks, fwd_only=args.fwd_only,
-                   skipped=tuple(skipped))
+                   skipped=(*notes, *skipped))
 
 
 def _dryrun(args) -> int:

@@ -1,9 +1,10 @@
 """Attention kernel backends: ``get(name)``, ``resolve(name, ...)``, ``available()``.
 
 A backend is a ``KernelBackend`` (see ``base.py``). ``auto`` picks, on CUDA, FlashAttention-3
-where it can run (an sm90 GPU, a build whose API runs the request), else flash-attn 2, and
-never the plain-torch reference (full S × S scores: out of memory at long S, or ~10× slower):
-with neither it is an error with each one's reason. On CPU it picks the CPU flash kernel
+where it can run (an sm90 GPU, a build whose API runs the request), else flash-attn 2, else
+torch's own flash kernel (``sdpa``), and never the plain-torch reference (full S × S scores:
+out of memory at long S, or ~10× slower): with none of them it is an error with each one's
+reason. On CPU it picks the CPU flash kernel
 (sdpa-cpu), else the reference.
 """
 
@@ -12,11 +13,12 @@ from __future__ import annotations
 import torch
 
 from cpbench.errors import UsageError
-from cpbench.kernels import flash_attn_cpu, sdpa_cpu, torch_ref
+from cpbench.kernels import flash_attn_cpu, sdpa, sdpa_cpu, torch_ref
 from cpbench.kernels.base import KernelBackend
 
 _BACKENDS: dict[str, KernelBackend] = {
-    b.name: b for b in (torch_ref.BACKEND, sdpa_cpu.BACKEND, flash_attn_cpu.FLASH_ATTN_CPU)
+    b.name: b for b in (torch_ref.BACKEND, sdpa_cpu.BACKEND, flash_attn_cpu.FLASH_ATTN_CPU,
+                        sdpa.BACKEND)
 }
 try:  # the GPU backends are thin argument mappings; they import flash_attn lazily
     from cpbench.kernels import flash_attn as _fa
@@ -77,7 +79,7 @@ def resolve(
 
 
 # auto's candidates by device, best first; on CUDA never the reference
-AUTO_ORDER = {"cuda": ("flash-attn3", "flash-attn"), "cpu": ("sdpa-cpu", "torch")}
+AUTO_ORDER = {"cuda": ("flash-attn3", "flash-attn", "sdpa"), "cpu": ("sdpa-cpu", "torch")}
 
 
 def _auto(device: str, request: dict, notes: list[str]) -> KernelBackend:

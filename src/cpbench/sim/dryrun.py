@@ -46,10 +46,11 @@ class Request:
 
 
 def cases_for(names: tuple[str, ...], options: dict, attn: AttentionConfig, topo: Topology,
-              backend, device: str) -> tuple[list[Case], list[str]]:
-    """The runnable cases and why the others are skipped (``run``'s own rules)."""
+              backend, device: str, *, auto: bool) -> tuple[list[Case], list[str]]:
+    """The runnable cases and why the others are skipped (``run``'s own rules; ``auto``: the
+    kernel was auto's pick, which a library's strategy may trade for its own)."""
     built, skipped = runnable(expand_cases(names, options, topo), names, attn, topo, backend,
-                              device, None)
+                              device, None, auto=auto)
     return [case for case, _ in built], skipped
 
 
@@ -69,8 +70,9 @@ def _simulated(req: Request, case: Case) -> float | None:
 
 def run_case(req: Request, case: Case) -> list[dict]:
     """One row per rank run, each naming the ranks alike to it."""
+    kernel = case.kernel or req.kernel
     alike = dryrun.distinct_ranks(case.strategy, case.options, req.attn, req.topo,
-                                  kernel_name=req.kernel)
+                                  kernel_name=kernel)
     if req.ranks is not None:
         alike = {r: [r] for r in req.ranks}
     rows = []
@@ -78,11 +80,12 @@ def run_case(req: Request, case: Case) -> list[dict]:
         log.info("%s: rank %d (%d of %d)", case.label, rank, i, len(alike),
                  extra={"transient": True})
         r = dryrun.dry_rank(case.strategy, case.options, req.attn, req.topo, rank,
-                            kernel_name=req.kernel, device=req.device, fwd_only=req.fwd_only)
+                            kernel_name=kernel, device=req.device, fwd_only=req.fwd_only)
         declared = dryrun.schedule_bytes(case.strategy, case.options, req.attn, req.topo,
-                                         rank, kernel_name=req.kernel)
+                                         rank, kernel_name=kernel)
         status, why = _verdict(r.peak_fwd_bwd_bytes, req.capacity_bytes)
-        rows.append({"case": case.label, "strategy": case.strategy, "rank": rank,
+        rows.append({"case": case.label, "strategy": case.strategy, "kernel": kernel,
+                     "rank": rank,
                      "alike": same, "status": r.status if r.status != results.OK else status,
                      "error": r.error or why, "where": r.where,
                      "peak_fwd_bytes": r.peak_fwd_bytes,
@@ -134,7 +137,7 @@ def record(req: Request, case: Case, rows: list[dict], env: dict) -> dict:
                     fwd_only=req.fwd_only).resolved(req.device)
     return results.make_record(
         strategy=case.strategy, options=case.options, attention=req.attn, run=run,
-        kernel=req.kernel, world_size=req.topo.world_size,
+        kernel=case.kernel or req.kernel, world_size=req.topo.world_size,
         ranks_per_node=req.topo.ranks_per_node, ranks_per_problem=req.topo.world_size,
         env=env, status=bad["status"] if bad else results.OK,
         error=f"rank {bad['rank']}: {bad['error']}" + (f" at {bad['where']}" if bad and

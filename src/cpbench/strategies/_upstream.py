@@ -17,7 +17,8 @@ import sys
 from cpbench.errors import Skipped, UsageError
 
 # the kernels beneath flash-attn's interface, per device: on CPU the interface runs the aten
-# CPU flash kernel that `sdpa-cpu` is, so an adapter and cpbench's own strategies share it
+# CPU flash kernel that `sdpa-cpu` is, so an adapter and cpbench's own strategies share it.
+# Not flash-attn3: the libraries call flash_attn's (FA2) interface, never FA3's.
 FLASH_KERNELS = {"cpu": ("sdpa-cpu", "flash-attn-cpu"), "cuda": ("flash-attn",)}
 
 
@@ -25,16 +26,51 @@ def device_of(kernel) -> str:
     return "cuda" if "cuda" in kernel.devices and "cpu" not in kernel.devices else "cpu"
 
 
+def kernel_hint(accepted: dict[str, tuple[str, ...]], kernel) -> str:
+    """``use --kernel ...`` naming only kernels that run where ``kernel`` runs: a kernel of
+    both devices (the reference) gets each device's choice."""
+    devices = [d for d in ("cuda", "cpu") if d in kernel.devices and d in accepted]
+    if len(devices) == 1:
+        return f"use --kernel {' or '.join(accepted[devices[0]])} (or auto)"
+    return "use --kernel " + ", ".join(f"{' or '.join(accepted[d])} on {d.upper()}"
+                                       for d in devices) + " (or auto)"
+
+
+def check_kernel(strat, what: str) -> None:
+    """The run's kernel must be the one ``strat``'s library runs (``accepted_kernels``), so its
+    rows compare with cpbench's own on the same kernel and record what ran. ``what``: the
+    library's call, for the message."""
+    accepted = strat.accepted_kernels
+    if strat.kernel.name not in accepted.get(device_of(strat.kernel), ()):
+        raise UsageError(f"{strat.name} runs {what}; {kernel_hint(accepted, strat.kernel)}, "
+                         f"not {strat.kernel.name}")
+
+
 def check_flash_kernel(strat) -> None:
-    """The library calls flash-attn's interface: the run's kernel must be what is beneath it,
-    so its rows compare with cpbench's own on the same kernel."""
-    device = device_of(strat.kernel)
-    allowed = FLASH_KERNELS[device]
-    if strat.kernel.name not in allowed:
-        raise UsageError(f"{strat.name} runs {strat.upstream.package}'s code, which calls "
-                         f"flash-attn's interface (on {device}: the {allowed[0]} kernel); "
-                         f"use --kernel {' or '.join(allowed)} (or auto), not "
-                         f"{strat.kernel.name}")
+    """The library calls flash-attn's interface: the run's kernel must be what is beneath it."""
+    check_kernel(strat, f"{strat.upstream.package}'s code, which calls flash-attn's interface "
+                        f"(on CUDA flash-attn 2, on CPU cpbench's on the sdpa-cpu kernel)")
+
+
+def case_kernel(cls, backend, request: dict, *, auto: bool, elsewhere: bool = False):
+    """(the backend strategy ``cls`` runs on, a note or None). What ``auto`` resolved stays
+    unless the strategy runs a library with its own kernel (``accepted_kernels``) that is not
+    it: then, for auto only, that library's kernel where it can run (FA3 picked on a Hopper:
+    the adapters keep flash-attn 2; torch-ring on CUDA: torch's flash op, ``sdpa``). A kernel
+    asked for by name is never swapped (``validate`` refuses it with the hint).
+    ``elsewhere``: planned off the job's nodes, where availability is the job's to decide."""
+    from cpbench import kernels
+
+    device = request["device"]
+    accepted = (cls.accepted_kernels or {}).get(device)
+    if not auto or accepted is None or backend.name in accepted:
+        return backend, None
+    for name in accepted:
+        alt = kernels.get(name)
+        if elsewhere or alt.unsupported_reason(**request) is None:
+            return alt, (f"{backend.name} for {cls.name} (it runs {cls.upstream.package}'s "
+                         f"code, on {name}): using {name}")
+    return backend, None
 
 
 def flash_attn_beneath(device: str) -> str:

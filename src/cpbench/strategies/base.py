@@ -115,6 +115,9 @@ class Strategy(ABC):
     Options: ClassVar[type] = NoOptions
     causal_only: ClassVar[bool] = False
     upstream: ClassVar[Upstream | None] = None  # set by adapters running a library's code
+    # per device, the kernels a library's code runs (None: whatever --kernel gives); under
+    # ``auto`` the plan hands the strategy one of these (strategies._upstream.case_kernel)
+    accepted_kernels: ClassVar[dict[str, tuple[str, ...]] | None] = None
     returns_lse: ClassVar[bool] = True  # False: attention() returns (out, None)
     # the masks beyond causal it computes exactly ("documents", "window"); under any other
     # its row is skipped with the reason (never run silently wrong)

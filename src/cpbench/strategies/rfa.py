@@ -34,6 +34,7 @@ import torch
 from cpbench.errors import UsageError
 from cpbench.strategies import register
 from cpbench.strategies._upstream import (
+    FLASH_KERNELS,
     check_flash_kernel,
     device_of,
     flash_attn_beneath,
@@ -58,15 +59,25 @@ class _RingFlashAttn(Strategy):
     module: ClassVar[str]  # the library's file of the algorithm
     function: ClassVar[str]
     varlen: ClassVar[tuple[str, str] | None] = None  # (file, function) for --documents
+    accepted_kernels = FLASH_KERNELS
 
     def __init__(self, *args, create_groups: bool = True, **kwargs):
         super().__init__(*args, create_groups=create_groups, **kwargs)
-        self.beneath = None
+        self.beneath = self.varlen_args = None
         if create_groups:  # about to run: the library and the flash-attn under it
             self.beneath = flash_attn_beneath(device_of(self.kernel))
             module, function = (self.varlen if self.attn.documents and self.varlen
                                 else (self.module, self.function))
             self.fn = getattr(import_algorithms(MODULE, module), function)
+            self.prepare(torch.device(device_of(self.kernel)))
+
+    def prepare(self, device) -> None:
+        """What the varlen call takes beside q, k, v, built once on ``device`` (the documents
+        are fixed for a case): computed per call it would read tensor values back to the
+        host inside the timed step (a sync per call)."""
+        if self.attn.documents:
+            cu = self.local_cu_seqlens("cpu")
+            self.varlen_args = (cu.to(device), int((cu[1:] - cu[:-1]).max()))
 
     def validate(self) -> None:
         check_flash_kernel(self)
@@ -84,8 +95,7 @@ class _RingFlashAttn(Strategy):
     def varlen_attention(self, q, k, v):
         """The varlen function on (tokens, heads, dim): out back to bshd, lse (h, t) to
         (1, h, t)."""
-        cu = self.local_cu_seqlens(q.device)
-        max_len = int((cu[1:] - cu[:-1]).max())
+        cu, max_len = self.varlen_args
         out, lse, _ = self.fn(q[0], k[0], v[0], cu, max_len,
                               softmax_scale=self.attn.softmax_scale, causal=self.attn.causal,
                               return_attn_probs=True, group=self.groups["rfa"].pg)
@@ -203,12 +213,17 @@ class RfaLlama3(_RingFlashAttn):
     def twin_options(self) -> dict:
         return self.resolved_options()
 
-    def attention(self, q, k, v):
+    def prepare(self, device) -> None:
+        """The library's ``llama3_flash_attn_prepare_cu_seqlens`` (six ``.item()``: host
+        syncs), once per case on ``device`` rather than in every timed call."""
         prepare = import_algorithms(MODULE, self.module).llama3_flash_attn_prepare_cu_seqlens
         lengths = self.attn.documents or (self.attn.seqlen,)
-        cu = torch.tensor([0, *lengths], dtype=torch.int32, device=q.device).cumsum(0)
-        cu_q, cu_k, max_q, max_k, k_slice = prepare(cu.to(torch.int32), self.attn.causal,
-                                                    self.cp_index(self.rank), self.cp_size)
+        cu = torch.tensor([0, *lengths], dtype=torch.int32, device=device).cumsum(0)
+        self.varlen_args = prepare(cu.to(torch.int32), self.attn.causal,
+                                   self.cp_index(self.rank), self.cp_size)
+
+    def attention(self, q, k, v):
+        cu_q, cu_k, max_q, max_k, k_slice = self.varlen_args
         window = tuple(self.attn.window_size) if self.attn.window_size else (-1, -1)
         out, lse, _ = self.fn(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k,
                               self.resolved_options()["heads_k_stride"], k_slice,

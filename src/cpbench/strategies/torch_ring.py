@@ -7,8 +7,10 @@ What runs here: the high-level ``context_parallel()`` cannot run on CPU (its SDP
 no sharding strategy for ``aten._scaled_dot_product_flash_attention_for_cpu``), so cpbench
 calls the ring it dispatches to directly, with the SDPA flash op of the device: on CPU
 ``_scaled_dot_product_flash_attention_for_cpu`` (the ``sdpa-cpu`` kernel) forward and
-backward; on CUDA ``_scaled_dot_product_flash_attention`` (never run here). Timed: that ring
-(K/V rotation, the per-step ops, the lse merge, the dK/dV ring), not DTensor's dispatch.
+backward; on CUDA ``_scaled_dot_product_flash_attention`` (the ``sdpa`` kernel; its backward
+gets the forward's extra outputs, as torch's own SDPA handler passes them; run on fake CUDA
+by tests/fake_gpu/test_torch_ring_cuda.py, never on a GPU here). Timed: that ring (K/V
+rotation, the per-step ops, the lse merge, the dK/dV ring), not DTensor's dispatch.
 
 Torch's own settings (``_cp_options``, a module global it reads in forward and backward, set
 around each call): ``rotate_method`` (``allgather``, torch's default: K/V gathered once per
@@ -24,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cpbench.errors import UsageError
+from cpbench.kernels.sdpa import backward_extras
 from cpbench.strategies import register
-from cpbench.strategies._upstream import device_of, no_schedule
+from cpbench.strategies._upstream import check_kernel, device_of, no_schedule
 from cpbench.strategies.base import Strategy, Upstream, option, save_for_backward
 from cpbench.strategies.layout import check_divisible, contiguous_index
 
@@ -65,13 +67,14 @@ class _TorchRing(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, strat, q, k, v):
-        fwd, _ = _ops(strat.device)
+        fwd, bwd = _ops(strat.device)
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
         with _cp_options(strat.balanced, strat.opts.rotate_method) as cpa:
-            out, lse, *_ = cpa._templated_ring_attention(
+            out, lse, *rest = cpa._templated_ring_attention(
                 strat.groups["cp"].pg, 2, fwd, qh, kh, vh, is_causal=strat.attn.causal,
                 dropout_p=0.0, scale=strat.attn.softmax_scale)
         save_for_backward(ctx, strat, qh, kh, vh, out, lse, lse=lse)
+        ctx.extras = backward_extras(fwd, bwd, rest)
         return out.transpose(1, 2), lse
 
     @staticmethod
@@ -83,7 +86,8 @@ class _TorchRing(torch.autograd.Function):
             dq, dk, dv = cpa._templated_ring_attention_backward(
                 strat.groups["cp"].pg, 2, bwd, grad_out=dout.transpose(1, 2),
                 grad_out_name="grad_out", query=qh, key=kh, value=vh, out=out, logsumexp=lse,
-                is_causal=strat.attn.causal, dropout_p=0.0, scale=strat.attn.softmax_scale)[:3]
+                is_causal=strat.attn.causal, dropout_p=0.0, scale=strat.attn.softmax_scale,
+                **ctx.extras)[:3]
         return None, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -93,6 +97,9 @@ class TorchRing(Strategy):
     description = ("PyTorch native context parallel: its templated ring attention "
                    "(head-tail load balance when causal)")
     upstream = Upstream("torch", "torch.distributed.tensor.experimental", twin="zigzag")
+    # the op it calls is these kernels; not flash-attn, which it never calls: a row recorded
+    # as flash-attn would name a kernel that did not run (auto hands it sdpa on CUDA)
+    accepted_kernels = {"cpu": ("sdpa-cpu",), "cuda": ("sdpa",)}
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
@@ -100,9 +107,7 @@ class TorchRing(Strategy):
                                     "(its set_rotate_method)", ROTATE)
 
     def validate(self) -> None:
-        if self.kernel.name not in ("sdpa-cpu", "flash-attn"):
-            raise UsageError(f"{self.name} runs torch's SDPA flash op (the sdpa-cpu kernel "
-                             f"on CPU); use --kernel sdpa-cpu (or auto), not {self.kernel.name}")
+        check_kernel(self, "torch's SDPA flash op (on CUDA the sdpa kernel, on CPU sdpa-cpu)")
         self.device = device_of(self.kernel)
         self.balanced = self.attn.causal
         n = self.cp_size

@@ -31,6 +31,7 @@ import torch
 from cpbench.errors import UsageError
 from cpbench.strategies import register
 from cpbench.strategies._upstream import (
+    FLASH_KERNELS,
     check_flash_kernel,
     device_of,
     flash_attn_beneath,
@@ -77,6 +78,7 @@ class YunchangUsp(Strategy):
                    "(the library's own code)")
     upstream = Upstream("yunchang", "yunchang", twin="usp")
     returns_lse = False
+    accepted_kernels = FLASH_KERNELS
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
