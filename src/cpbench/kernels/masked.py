@@ -201,8 +201,7 @@ def _use_varlen(kernel: KernelBackend, device, varlen: bool | None) -> bool:
     """Varlen on any device but the CPU (``varlen`` forces either path: tests)."""
     use = torch.device(device).type != "cpu" if varlen is None else varlen
     if use and kernel.varlen_forward is None:
-        raise UsageError(masked_varlen.device_refusal(kernel, torch.device(device).type)
-                         or f"{kernel.name} has no varlen calls")
+        raise UsageError(masked_varlen.no_varlen(kernel, torch.device(device).type))
     return use
 
 

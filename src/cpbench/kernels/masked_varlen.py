@@ -166,6 +166,10 @@ def device_refusal(kernel: KernelBackend, device: str) -> str | None:
     """Why masked blocks cannot run with ``kernel`` on ``device`` (None: they can)."""
     if device == "cpu" or kernel.varlen_forward is not None:
         return None
+    return no_varlen(kernel, device)
+
+
+def no_varlen(kernel: KernelBackend, device: str) -> str:
     return (f"--documents / --window-size on {device} need a kernel with varlen calls "
             f"(packed sequences); {kernel.name} has none: use --kernel flash-attn")
 
