@@ -202,3 +202,18 @@ def test_varlen_path_matches_the_float64_reference(backend, seed):
     assert torch.allclose(dq.double(), ref["dq"][:, q_pos], atol=tol)
     assert torch.allclose(dk.double(), ref["dk"][:, k_pos], atol=tol)
     assert torch.allclose(dv.double(), ref["dv"][:, k_pos], atol=tol)
+
+
+def test_a_cuda_kernel_without_varlen_is_skipped_before_the_run():
+    from cpbench import strategies
+    from cpbench.bench.plan import _no_masked_kernel
+    from cpbench.config import AttentionConfig
+
+    docs = AttentionConfig(seqlen=4096, documents=(2048, 2048))
+    zigzag, te = strategies.get("zigzag"), strategies.get("te-p2p")
+    assert "flash-attn" in _no_masked_kernel(zigzag, docs, flash_attn.FLASH_ATTN3, "cuda")
+    assert _no_masked_kernel(zigzag, docs, flash_attn.FLASH_ATTN, "cuda") is None
+    assert _no_masked_kernel(zigzag, docs, kernels.get("sdpa-cpu"), "cpu") is None
+    assert _no_masked_kernel(te, docs, flash_attn.FLASH_ATTN3, "cuda") is None  # its own
+    assert _no_masked_kernel(zigzag, AttentionConfig(seqlen=4096), flash_attn.FLASH_ATTN3,
+                             "cuda") is None
