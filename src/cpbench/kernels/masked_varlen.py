@@ -149,13 +149,14 @@ def plan(mask: Mask, q_pos: torch.Tensor, k_pos: torch.Tensor) -> VarlenPlan:
     q_pos, k_pos = q_pos.long().cpu(), k_pos.long().cpu()
     lo, hi = mask.key_interval(q_pos)
     k_runs = _runs(mask.run_key(k_pos))
+    first = torch.tensor([int(k_pos[a]) for a, _ in k_runs])  # each key run's positions
+    last = first + torch.tensor([b - a for a, b in k_runs]) - 1
     groups: dict[tuple, list[Shape]] = {}
     for q0, q1 in _runs(mask.run_key(q_pos)):
-        q_lo, q_hi = int(lo[q0:q1].min()), int(hi[q0:q1].max())
-        for k0, k1 in k_runs:
-            start = int(k_pos[k0])
-            if q_hi < start or q_lo > start + (k1 - k0) - 1:
-                continue  # this key run lies outside every row's interval
+        # only the key runs some row's interval reaches (many documents: many runs)
+        near = (first <= hi[q0:q1].max()) & (last >= lo[q0:q1].min())
+        for r in near.nonzero().flatten().tolist():
+            (k0, k1), start = k_runs[r], int(first[r])
             t = _tile(lo[q0:q1] - start, hi[q0:q1] - start, q0, k0, k1 - k0, mask)
             if t is not None:
                 groups.setdefault((t.causal, t.window), []).append(t)
