@@ -33,6 +33,7 @@ from cpbench.config import (
     resolved_documents,
 )
 from cpbench.errors import Skipped, UsageError
+from cpbench.kernels import masked_varlen
 from cpbench.mask import mask_of
 from cpbench.strategies._upstream import case_kernel
 from cpbench.topology import Topology, divisors
@@ -211,6 +212,14 @@ def expand_cases(names: tuple[str, ...], given: dict, topo: Topology) -> list[Ca
     return cases
 
 
+def _no_masked_kernel(cls, attn: AttentionConfig, backend, device: str) -> str | None:
+    """Why cpbench's own strategies cannot run this mask with ``backend`` on ``device``
+    (masked blocks off the CPU run as varlen calls; adapters bring their own kernels)."""
+    if cls.upstream is not None or mask_of(attn).plain:
+        return None
+    return masked_varlen.device_refusal(backend, device)
+
+
 def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend, device: str,
                    capacity: int | None) -> Any:
     """Build the strategy on every rank without groups (pure) and check that a rank's shard
@@ -221,7 +230,7 @@ def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend, d
         raise UsageError(f"{case.strategy} cannot run here: {why}")
     if cls.causal_only and not attn.causal:
         raise UsageError(f"{case.strategy} only runs causal attention; drop --no-causal")
-    why = cls.unsupported_mask(mask_of(attn))
+    why = cls.unsupported_mask(mask_of(attn)) or _no_masked_kernel(cls, attn, backend, device)
     if why:
         raise Skipped(f"{case.label}: {why}")
     try:

@@ -16,7 +16,10 @@ The public ``flash_attn_func`` hides the lse we need for merging, so we call the
 So we read the real parameter names and map our arguments onto them by keyword; the mapping
 functions are pure so tests can check them against every signature without a GPU.
 Causal with seq_q != seq_k is bottom-right aligned in flash-attn (>= 2.1), unlike the torch
-reference, hence ``causal_unequal=False``.
+reference, hence ``causal_unequal=False``. flash-attn 2 also offers the varlen contract
+(``_flash_attn_varlen_forward`` / ``_backward``, mapped the same way), which masked blocks
+(documents, windows) run on; FA3 does not here: its varlen is a second API generation to map
+(the 2024 separate function, the 2025 single forward), left for when it is needed.
 """
 
 from __future__ import annotations
@@ -95,6 +98,39 @@ def fa3_backward_kwargs(params: Sequence[str], *, dout, q, k, v, out, softmax_ls
                 softmax_scale=softmax_scale, causal=causal, is_causal=causal,
                 deterministic=deterministic, **_window_and_softcap())
     return _pick(cand, params, required, "flash_attn_interface._flash_attn_backward")
+
+
+def _window(window: tuple[int, int]) -> dict[str, Any]:
+    left, right = (int(x) for x in window)
+    return dict(window_size=(left, right), window_size_left=left, window_size_right=right,
+                softcap=0.0)
+
+
+_VARLEN_UNUSED = dict(alibi_slopes=None, block_table=None, leftpad_k=None, seqused_k=None,
+                      zero_tensors=False, rng_state=None)
+
+
+def fa2_varlen_forward_kwargs(params: Sequence[str], *, q, k, v, cu_q, cu_k, max_q: int,
+                              max_k: int, softmax_scale: float, causal: bool,
+                              window: tuple[int, int] = NO_WINDOW,
+                              required: Collection[str] = ()) -> dict[str, Any]:
+    cand = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q),
+                max_seqlen_k=int(max_k), dropout_p=0.0, softmax_scale=softmax_scale,
+                causal=causal, return_softmax=False, **_VARLEN_UNUSED, **_window(window))
+    return _pick(cand, params, required, "flash_attn._flash_attn_varlen_forward")
+
+
+def fa2_varlen_backward_kwargs(params: Sequence[str], *, dout, q, k, v, out, softmax_lse, dq,
+                               dk, dv, cu_q, cu_k, max_q: int, max_k: int,
+                               softmax_scale: float, causal: bool,
+                               window: tuple[int, int] = NO_WINDOW, deterministic: bool = False,
+                               required: Collection[str] = ()) -> dict[str, Any]:
+    cand = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=softmax_lse, dq=dq, dk=dk, dv=dv,
+                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q),
+                max_seqlen_k=int(max_k), dropout_p=0.0, softmax_scale=softmax_scale,
+                causal=causal, deterministic=deterministic, **_VARLEN_UNUSED,
+                **_window(window))
+    return _pick(cand, params, required, "flash_attn._flash_attn_varlen_backward")
 
 
 # Where (out, lse) sit in each version's forward result, keyed by its length: 7 = FA2 2.0
@@ -246,12 +282,62 @@ def _make_fns(module: str, fwd_map, bwd_map):
     return forward, backward
 
 
+@functools.lru_cache(maxsize=None)
+def _load_varlen(module: str):
+    _load(module)  # the same checks (a real flash-attn, not cpbench's CPU interface)
+    mod = importlib.import_module(module)
+    fwd, bwd = mod._flash_attn_varlen_forward, mod._flash_attn_varlen_backward
+    return fwd, signature_params(fwd), bwd, signature_params(bwd)
+
+
+def _varlen_lse(lse: torch.Tensor, total_q: int) -> torch.Tensor:
+    # (heads, total_q) in flash-attn 2.8.3 (its fake impl and varlen_fwd); older releases
+    # padded it to (batch, heads, max_seqlen_q), which would need the sequence lengths on
+    # the host to unpad (a sync): refused rather than guessed
+    if lse.dim() != 2 or lse.shape[1] != total_q:
+        raise TypeError(f"flash-attn's varlen lse has shape {tuple(lse.shape)}, not (heads, "
+                        f"{total_q}): this version pads it; update flash-attn")
+    return lse
+
+
+def _make_varlen_fns(module: str, loader=None):
+    """varlen_forward / varlen_backward of the kernel contract (kernels.base) through
+    ``module``'s ``_flash_attn_varlen_forward`` / ``_backward`` (``loader``: tests)."""
+    load = loader or (lambda: _load_varlen(module))
+
+    def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal: bool,
+                       softmax_scale: float, window=NO_WINDOW):
+        fn, (params, required), _, _ = load()
+        q, k, v = forward_inputs(q, k, v)
+        out, lse = unpack_forward(fn(**fa2_varlen_forward_kwargs(
+            params, q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k,
+            softmax_scale=float(softmax_scale), causal=bool(causal), window=tuple(window),
+            required=required)))
+        return out, _varlen_lse(lse, q.shape[0])
+
+    def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal: bool,
+                        softmax_scale: float, window=NO_WINDOW):
+        _, _, fn, (params, required) = load()
+        q, k, v = (_ready(t) for t in (q, k, v))
+        dout, out = _ready(dout.to(q.dtype)), _ready(out.to(q.dtype))
+        lse = lse.float().contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        fn(**fa2_varlen_backward_kwargs(
+            params, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+            cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, softmax_scale=float(softmax_scale),
+            causal=bool(causal), window=tuple(window), required=required))
+        return dq, dk, dv  # written in place
+
+    return varlen_forward, varlen_backward
+
+
 FA2_MODULE = "flash_attn.flash_attn_interface"
 FA3_MODULE = "flash_attn_interface"  # hopper/setup.py installs it as a top-level module
 
 _fa2_fwd, _fa2_bwd = _make_fns(FA2_MODULE, functools.partial(fa2_forward_kwargs, dropout_p=0.0),
                                functools.partial(fa2_backward_kwargs, dropout_p=0.0))
 _fa3_fwd, _fa3_bwd = _make_fns(FA3_MODULE, fa3_forward_kwargs, fa3_backward_kwargs)
+_fa2_varlen_fwd, _fa2_varlen_bwd = _make_varlen_fns(FA2_MODULE)
 
 FLASH_ATTN = KernelBackend(
     name="flash-attn",
@@ -266,6 +352,8 @@ FLASH_ATTN = KernelBackend(
     is_importable=lambda: _importable(FA2_MODULE),
     import_error=lambda: import_error(FA2_MODULE),
     provenance=lambda: provenance(FA2_MODULE),
+    varlen_forward=_fa2_varlen_fwd,
+    varlen_backward=_fa2_varlen_bwd,
 )
 
 FLASH_ATTN3 = KernelBackend(

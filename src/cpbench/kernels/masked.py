@@ -10,17 +10,23 @@ and crops each tile to the rows and keys that see anything, so
 - any other crop (a document boundary, a window's band) runs aten's CPU flash kernel with an
   additive -inf mask on the CPU (torch's maths with the mask elsewhere): exact either way.
 Cropping to rows that see something also means no row is ever fully masked, which the aten
-kernel would answer with lse = 0. On GPUs the strategies hand documents to flash-attn's
-varlen functions instead (``cu_seqlens``; see the ``rfa-*`` and TE strategies).
+kernel would answer with lse = 0. On GPUs the bias matrix and this tile-by-tile loop would
+be the slow path, so ``block_forward`` / ``block_backward`` run ``masked_varlen`` there
+instead: uncapped tiles as sequences of the backend's varlen calls, every index on the device.
+A strategy holds a ``Block`` (``Strategy.tiles``), which plans whichever path runs on first use.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from cpbench.errors import UsageError
+from cpbench.kernels import masked_varlen
 from cpbench.kernels.base import KernelBackend
+from cpbench.mask import Mask
 from cpbench.merge import merge
 
 TILE = 1024  # query rows per tile: a tile's mask is at most TILE × keys
@@ -128,6 +134,7 @@ def forward(kernel: KernelBackend, tiles: list[Tile], q, k, v, *, softmax_scale:
     out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     for t in tiles:
+        t = _on(t, q.device)
         qt, kt, vt = q[:, t.rows], k[:, t.cols], v[:, t.cols]
         if t.bias is None:
             o, lt = kernel.forward(qt, kt, vt, causal=t.causal, softmax_scale=softmax_scale)
@@ -146,6 +153,7 @@ def backward(kernel: KernelBackend, tiles: list[Tile], dout, q, k, v, out, lse, 
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros_like(dk)
     for t in tiles:
+        t = _on(t, q.device)
         args = (dout[:, t.rows], q[:, t.rows], k[:, t.cols], v[:, t.cols], out[:, t.rows],
                 lse[:, :, t.rows])
         if t.bias is None:
@@ -156,3 +164,58 @@ def backward(kernel: KernelBackend, tiles: list[Tile], dout, q, k, v, out, lse, 
         dk.index_add_(1, t.cols, g[1].float())
         dv.index_add_(1, t.cols, g[2].float())
     return dq, dk, dv
+
+
+def _on(t: Tile, device) -> Tile:
+    # the indices live where the tensors do (a no-op on the CPU, where this path runs)
+    return Tile(t.rows.to(device), t.cols.to(device), t.causal, t.bias, t.pairs)
+
+
+class Block:
+    """The masked kernel's plan of queries at global positions ``q_pos`` against keys at
+    ``k_pos``: CPU tiles (``tiles``) or varlen groups (``varlen``), each planned on first use
+    and kept (the same blocks recur every iteration). False when nothing is visible."""
+
+    def __init__(self, mask: Mask, q_pos: torch.Tensor, k_pos: torch.Tensor):
+        self.mask, self.q_pos, self.k_pos = mask, q_pos.cpu(), k_pos.cpu()
+
+    @functools.cached_property
+    def _any(self) -> bool:
+        return self.mask.pairs(self.q_pos, self.k_pos) > 0
+
+    def __bool__(self) -> bool:
+        return self._any
+
+    @functools.cached_property
+    def tiles(self) -> list[Tile]:
+        m = self.mask  # tiles never span a document: each one's block hits a fast path
+        return plan(m.visible(self.q_pos, self.k_pos), m.run_key(self.q_pos),
+                    m.run_key(self.k_pos))
+
+    @functools.cached_property
+    def varlen(self) -> masked_varlen.VarlenPlan:
+        return masked_varlen.plan(self.mask, self.q_pos, self.k_pos)
+
+
+def _use_varlen(kernel: KernelBackend, device, varlen: bool | None) -> bool:
+    """Varlen on any device but the CPU (``varlen`` forces either path: tests)."""
+    use = torch.device(device).type != "cpu" if varlen is None else varlen
+    if use and kernel.varlen_forward is None:
+        raise UsageError(masked_varlen.no_varlen(kernel, torch.device(device).type))
+    return use
+
+
+def block_forward(kernel: KernelBackend, block: Block, q, k, v, *, softmax_scale: float,
+                  varlen: bool | None = None):
+    """``forward`` (CPU) or ``masked_varlen.forward`` (elsewhere) of a ``Block``."""
+    if _use_varlen(kernel, q.device, varlen):
+        return masked_varlen.forward(kernel, block.varlen, q, k, v, softmax_scale=softmax_scale)
+    return forward(kernel, block.tiles, q, k, v, softmax_scale=softmax_scale)
+
+
+def block_backward(kernel: KernelBackend, block: Block, dout, q, k, v, out, lse, *,
+                   softmax_scale: float, varlen: bool | None = None):
+    if _use_varlen(kernel, q.device, varlen):
+        return masked_varlen.backward(kernel, block.varlen, dout, q, k, v, out, lse,
+                                      softmax_scale=softmax_scale)
+    return backward(kernel, block.tiles, dout, q, k, v, out, lse, softmax_scale=softmax_scale)

@@ -256,24 +256,23 @@ class Strategy(ABC):
         """The rank at ``position`` of this rank's CP ring."""
         return next(ranks for ranks in self.cp_lists if self.rank in ranks)[position]
 
-    def tiles(self, key, q_pos: torch.Tensor, k_pos: torch.Tensor) -> list:
+    def tiles(self, key, q_pos: torch.Tensor, k_pos: torch.Tensor) -> masked.Block:
         """The masked kernel's plan for these global query and key positions, cached under
-        ``key`` (the same blocks recur every iteration)."""
+        ``key`` (the same blocks recur every iteration); false when nothing is visible."""
         cache = self.__dict__.setdefault("_tiles", {})
         if key not in cache:
-            m = self.mask  # tiles never span a document: each one's block hits a fast path
-            cache[key] = masked.plan(m.visible(q_pos, k_pos), m.run_key(q_pos), m.run_key(k_pos))
+            cache[key] = masked.Block(self.mask, q_pos, k_pos)
         return cache[key]
 
-    def masked_forward(self, q, k, v, tiles):
+    def masked_forward(self, q, k, v, tiles: masked.Block):
         comm.record_kernel()
-        return masked.forward(self.kernel, tiles, q, k, v,
-                              softmax_scale=self.attn.softmax_scale)
+        return masked.block_forward(self.kernel, tiles, q, k, v,
+                                    softmax_scale=self.attn.softmax_scale)
 
-    def masked_backward(self, dout, q, k, v, out, lse, tiles):
+    def masked_backward(self, dout, q, k, v, out, lse, tiles: masked.Block):
         comm.record_kernel()
-        return masked.backward(self.kernel, tiles, dout, q, k, v, out, lse,
-                               softmax_scale=self.attn.softmax_scale)
+        return masked.block_backward(self.kernel, tiles, dout, q, k, v, out, lse,
+                                     softmax_scale=self.attn.softmax_scale)
 
     def pairs_step(self, phase: str, index: int, pairs: int, shape: tuple[int, int],
                    messages=()) -> Step:
