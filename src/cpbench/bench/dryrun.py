@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from cpbench.bench.commtrace import Event, traced
 from cpbench.bench.memory import _StorageMeter
 from cpbench.config import AttentionConfig
 from cpbench.errors import UsageError
+from cpbench.kernels import masked
 from cpbench.strategies.base import Strategy
 from cpbench.topology import Topology, forget_groups
 
@@ -126,24 +128,41 @@ def fake_world(rank: int, world: int):
         dist.destroy_process_group()
 
 
-@contextlib.contextmanager
-def _host_planning(strat: Strategy):
-    """Layout and tiles on real CPU tensors, as a real run's first step plans them."""
+def _real(fn):
+    """``fn`` run outside the fake mode: host-side planning on real CPU tensors."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    index = {r: strat.seq_index(r) for r in range(strat.world_size)}
-    plan_tiles = Strategy.tiles
-
-    def tiles(self, key, q_pos, k_pos):
+    def run(*args, **kwargs):
         with unset_fake_temporarily():
-            return plan_tiles(self, key, q_pos, k_pos)
+            return fn(*args, **kwargs)
 
+    return run
+
+
+@contextlib.contextmanager
+def _host_planning(strat: Strategy):
+    """Layout, positions and the masked kernel's plans on real CPU tensors, as a real run's
+    first step plans them (``Strategy.positions`` / ``tiles`` and ``masked.Block``'s lazily
+    planned parts)."""
+    index = {r: strat.seq_index(r) for r in range(strat.world_size)}
+    saved = {(Strategy, n): Strategy.__dict__[n] for n in ("positions", "tiles")}
+    saved.update({(masked.Block, n): masked.Block.__dict__[n] for n in _BLOCK_PLANS})
+    for (cls, name), attr in saved.items():
+        if isinstance(attr, functools.cached_property):
+            wrapped = functools.cached_property(_real(attr.func))
+            wrapped.__set_name__(cls, name)
+        else:
+            wrapped = _real(attr)
+        setattr(cls, name, wrapped)
     strat.seq_index = index.__getitem__  # the instance's own: every strategy object
-    Strategy.tiles = tiles
     try:
         yield
     finally:
-        Strategy.tiles = plan_tiles
+        for (cls, name), attr in saved.items():
+            setattr(cls, name, attr)
+
+
+_BLOCK_PLANS = ("_any", "tiles", "varlen")  # masked.Block's parts planned on first use
 
 
 def _inputs(strat: Strategy, attn: AttentionConfig, device: str) -> dict:

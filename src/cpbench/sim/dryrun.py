@@ -177,8 +177,8 @@ def table_rows(summaries: list[dict]) -> list[list[str]]:
     out = []
     for s in summaries:
         w = s["worst"]
-        sim = "-" if s["simulated"] is None else \
-            f"{s['simulated'] / GIB:.2f} ({s['sim_error']:+.0%})"
+        sim = "-" if s["simulated"] is None else f"{s['simulated'] / GIB:.2f}" + (
+            "" if s["sim_error"] is None else f" ({s['sim_error']:+.0%})")
         verdict = w["status"] if w["status"] == results.OK else \
             f"{w['status']}: {w['error']}" + (f" at {w['where']}" if w["where"] else "")
         out.append([s["case"], f"{w['rank']} ({s['ranks_run']} run)", _gib(w["peak_fwd_bytes"]),

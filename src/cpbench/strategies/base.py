@@ -256,6 +256,10 @@ class Strategy(ABC):
         """The rank at ``position`` of this rank's CP ring."""
         return next(ranks for ranks in self.cp_lists if self.rank in ranks)[position]
 
+    def positions(self, ranks) -> torch.Tensor:
+        """The global positions ``ranks`` hold, one after the other (a gathered sequence)."""
+        return torch.cat([self.seq_index(r) for r in ranks])
+
     def tiles(self, key, q_pos: torch.Tensor, k_pos: torch.Tensor) -> masked.Block:
         """The masked kernel's plan for these global query and key positions, cached under
         ``key`` (the same blocks recur every iteration); false when nothing is visible."""

@@ -140,8 +140,7 @@ class Llama3(Strategy):
     def gathered_tiles(self):
         """The local queries against the gathered sequence (member order: global order)."""
         ranks = next(lst for lst in self.cp_lists if self.rank in lst)
-        every = torch.cat([self.seq_index(r) for r in sorted(ranks)])
-        return self.tiles("gathered", self.seq_index(self.rank), every)
+        return self.tiles("gathered", self.seq_index(self.rank), self.positions(sorted(ranks)))
 
     def attention(self, q, k, v):
         return _Llama3Attention.apply(self, q, k, v)

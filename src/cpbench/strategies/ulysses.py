@@ -104,7 +104,7 @@ def _tiles(strat: Strategy):
     """Under a mask: the whole gathered sequence (the group's shards in member order)
     against itself, by global positions."""
     ranks = strat.groups["ulysses"].ranks  # the all-to-all gathers in member order
-    pos = torch.cat([strat.seq_index(r) for r in ranks])
+    pos = strat.positions(ranks)
     return strat.tiles("local", pos, pos)
 
 
