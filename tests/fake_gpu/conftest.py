@@ -1,0 +1,81 @@
+"""The fake-GPU layer (`make test-fake-gpu`): cpbench's CUDA code paths on fake CUDA tensors
+(torch's FakeTensorMode: shapes, dtypes and devices, no data, no GPU) and torch's fake
+process group (collectives return at once, nothing is sent).
+
+It needs a CUDA build of torch (fake CUDA tensors do) and, for flash-attn's paths, flash-attn's
+Python files with scripts/fake_gpu_venv.sh's stand-in for its compiled module. Under the CPU
+build (the main venv, `make test`) nothing here is collected.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA_BUILD = torch.version.cuda is not None
+# set by `make test-fake-gpu`: there flash-attn must import (no skipping for want of it)
+IN_FAKE_GPU_VENV = os.environ.get("CPBENCH_FAKE_GPU_VENV") == "1"
+
+if not CUDA_BUILD:
+    collect_ignore_glob = ["*"]  # fake CUDA tensors need a CUDA build of torch
+
+def pytest_report_header(config):
+    if not CUDA_BUILD:
+        return ["tests/fake_gpu: not collected (CPU build of torch; `make test-fake-gpu`)"]
+    return []
+
+
+def pytest_configure(config):
+    # cpbench's flash-attn wrapper checks base alignment with data_ptr(); a fake tensor's is 0
+    # (aligned: no copy, as on a GPU) and torch warns that reading it is deprecated
+    config.addinivalue_line(
+        "filterwarnings", "ignore:Accessing the data pointer of FakeTensor:UserWarning")
+
+
+@pytest.fixture
+def fake_cuda():
+    """A FakeTensorMode context: tensors made inside are fake; device="cuda" works without a
+    GPU. Yields the mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        yield mode
+
+
+@pytest.fixture
+def fake_pg():
+    """``fake_pg(rank, world)`` initializes torch's "fake" process group as that rank (every
+    collective returns at once); destroyed after the test."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def init(rank: int, world: int):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def flash_attn():
+    """flash-attn's interface module; required in the fake-GPU venv, else skipped without it."""
+    if IN_FAKE_GPU_VENV:
+        import flash_attn.flash_attn_interface as fi
+        return fi
+    return pytest.importorskip("flash_attn.flash_attn_interface")
+
+
+@pytest.fixture
+def stand_in(flash_attn):
+    """The stand-in compiled module (skipped where a real flash-attn build is installed)."""
+    import flash_attn_2_cuda
+
+    if not getattr(flash_attn_2_cuda, "CPBENCH_FAKE_GPU_STUB", False):
+        pytest.skip("a real flash_attn_2_cuda is installed, not the stand-in")
+    return flash_attn_2_cuda
+
