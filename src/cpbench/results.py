@@ -26,7 +26,8 @@ A record holds what is needed to re-run it and to recompute every figure printed
   (``cpbench run --profile``: the slowest rank's step breakdown and every rank's trace; see
   ``cpbench.bench.profiling``, or ``{"error", "traces"}`` when profiling failed) and
   ``balance`` (from the layout and the mask: attended pairs per rank and per ring step, and
-  ``imbalance`` = max / mean over ranks).
+  ``imbalance`` = max / mean over ranks), ``dryrun`` (``cpbench dryrun``: the device, its
+  memory, and per rank run its peaks, bytes sent and declared, error and file:line).
 The mask is part of the problem: ``config.attention.documents`` (the lengths) and
 ``window_size``; ``derived.flops_counted`` says whether FLOPs come from the seeds' formula
 (plain causal / full) or the exact attended pairs (documents, windows).
@@ -57,7 +58,7 @@ STATUSES = (OK, OOM, FAILED, TIMEOUT)  # timeout: a sweep's case ran past its li
 # what a case measured (null until it did), and the sections some records add
 MEASURED = ("resolved", "error", "traceback", "samples_ms", "memory_bytes", "memory_status",
             "memory_error", "check")
-SECTIONS = ("sweep", "simulation", "upstream", "profile", "balance")
+SECTIONS = ("sweep", "simulation", "upstream", "profile", "balance", "dryrun")
 # a row's key: what was asked for, not what a machine resolved it to (the device, the kernel
 # "auto" became), so a sweep checked on a login node matches records made on GPUs
 KEY_RUN_FIELDS = ("kernel", "warmup", "iters", "fwd_only", "check", "seed")

@@ -241,7 +241,7 @@ def _shape(attn: AttentionConfig) -> dict:
                 head_dim=attn.head_dim, element_size=attn.element_size)
 
 
-def _runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
+def runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
               topo: Topology, backend, device: str, capacity: int | None
               ) -> tuple[list, list[str]]:
     """The cases the config allows, each with rank 0's strategy, and why the others are left
@@ -374,7 +374,7 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     backend = _kernel(run, device, attn, kernel_notes, elsewhere=job is not None)
     local_ranks = topo.ranks_per_node if launcher == "torchrun" else world
     capacity = memory.capacity_bytes(device, local_ranks) if job is None else None
-    built, skipped = _runnable(expand_cases(run.strategy, options, topo), run.strategy, attn,
+    built, skipped = runnable(expand_cases(run.strategy, options, topo), run.strategy, attn,
                                topo, backend, device, capacity)
     cases = bracket_baselines(built) if baseline_both_ends else [case for case, _ in built]
     strat_of = dict(built)

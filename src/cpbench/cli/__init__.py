@@ -5,6 +5,7 @@
     cpbench strategies                                              # names, options
     cpbench report runs/…/results.jsonl --format markdown
     cpbench simulate --hardware a800-sxm --nodes 4 --seqlen 128K,512K  # predicted, no GPU
+    cpbench dryrun --nodes 4 --seqlen 512K --device cpu             # every rank, fake tensors
     cpbench doctor                                                  # preflight a node
 
 One module per command (``cli.run``, ``cli.sweep``, …), each with ``add_parser`` and
@@ -24,6 +25,7 @@ from cpbench.cli import (
     comm,
     compare,
     doctor,
+    dryrun,
     kernels,
     profile,
     report,
@@ -34,8 +36,8 @@ from cpbench.cli import (
 )
 from cpbench.cli.args import Parser
 
-COMMANDS = (run, sweep, simulate, calibrate, kernels, comm, strategies, report, profile,
-            compare, doctor)
+COMMANDS = (run, sweep, simulate, dryrun, calibrate, kernels, comm, strategies, report,
+            profile, compare, doctor)
 
 
 def build_parser() -> Parser:

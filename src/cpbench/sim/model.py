@@ -295,6 +295,12 @@ def predict(name: str, options, attn: AttentionConfig, topo: Topology, hw: Hardw
     return evaluate(compiled_for(name, options, attn, topo), attn, hw)
 
 
+def memory_estimate(name: str, options, attn: AttentionConfig, topo: Topology) -> float:
+    """The memory model's peak bytes of a rank (any hardware: memory needs no speeds)."""
+    c = compiled_for(name, options, attn, topo)
+    return c.memory_bytes * (attn.batch / c.batch) * (attn.seqlen / c.seqlen)
+
+
 def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
     """The prediction for ``attn`` from a schedule compiled at another seqlen and batch (or
     the same): bytes scale with S·B, FLOPs with S²·B, block sides with S."""
