@@ -51,14 +51,19 @@ def fake_pg():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    def init(rank: int, world: int):
+    from cpbench.topology import forget_groups
+
+    def destroy():
         if dist.is_initialized():
+            forget_groups()  # cpbench's cache of groups by role and members
             dist.destroy_process_group()
+
+    def init(rank: int, world: int):
+        destroy()
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
 
     yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy()
 
 
 @pytest.fixture
