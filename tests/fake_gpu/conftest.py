@@ -21,12 +21,6 @@ IN_FAKE_GPU_VENV = os.environ.get("CPBENCH_FAKE_GPU_VENV") == "1"
 if not CUDA_BUILD:
     collect_ignore_glob = ["*"]  # fake CUDA tensors need a CUDA build of torch
 
-def pytest_report_header(config):
-    if not CUDA_BUILD:
-        return ["tests/fake_gpu: not collected (CPU build of torch; `make test-fake-gpu`)"]
-    return []
-
-
 def pytest_configure(config):
     # cpbench's flash-attn wrapper checks base alignment with data_ptr(); a fake tensor's is 0
     # (aligned: no copy, as on a GPU) and torch warns that reading it is deprecated

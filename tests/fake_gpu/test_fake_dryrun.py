@@ -36,7 +36,22 @@ def cases():
                 yield pytest.param(name, opts, id=f"{name}-{opts}",
                                    marks=pytest.mark.skip(reason=str(e)[:200]))
                 continue
-            yield pytest.param(name, opts, id=f"{name}-{opts}")
+            marks = [FAKEGRAD_A2A] if _bwd_all_to_all(name, opts) else []
+            yield pytest.param(name, opts, id=f"{name}-{opts}", marks=marks)
+
+
+# Found by these tests: on fake CUDA (dryrun's engine-free backward, bench.fakegrad) a Ulysses
+# backward sends 3 of its 4 all-to-alls; the engine (dryrun on CPU, same case) sends all 4.
+# strict: once fakegrad is fixed these pass and the mark must go.
+FAKEGRAD_A2A = pytest.mark.xfail(strict=True, reason=(
+    "bench.fakegrad: the backward sends 3 of 4 Ulysses all-to-alls (the engine sends 4: "
+    "dry_rank('usp', ulysses_degree=2, device='cpu') vs device='cuda')"))
+
+
+def _bwd_all_to_all(name, opts) -> bool:
+    st = strategies.get(name)(ATTN, TOPO, 0, kernel=kernels.get(KERNEL), options=opts,
+                              create_groups=False)
+    return any(s.phase == "bwd" and m.op == "a2a" for s in st.schedule() for m in s.messages)
 
 
 def declared(name, opts, rank) -> Counter:
