@@ -7,7 +7,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.cpbench-installed
 
-.PHONY: bench test test-fast test-gpu lint install clean
+# The fake-GPU venv (make test-fake-gpu): a CUDA build of torch, needed for fake CUDA tensors
+# (no GPU is used), apart from .venv so the main suite keeps the CPU build.
+FG_VENV ?= .venv-fake-gpu
+FG_STAMP := $(FG_VENV)/.cpbench-fake-gpu-installed
+
+.PHONY: bench test test-fast test-gpu test-fake-gpu lint install clean
 
 $(STAMP): pyproject.toml scripts/ensure_torch.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,10 +36,20 @@ test-fast: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
 
+# cpbench's CUDA paths (flash-attn, strategies on the fake process group) on fake CUDA
+# tensors: shapes, dtypes, bytes sent; no numbers. See README, Tests.
+$(FG_STAMP): pyproject.toml scripts/fake_gpu_venv.sh tests/fake_gpu/stub/flash_attn_2_cuda.py
+	scripts/fake_gpu_venv.sh $(PYTHON) $(FG_VENV)
+	touch $(FG_STAMP)
+
+test-fake-gpu: $(FG_STAMP)
+	CPBENCH_FAKE_GPU_VENV=1 $(FG_VENV)/bin/python -m pytest -q tests/fake_gpu
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/shellcheck src/cpbench/slurm/cpbench.sbatch scripts/ensure_torch.sh .ci/run
+	$(VENV)/bin/shellcheck src/cpbench/slurm/cpbench.sbatch scripts/ensure_torch.sh \
+		scripts/fake_gpu_venv.sh .ci/run
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(FG_VENV) .pytest_cache

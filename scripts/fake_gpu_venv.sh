@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Build the fake-GPU venv of `make test-fake-gpu`: a CUDA build of torch (fake CUDA tensors
+# need one; no GPU is used), cpbench editable with its test deps, flash-attn's Python files
+# without their CUDA build, and a stand-in for the compiled module flash_attn_2_cuda.
+# Usage: scripts/fake_gpu_venv.sh PYTHON VENV
+set -euo pipefail
+PYTHON="${1:?usage: fake_gpu_venv.sh PYTHON VENV}"
+VENV="${2:?usage: fake_gpu_venv.sh PYTHON VENV}"
+PY="$VENV/bin/python"
+cd "$(dirname "$0")/.."
+
+test -x "$PY" || "$PYTHON" -m venv "$VENV"
+# flash-attn's setup.py runs with --no-build-isolation below, so the venv's own setuptools
+# builds it (a fresh venv's is too old for its bdist_wheel) and it needs packaging.
+"$PY" -m pip install -q "setuptools>=68" packaging
+# Pinned, and installed first: cpbench's torch>=2.3 is then satisfied and pip never swaps it
+# for the CPU build (ensure_torch.sh's) or a newer CUDA wheel.
+"$PY" -m pip install -q "torch==2.14.1"
+"$PY" -m pip install -q -e '.[test]'
+"$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.14.1' or not torch.version.cuda)" \
+  || { echo "fake_gpu_venv: torch is not the 2.14.1 CUDA build" >&2; exit 1; }
+# flash-attn's Python interface only: SKIP_CUDA_BUILD compiles nothing, FORCE_BUILD stops its
+# setup.py from trying to download a prebuilt wheel from GitHub. --no-deps: its one runtime
+# dependency besides torch is einops.
+"$PY" -m pip install -q einops
+FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE FLASH_ATTENTION_FORCE_BUILD=TRUE \
+  "$PY" -m pip install -q --no-deps --no-build-isolation "flash-attn==2.8.3"
+SITE="$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
+cp tests/fake_gpu/stub/flash_attn_2_cuda.py "$SITE/flash_attn_2_cuda.py"
+"$PY" -c "import flash_attn, flash_attn_2_cuda; assert flash_attn_2_cuda.CPBENCH_FAKE_GPU_STUB"
+echo "fake_gpu_venv: $VENV ready (torch $("$PY" -c 'import torch; print(torch.__version__)'), flash-attn $("$PY" -c 'import flash_attn; print(flash_attn.__version__)'))"

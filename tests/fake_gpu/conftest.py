@@ -1,0 +1,143 @@
+"""The fake-GPU layer (`make test-fake-gpu`): cpbench's CUDA code paths on fake CUDA tensors
+(torch's FakeTensorMode: shapes, dtypes and devices, no data, no GPU) and torch's fake
+process group (collectives return at once, nothing is sent).
+
+It needs a CUDA build of torch (fake CUDA tensors do) and, for flash-attn's paths, flash-attn's
+Python files with scripts/fake_gpu_venv.sh's stand-in for its compiled module. Under the CPU
+build (the main venv, `make test`) nothing here is collected.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA_BUILD = torch.version.cuda is not None
+# set by `make test-fake-gpu`: there flash-attn must import (no skipping for want of it)
+IN_FAKE_GPU_VENV = os.environ.get("CPBENCH_FAKE_GPU_VENV") == "1"
+
+if not CUDA_BUILD:
+    collect_ignore_glob = ["*"]  # fake CUDA tensors need a CUDA build of torch
+
+def pytest_configure(config):
+    # cpbench's flash-attn wrapper checks base alignment with data_ptr(); a fake tensor's is 0
+    # (aligned: no copy, as on a GPU) and torch warns that reading it is deprecated
+    config.addinivalue_line(
+        "filterwarnings", "ignore:Accessing the data pointer of FakeTensor:UserWarning")
+
+
+@pytest.fixture
+def fake_cuda():
+    """A FakeTensorMode context: tensors made inside are fake; device="cuda" works without a
+    GPU. Yields the mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        yield mode
+
+
+@pytest.fixture
+def fake_pg():
+    """``fake_pg(rank, world)`` initializes torch's "fake" process group as that rank (every
+    collective returns at once); destroyed after the test."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from cpbench.topology import forget_groups
+
+    def destroy():
+        if dist.is_initialized():
+            forget_groups()  # cpbench's cache of groups by role and members
+            dist.destroy_process_group()
+
+    def init(rank: int, world: int):
+        destroy()
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+
+    yield init
+    destroy()
+
+
+@pytest.fixture
+def flash_attn():
+    """flash-attn's interface module; required in the fake-GPU venv, else skipped without it."""
+    if IN_FAKE_GPU_VENV:
+        import flash_attn.flash_attn_interface as fi
+        return fi
+    return pytest.importorskip("flash_attn.flash_attn_interface")
+
+
+@pytest.fixture
+def stand_in(flash_attn):
+    """The stand-in compiled module (skipped where a real flash-attn build is installed)."""
+    import flash_attn_2_cuda
+
+    if not getattr(flash_attn_2_cuda, "CPBENCH_FAKE_GPU_STUB", False):
+        pytest.skip("a real flash_attn_2_cuda is installed, not the stand-in")
+    return flash_attn_2_cuda
+
+
+
+class FakeStream:
+    """A CUDA stream stand-in: records what the code asked of it (no driver is there to
+    create a real one; fake CUDA tensors carry no stream work anyway)."""
+
+    def __init__(self, device=None, name="side"):
+        self.device, self.name, self.calls = device, name, []
+
+    def wait_event(self, event):
+        self.calls.append(("wait_event", event))
+
+    def record_event(self, event=None):
+        event = event or FakeEvent()
+        self.calls.append(("record_event", event))
+        return event
+
+    def wait_stream(self, stream):
+        self.calls.append(("wait_stream", stream))
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class FakeEvent:
+    def __init__(self, *args, **kwargs):
+        self.calls = []
+
+    def record(self, stream=None):
+        self.calls.append(("record", stream))
+
+    def wait(self, stream=None):
+        self.calls.append(("wait", stream))
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+@pytest.fixture
+def fake_streams(monkeypatch):
+    """torch.cuda's Stream, Event, current_stream and stream() replaced by recording
+    stand-ins (they need a driver). Yields the list of streams made current, in order."""
+    import contextlib
+
+    default = FakeStream(name="default")
+    made_current = []
+
+    @contextlib.contextmanager
+    def stream(s):
+        made_current.append(s)
+        yield s
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: default)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    yield made_current

@@ -1,0 +1,86 @@
+"""``cpbench.bench.dryrun`` on fake CUDA with kernel flash-attn at a production size: every own
+strategy (each variant its class offers on the topology) runs forward and backward as every
+distinct rank (ranks alike in shard, groups and schedule run once), with status ok, and the
+bytes it sends per phase, collective and group equal its declared schedule."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from cpbench import kernels, strategies
+from cpbench.bench import dryrun
+from cpbench.config import AttentionConfig
+from cpbench.topology import Topology
+
+ATTN = AttentionConfig(batch=1, seqlen=512 * 1024, heads=40, kv_heads=40, head_dim=128,
+                       dtype="bf16", causal=True)
+TOPO = Topology(world_size=32, ranks_per_node=8)  # 4 nodes x 8
+KERNEL = "flash-attn"
+OWN = ["zigzag", "ring", "megatron-cp", "megatron-cp-a2a+p2p", "double-ring", "burst",
+       "ulysses", "usp", "llama3"]
+# commtrace's op names → the schedule's
+_OPS = {"p2p": "p2p", "all_to_all_single": "a2a", "all_gather": "ag",
+        "reduce_scatter_tensor": "rs"}
+
+
+def cases():
+    for name in OWN:
+        cls = strategies.get(name)
+        for opts in cls.variants(TOPO):
+            try:
+                cls(ATTN, TOPO, 0, kernel=kernels.get(KERNEL), options=opts,
+                    create_groups=False)
+            except Exception as e:  # noqa: BLE001 - recorded as a skip with the reason
+                yield pytest.param(name, opts, id=f"{name}-{opts}",
+                                   marks=pytest.mark.skip(reason=str(e)[:200]))
+                continue
+            marks = [FAKEGRAD_A2A] if _bwd_all_to_all(name, opts) else []
+            yield pytest.param(name, opts, id=f"{name}-{opts}", marks=marks)
+
+
+# Found by these tests: on fake CUDA (dryrun's engine-free backward, bench.fakegrad) a Ulysses
+# backward sends 3 of its 4 all-to-alls; the engine (dryrun on CPU, same case) sends all 4.
+# strict: once fakegrad is fixed these pass and the mark must go.
+FAKEGRAD_A2A = pytest.mark.xfail(strict=True, reason=(
+    "bench.fakegrad: the backward sends 3 of 4 Ulysses all-to-alls (the engine sends 4: "
+    "dry_rank('usp', ulysses_degree=2, device='cpu') vs device='cuda')"))
+
+
+def _bwd_all_to_all(name, opts) -> bool:
+    st = strategies.get(name)(ATTN, TOPO, 0, kernel=kernels.get(KERNEL), options=opts,
+                              create_groups=False)
+    return any(s.phase == "bwd" and m.op == "a2a" for s in st.schedule() for m in s.messages)
+
+
+def declared(name, opts, rank) -> Counter:
+    """The schedule's bytes per (phase, op, group members)."""
+    st = strategies.get(name)(ATTN, TOPO, rank, kernel=kernels.get(KERNEL), options=opts,
+                              create_groups=False)
+    out = Counter()
+    for step in st.schedule():
+        for m in step.messages:
+            members = tuple(sorted(st.groups[m.group].ranks))
+            out[(step.phase, m.op, members)] += m.nbytes
+    return out
+
+
+def measured(result) -> Counter:
+    out = Counter()
+    for phase, events in result.events.items():
+        for e in events:
+            out[(phase, _OPS[e.op], tuple(sorted(e.group)))] += e.nbytes
+    return out
+
+
+@pytest.mark.parametrize("name,opts", list(cases()))
+def test_every_distinct_rank_runs_forward_and_backward(name, opts, flash_attn, fake_streams):
+    reps = dryrun.distinct_ranks(name, opts, ATTN, TOPO, kernel_name=KERNEL)
+    assert sorted(r for ranks in reps.values() for r in ranks) == list(range(TOPO.world_size))
+    for rank in reps:
+        r = dryrun.dry_rank(name, opts, ATTN, TOPO, rank, kernel_name=KERNEL, device="cuda")
+        assert r.status == "ok", (rank, r.error, r.where)
+        assert set(r.events) == {"fwd", "bwd"}
+        assert 0 < r.peak_fwd_bytes <= r.peak_fwd_bwd_bytes
+        assert measured(r) == {k: v for k, v in declared(name, opts, rank).items() if v}, rank
