@@ -80,64 +80,11 @@ def stand_in(flash_attn):
 
 
 
-class FakeStream:
-    """A CUDA stream stand-in: records what the code asked of it (no driver is there to
-    create a real one; fake CUDA tensors carry no stream work anyway)."""
-
-    def __init__(self, device=None, name="side"):
-        self.device, self.name, self.calls = device, name, []
-
-    def wait_event(self, event):
-        self.calls.append(("wait_event", event))
-
-    def record_event(self, event=None):
-        event = event or FakeEvent()
-        self.calls.append(("record_event", event))
-        return event
-
-    def wait_stream(self, stream):
-        self.calls.append(("wait_stream", stream))
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-
-class FakeEvent:
-    def __init__(self, *args, **kwargs):
-        self.calls = []
-
-    def record(self, stream=None):
-        self.calls.append(("record", stream))
-
-    def wait(self, stream=None):
-        self.calls.append(("wait", stream))
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-
 @pytest.fixture
-def fake_streams(monkeypatch):
-    """torch.cuda's Stream, Event, current_stream and stream() replaced by recording
-    stand-ins (they need a driver). Yields the list of streams made current, in order."""
-    import contextlib
+def fake_streams():
+    """torch.cuda's streams and events as recording stand-ins (``cpbench.bench.fakecuda``);
+    yields the list of streams made current, in order."""
+    from cpbench.bench import fakecuda
 
-    default = FakeStream(name="default")
-    made_current = []
-
-    @contextlib.contextmanager
-    def stream(s):
-        made_current.append(s)
-        yield s
-
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: default)
-    monkeypatch.setattr(torch.cuda, "stream", stream)
-    yield made_current
+    with fakecuda.streams() as made_current:
+        yield made_current

@@ -36,22 +36,7 @@ def cases():
                 yield pytest.param(name, opts, id=f"{name}-{opts}",
                                    marks=pytest.mark.skip(reason=str(e)[:200]))
                 continue
-            marks = [FAKEGRAD_A2A] if _bwd_all_to_all(name, opts) else []
-            yield pytest.param(name, opts, id=f"{name}-{opts}", marks=marks)
-
-
-# Found by these tests: on fake CUDA (dryrun's engine-free backward, bench.fakegrad) a Ulysses
-# backward sends 3 of its 4 all-to-alls; the engine (dryrun on CPU, same case) sends all 4.
-# strict: once fakegrad is fixed these pass and the mark must go.
-FAKEGRAD_A2A = pytest.mark.xfail(strict=True, reason=(
-    "bench.fakegrad: the backward sends 3 of 4 Ulysses all-to-alls (the engine sends 4: "
-    "dry_rank('usp', ulysses_degree=2, device='cpu') vs device='cuda')"))
-
-
-def _bwd_all_to_all(name, opts) -> bool:
-    st = strategies.get(name)(ATTN, TOPO, 0, kernel=kernels.get(KERNEL), options=opts,
-                              create_groups=False)
-    return any(s.phase == "bwd" and m.op == "a2a" for s in st.schedule() for m in s.messages)
+            yield pytest.param(name, opts, id=f"{name}-{opts}")
 
 
 def declared(name, opts, rank) -> Counter:
@@ -75,7 +60,8 @@ def measured(result) -> Counter:
 
 
 @pytest.mark.parametrize("name,opts", list(cases()))
-def test_every_distinct_rank_runs_forward_and_backward(name, opts, flash_attn, fake_streams):
+def test_every_distinct_rank_runs_forward_and_backward(name, opts, flash_attn):
+    # no fake_streams fixture: dry_rank brings its own stream stand-ins on CUDA
     reps = dryrun.distinct_ranks(name, opts, ATTN, TOPO, kernel_name=KERNEL)
     assert sorted(r for ranks in reps.values() for r in ranks) == list(range(TOPO.world_size))
     for rank in reps:

@@ -22,7 +22,8 @@ for real on the CPU, as in a real run's first step: ``seq_index`` is computed be
 mode, and ``Strategy.tiles`` plans outside it. One untimed forward first (a real run's
 warm-up: caches filled, first-call set-up), then the measured step. No time is measured:
 fake kernels take none. On CUDA the backward walks the graph without the engine
-(``bench.fakegrad``: the engine needs a real CUDA context); on CPU the engine runs.
+(``bench.fakegrad``: the engine needs a real CUDA context) and streams and events are
+recording stand-ins (``bench.fakecuda``); on CPU the engine runs.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpbench import kernels, results, strategies
-from cpbench.bench import fakegrad
+from cpbench.bench import fakecuda, fakegrad
 from cpbench.bench.commtrace import Event, traced
 from cpbench.bench.memory import _StorageMeter
 from cpbench.config import AttentionConfig
@@ -202,7 +203,8 @@ def dry_rank(name: str, options, attn: AttentionConfig, topo: Topology, rank: in
 
     r = RankResult(rank)
     cls = strategies.get(name)
-    with fake_world(rank, topo.world_size):
+    cuda = fakecuda.streams() if device == "cuda" else contextlib.nullcontext()
+    with fake_world(rank, topo.world_size), cuda:
         try:
             strat = cls(attn, topo, rank, kernel=kernels.get(kernel_name), options=options)
             with _host_planning(strat), FakeTensorMode(allow_non_fake_inputs=True):

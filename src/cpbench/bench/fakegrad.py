@@ -33,7 +33,8 @@ def recording():
     original = fn.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
-        out = original.__func__(cls, *args, **kwargs)
+        # a classmethod (torch 2.13) or a C classmethod_descriptor (2.14): bind it to cls
+        out = original.__get__(None, cls)(*args, **kwargs)
         outs = out if isinstance(out, tuple) else (out,)
         node = next((t.grad_fn for t in outs
                      if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)

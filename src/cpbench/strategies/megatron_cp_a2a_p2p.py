@@ -47,22 +47,20 @@ from cpbench.strategies.usp import Usp
 from cpbench.topology import HEAD_FIRST, Group, node_local_block
 
 
-def chunks_to_ring(a: int) -> torch.Tensor:
+def chunks_to_ring(a: int, device=None) -> torch.Tensor:
     """TE's chunk ids before attention (CP L236-252): of the 2A chunks an all-to-all gathers
     (member j's two in turn), the first halves in member order, then the second halves in
-    reverse member order, so the ring position's super-chunks come out contiguous."""
-    ids = [0] * (2 * a)
-    for r in range(a):
-        ids[r], ids[r + a] = 2 * r, 2 * a - 2 * r - 1
-    return torch.tensor(ids)
+    reverse member order, so the ring position's super-chunks come out contiguous. Made on
+    ``device`` by arithmetic: a host list copied there in every step would stall the host
+    as a sync does (found by cpbench dryrun on fake CUDA)."""
+    r = torch.arange(a, device=device)
+    return torch.cat([2 * r, 2 * a - 2 * r - 1])
 
 
-def chunks_to_members(a: int) -> torch.Tensor:
+def chunks_to_members(a: int, device=None) -> torch.Tensor:
     """TE's chunk ids after attention (CP L254-268): the inverse of ``chunks_to_ring``."""
-    ids = [0] * (2 * a)
-    for r in range(a):
-        ids[2 * r], ids[2 * r + 1] = r, 2 * a - r - 1
-    return torch.tensor(ids)
+    r = torch.arange(a, device=device)
+    return torch.stack([r, 2 * a - r - 1], 1).flatten()
 
 
 def reorder(x: torch.Tensor, dim: int, ids: torch.Tensor) -> torch.Tensor:
@@ -70,7 +68,7 @@ def reorder(x: torch.Tensor, dim: int, ids: torch.Tensor) -> torch.Tensor:
     if len(ids) == 2:  # one member: both orders are the identity
         return x
     parts = x.unflatten(dim, (len(ids), -1))
-    return parts.index_select(dim, ids.to(x.device)).flatten(dim, dim + 1)
+    return parts.index_select(dim, ids).flatten(dim, dim + 1)
 
 
 class _ToHeads(torch.autograd.Function):
@@ -82,13 +80,13 @@ class _ToHeads(torch.autograd.Function):
         ctx.group = group
         a = group.size
         return tuple(reorder(all_to_all(t, group, scatter_dim=2, gather_dim=1), 1,
-                             chunks_to_ring(a)) for t in (q, k, v))
+                             chunks_to_ring(a, q.device)) for t in (q, k, v))
 
     @staticmethod
     def backward(ctx, *grads):
         a = ctx.group.size
-        return (None, *(all_to_all(reorder(g.contiguous(), 1, chunks_to_members(a)), ctx.group,
-                                   scatter_dim=1, gather_dim=2) for g in grads))
+        return (None, *(all_to_all(reorder(g.contiguous(), 1, chunks_to_members(a, g.device)),
+                                   ctx.group, scatter_dim=1, gather_dim=2) for g in grads))
 
 
 class _ToSequence(torch.autograd.Function):
@@ -98,13 +96,13 @@ class _ToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group: Group, out):
         ctx.group = group
-        return all_to_all(reorder(out, 1, chunks_to_members(group.size)), group,
+        return all_to_all(reorder(out, 1, chunks_to_members(group.size, out.device)), group,
                           scatter_dim=1, gather_dim=2)
 
     @staticmethod
     def backward(ctx, dout):
         full = all_to_all(dout.contiguous(), ctx.group, scatter_dim=2, gather_dim=1)
-        return None, reorder(full, 1, chunks_to_ring(ctx.group.size))
+        return None, reorder(full, 1, chunks_to_ring(ctx.group.size, full.device))
 
 
 @register
@@ -159,5 +157,5 @@ class MegatronCPA2AP2P(Usp):
         if not self.need_lse:
             return out, None
         # for a check only, never on the timed path: (b, h/A, S') → (b, h, S'/A)
-        lse = reorder(lse_full, 2, chunks_to_members(g.size))
+        lse = reorder(lse_full, 2, chunks_to_members(g.size, lse_full.device))
         return out, all_to_all(lse.contiguous(), g, scatter_dim=2, gather_dim=1)
