@@ -36,6 +36,7 @@ import traceback
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpbench import kernels, results, strategies
@@ -74,7 +75,8 @@ class HostSync(RuntimeError):
 
 
 class _SyncGuard(TorchDispatchMode):
-    """Raises ``HostSync`` on ``.item()`` and, on CUDA, on any copy between host and device."""
+    """Raises ``HostSync`` on ``.item()`` of a device tensor (a fake one: a host tensor's value
+    is there to read) and, on CUDA, on any copy between host and device."""
 
     def __init__(self, device: str):
         super().__init__()
@@ -84,6 +86,9 @@ class _SyncGuard(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.__name__.split(".")[0]
         if name == "_local_scalar_dense":
+            if not isinstance(args[0], FakeTensor):  # a host tensor: its value is there
+                with unset_fake_temporarily():
+                    return func(*args, **kwargs)
             raise HostSync("a tensor's value read on the host (.item() / int() / .tolist())")
         if self.device == "cuda" and name in ("_to_copy", "copy_"):
             _check_copy(name, args, kwargs)
@@ -131,8 +136,6 @@ def fake_world(rank: int, world: int):
 
 def _real(fn):
     """``fn`` run outside the fake mode: host-side planning on real CPU tensors."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     def run(*args, **kwargs):
         with unset_fake_temporarily():
             return fn(*args, **kwargs)
@@ -204,7 +207,9 @@ def dry_rank(name: str, options, attn: AttentionConfig, topo: Topology, rank: in
     r = RankResult(rank)
     cls = strategies.get(name)
     cuda = fakecuda.streams() if device == "cuda" else contextlib.nullcontext()
-    with fake_world(rank, topo.world_size), cuda:
+    # TorchScript's fusers compile CUDA kernels through the driver (ring-flash-attn scripts
+    # its lse merge): off, so its ops run one by one, as they do before a fuser kicks in
+    with fake_world(rank, topo.world_size), cuda, torch.jit.fuser("none"):
         try:
             strat = cls(attn, topo, rank, kernel=kernels.get(kernel_name), options=options)
             with _host_planning(strat), FakeTensorMode(allow_non_fake_inputs=True):

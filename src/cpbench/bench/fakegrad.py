@@ -92,6 +92,7 @@ def _accumulate(node, grad) -> None:
     leaf.grad = grad if leaf.grad is None else leaf.grad + grad
 
 
+@torch.no_grad()  # as the engine runs a backward (no create_graph): no graph of the graph
 def backward(out: torch.Tensor, grad: torch.Tensor) -> None:
     """``out.backward(grad)`` without the engine (see the module docstring)."""
     root = out.grad_fn

@@ -239,7 +239,17 @@ def _ready(t: torch.Tensor) -> torch.Tensor:
     it is not."""
     if t.stride(-1) != 1:
         t = t.contiguous()
-    return t if t.data_ptr() % ALIGN_BYTES == 0 else t.clone()
+    return t if _address(t) % ALIGN_BYTES == 0 else t.clone()
+
+
+def _address(t: torch.Tensor) -> int:
+    """The base address, or for a fake tensor (the dry run: no memory) its offset into its
+    storage, whose own base the caching allocator aligns to far more than 16 bytes."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(t, FakeTensor):
+        return t.storage_offset() * t.element_size()
+    return t.data_ptr()
 
 
 def forward_inputs(q, k, v) -> tuple[torch.Tensor, ...]:
