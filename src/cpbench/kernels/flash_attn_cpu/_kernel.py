@@ -50,7 +50,9 @@ def key_window(causal: bool, window_size_left: int, window_size_right: int,
 def visible_keys(seqlen_q: int, seqlen_k: int, left: int | None,
                  right: int | None) -> torch.Tensor | None:
     """(seqlen_q, seqlen_k) bool, True where query i sees key j; None when all are visible."""
-    if left is None and right is None:
+    # all visible, decided from the bounds (no matrix read back): the last row's right bound
+    # reaches past the last key, the first row's left bound before the first key
+    if (right is None or right >= seqlen_q - 1) and (left is None or left >= seqlen_k - 1):
         return None
     diag = torch.arange(seqlen_q).unsqueeze(1) + (seqlen_k - seqlen_q)  # bottom-right aligned
     j = torch.arange(seqlen_k)
@@ -59,7 +61,7 @@ def visible_keys(seqlen_q: int, seqlen_k: int, left: int | None,
         ok &= j <= diag + right
     if left is not None:
         ok &= j >= diag - left
-    return None if bool(ok.all()) else ok
+    return ok
 
 
 class _Plan:
