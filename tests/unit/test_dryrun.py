@@ -157,3 +157,14 @@ def test_cli_says_oom_and_by_how_much(capsys):
                  "--head-dim", "128", "--dtype", "bf16", "--ranks", "0"]) == 0
     out = capsys.readouterr().out
     assert "OOM: needs" in out and "over)" in out
+
+
+@pytest.mark.parametrize("name", ["rfa-llama3", "rfa-zigzag", "torch-ring", "yunchang-usp"])
+def test_the_upstream_adapters_run_every_rank_without_a_host_sync(name):
+    """Their libraries' code on fake tensors: rfa-llama3's CPU flash-attn interface once read
+    a mask back to the host on every rank but the first (found at 512K)."""
+    opts = strategies.get(name).Options()
+    for rank in range(TOPO.world_size):
+        r = dryrun.dry_rank(name, opts, ATTN, TOPO, rank, kernel_name="sdpa-cpu", device="cpu")
+        assert r.status == "ok", (rank, r.error, r.where)
+        assert r.sent_bytes("fwd") > 0 and r.sent_bytes("bwd") > 0

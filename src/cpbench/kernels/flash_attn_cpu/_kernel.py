@@ -79,9 +79,11 @@ class _Plan:
         ok = visible_keys(seqlen_q, seqlen_k, left, right)
         if ok is None:
             return
-        empty = ~ok.any(dim=1)
-        self.nothing_visible = bool(empty.all())
-        self.empty_rows = empty if bool(empty.any()) else None
+        # rows that see nothing, from the bounds (no matrix read back): only the first rows can
+        # be empty, those whose right bound ends before the first key (i + sk - sq + right < 0)
+        n_empty = 0 if right is None else min(seqlen_q, max(0, seqlen_q - seqlen_k - right))
+        self.nothing_visible = n_empty == seqlen_q
+        self.empty_rows = torch.arange(seqlen_q) < n_empty if n_empty else None
         # -inf and 0 are exact in every float dtype, so the mask takes q's (aten accepts it).
         self.mask = torch.zeros(ok.shape, dtype=q.dtype).masked_fill_(~ok, -INF)
 
