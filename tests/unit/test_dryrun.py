@@ -159,8 +159,22 @@ def test_cli_says_oom_and_by_how_much(capsys):
     assert "OOM: needs" in out and "over)" in out
 
 
+@pytest.fixture
+def own_modules():
+    """The adapters install cpbench's CPU flash-attn interface as ``flash_attn`` in this
+    process: removed after, so later tests see this machine as it is."""
+    import sys
+
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in ("flash_attn", "flash_attn_interface", "ring_flash_attn",
+                                  "yunchang"):
+            del sys.modules[name]
+
+
 @pytest.mark.parametrize("name", ["rfa-llama3", "rfa-zigzag", "torch-ring", "yunchang-usp"])
-def test_the_upstream_adapters_run_every_rank_without_a_host_sync(name):
+def test_the_upstream_adapters_run_every_rank_without_a_host_sync(name, own_modules):
     """Their libraries' code on fake tensors: rfa-llama3's CPU flash-attn interface once read
     a mask back to the host on every rank but the first (found at 512K)."""
     opts = strategies.get(name).Options()
