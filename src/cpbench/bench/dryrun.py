@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cpbench import kernels, results, strategies
 from cpbench.bench import fakecuda, fakegrad
 from cpbench.bench.commtrace import Event, traced
-from cpbench.bench.memory import _StorageMeter
+from cpbench.bench.memory import StorageMeter
 from cpbench.config import AttentionConfig
 from cpbench.errors import UsageError
 from cpbench.kernels import masked
@@ -182,7 +182,7 @@ def _inputs(strat: Strategy, attn: AttentionConfig, device: str) -> dict:
 
 def _step(strat: Strategy, x: dict, device: str, fwd_only: bool, r: RankResult) -> None:
     """The measured step: forward (and backward), each traced, one meter over both."""
-    meter = _StorageMeter()
+    meter = StorageMeter()
     for t in x.values():
         meter.track(t)
     with meter, _SyncGuard(device):

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from cpbench.bench.env import meminfo_bytes
 
 
-class _StorageMeter(TorchDispatchMode):
+class StorageMeter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.live: dict[int, int] = {}
@@ -70,7 +70,7 @@ def peak_bytes(fn: Callable[[], object], *, device: str,
         fn()
         torch.cuda.synchronize(gpu)
         return int(torch.cuda.max_memory_allocated(gpu))
-    meter = _StorageMeter()
+    meter = StorageMeter()
     for t in inputs:
         meter.track(t)
     with meter:

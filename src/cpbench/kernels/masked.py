@@ -134,7 +134,6 @@ def forward(kernel: KernelBackend, tiles: list[Tile], q, k, v, *, softmax_scale:
     out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     for t in tiles:
-        t = _on(t, q.device)
         qt, kt, vt = q[:, t.rows], k[:, t.cols], v[:, t.cols]
         if t.bias is None:
             o, lt = kernel.forward(qt, kt, vt, causal=t.causal, softmax_scale=softmax_scale)
@@ -153,7 +152,6 @@ def backward(kernel: KernelBackend, tiles: list[Tile], dout, q, k, v, out, lse, 
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros_like(dk)
     for t in tiles:
-        t = _on(t, q.device)
         args = (dout[:, t.rows], q[:, t.rows], k[:, t.cols], v[:, t.cols], out[:, t.rows],
                 lse[:, :, t.rows])
         if t.bias is None:
@@ -164,11 +162,6 @@ def backward(kernel: KernelBackend, tiles: list[Tile], dout, q, k, v, out, lse, 
         dk.index_add_(1, t.cols, g[1].float())
         dv.index_add_(1, t.cols, g[2].float())
     return dq, dk, dv
-
-
-def _on(t: Tile, device) -> Tile:
-    # the indices live where the tensors do (a no-op on the CPU, where this path runs)
-    return Tile(t.rows.to(device), t.cols.to(device), t.causal, t.bias, t.pairs)
 
 
 class Block:

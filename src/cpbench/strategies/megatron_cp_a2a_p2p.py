@@ -50,9 +50,7 @@ from cpbench.topology import HEAD_FIRST, Group, node_local_block
 def chunks_to_ring(a: int, device=None) -> torch.Tensor:
     """TE's chunk ids before attention (CP L236-252): of the 2A chunks an all-to-all gathers
     (member j's two in turn), the first halves in member order, then the second halves in
-    reverse member order, so the ring position's super-chunks come out contiguous. Made on
-    ``device`` by arithmetic: a host list copied there in every step would stall the host
-    as a sync does (found by cpbench dryrun on fake CUDA)."""
+    reverse member order, so the ring position's super-chunks come out contiguous."""
     r = torch.arange(a, device=device)
     return torch.cat([2 * r, 2 * a - 2 * r - 1])
 
@@ -76,17 +74,15 @@ class _ToHeads(torch.autograd.Function):
     reordered back, then one all-to-all each in that order (CP L2889-2915)."""
 
     @staticmethod
-    def forward(ctx, group: Group, q, k, v):
-        ctx.group = group
-        a = group.size
-        return tuple(reorder(all_to_all(t, group, scatter_dim=2, gather_dim=1), 1,
-                             chunks_to_ring(a, q.device)) for t in (q, k, v))
+    def forward(ctx, group: Group, order: tuple, q, k, v):
+        ctx.group, ctx.order = group, order
+        return tuple(reorder(all_to_all(t, group, scatter_dim=2, gather_dim=1), 1, order[0])
+                     for t in (q, k, v))
 
     @staticmethod
     def backward(ctx, *grads):
-        a = ctx.group.size
-        return (None, *(all_to_all(reorder(g.contiguous(), 1, chunks_to_members(a, g.device)),
-                                   ctx.group, scatter_dim=1, gather_dim=2) for g in grads))
+        return (None, None, *(all_to_all(reorder(g.contiguous(), 1, ctx.order[1]), ctx.group,
+                                         scatter_dim=1, gather_dim=2) for g in grads))
 
 
 class _ToSequence(torch.autograd.Function):
@@ -94,15 +90,14 @@ class _ToSequence(torch.autograd.Function):
     dout all-to-all, then TE's reorder (L2407-2421)."""
 
     @staticmethod
-    def forward(ctx, group: Group, out):
-        ctx.group = group
-        return all_to_all(reorder(out, 1, chunks_to_members(group.size, out.device)), group,
-                          scatter_dim=1, gather_dim=2)
+    def forward(ctx, group: Group, order: tuple, out):
+        ctx.group, ctx.order = group, order
+        return all_to_all(reorder(out, 1, order[1]), group, scatter_dim=1, gather_dim=2)
 
     @staticmethod
     def backward(ctx, dout):
         full = all_to_all(dout.contiguous(), ctx.group, scatter_dim=2, gather_dim=1)
-        return None, reorder(full, 1, chunks_to_ring(ctx.group.size, full.device))
+        return None, None, reorder(full, 1, ctx.order[0])
 
 
 @register
@@ -146,16 +141,27 @@ class MegatronCPA2AP2P(Usp):
         """TE's layout: the zigzag of the global cp rank (= A·p2p_rank + a2a_rank)."""
         return zigzag_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))
 
+    def chunk_order(self, a: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(to ring order, to member order) on ``device``, made at the first call and kept,
+        as TE keeps them per (cp_size, device) (_seq_chunk_ids_cache_for_reordering_before /
+        after_attn, CP L236-268): no host copy in the timed steps (cpbench dryrun found one
+        per step here)."""
+        cache = self.__dict__.setdefault("_chunk_order", {})
+        if device not in cache:
+            cache[device] = (chunks_to_ring(a, device), chunks_to_members(a, device))
+        return cache[device]
+
     def attention(self, q, k, v):
         g = self.groups["ulysses"]
         if self.replicas > 1:  # not TE (see the docstring): replicas' gradients summed in fp32
             k, v = (t.float().repeat_interleave(self.replicas, 2).to(t.dtype) for t in (k, v))
-        q_full, k_full, v_full = _ToHeads.apply(g, q, k, v)
+        order = self.chunk_order(g.size, q.device)
+        q_full, k_full, v_full = _ToHeads.apply(g, order, q, k, v)
         inner = local_attention(self) if self.ring is None else self.ring.attention
         out_full, lse_full = inner(q_full, k_full, v_full)
-        out = _ToSequence.apply(g, out_full)
+        out = _ToSequence.apply(g, order, out_full)
         if not self.need_lse:
             return out, None
         # for a check only, never on the timed path: (b, h/A, S') → (b, h, S'/A)
-        lse = reorder(lse_full, 2, chunks_to_members(g.size, lse_full.device))
+        lse = reorder(lse_full, 2, order[1])
         return out, all_to_all(lse.contiguous(), g, scatter_dim=2, gather_dim=1)
