@@ -39,9 +39,9 @@ def cases():
             yield pytest.param(name, opts, id=f"{name}-{opts}")
 
 
-def declared(name, opts, rank) -> Counter:
+def declared(name, opts, rank, attn=ATTN, topo=TOPO, kernel=KERNEL) -> Counter:
     """The schedule's bytes per (phase, op, group members)."""
-    st = strategies.get(name)(ATTN, TOPO, rank, kernel=kernels.get(KERNEL), options=opts,
+    st = strategies.get(name)(attn, topo, rank, kernel=kernels.get(kernel), options=opts,
                               create_groups=False)
     out = Counter()
     for step in st.schedule():
@@ -70,3 +70,24 @@ def test_every_distinct_rank_runs_forward_and_backward(name, opts, flash_attn):
         assert set(r.events) == {"fwd", "bwd"}
         assert 0 < r.peak_fwd_bytes <= r.peak_fwd_bwd_bytes
         assert measured(r) == {k: v for k, v in declared(name, opts, rank).items() if v}, rank
+
+
+# torch's own CUDA kernel (kernels.sdpa): dense, and varlen under documents and a window
+SMALL = Topology(world_size=8, ranks_per_node=4)
+PLAIN = AttentionConfig(batch=1, seqlen=64 * 1024, heads=40, kv_heads=40, head_dim=128,
+                        dtype="bf16", causal=True)
+MASKED = AttentionConfig(batch=1, seqlen=64 * 1024, heads=40, kv_heads=40, head_dim=128,
+                         dtype="bf16", causal=True, documents=(32768, 16384, 8192, 8192),
+                         window_size=(4096, 0))
+
+
+@pytest.mark.parametrize("attn", [PLAIN, MASKED], ids=["plain", "documents+window"])
+@pytest.mark.parametrize("name", ["zigzag", "ring", "megatron-cp", "llama3", "usp"])
+def test_own_strategies_on_the_sdpa_kernel(name, attn):
+    opts = strategies.get(name).Options()
+    for rank in dryrun.distinct_ranks(name, opts, attn, SMALL, kernel_name="sdpa"):
+        r = dryrun.dry_rank(name, opts, attn, SMALL, rank, kernel_name="sdpa", device="cuda")
+        assert r.status == "ok", (rank, r.error, r.where)
+        assert 0 < r.peak_fwd_bytes <= r.peak_fwd_bwd_bytes
+        want = declared(name, opts, rank, attn, SMALL, "sdpa")
+        assert measured(r) == {k: v for k, v in want.items() if v}, rank

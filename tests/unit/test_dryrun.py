@@ -182,3 +182,23 @@ def test_the_upstream_adapters_run_every_rank_without_a_host_sync(name, own_modu
         r = dryrun.dry_rank(name, opts, ATTN, TOPO, rank, kernel_name="sdpa-cpu", device="cpu")
         assert r.status == "ok", (rank, r.error, r.where)
         assert r.sent_bytes("fwd") > 0 and r.sent_bytes("bwd") > 0
+
+
+MASKED = AttentionConfig(seqlen=4096, heads=8, head_dim=64, dtype="bf16", causal=True,
+                         documents=(2048, 1024, 512, 512), window_size=(256, 0))
+
+
+@pytest.mark.parametrize("name,opts", [("usp", {"ulysses_degree": 1}),
+                                       ("usp", {"ulysses_degree": 2}), ("llama3", {}),
+                                       ("ulysses", {}), ("megatron-cp", {})])
+def test_masked_cases_plan_on_the_host(name, opts):
+    """Documents and a window: the layouts and tiles are planned on real CPU tensors, inner
+    strategies' included (usp's ring once read a fake position on the host). The first and
+    last rank: the ends of every layout."""
+    opts = dryrun.case_options(name, opts)
+    for rank in (0, TOPO.world_size - 1):
+        r = dryrun.dry_rank(name, opts, MASKED, TOPO, rank, kernel_name="sdpa-cpu",
+                            device="cpu")
+        assert r.status == "ok", (rank, r.error, r.where)
+        want = dryrun.schedule_bytes(name, opts, MASKED, TOPO, rank, kernel_name="sdpa-cpu")
+        assert {p: r.sent_bytes(p) for p in ("fwd", "bwd")} == want

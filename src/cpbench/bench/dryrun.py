@@ -148,7 +148,9 @@ def _host_planning(strat: Strategy):
     """Layout, positions and the masked kernel's plans on real CPU tensors, as a real run's
     first step plans them (``Strategy.positions`` / ``tiles`` and ``masked.Block``'s lazily
     planned parts)."""
-    index = {r: strat.seq_index(r) for r in range(strat.world_size)}
+    for part in _parts(strat):  # a composite's inner strategies (usp's ring) plan alike
+        index = {r: part.seq_index(r) for r in range(part.world_size)}
+        part.seq_index = index.__getitem__  # the instance's own: every strategy object
     saved = {(Strategy, n): Strategy.__dict__[n] for n in ("positions", "tiles")}
     saved.update({(masked.Block, n): masked.Block.__dict__[n] for n in _BLOCK_PLANS})
     for (cls, name), attr in saved.items():
@@ -158,7 +160,6 @@ def _host_planning(strat: Strategy):
         else:
             wrapped = _real(attr)
         setattr(cls, name, wrapped)
-    strat.seq_index = index.__getitem__  # the instance's own: every strategy object
     try:
         yield
     finally:
@@ -167,6 +168,15 @@ def _host_planning(strat: Strategy):
 
 
 _BLOCK_PLANS = ("_any", "tiles", "varlen")  # masked.Block's parts planned on first use
+
+
+def _parts(strat: Strategy) -> list[Strategy]:
+    """``strat`` and the strategies it holds, at any depth."""
+    found = [strat]
+    for value in vars(strat).values():
+        if isinstance(value, Strategy) and value is not strat:
+            found += _parts(value)
+    return found
 
 
 def _inputs(strat: Strategy, attn: AttentionConfig, device: str) -> dict:
