@@ -41,6 +41,18 @@ def test_views_share_storage_and_used_storage_counts():
     assert memory.peak_bytes(lambda: None, device="cpu", inputs=[x, x[:10], x.t()]) == MIB
 
 
+def test_a_wrapper_subclass_counts_its_inner_tensor_once():
+    # functional collectives hand out AsyncCollectiveTensor wrappers, whose own storage has the
+    # full size but no data (torch-ring's gathered K/V were counted twice in `cpbench run`)
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    def step():
+        inner = torch.zeros(MIB, dtype=torch.uint8)
+        return AsyncCollectiveTensor(inner) + 1  # the op sees the wrapper; + 1 MiB result
+
+    assert memory.peak_bytes(step, device="cpu") == 2 * MIB
+
+
 def test_backward_through_an_autograd_function_is_seen():
     q = torch.randn(1, 256, 2, 16, requires_grad=True)
 

@@ -219,7 +219,7 @@ def dry_rank(name: str, options, attn: AttentionConfig, topo: Topology, rank: in
     cuda = fakecuda.streams() if device == "cuda" else contextlib.nullcontext()
     # TorchScript's fusers compile CUDA kernels through the driver (ring-flash-attn scripts
     # its lse merge): off, so its ops run one by one, as they do before a fuser kicks in
-    with fake_world(rank, topo.world_size), cuda, torch.jit.fuser("none"):
+    with fake_world(rank, topo.world_size), cuda, _fusers_off():
         try:
             strat = cls(attn, topo, rank, kernel=kernels.get(kernel_name), options=options)
             with _host_planning(strat), FakeTensorMode(allow_non_fake_inputs=True):
@@ -232,6 +232,22 @@ def dry_rank(name: str, options, attn: AttentionConfig, topo: Topology, rank: in
             kind = "host sync" if _is_sync(e) else type(e).__name__
             r.error, r.where = f"{kind}: {' '.join(str(e).split())[:300]}", where(e)
     return r
+
+
+@contextlib.contextmanager
+def _fusers_off():
+    """``torch.jit.fuser("none")`` without its nvfuser toggles (each warns once per rank)."""
+    c = torch._C
+    old = c._jit_can_fuse_on_cpu(), c._jit_can_fuse_on_gpu(), c._jit_texpr_fuser_enabled()
+    c._jit_override_can_fuse_on_cpu(False)
+    c._jit_override_can_fuse_on_gpu(False)
+    c._jit_set_texpr_fuser_enabled(False)
+    try:
+        yield
+    finally:
+        c._jit_override_can_fuse_on_cpu(old[0])
+        c._jit_override_can_fuse_on_gpu(old[1])
+        c._jit_set_texpr_fuser_enabled(old[2])
 
 
 def _is_sync(e: BaseException) -> bool:

@@ -12,9 +12,10 @@ step, counts its *storage* once (views share it), and uncounts it when the stora
 storage). What the CPU figure counts: the storages of the tensors handed in as the step's
 inputs, plus every storage an aten op created, read or wrote during the step (from its first
 use until it is freed), at the moment their live sum peaked. Not counted: scratch memory a
-kernel allocates outside tensors, buffers inside gloo, Python objects, and allocator
-overhead/fragmentation. It is therefore comparable across strategies on CPU (same inputs,
-same kernels) but not byte for byte with the GPU figure.
+kernel allocates outside tensors, buffers inside gloo, Python objects, allocator
+overhead/fragmentation, nor a wrapper subclass's data-less storage (its inner tensors count).
+It is therefore comparable across strategies on CPU (same inputs, same kernels) but not byte
+for byte with the GPU figure.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import weakref
 from typing import Callable, Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from cpbench.bench.env import meminfo_bytes
@@ -37,6 +38,12 @@ class StorageMeter(TorchDispatchMode):
         self.peak = 0
 
     def track(self, t: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(t):
+            # a wrapper (functional collectives' AsyncCollectiveTensor) has a storage of its
+            # full size but no data: the memory is its inner tensors'
+            for inner in t.__tensor_flatten__()[0]:
+                self.track(getattr(t, inner))
+            return
         storage = t.untyped_storage()
         key, nbytes = storage._cdata, storage.nbytes()
         if nbytes == 0 or key in self.live:
