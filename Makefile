@@ -29,7 +29,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not multirank and not gpu"
+	$(PY) -m pytest -q -m "not multirank and not gpu and not slow"
 
 # the GPU-marked tests (tests/gpu and a few unit ones): on a machine with 2 or more GPUs,
 # flash-attn installed (pip install -e '.[gpu]')

@@ -210,19 +210,26 @@ def test_memory_counts_what_a_rank_holds_and_oom_is_over_capacity():
     s = attn.seqlen // 8
     q = kv = s * 32 * 128 * 2  # one of q / out / dout / dq, one of k / v / dk / dv (MHA)
     lse = 32 * s * 4
-    resident = 4 * q + 4 * kv + lse + 2 * q  # + one fp32 accumulator
     zig = predict("zigzag", attn, 8, 4, machine(memory_gib=80.0))
-    # worst step (backward): the next K/V block and two fp32 dK/dV partials in flight (the
-    # previous step's, awaited after this kernel, and this step's), each sent and received
-    assert zig.memory_bytes == resident + 2 * (2 * kv + 2 * (2 * 2 * kv))
+    # worst step (backward): q, dout, out, k, v; fp32 dQ and the held block's fp32 dK/dV;
+    # the K/V block computed on (and forwarded) and the one arriving; the fp32 dK/dV
+    # arriving; the diagonal step's dQ, dK, dV beside the previous step's (half the rows)
+    inputs = 5 * q + lse
+    sums = 2 * q + 2 * 2 * kv
+    flight = 2 * 2 * kv + 2 * 2 * kv
+    calls = (q + 2 * kv) + (q // 2 + 2 * kv)
+    assert zig.memory_bytes == inputs + sums + flight + calls
     assert not zig.oom
-    # megatron-cp: its backward message packs K/V and dK/dV in bf16; and it keeps every
-    # received K/V block and every step's output and lse to the end of the forward. Ring
+    # megatron-cp: it keeps every received K/V block and every step's output and lse to the
+    # end of the forward, where it sums the outputs (two rescaled in fp32, into out). Ring
     # position 7 keeps the most: all 8 steps see every local query (the diagonal, then 7
     # earlier positions' first halves)
     mcp = predict("megatron-cp", attn, 8, 4, machine(memory_gib=80.0))
-    held = 7 * 2 * kv + 8 * (q + lse)
-    assert mcp.memory_bytes == resident + held + 2 * (2 * 2 * kv)
+    held = 7 * 2 * kv + 8 * (q + lse) + 2 * kv  # its own K/V stacked as the first buffer
+    call = q + lse
+    middle = 2 * 2 * kv + 2 * call  # K/V blocks computed on and arriving; two calls' outputs
+    end = call + 2 * 2 * q + q
+    assert mcp.memory_bytes == 2 * q + 2 * kv + held + max(middle, end)
     tight = predict("zigzag", attn, 8, 4, machine(memory_gib=zig.memory_bytes / 2**30 * 0.99))
     assert tight.oom
 

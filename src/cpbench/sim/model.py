@@ -36,16 +36,11 @@ hardware preset (``cpbench.sim.hardware``). Modelling assumptions, and where the
    ring's outer hop has a whole inner window) is spread evenly over the kernels it overlaps:
    its own step's and the next ones, or only the next ones when it is posted after its
    step's kernel (``after_compute``: a partial sum moving on).
-6. Memory per rank: q, k, v, out, dout and their gradients in the activation dtype, lse and
-   one fp32 accumulator (out in forward, dQ in backward), plus, at the worst step, a send and
-   a receive buffer for every message in flight (posted and not yet awaited), plus what a
-   strategy keeps beyond a step (``Strategy.held_bytes``, e.g. megatron-cp's received K/V
-   blocks). OOM when over the preset's memory. An estimate: allocator fragmentation and
-   kernel workspaces are not counted, and a send buffer that is a tensor the rank holds
-   anyway is counted again. Against the memory seeds 000/001 measured: -12 % to +7 % for
-   USP, Ulysses and zigzag, +48 % for the double ring when its dK/dV hops were all fp32
-   (blocks in flight on both rings at a window's end; LoongTrain's measured run held less);
-   not re-measured since they follow LoongTrain's dtypes.
+6. Memory per rank (``sim.memory``): inputs, the strategy's accumulators, the buffers of
+   the messages in flight at each step, two kernel calls' results, what it keeps beyond a
+   step, at the worst moment of either phase; held within 10 % of the real code's
+   allocations (the dry run) for every own strategy and variant by a test. OOM when over
+   the preset's memory. Kernel workspaces and allocator fragmentation are not counted.
 
 Everything scales exactly with the sequence length and batch (bytes with S·B, FLOPs with
 S²·B), and bf16 and fp16 move the same bytes, so a schedule is built once per (strategy,
@@ -64,6 +59,7 @@ from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
 from cpbench.errors import Skipped, UsageError
 from cpbench.mask import mask_of
+from cpbench.sim import memory
 from cpbench.sim.hardware import GB, Hardware
 from cpbench.strategies.base import BWD, FWD, Strategy
 from cpbench.topology import Topology
@@ -223,10 +219,9 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
                                *node_out[topo.node_of(strat.rank)],
                                causal=bool(step.block and step.block[2])))
         steps.append(StepLoad(first.phase, tuple(sorted(views, key=dataclasses.astuple))))
-    buffers = 2.0 * max(max(rank_loads.in_flight) for rank_loads in loads)  # sent + received
     rank0 = ranks[0]
     return Compiled(attn.seqlen, attn.batch, tuple(steps),
-                    _resident_bytes(rank0) + max(s.held_bytes() for s in ranks) + buffers,
+                    max(memory.peak_bytes(s, sched) for s, sched in zip(ranks, schedules)),
                     rank0.ranks_per_problem, rank0.resolved_options())
 
 

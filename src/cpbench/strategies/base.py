@@ -206,6 +206,46 @@ class Strategy(ABC):
         adds them to the per-step buffers the schedule implies. Default: none."""
         return 0
 
+    def accumulator_bytes(self, phase: str) -> int:
+        """Bytes of the partial results this rank's code keeps through ``phase`` besides the
+        messages it moves (the simulator's memory model; ``sim.memory``). Default, a ring's:
+        the fp32 out in the forward; fp32 dQ, dK and dV in the backward."""
+        s = self.local_seqlen
+        if phase == FWD:
+            return self.q_bytes(s, element_size=4)
+        return self.q_bytes(s, element_size=4) + self.late_accumulator_bytes(phase)
+
+    def finish_bytes(self, phase: str) -> int:
+        """Bytes the end of ``phase`` allocates beside the accumulators and the last kernel
+        call's results. Default, a ring's: its fp32 sums cast back to the activation dtype
+        (out; dQ, dK, dV), a copy unless that is fp32."""
+        s = self.local_seqlen
+        if self.attn.element_size == 4:
+            return 0
+        return self.q_bytes(s) + (0 if phase == FWD else 2 * self.kv_bytes(s))
+
+    def receives_in_place(self, phase: str) -> bool:
+        """True when ``phase``'s messages arrive in buffers allocated before its loop and
+        counted in ``accumulator_bytes`` (TE's backward ring), not in new ones per step."""
+        return False
+
+    def call_setup_bytes(self, phase: str) -> tuple[int, int]:
+        """(kept, scratch): bytes each step makes for its kernel call, kept as its input, and
+        the scratch that made them, freed before the call. Default: none."""
+        return 0, 0
+
+    def late_accumulator_bytes(self, phase: str) -> int:
+        """The part of ``accumulator_bytes`` that starts from the phase's first kernel call's
+        results (a ring's dK, dV partial sums); not alive during that call."""
+        wide = 4 // self.attn.element_size
+        return 0 if phase == FWD else 2 * self.kv_bytes(self.local_seqlen) * wide
+
+    def kernel_head_share(self) -> float:
+        """The share of the heads one kernel call on this rank computes (1: all of them;
+        a Ulysses all-to-all leaves 1 / its degree)."""
+        return 1.0
+
+
     @classmethod
     def unavailable(cls, device: str) -> str | None:
         """Why this strategy cannot run on ``device`` on this machine (a library missing, a

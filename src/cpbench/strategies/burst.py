@@ -46,7 +46,7 @@ from cpbench.strategies._rings import (
     fresh_sum,
     send_block,
 )
-from cpbench.strategies.base import BWD, Message, Step, Strategy, option
+from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, option
 from cpbench.strategies.layout import ZigzagLayout, slice_len, zigzag_block
 from cpbench.topology import Topology, node_local_block
 
@@ -213,6 +213,25 @@ class Burst(ZigzagLayout, Strategy):
         if self.opts.double_ring:
             return Rings.of(self, self.window, ("inner_dq", "outer_dq"))
         return Rings.of(self, self.cp_size, ("ring" if self.dq_shares_ring else "ring_dq", None))
+
+    def late_accumulator_bytes(self, phase: str) -> int:
+        return 0  # its sums exist before the first call
+
+    def accumulator_bytes(self, phase: str) -> int:
+        if phase == FWD:
+            return super().accumulator_bytes(phase)
+        # K/V stay home: their fp32 dK, dV; dQ is the partial sum that travels
+        s = self.local_seqlen
+        dq = self.q_bytes(s, element_size=4 if self.opts.dq_dtype == "fp32" else None)
+        return 2 * self.kv_bytes(s) * 4 // self.attn.element_size + dq
+
+    def call_setup_bytes(self, phase: str) -> tuple[int, int]:
+        """With delta on the wire, each backward step rebuilds an O for the kernel
+        (_out_seen_by_kernel: from dO and the scaled dO in fp32)."""
+        if phase == FWD or not self.opts.opt_bwd:
+            return 0, 0
+        s = self.local_seqlen  # .float() of fp32 is no copy
+        return self.q_bytes(s), 2 * self.q_bytes(s, element_size=4) * (self.attn.element_size < 4)
 
     def attention(self, q, k, v):
         return _BurstAttention.apply(self, q, k, v)

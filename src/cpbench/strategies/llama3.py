@@ -122,6 +122,21 @@ class Llama3(Strategy):
     def stride(self) -> int:
         return self.opts.heads_k_stride or self.attn.num_kv_heads
 
+    def late_accumulator_bytes(self, phase: str) -> int:
+        return 0  # its sums exist before the first call
+
+    def accumulator_bytes(self, phase: str) -> int:
+        """out / dq, dk, dv filled chunk by chunk, and one chunk's fp32 sums: out in the
+        forward; dq and the gathered sequence's dK, dV in the backward."""
+        s, share = self.local_seqlen, self.stride / self.attn.num_kv_heads
+        q32, kv32 = self.q_bytes(s, element_size=4), 4 * self.kv_bytes(s) // self.attn.element_size
+        # under a mask the masked kernels return the fp32 sums (their results)
+        plain = self.mask.plain
+        if phase == FWD:
+            return self.q_bytes(s) + self.lse_bytes(s) + int(plain * share * q32)
+        gathered = 2 * self.cp_size * kv32
+        return self.q_bytes(s) + 2 * self.kv_bytes(s) + int(plain * share * (q32 + gathered))
+
     def head_chunks(self) -> list[tuple[slice, slice]]:
         """(query heads, K/V heads) of each gather."""
         group = self.attn.heads // self.attn.num_kv_heads

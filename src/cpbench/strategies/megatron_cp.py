@@ -250,6 +250,27 @@ class MegatronCP(ZigzagLayout, Strategy):
     def attention(self, q, k, v):
         return _TEP2PAttention.apply(self, q, k, v)
 
+    def accumulator_bytes(self, phase: str) -> int:
+        """Forward: its own K/V stacked into the first ring buffer (TE keeps outputs, not an
+        fp32 sum); backward: dq in the activation dtype, the K/V saved stacked, and the two
+        ring buffers of K/V + dK/dV."""
+        s = self.local_seqlen
+        kv = 2 * self.kv_bytes(s)
+        return kv if phase == FWD else self.q_bytes(s) + kv + 2 * 2 * kv
+
+    def receives_in_place(self, phase: str) -> bool:
+        return phase == BWD
+
+    def late_accumulator_bytes(self, phase: str) -> int:
+        return 0
+
+    def finish_bytes(self, phase: str) -> int:
+        """Forward: the outputs summed (each rescaled in fp32, the last two alive, into out)."""
+        s = self.local_seqlen
+        if phase == FWD:
+            return 2 * self.q_bytes(s, element_size=4) + self.q_bytes(s)
+        return super().finish_bytes(phase)
+
     def held_bytes(self) -> int:
         """At the end of the forward: every received K/V buffer and every step's output and
         lse (TE rescales and sums the outputs only once the final lse is known)."""

@@ -108,6 +108,15 @@ def _tiles(strat: Strategy):
     return strat.tiles("local", pos, pos)
 
 
+def head_layout_bytes(strat: Strategy, phase: str) -> int:
+    """What a Ulysses rank keeps from its forward for the backward: q, k, v and out in the
+    head layout (as many bytes as the shards; K/V with their replicas)."""
+    if phase == FWD:
+        return 0
+    s, r = strat.local_seqlen, kv_replicas(strat.attn.num_kv_heads, strat.cp_size)
+    return 2 * strat.q_bytes(s) + 2 * r * strat.kv_bytes(s)
+
+
 def local_attention(strat: Strategy) -> Attention:
     return lambda q, k, v: _LocalAttention.apply(strat, q, k, v)
 
@@ -183,6 +192,19 @@ class Ulysses(Strategy):
         # every rank computes the whole sequence's mask for 1/N of the heads
         every = torch.arange(self.attn.seqlen)
         return [self.mask.pairs(every, every) // self.cp_size] * self.world_size
+
+    def accumulator_bytes(self, phase: str) -> int:
+        return head_layout_bytes(self, phase)
+
+    def late_accumulator_bytes(self, phase: str) -> int:
+        return 0
+
+    def finish_bytes(self, phase: str) -> int:
+        return 0  # one kernel call; its results go back as they are
+
+    def kernel_head_share(self) -> float:
+        return 1 / self.cp_size
+
 
     def attention(self, q, k, v):
         return ulysses_attention(q, k, v, self.groups["ulysses"], local_attention(self),

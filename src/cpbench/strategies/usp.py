@@ -40,6 +40,7 @@ from cpbench.strategies import register
 from cpbench.strategies.base import BWD, FWD, Step, Strategy, option
 from cpbench.strategies.layout import check_divisible, contiguous_index
 from cpbench.strategies.ulysses import (
+    head_layout_bytes,
     kv_replicas,
     local_attention,
     ulysses_attention,
@@ -124,6 +125,23 @@ class Usp(Strategy):
 
     def held_bytes(self) -> int:
         return 0 if self.ring is None else self.ring.held_bytes()
+
+    def accumulator_bytes(self, phase: str) -> int:
+        ring = 0 if self.ring is None else self.ring.accumulator_bytes(phase)
+        return ring + (head_layout_bytes(self, phase) if self.ulysses_degree > 1 else 0)
+
+    def receives_in_place(self, phase: str) -> bool:
+        return self.ring is not None and self.ring.receives_in_place(phase)
+
+    def late_accumulator_bytes(self, phase: str) -> int:
+        return 0 if self.ring is None else self.ring.late_accumulator_bytes(phase)
+
+    def kernel_head_share(self) -> float:
+        return 1 / self.ulysses_degree
+
+    def finish_bytes(self, phase: str) -> int:
+        return 0 if self.ring is None else self.ring.finish_bytes(phase)
+
 
     def resolved_options(self) -> dict:
         resolved = {"ulysses_degree": self.ulysses_degree, "ring_degree": self.ring_degree,

@@ -1,0 +1,100 @@
+"""The simulator's memory model: a rank's peak bytes from its schedule and what its code keeps.
+
+Held to the dry run (``cpbench dryrun``, the real code's allocations on fake tensors) by
+``tests/unit/test_sim_memory.py``; the terms below are what that code allocates:
+
+- inputs q, k, v, dout and the forward's out in the activation dtype, and the lse;
+- the strategy's accumulators per phase (``Strategy.accumulator_bytes``: fp32 out in the
+  forward, fp32 dQ, dK, dV in a ring's backward);
+- per step, the messages in flight: a block sent peer to peer twice (received into, and the
+  one forwarded), a collective's output once, a partial sum posted after its step's kernel
+  once (received into; the one sent is the accumulator), in flight from the next step on;
+- the kernel's results of two consecutive calls (a step's are alive while the next call
+  returns its own): out and lse in the forward; dQ, dK, dV of the block in the backward; at
+  the end, the last call's with the phase's results when fp32 sums are cast back
+  (``Strategy.finish_bytes``);
+- ``Strategy.held_bytes`` (blocks a strategy keeps to the end of the forward).
+
+The peak is the larger of the forward's and the backward's worst step. Not counted: kernel
+workspaces, the allocator's rounding and fragmentation (the GPU figure is higher by those).
+"""
+
+from __future__ import annotations
+
+from cpbench.strategies.base import BWD, FWD, Step, Strategy
+
+
+def peak_bytes(strat: Strategy, schedule: list[Step]) -> float:
+    """``strat``'s rank at its worst moment of a forward + backward."""
+    return max(_phase_peak(strat, schedule, FWD), _phase_peak(strat, schedule, BWD))
+
+
+def _phase_peak(strat: Strategy, schedule: list[Step], phase: str) -> float:
+    s = strat.local_seqlen
+    q, kv, lse = strat.q_bytes(s), strat.kv_bytes(s), strat.lse_bytes(s)
+    resident = 2 * q + 2 * kv  # q, dout, k, v
+    resident += strat.held_bytes() if phase == FWD else q + lse  # the forward's out
+    steps = [i for i, st in enumerate(schedule) if st.phase == phase]
+    blocks, partial = _in_flight(schedule, phase, False), _in_flight(schedule, phase, True)
+    if strat.receives_in_place(phase):  # its buffers are among the accumulators
+        blocks = partial = [0.0] * len(schedule)
+    kernel = [_kernel_bytes(strat, schedule[i]) for i in steps]
+    calls = [k for k, _ in kernel if k]
+    first = next((j for j, k in enumerate(kernel) if k[0]), None)
+    late = strat.late_accumulator_bytes(phase)
+    setup = strat.call_setup_bytes(phase)
+    worst = max((blocks[i] + partial[i] + _two_calls(kernel, j, setup)
+                 - (late if j == first else 0) for j, i in enumerate(steps)), default=0.0)
+    # the end: the last call's results alive while the phase's results are made
+    worst = max(worst, (calls[-1] if calls else 0.0) + strat.finish_bytes(phase))
+    return resident + strat.accumulator_bytes(phase) + worst
+
+
+def _two_calls(kernel: list[tuple[float, float]], j: int, setup: tuple[int, int]) -> float:
+    """A kernel step's inputs made for it, its results and transients (or the scratch that
+    made its inputs, freed before the call), and the previous call's results (alive until
+    these return)."""
+    if not kernel[j][0]:
+        return 0.0
+    before = [k for k, _ in kernel[:j] if k]
+    kept, scratch = setup
+    return kept + max(scratch, sum(kernel[j])) + (before[-1] if before else 0.0)
+
+
+def _in_flight(schedule: list[Step], phase: str, partial: bool) -> list[float]:
+    """Bytes of the messages in flight at each step, of blocks (``partial`` False) or of
+    partial sums (posted after the kernel, in flight from the next step on), from the step
+    that posts one to the step that awaits it."""
+    flight = [0.0] * len(schedule)
+    for i, step in enumerate(schedule):
+        if step.phase != phase:
+            continue
+        for m in (m for m in step.messages if m.after_compute == partial):
+            first = i + 1 if m.after_compute else i
+            last = first + max(m.overlap_steps, 1) - 1 if m.overlapped else i
+            # the buffer received into, until the step that awaits it; a block (not a partial
+            # sum) is the next step's input too (and what that step forwards: the buffer a
+            # block is sent from is the one received before, or an input)
+            for j in range(first, min(last + (not partial), len(schedule) - 1) + 1):
+                if schedule[j].phase == phase:
+                    flight[j] += m.nbytes
+    return flight
+
+
+def _kernel_bytes(strat: Strategy, step: Step) -> tuple[float, float]:
+    """One kernel call's (results, transient) bytes for the rows and keys of its block and
+    the heads the strategy computes on a rank: results out + lse (forward), dQ + dK + dV
+    (backward). Under a mask the GPU's varlen path (``kernels.masked_varlen``) returns fp32
+    results and, while it runs, holds its packed inputs and the varlen call's own results."""
+    if not step.block:
+        return 0.0, 0.0
+    rows, keys = step.block[0], step.block[1]
+    q, kv, lse = strat.q_bytes(rows), strat.kv_bytes(keys), strat.lse_bytes(rows)
+    wide, share = 4 / strat.attn.element_size, strat.kernel_head_share()
+    if strat.mask.plain:
+        results = q + lse if step.phase == FWD else q + 2 * kv
+        return share * results, 0.0
+    if step.phase == FWD:  # packed q, k, v; the call's out; the merge's fp32 sum
+        return share * (wide * q + lse), share * (2 * q + 2 * kv + wide * q)
+    # packed dout, q, out, k, v; the call's dQ, dK, dV
+    return share * wide * (q + 2 * kv), share * (4 * q + 4 * kv)
