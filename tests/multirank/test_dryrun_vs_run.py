@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 
+from test_cli_run import _cpbench
+
 from cpbench import results
-from tests.multirank.test_cli_run import _cpbench
 
 STRATEGIES = "zigzag,ring,ulysses,megatron-cp,llama3,usp,burst,double-ring,torch-ring"
 PROBLEM = ["--seqlen", "1024", "--heads", "4", "--head-dim", "32", "--dtype", "fp32"]
