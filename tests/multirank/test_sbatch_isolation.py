@@ -74,3 +74,27 @@ def test_sbatch_records_an_oom_the_job_could_not_and_runs_the_next_strategy(tmp_
            "OutOfMemoryError" in log
     assert "--rdzv-id=77-1" in log.splitlines()[0]
     assert records[1]["derived"]["fwd_bwd_ms"] > 0
+
+
+def test_doctor_under_srun_probes_between_the_tasks(tmp_path):
+    """Two `cpbench doctor` tasks as srun starts them (one per node; here both on this host,
+    gloo): task 0 reports the all-reduce, p2p and all-to-all between them; task 1 does not."""
+    from cpbench.launch import free_port
+
+    port = free_port()
+    while not 20000 <= port < 40000:  # the range the doctor derives its port in
+        port = free_port()
+    job = (port - 20000) * pow(7, -1, 20000) % 20000  # so that the tasks derive this port
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    base.update(PYTHONPATH=os.pathsep.join([str(REPO / "src"), base.get("PYTHONPATH", "")]),
+                SLURM_NTASKS="2", SLURM_JOB_ID=str(job), SLURM_STEP_ID="0",
+                SLURM_JOB_NODELIST="localhost", OMP_NUM_THREADS="1")
+    tasks = [subprocess.Popen([sys.executable, "-m", "cpbench.cli", "doctor", "--no-probe"],
+                              env=dict(base, SLURM_PROCID=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+             for r in range(2)]
+    outs = [t.communicate(timeout=300)[0] for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], outs
+    assert "nodes all-reduce" in outs[0] and "2 nodes, gloo on cpu" in outs[0], outs[0]
+    assert "nodes p2p" in outs[0] and "nodes a2a" in outs[0]
+    assert "nodes " not in outs[1].replace("2 nodes", "")
