@@ -36,6 +36,11 @@ class RankError(RuntimeError):
 # set in the rendezvous store by the launcher when a rank died: reform_world stops waiting
 DEAD_KEY = "cpbench/dead"
 
+# NCCL (the doctor's probe): a rank whose collective times out is ended by the watchdog
+# (communicators aborted), so the launcher sees it die instead of waiting on it; set on every
+# rank whatever the environment says (torchrun's default is 1 too)
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
 # after a rank dies, how long the others have to notice (gloo: a closed connection fails
 # their collective at once) and report, before they are killed
 DEATH_GRACE_S = 15.0
@@ -66,7 +71,7 @@ def _worker(fn, rank, nproc, port, args, results, threads, pg_timeout_s, leave_t
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(nproc))
+                      LOCAL_WORLD_SIZE=str(nproc), **NCCL_ERROR_HANDLING)
     torch.set_num_threads(threads)
     try:
         device_id = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections import Counter
 from datetime import timedelta
 
@@ -75,6 +76,12 @@ def torchrun_main(p: Plan) -> int:
 
     rank, world, _ = env_mod.torchrun_world()
     device_id = None
+    handling = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if p.run.device == "cuda" and handling not in ("1", "3") and rank == 0:
+        # cpbench's launchers set 1; a hand-run torchrun keeps what the user set
+        sys.stderr.write(f"cpbench run: TORCH_NCCL_ASYNC_ERROR_HANDLING={handling}: a "
+                         f"collective that times out will not end this launch (see cpbench "
+                         f"doctor); 1 lets a launcher record the case and go on\n")
     if p.run.device == "cuda":
         device_id = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from datetime import timedelta
 
 import torch
@@ -86,7 +87,10 @@ def node_probe(rank: int, world: int, master: str, port: int, device: str,
     import torch.distributed as dist
 
     from cpbench.bench.probe import probe
+    from cpbench.launch import NCCL_ERROR_HANDLING
 
+    # a collective that times out ends this process (the doctor's child), not hangs it
+    os.environ.update(NCCL_ERROR_HANDLING)
     backend = "nccl" if device == "cuda" else "gloo"
     device_id = None
     if device == "cuda":
