@@ -98,3 +98,22 @@ def test_doctor_under_srun_probes_between_the_tasks(tmp_path):
     assert "nodes all-reduce" in outs[0] and "2 nodes, gloo on cpu" in outs[0], outs[0]
     assert "nodes p2p" in outs[0] and "nodes a2a" in outs[0]
     assert "nodes " not in outs[1].replace("2 nodes", "")
+
+
+_PRINT_HANDLING = """import os
+print("value:", os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+"""
+
+
+def test_torchrun_gives_its_workers_error_handling_1(tmp_path):
+    """The fact the README and the doctor state: with the variable unset, torch's elastic
+    agent gives every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (not 3). No GPU needed: the
+    agent sets it whatever the backend."""
+    script = tmp_path / "show.py"
+    script.write_text(_PRINT_HANDLING)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "1", str(script)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "value: 1" in done.stdout, done.stdout + done.stderr
