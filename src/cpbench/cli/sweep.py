@@ -48,10 +48,15 @@ def _run_request(flags: list[str]) -> tuple[dict, str | None]:
     """(the settings given, --out) of ``cpbench run`` flags, read by `cpbench run`'s parser."""
     from cpbench.cli import run as cli_run
 
-    parser = Parser(prog=f"{PROG} --run")
-    cli_run.add_parser(parser.add_subparsers(dest="command", parser_class=Parser))
-    settings = {k: v for k, v in given(parser.parse_args(["run", *flags])).items()
-                if k not in ("command", "func")}
+    made = []
+
+    class _Sub:  # cli.run.add_parser's `sub`: `cpbench run`'s parser, under this name
+        def add_parser(self, name, help=None, **kw):
+            made.append(Parser(prog=f"{PROG} --run", **kw))
+            return made[-1]
+
+    cli_run.add_parser(_Sub())
+    settings = {k: v for k, v in given(made[0].parse_args(flags)).items() if k != "func"}
     return settings, settings.pop("out", None)
 
 
