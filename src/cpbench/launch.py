@@ -7,8 +7,9 @@ noticed; an optional deadline kills the whole group. A rank waiting on a live pe
 will never answer is bounded by the process groups' (collective) timeout.
 
 ``reform_world`` forms the process group again after a collective failed (the processes
-stay); when a rank has died, the launcher tells the survivors through the rendezvous store
-(``DEAD_KEY``), so they stop waiting for it there.
+stay; gloo only: on NCCL the driver isolates cases in launches instead, see
+``cpbench.bench.driver``); when a rank has died, the launcher tells the survivors through the
+rendezvous store (``DEAD_KEY``), so they stop waiting for it there.
 """
 
 from __future__ import annotations

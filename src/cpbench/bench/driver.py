@@ -284,7 +284,7 @@ def _stop_reason(p: Plan, broken: str) -> str:
            f"again in-process (launch one strategy per torchrun: cpbench sweep, the sbatch script)"
 
 
-def _run_cases(p: Plan, rank: int, env: dict) -> tuple[list[dict], bool, str | None]:
+def _run_cases(p: Plan, rank: int, env: dict) -> tuple[list[dict], bool, bool]:
     """(rank 0's records, whether any failed, whether the process group broke for good)."""
     records, ref_cache, failed = [], {}, False
     for i, case in enumerate(p.cases, 1):
