@@ -66,6 +66,8 @@ def test_the_rank_s_own_oom_from_the_store_not_the_log_tail(tmp_path, monkeypatc
     # "out of memory" in the log's last lines decides nothing
     assert zigzag["status"] == results.FAILED
     assert zigzag["error"].startswith("no rank reported a failure")
+    assert zigzag["error"].endswith("its last line: [rank0]: out of memory? no: Watchdog caught "
+                                    "collective operation timeout")  # context, not status
     assert Path(zigzag["sweep"]["log"]).exists()
 
 

@@ -253,7 +253,7 @@ class _Runner:
         for j, key in enumerate(case.keys):
             if key not in written:
                 left = self._left_by_ranks(case, j, log_text)
-                status, error = _why(rc, timed_out, limit, left, log_path)
+                status, error = _why(rc, timed_out, limit, left, log_path, log_text)
                 results.append(self.out, failure_record(
                     case.plan, j, status, error,
                     sweep={"case": case.index, "label": case.label, "returncode": rc,
@@ -271,13 +271,17 @@ class _Runner:
 
 
 def _why(rc: int | None, timed_out: bool, limit: float | None,
-         left: tuple[str, str] | None, log_path: Path) -> tuple[str, str]:
+         left: tuple[str, str] | None, log_path: Path, log_text: str = "") -> tuple[str, str]:
     """The status and error of a row a launch left unwritten: what its failing rank said
-    (OOM or failed), else timeout or failed."""
+    (OOM or failed), else timeout or failed. The log's last line is context in the message
+    only (under torchrun it is the agent's summary): it never sets the status."""
     ended = f"the launch ended (exit {rc}) before the row was recorded; log {log_path}"
     if left is not None:
         status, msg = left
         return status, f"{msg} ({ended})"
     if timed_out:
         return results.TIMEOUT, f"no result within the case's timeout of {limit:g} s"
-    return results.FAILED, f"no rank reported a failure: {ended}"
+    lines = [line.rsplit("\r", 1)[-1].strip() for line in log_text.splitlines()[1:]]
+    last = next((line for line in reversed(lines) if line), None)
+    return results.FAILED, f"no rank reported a failure: {ended}" + (
+        f"; its last line: {last}" if last else "")
