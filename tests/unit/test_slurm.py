@@ -137,6 +137,7 @@ def test_one_case_is_a_sweep_of_one_launch_per_strategy(fake_slurm, tmp_path):
         "--rdzv-endpoint=g045:{port}", "--rdzv-id=4242-{case}"]
     env = call["env"]
     assert env["NCCL_DEBUG"] == "WARN" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert env["CPBENCH_FAILURE_HOST"] == "g045"  # the sweep's store, reached as rendezvous
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and env["OMP_NUM_THREADS"] == "1"
 
 

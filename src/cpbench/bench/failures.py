@@ -24,6 +24,8 @@ from datetime import timedelta
 
 # host:port of the launcher's TCPStore, in every rank's environment
 STORE_ENV = "CPBENCH_FAILURE_STORE"
+# the name other nodes reach the launcher's host by (the sbatch script: the rendezvous host)
+HOST_ENV = "CPBENCH_FAILURE_HOST"
 _PREFIX = "cpbench/failure"
 # "cpbench: rank 1 failed (OOM) in zigzag: OutOfMemoryError: ..." (one line)
 _LINE = re.compile(r"cpbench: rank (\d+) failed \((\w+)\) in (.+?): (.*)$")
@@ -64,15 +66,16 @@ def leave(rank: int, record_key: str | None, label: str, status: str, msg: str) 
 
 def host_store(local: bool = False):
     """(the launcher's store, its address for ``STORE_ENV``): a TCPStore on a free port of
-    this host, reached by this host's name from the other nodes (``local``: all ranks on
-    this host, 127.0.0.1)."""
+    this host, reached from the other nodes by ``HOST_ENV`` or else this host's name
+    (``local``: all ranks on this host, 127.0.0.1)."""
     import socket
 
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1" if local else "0.0.0.0", 0, is_master=True,
                      timeout=timedelta(seconds=10), wait_for_workers=False)
-    return store, f"{'127.0.0.1' if local else socket.gethostname()}:{store.port}"
+    host = "127.0.0.1" if local else os.environ.get(HOST_ENV) or socket.gethostname()
+    return store, f"{host}:{store.port}"
 
 
 def from_store(store, record_key: str, world_size: int) -> tuple[str, str] | None:
