@@ -61,12 +61,13 @@ def _cached_groups(seconds: float | None):
     per member list, reused by later builds, under the per-case timeout like cpbench's own."""
     import torch.distributed as dist
 
-    original = dist.new_group
+    original, calls = dist.new_group, iter(range(1 << 30))
 
     def new_group(ranks=None, *args, **kwargs):
         if args or set(kwargs) - {"timeout"}:  # not the call yunchang makes: leave it be
             return original(ranks, *args, **kwargs)
-        return cached_group("yunchang", ranks, seconds, original)
+        # keyed by the call's place too: its Ulysses and ring groups never share one
+        return cached_group(f"yunchang/{next(calls)}", ranks, seconds, original)
 
     dist.new_group = new_group
     try:
