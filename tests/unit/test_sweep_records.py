@@ -108,3 +108,11 @@ def test_repair_tail_cuts_a_torn_line_under_the_appends_lock(tmp_path):
         assert not done.wait(0.5)
     t.join(5)  # closing the file released the lock
     assert done.is_set() and out.read_bytes() == b'{"a": 1}\n'
+
+
+def test_run_flags_under_a_launcher_need_the_job_s_size(capsys):
+    from cpbench import cli
+
+    assert cli.main(["sweep", "--launcher", "srun torchrun", "--out", "r.jsonl", "--run",
+                     "--strategy", "ring"]) == 2
+    assert "give --nodes" in capsys.readouterr().err

@@ -79,6 +79,9 @@ def _load(args):
         if args.nodes is not None or args.gpus_per_node is not None:
             raise UsageError("--nodes / --gpus-per-node go with --run; a config has topology:")
         return sweep.load(args.config), args.out
+    if args.launcher and not args.nodes:
+        raise UsageError("--run with --launcher starts torchrun jobs: give --nodes (and "
+                         "--gpus-per-node) so the rows are planned as the job plans them")
     settings, out = _run_request(args.run)
     gpus = args.gpus_per_node or (_gpus_here() if args.nodes else None)
     return sweep.per_strategy(settings, args.nodes, gpus), args.out or out
