@@ -68,7 +68,7 @@ def test_a_gpu_node_with_more_ranks_than_gpus_is_an_error(probe_calls, capsys, m
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(doctor, "versions", lambda: iter([]))
     # a mocked GPU runs no kernel and imports no library: what they do is tested apart
-    monkeypatch.setattr(doctor, "_smoke", lambda backend, device: None)
+    monkeypatch.setattr(doctor, "_smoke", lambda backend, device, dead: None)
     monkeypatch.setattr(doctor, "upstream_checks", lambda device: iter([]))
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")

@@ -102,14 +102,20 @@ def _kernel_on(backend, device: str) -> str | None:
     return why
 
 
-def _smoke(backend, device: str) -> str | None:
-    """What the backend's tiny forward and backward did on ``device``: None when it ran."""
-    from cpbench.bench.agreement import one_line
+def _smoke(backend, device: str, dead: set[str]) -> str | None:
+    """What the backend's tiny forward and backward did on ``device``: None when it ran.
+    ``dead``: devices whose context an earlier kernel left unusable (a sticky CUDA error:
+    every later call there fails too, so it is not blamed on this backend)."""
+    from cpbench.bench.agreement import is_sticky_cuda_error, one_line
     from cpbench.bench.preflight import kernel_smoke
 
+    if device in dead:
+        return f"not run on {device}: an earlier kernel left its CUDA context unusable"
     try:
         kernel_smoke(backend, device)
     except Exception as e:  # the kernel's own error, e.g. no image for this GPU's arch
+        if is_sticky_cuda_error(e):
+            dead.add(device)
         return f"fails on {device}: {one_line(e)}"
     return None
 
@@ -123,11 +129,12 @@ def kernel_checks(on_gpu: bool) -> Iterator[Check]:
     from cpbench.bench.preflight import SMOKE
 
     cuda_flash, shape = False, f"{SMOKE['seqlen']} tokens, head dim {SMOKE['head_dim']}"
+    dead: set[str] = set()
     for name in kernels.names()[1:]:
         backend = kernels.get(name)
         why = {d: _kernel_on(backend, d) for d in sorted(backend.devices)}
         claimed = [d for d, w in why.items() if w is None]
-        failed = {d: f for d in claimed if (f := _smoke(backend, d)) is not None}
+        failed = {d: f for d in claimed if (f := _smoke(backend, d, dead)) is not None}
         runs = [d for d in claimed if d not in failed]
         package = backend.provenance() if claimed else None
         where = f" ({package['distribution']} {package['version']}, {package['path']})" \
