@@ -148,3 +148,22 @@ def test_nodes_that_cannot_reach_each_other_get_the_network_advice(probe_calls, 
     level, detail = _lines(capsys)["nodes"]
     assert level == "error" and "DistNetworkError: timed out" in detail
     assert "NCCL_SOCKET_IFNAME" in detail and "NCCL_IB_HCA" in detail
+
+
+def test_after_a_sticky_error_later_kernels_on_the_device_are_not_blamed(probe_calls, capsys,
+                                                                        monkeypatch):
+    import dataclasses
+
+    from cpbench import kernels
+
+    def dead(*args, **kw):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setitem(kernels._BACKENDS, "torch",
+                        dataclasses.replace(kernels.get("torch"), forward=dead))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["doctor", "--no-probe"]) == 1
+    got = _lines(capsys)
+    assert got["kernel torch"][0] == "error" and "illegal memory access" in got["kernel torch"][1]
+    assert "not run on cpu: an earlier kernel left its CUDA context unusable" in \
+        got["kernel sdpa-cpu"][1]
