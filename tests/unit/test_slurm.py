@@ -290,3 +290,24 @@ def test_yaml_sweep_in_one_allocation(fake_slurm, tmp_path):
     assert env == {"CPBENCH_SWEEP": str(Path("configs/seed001_32gpu.yaml").resolve())}
     with pytest.raises(ValueError, match="not both"):
         slurm.sbatch_command(nodes=4, sweep="a.yaml", cases_file="cases.txt")
+
+
+def test_every_launch_path_sets_error_handling_and_no_text_says_torchrun_gives_3():
+    """The sbatch script, the sweep's launches and run_ranks' NCCL ranks set 1 themselves;
+    torch's elastic agent gives 1 when unset (tests/multirank/test_sbatch_isolation.py), so
+    no text may say its default is 3."""
+    import re
+
+    from cpbench import launch
+    from cpbench.sweep import runner
+
+    assert runner.NCCL_ERROR_HANDLING == launch.NCCL_ERROR_HANDLING == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in SCRIPT.read_text()
+    wrong = re.compile(r"(default|PyTorch's)[^.]{0,60}\b3\b|\b3\b[^.]{0,20}default", re.I)
+    for path in [SCRIPT, *(REPO / "src").rglob("*.py"), REPO / "README.md"]:
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if "TORCH_NCCL_ASYNC_ERROR_HANDLING" in line:
+                near = " ".join(lines[max(0, i - 1):i + 2])
+                assert not wrong.search(near), f"{path}:{i + 1}: {near}"
