@@ -32,9 +32,11 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not multirank and not gpu and not slow"
 
 # the GPU-marked tests (tests/gpu and a few unit ones): on a machine with 2 or more GPUs,
-# flash-attn installed (pip install -e '.[gpu]')
+# flash-attn installed (pip install -e '.[gpu]'). Each job runs in its own session and is
+# killed as a group when it outlives its timeout, which is below the test's own
+# (tests/gpu/jobs.py); -x: after a hung NCCL job, later tests would only report its GPUs busy.
 test-gpu: $(STAMP)
-	$(PY) -m pytest -q -m gpu
+	$(PY) -m pytest -q -x -m gpu
 
 # cpbench's CUDA paths (flash-attn, strategies on the fake process group) on fake CUDA
 # tensors: shapes, dtypes, bytes sent; no numbers. See README, Tests.

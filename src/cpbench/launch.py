@@ -7,8 +7,9 @@ noticed; an optional deadline kills the whole group. A rank waiting on a live pe
 will never answer is bounded by the process groups' (collective) timeout.
 
 ``reform_world`` forms the process group again after a collective failed (the processes
-stay); when a rank has died, the launcher tells the survivors through the rendezvous store
-(``DEAD_KEY``), so they stop waiting for it there.
+stay; gloo only: on NCCL the driver isolates cases in launches instead, see
+``cpbench.bench.driver``); when a rank has died, the launcher tells the survivors through the
+rendezvous store (``DEAD_KEY``), so they stop waiting for it there.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ class RankError(RuntimeError):
 
 # set in the rendezvous store by the launcher when a rank died: reform_world stops waiting
 DEAD_KEY = "cpbench/dead"
+
+# NCCL (the doctor's probe): a rank whose collective times out is ended by the watchdog
+# (communicators aborted), so the launcher sees it die instead of waiting on it; set on every
+# rank whatever the environment says (torchrun's default is 1 too)
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 
 # after a rank dies, how long the others have to notice (gloo: a closed connection fails
 # their collective at once) and report, before they are killed
@@ -66,7 +72,7 @@ def _worker(fn, rank, nproc, port, args, results, threads, pg_timeout_s, leave_t
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(nproc))
+                      LOCAL_WORLD_SIZE=str(nproc), **NCCL_ERROR_HANDLING)
     torch.set_num_threads(threads)
     try:
         device_id = None

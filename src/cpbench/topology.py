@@ -195,16 +195,26 @@ def new_groups(topo: Topology, name: str, rank: int, rank_lists: Sequence[Sequen
 
     mine = plan_group(topo, name, rank, rank_lists)
     for ranks in rank_lists:
-        members = tuple(sorted(ranks))
-        world, pg = _PG_CACHE.get((name, members), (None, None))
-        if world is not dist.group.WORLD:
-            timeout = None if topo.group_timeout_s is None else \
-                timedelta(seconds=topo.group_timeout_s)
-            pg = dist.new_group(list(members), timeout=timeout)
-            _PG_CACHE[(name, members)] = (dist.group.WORLD, pg)
+        pg = cached_group(name, ranks, topo.group_timeout_s, dist.new_group)
         if rank in ranks:
             mine = Group(mine.name, mine.ranks, mine.index, mine.crosses_nodes, pg)
     return mine
+
+
+def cached_group(name: str, ranks: Sequence[int], timeout_s: float | None, create):
+    """The ProcessGroup of role ``name`` over ``ranks`` under the current world: made once
+    with ``create(ranks, timeout=...)`` (``dist.new_group``; a collective), then reused, and
+    under ``set_timeout`` like every group here. Also how a library that makes its own groups
+    (yunchang) gets them (strategies.yunchang_usp)."""
+    import torch.distributed as dist
+
+    members = tuple(sorted(ranks))
+    world, pg = _PG_CACHE.get((name, members), (None, None))
+    if world is not dist.group.WORLD:
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        pg = create(list(members), timeout=timeout)
+        _PG_CACHE[(name, members)] = (dist.group.WORLD, pg)
+    return pg
 
 
 def set_timeout(seconds: float) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from strategy_matrix import check_cases
-from upstream_bodies import yunchang_layout_matches_its_helpers
+from upstream_bodies import yunchang_groups_across_builds, yunchang_layout_matches_its_helpers
 
 from cpbench import strategies
 from cpbench.config import AttentionConfig
@@ -92,3 +92,12 @@ def test_yunchang_layout_is_its_own_helpers(options):
     (EXTRACT_FUNC_DICT, as its tests use them) give every rank."""
     for got, want in run_ranks(yunchang_layout_matches_its_helpers, 4, 2, options, timeout=120):
         assert got == want
+
+
+def test_yunchang_makes_its_groups_once_through_the_cache():
+    """yunchang's set_seq_parallel_pg calls new_group at every build; through cpbench's group
+    cache the communicators are made once and reused by later cases (they do not pile up),
+    and they are the cache's, so each case's timeout applies to them."""
+    for counts, same, cached in run_ranks(yunchang_groups_across_builds, 4, timeout=120):
+        assert counts[0] == counts[1] == counts[2], counts
+        assert same and cached

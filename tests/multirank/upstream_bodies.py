@@ -23,3 +23,26 @@ def yunchang_layout_matches_its_helpers(rank, world, rpn, options):
     helper = yunchang.EXTRACT_FUNC_DICT[options["ring_impl"]]
     got = helper(positions, rank, world, st.ring_degree, st.ulysses_degree).flatten()
     return got.tolist(), st.seq_index(rank).tolist()
+
+
+def yunchang_groups_across_builds(rank, world):
+    """Build yunchang-usp three times (as three cases do): (process groups torch holds after
+    each build, whether yunchang got the same groups each time, whether they are the groups
+    cpbench's cache holds, under which the per-case timeout is set)."""
+    import torch.distributed as dist
+    from yunchang.globals import PROCESS_GROUP
+
+    from cpbench import topology
+
+    attn = AttentionConfig(batch=1, seqlen=64, heads=4, head_dim=16, dtype="bf16")
+    cls = strategies.get("yunchang-usp")
+    counts, pgs = [], []
+    for timeout in (40.0, 50.0, 70.0):  # each case its own timeout (the driver's)
+        topo = Topology(world_size=world, ranks_per_node=world, group_timeout_s=timeout)
+        topology.set_timeout(timeout)
+        cls(attn, topo, rank, kernel=kernels.get("sdpa-cpu"),
+            options=cls.Options(ulysses_degree=2, ring_impl="zigzag"))
+        counts.append(dist.get_pg_count())
+        pgs.append((PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG))
+    cached = {id(pg) for _, pg in topology._PG_CACHE.values()}
+    return counts, all(p == pgs[0] for p in pgs), all(id(pg) in cached for pg in pgs[0])

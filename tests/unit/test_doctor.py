@@ -44,8 +44,17 @@ def test_here_without_gpus_exits_0_and_says_why(probe_calls, capsys, monkeypatch
     assert got["torch"][1].startswith(f"torch {torch.__version__}")
     assert got["cores"][0] == "ok" and "usable" in got["cores"][1]
     assert got["gpus"][0] == "warn" and got["gpus"][1].startswith("none")
-    assert got["kernel sdpa-cpu"] == ("ok", "runs on cpu")
+    # every kernel line says whether a forward and backward ran, and where
+    assert got["kernel sdpa-cpu"][0] == "ok"
+    assert got["kernel sdpa-cpu"][1].startswith("ran a forward and backward on cpu")
     assert got["kernel flash-attn"][0] == "warn" and "not on cuda: " in got["kernel flash-attn"][1]
+    assert got["kernel flash-attn"][1].startswith("no forward and backward run")
+    kernel_lines = [v for k, v in got.items() if k.startswith("kernel ")]
+    assert all("forward and backward" in detail for _, detail in kernel_lines)
+    for lib in ("ring-flash-attn", "yunchang", "transformer-engine"):
+        assert f"lib {lib}" in got
+    assert got["nccl error handling"][0] == "ok"
+    assert "unset: torchrun gives its workers 1" in got["nccl error handling"][1]
     assert "latency 55 us" in got["probe p2p"][1] and "gloo on cpu" in got["probe p2p"][1]
     assert "bus bandwidth 0.50 GB/s" in got["probe a2a"][1]
     assert probe_calls[0][1] == ("cpu",) and probe_calls[0][2]["backend"] == "gloo"
@@ -58,6 +67,9 @@ def test_a_gpu_node_with_more_ranks_than_gpus_is_an_error(probe_calls, capsys, m
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(doctor, "versions", lambda: iter([]))
+    # a mocked GPU runs no kernel and imports no library: what they do is tested apart
+    monkeypatch.setattr(doctor, "_smoke", lambda backend, device, dead: None)
+    monkeypatch.setattr(doctor, "upstream_checks", lambda device: iter([]))
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     assert cli.main(["doctor"]) == 1
@@ -69,3 +81,89 @@ def test_a_gpu_node_with_more_ranks_than_gpus_is_an_error(probe_calls, capsys, m
     assert "error  kernel auto" not in out and "kernel sdpa" in out
     n, args, kw = probe_calls[0]
     assert (n, args, kw["backend"]) == (4, ("cuda",), "nccl")
+
+
+def test_a_kernel_that_claims_a_device_and_fails_there_is_an_error(probe_calls, capsys,
+                                                                   monkeypatch):
+    """As a flash-attn wheel built without this GPU's architecture: it imports, says it
+    supports the request, and its kernel raises on first use."""
+    import dataclasses
+
+    from cpbench import kernels
+
+    def no_image(*args, **kw):
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the "
+                           "device")
+
+    broken = dataclasses.replace(kernels.get("sdpa-cpu"), forward=no_image)
+    monkeypatch.setitem(kernels._BACKENDS, "sdpa-cpu", broken)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["doctor", "--no-probe"]) == 1
+    level, detail = _lines(capsys)["kernel sdpa-cpu"]
+    assert level == "error" and detail.startswith("no forward and backward run")
+    assert "fails on cpu: RuntimeError: CUDA error: no kernel image is available" in detail
+
+
+def test_a_kernel_with_a_wrong_result_is_an_error(monkeypatch):
+    import dataclasses
+
+    from cpbench import kernels
+    from cpbench.bench.preflight import kernel_smoke
+
+    good = kernels.get("sdpa-cpu")
+
+    def off(q, k, v, **kw):
+        out, lse = good.forward(q, k, v, **kw)
+        return out + 0.1, lse
+
+    with pytest.raises(RuntimeError, match="wrong result"):
+        kernel_smoke(dataclasses.replace(good, forward=off), "cpu")
+    assert kernel_smoke(good, "cpu").startswith("ran a forward and backward (128 tokens")
+
+
+@pytest.mark.parametrize("value, level, says", [
+    ("1", "ok", "aborts the communicators and ends the process"),
+    ("3", "ok", "without aborting the communicators"),
+    ("2", "warn", "process lives on"),
+    ("0", "warn", "until the job's time limit"),
+    ("7", "warn", "not a value torch knows"),
+])
+def test_error_handling_advice(value, level, says):
+    got = doctor.error_handling({"TORCH_NCCL_ASYNC_ERROR_HANDLING": value})
+    assert got[0] == level and says in got[2]
+
+
+def test_nodes_that_cannot_reach_each_other_get_the_network_advice(probe_calls, capsys,
+                                                                   monkeypatch):
+    from cpbench.cli import doctor_nodes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(doctor_nodes, "probe",
+                        lambda where, device: ("error", "DistNetworkError: timed out"))
+    for k, v in {"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_JOB_ID": "5",
+                 "SLURM_JOB_NODELIST": "n[1-2]"}.items():
+        monkeypatch.setenv(k, v)
+    assert doctor_nodes.srun_world()[:3] == (0, 2, "n1")
+    assert cli.main(["doctor", "--no-probe"]) == 1
+    level, detail = _lines(capsys)["nodes"]
+    assert level == "error" and "DistNetworkError: timed out" in detail
+    assert "NCCL_SOCKET_IFNAME" in detail and "NCCL_IB_HCA" in detail
+
+
+def test_after_a_sticky_error_later_kernels_on_the_device_are_not_blamed(probe_calls, capsys,
+                                                                        monkeypatch):
+    import dataclasses
+
+    from cpbench import kernels
+
+    def dead(*args, **kw):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setitem(kernels._BACKENDS, "torch",
+                        dataclasses.replace(kernels.get("torch"), forward=dead))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["doctor", "--no-probe"]) == 1
+    got = _lines(capsys)
+    assert got["kernel torch"][0] == "error" and "illegal memory access" in got["kernel torch"][1]
+    assert "not run on cpu: an earlier kernel left its CUDA context unusable" in \
+        got["kernel sdpa-cpu"][1]

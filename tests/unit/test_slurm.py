@@ -1,6 +1,7 @@
 """Slurm without a cluster: the sbatch script run by bash under fake ``srun`` / ``scontrol`` /
-``sbatch`` executables (each records its argv and environment), held to the command lines
-``cpbench.slurm`` builds; SLURM_* parsing; the submit helper."""
+``sbatch`` / ``cpbench`` executables (each records its argv and environment), held to the
+command lines ``cpbench.slurm`` builds; SLURM_* parsing; the submit helper. (A real run of the
+script's path, with a fake srun and torchrun: tests/multirank/test_sbatch_isolation.py.)"""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def fake_slurm(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, tail in (("srun", _SRUN_TAIL), ("scontrol", _SCONTROL_TAIL),
-                       ("sbatch", _SBATCH_TAIL)):
+                       ("sbatch", _SBATCH_TAIL), ("cpbench", "")):
         exe = bin_dir / name
         exe.write_text(_RECORDER.format(python=sys.executable, tail=tail))
         exe.chmod(0o755)
@@ -99,45 +100,60 @@ def test_scripts_pass_shellcheck():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_every_srun_binds_cpus_and_no_script_forces_nccl_teardown():
-    """Each srun line carries the CPU binding; nothing sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1
-    over PyTorch's default (3: aborting a communicator can itself hang)."""
+def test_the_srun_binds_cpus_and_every_launch_path_sets_nccl_error_handling():
+    """The one srun line carries the CPU binding; the script sets
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=1 itself, over whatever the environment holds."""
     text = SCRIPT.read_text()
     code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
     sruns = [line for line in code if "srun " in line]
-    assert len(sruns) == 2 and all('"$cpu_binding"' in line for line in sruns)
-    for script in SHELL_SCRIPTS:
-        assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" not in script.read_text()
+    assert len(sruns) == 1 and all('"$cpu_binding"' in line for line in sruns)
+    assert [line.split("#")[0].strip() for line in code if "TORCH_NCCL" in line] == [
+        "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1"]
 
 
-def test_exact_torchrun_command_for_4_nodes_x_8_gpus(fake_slurm, tmp_path):
-    done = _run_script(tmp_path, "--strategy", "all", "--seqlen", "512K", "--out", "r.jsonl")
+def _launcher_words(call) -> list[str]:
+    i = call["argv"].index("--launcher")
+    return shlex.split(call["argv"][i + 1])
+
+
+def _same_command(call, expected: list[str]) -> None:
+    """``call`` ran ``expected`` (the launcher compared as words: bash quotes its own way)."""
+    got, i = list(call["argv"]), call["argv"].index("--launcher")
+    assert shlex.split(got.pop(i + 1)) == shlex.split(expected.pop(i + 1))
+    assert got == expected
+
+
+def test_one_case_is_a_sweep_of_one_launch_per_strategy(fake_slurm, tmp_path):
+    args = ["--strategy", "all", "--seqlen", "512K", "--out", "r.jsonl"]
+    done = _run_script(tmp_path, *args)
     assert done.returncode == 0, done.stderr
-    (call,) = fake_slurm("srun")
-    assert call["argv"] == [
+    (call,) = fake_slurm("cpbench")
+    world = slurm.slurm_world(JOB_4x8)
+    _same_command(call, slurm.run_command(world, args))
+    assert call["argv"][-7:] == ["--run", *args]
+    assert _launcher_words(call) == [
         "srun", "--nodes=4", "--ntasks-per-node=1", "--cpus-per-task=96", "--kill-on-bad-exit=1",
         "torchrun", "--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
-        "--rdzv-endpoint=g045:29500", "--rdzv-id=4242", "-m", "cpbench.run",
-        "--strategy", "all", "--seqlen", "512K", "--out", "r.jsonl"]
-    # the Python side builds the same line from the same environment
-    world = slurm.slurm_world(JOB_4x8)
-    assert call["argv"] == slurm.srun_command(
-        world, ["--strategy", "all", "--seqlen", "512K", "--out", "r.jsonl"])
+        "--rdzv-endpoint=g045:{port}", "--rdzv-id=4242-{case}"]
     env = call["env"]
-    assert env["NCCL_DEBUG"] == "WARN" and "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in env
+    assert env["NCCL_DEBUG"] == "WARN" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert env["CPBENCH_FAILURE_HOST"] == "g045"  # the sweep's store, reached as rendezvous
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and env["OMP_NUM_THREADS"] == "1"
 
 
-def test_environment_overrides_defaults(fake_slurm, tmp_path):
+def test_environment_overrides_defaults_but_not_the_error_handling(fake_slurm, tmp_path):
     done = _run_script(tmp_path, "--strategy", "ring", env={
-        "NCCL_DEBUG": "INFO", "CPBENCH_GPUS_PER_NODE": "4", "CPBENCH_RDZV_PORT": "29611",
-        "CPBENCH_TORCHRUN": "/opt/bin/torchrun", "CPBENCH_ENTRY": "/x/run.py"})
+        "NCCL_DEBUG": "INFO", "CPBENCH_GPUS_PER_NODE": "4", "CPBENCH_TORCHRUN": "/opt/torchrun",
+        "CPBENCH_ENTRY": "/x/run.py", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"})
     assert done.returncode == 0, done.stderr
-    (call,) = fake_slurm("srun")
-    assert call["argv"][5:12] == ["/opt/bin/torchrun", "--nnodes=4", "--nproc-per-node=4",
-                                  "--rdzv-backend=c10d", "--rdzv-endpoint=g045:29611",
-                                  "--rdzv-id=4242", "/x/run.py"]
+    (call,) = fake_slurm("cpbench")
+    assert _launcher_words(call)[5:8] == ["/opt/torchrun", "--nnodes=4", "--nproc-per-node=4"]
+    _same_command(call, slurm.run_command(slurm.slurm_world({**JOB_4x8,
+                                                             "CPBENCH_GPUS_PER_NODE": "4"}),
+                                          ["--strategy", "ring"], torchrun="/opt/torchrun",
+                                          entry="/x/run.py"))
     assert call["env"]["NCCL_DEBUG"] == "INFO"
+    assert call["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # the design needs 1
 
 
 def test_cases_file_as_array_task_and_as_one_allocation(fake_slurm, tmp_path):
@@ -148,19 +164,22 @@ def test_cases_file_as_array_task_and_as_one_allocation(fake_slurm, tmp_path):
     done = _run_script(tmp_path, "--out", "r.jsonl",
                        env={"CPBENCH_CASES": str(cases), "SLURM_ARRAY_TASK_ID": "2"})
     assert done.returncode == 0, done.stderr
-    (call,) = fake_slurm("srun")
-    assert call["argv"][11:] == ["-m", "cpbench.run", "--strategy", "usp",
-                                 "--placement", "head-first", "--out", "r.jsonl"]
+    (call,) = fake_slurm("cpbench")
+    assert call["argv"][-6:] == ["--run", "--strategy", "usp", "--placement", "head-first",
+                                 "--out", "r.jsonl"][-6:]
+    assert "--rdzv-id=4242-{case}" in _launcher_words(call)
     bad = _run_script(tmp_path, env={"CPBENCH_CASES": str(cases), "SLURM_ARRAY_TASK_ID": "3"})
     assert bad.returncode == 2 and "has 3 cases" in bad.stderr
 
     os.unlink(os.environ["FAKE_LOG"])
     done = _run_script(tmp_path, "--out", "r.jsonl", env={"CPBENCH_CASES": str(cases)})
-    assert done.returncode == 1 and "1 of 3 cases failed" in done.stderr  # the rest ran
-    calls = fake_slurm("srun")
-    assert [c["argv"][10] for c in calls] == ["--rdzv-id=4242-0", "--rdzv-id=4242-1",
-                                             "--rdzv-id=4242-2"]
-    assert [c["argv"][14] for c in calls] == ["ring", "zigzag", "usp"]
+    assert done.returncode == 0, done.stderr
+    calls = fake_slurm("cpbench")
+    # each case its own rendezvous ids (and each of its launches a free port: the sweep's)
+    assert [_launcher_words(c)[10] for c in calls] == [
+        "--rdzv-id=4242-0-{case}", "--rdzv-id=4242-1-{case}", "--rdzv-id=4242-2-{case}"]
+    assert [c["argv"][c["argv"].index("--run") + 2] for c in calls] == ["ring", "zigzag",
+                                                                        "usp"]
     assert slurm.read_cases(cases)[1] == ["--strategy", "zigzag", "--seqlen", "256K",
                                           "--fail-me"]
 
@@ -176,11 +195,10 @@ def test_gpu_count_and_cpu_binding_read_alike_in_bash_and_python(fake_slurm, tmp
                               env=dict(os.environ, **env), capture_output=True, text=True,
                               timeout=30, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
-        call = fake_slurm("srun")[-1]
-        assert call["argv"][3] == "--cpu-bind=none"
-        assert call["argv"][7] == f"--nproc-per-node={nproc}"
-        assert call["argv"] == slurm.srun_command(slurm.slurm_world(env),
-                                                  ["--strategy", "ring"])
+        call = fake_slurm("cpbench")[-1]
+        assert _launcher_words(call)[3] == "--cpu-bind=none"
+        assert _launcher_words(call)[7] == f"--nproc-per-node={nproc}"
+        _same_command(call, slurm.run_command(slurm.slurm_world(env), ["--strategy", "ring"]))
 
 
 @pytest.mark.parametrize("nodelist, hosts", [
@@ -234,10 +252,11 @@ def test_submit_helper_through_fake_sbatch(fake_slurm, tmp_path):
     assert sb["argv"][:5] == ["sbatch", "--job-name=cpbench", "--nodes=4",
                               "--ntasks-per-node=1", "--gpus-per-node=8"]
     assert sb["env"]["CPBENCH_CASES"] == str(cases.resolve())
-    runs = fake_slurm("srun")  # the job ran both cases, each its own launch
-    assert [c["argv"][13:] for c in runs] == [["--strategy", "ring", "--out", "r.jsonl"],
-                                             ["--strategy", "zigzag", "--out", "r.jsonl"]]
-    assert all(c["argv"][7] == "--nproc-per-node=8" for c in runs)
+    runs = fake_slurm("cpbench")  # the job ran both cases, each its own sweep
+    assert [c["argv"][c["argv"].index("--run"):] for c in runs] == [
+        ["--run", "--strategy", "ring", "--out", "r.jsonl"],
+        ["--run", "--strategy", "zigzag", "--out", "r.jsonl"]]
+    assert all(c["argv"][c["argv"].index("--gpus-per-node") + 1] == "8" for c in runs)
     dry = subprocess.run([sys.executable, str(SUBMIT), "--nodes", "4", "--dry-run", "--",
                           "--strategy", "all"], capture_output=True, text=True, env=env)
     assert dry.returncode == 0 and dry.stdout.startswith("sbatch --job-name=cpbench --nodes=4")
@@ -247,19 +266,15 @@ def test_submit_helper_through_fake_sbatch(fake_slurm, tmp_path):
 def test_yaml_sweep_in_one_allocation(fake_slurm, tmp_path):
     """CPBENCH_SWEEP: `cpbench sweep CONFIG --launcher <srun torchrun prefix> ARGS` on the first
     node; each case then runs as <prefix> -m cpbench.run <flags>."""
-    cli = tmp_path / "bin" / "cpbench"
-    cli.write_text(_RECORDER.format(python=sys.executable, tail=""))
-    cli.chmod(0o755)
     done = _run_script(tmp_path, "--out", "r.jsonl", "--rerun-failed",
-                       env={"CPBENCH_SWEEP": "configs/seed001_32gpu.yaml",
-                            "CPBENCH_CLI": str(cli)})
+                       env={"CPBENCH_SWEEP": "configs/seed001_32gpu.yaml"})
     assert done.returncode == 0, done.stderr
     (call,) = fake_slurm("cpbench")
     launcher = slurm.sweep_launcher(slurm.slurm_world(JOB_4x8))
-    assert call["argv"][:4] + call["argv"][5:] == [
-        "cpbench", "sweep", "configs/seed001_32gpu.yaml", "--launcher", "--out", "r.jsonl",
+    assert call["argv"][:3] + call["argv"][4:] == [
+        "cpbench", "sweep", "--launcher", "configs/seed001_32gpu.yaml", "--out", "r.jsonl",
         "--rerun-failed"]
-    assert shlex.split(call["argv"][4]) == shlex.split(launcher)  # bash quotes it its own way
+    assert shlex.split(call["argv"][3]) == shlex.split(launcher)  # bash quotes it its own way
     assert launcher == ("srun --nodes=4 --ntasks-per-node=1 --cpus-per-task=96 "
                         "--kill-on-bad-exit=1 torchrun --nnodes=4 --nproc-per-node=8 "
                         "--rdzv-backend=c10d '--rdzv-endpoint=g045:{port}' "
@@ -275,3 +290,24 @@ def test_yaml_sweep_in_one_allocation(fake_slurm, tmp_path):
     assert env == {"CPBENCH_SWEEP": str(Path("configs/seed001_32gpu.yaml").resolve())}
     with pytest.raises(ValueError, match="not both"):
         slurm.sbatch_command(nodes=4, sweep="a.yaml", cases_file="cases.txt")
+
+
+def test_every_launch_path_sets_error_handling_and_no_text_says_torchrun_gives_3():
+    """The sbatch script, the sweep's launches and run_ranks' NCCL ranks set 1 themselves;
+    torch's elastic agent gives 1 when unset (tests/multirank/test_sbatch_isolation.py), so
+    no text may say its default is 3."""
+    import re
+
+    from cpbench import launch
+    from cpbench.sweep import runner
+
+    assert runner.NCCL_ERROR_HANDLING == launch.NCCL_ERROR_HANDLING == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in SCRIPT.read_text()
+    wrong = re.compile(r"(default|PyTorch's)[^.]{0,60}\b3\b|\b3\b[^.]{0,20}default", re.I)
+    for path in [SCRIPT, *(REPO / "src").rglob("*.py"), REPO / "README.md"]:
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if "TORCH_NCCL_ASYNC_ERROR_HANDLING" in line:
+                near = " ".join(lines[max(0, i - 1):i + 2])
+                assert not wrong.search(near), f"{path}:{i + 1}: {near}"

@@ -13,6 +13,14 @@ A rank that failed by itself waits for its peers in the agreement only ``grace_s
 past that they are blocked inside the strategy's communication, waiting on it, and would
 wait out the whole collective timeout; it gives up on the group instead, and when it destroys
 the group, gloo fails their waits at once (a closed connection).
+
+A rank that failed by itself also says so at once, before it waits for anyone: one line on
+stderr and, under a launcher that hosts a store, that store (``bench.failures``), so the case
+is recorded with its own status even when the launch ends before rank 0 can record it.
+
+A sticky CUDA error (an illegal or misaligned address, a launch failure) leaves the device's
+context dead: every later call fails, collectives included. It breaks the phase like a failed
+collective, and the driver stops the run (``sticky``).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from cpbench import results
+from cpbench.bench import failures
 
 _STATUS_CODE = {results.OK: 0, results.OOM: 1, results.FAILED: 2}
 
@@ -62,6 +71,18 @@ def is_collective_error(e: BaseException) -> bool:
         any(marker in str(e) for marker in _COLLECTIVE_ERRORS)
 
 
+# what CUDA says when the context is lost for good (cudaErrorIllegalAddress,
+# cudaErrorMisalignedAddress, cudaErrorLaunchFailure, cudaErrorIllegalInstruction, ...)
+_STICKY_CUDA_ERRORS = ("illegal memory access", "misaligned address",
+                       "unspecified launch failure", "illegal instruction",
+                       "device-side assert triggered", "CUDA error: an illegal")
+
+
+def is_sticky_cuda_error(e: BaseException) -> bool:
+    """Whether ``e`` says the CUDA context is dead (no later call can succeed)."""
+    return any(marker in str(e) for marker in _STICKY_CUDA_ERRORS)
+
+
 def one_line(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())
 
@@ -73,13 +94,15 @@ class Agreement:
     it left it in the store; else "failed" with this rank's collective error), ``broken`` is
     set, and no further collective is attempted (see the module docstring)."""
 
-    def __init__(self, device: str, store=None, key: str = "", grace_s: float | None = None):
+    def __init__(self, device: str, store=None, key: str = "", grace_s: float | None = None,
+                 case: tuple[str, str | None] = ("", None)):
         import torch.distributed as dist
 
         self.dist, self.store, self.key, self.grace_s = dist, store, key, grace_s
+        self.case = case  # (label, record key): what failures.leave names
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)  # allocated before any OOM
         self.status, self.error, self.traceback = results.OK, None, None
-        self.broken = False
+        self.broken = self.sticky = False
 
     def __call__(self, fn: Callable[[], Any]) -> Any:
         if self.status != results.OK or self.broken:
@@ -92,11 +115,19 @@ class Agreement:
         except BaseException as e:
             mine = results.OOM if is_oom(e) else results.FAILED
             msg, tb, collective = one_line(e), traceback.format_exc(), is_collective_error(e)
+            self.sticky = is_sticky_cuda_error(e)
         if mine != results.OK:
             cleanup()  # after the except block: its traceback no longer pins tensors
             self._publish(mine, msg, tb, collective)
+            if not collective:  # said before waiting on anyone: the wait may never end
+                failures.leave(self.dist.get_rank(), self.case[1], self.case[0], mine, msg)
         if collective:  # a collective failed here: the group is unusable, agree on nothing
             self._break(None, msg)
+            return None
+        if self.sticky:  # the device is unusable: no collective on it can succeed
+            self.broken = True
+            me = self.dist.get_rank()
+            self.status, self.error, self.traceback = mine, f"rank {me}: {msg}", tb
             return None
         try:
             self.flag.fill_(_STATUS_CODE[mine])
@@ -178,4 +209,7 @@ def cleanup() -> None:
     """Free what a failed or finished phase left (before the next allocation)."""
     gc.collect()
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.empty_cache()
+        except RuntimeError:  # a dead context (a sticky error): nothing to free
+            pass

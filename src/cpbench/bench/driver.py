@@ -1,7 +1,7 @@
 """The benchmark driver behind ``cpbench run`` and ``torchrun -m cpbench.run``.
 
 1. ``bench.plan`` validates everything before any process group exists (see there).
-2. ``launch`` (``--nproc``: local gloo ranks through ``cpbench.launch.run_ranks``) or
+2. ``bench.entry``: ``launch`` (``--nproc``: local gloo ranks, ``cpbench.launch.run_ranks``) or
    ``torchrun_main`` (init from torchrun's environment: nccl on CUDA, gloo on CPU). Every
    process group, the strategies' subgroups included, times out after the case's collective
    timeout: ``--collective-timeout``, or by default one derived per case from a pessimistic
@@ -17,22 +17,27 @@ Every phase ends with all ranks agreeing on its outcome (``bench.agreement``), s
 an exception in one case becomes that row's status on every rank and the run goes on.
 
 A rank failing *inside* a strategy's communication, while its peers wait on it, cannot be
-agreed on: its peers are blocked in the collective. The case is recorded with the failing
-rank's own error (OOM or failed: it leaves it in the rendezvous store), then every rank
-destroys the process groups and forms them again under a fresh store prefix
-(``launch.reform_world``; the processes stay) and the run goes on with the next case:
+agreed on: its peers are blocked in the collective. The failing rank says so first (stderr and
+the launcher's store: ``bench.failures``), then:
 
-- gloo (CPU): the failing rank waits for its peers in the agreement for a short grace (one
-  estimated step, at least 5 s), then destroys its groups; the closed connections fail its
-  peers' waits at once. A case that breaks otherwise ends at its collective timeout.
-- A rank that dies (a crash, a kill) under ``--nproc``: the launching process tells the
-  survivors (``launch.DEAD_KEY``), which stop; the case that was running is recorded as
-  failed with the rank's error and the cases not run are listed.
-- NCCL (GPU): the peers wait out the case's collective timeout; then PyTorch's default
-  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` ends the processes (the records written are kept; a
-  sweep records the rest as failed), while ``=2`` lets them survive and go on as on gloo.
+- gloo (CPU): it waits for its peers in the agreement for a short grace (one estimated step,
+  at least 5 s), then destroys its groups; the closed connections fail its peers' waits at
+  once. Rank 0 records the case with the failing rank's error (left in the rendezvous store),
+  every rank forms the process group again under a fresh store prefix
+  (``launch.reform_world``; the processes stay) and the run goes on with the next case. A rank
+  that dies under ``--nproc``: the launching process tells the survivors
+  (``launch.DEAD_KEY``), records the case as failed and lists the cases not run.
+- NCCL (GPU): in-process recovery is not safe (after the watchdog aborts a communicator,
+  blocked host syncs return garbage; torch's ``_set_pg_timeout`` says as much), so cases are
+  isolated in processes instead: the sweep and the sbatch script launch one strategy per
+  torchrun. The peers block until the case's collective timeout; the watchdog then ends the
+  processes (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, which every cpbench launch path sets and
+  torchrun gives by default) and the launcher records the case from the store or the log.
+  A group that breaks without ending the process (other values) stops the run: the groups
+  are aborted, never destroyed (a flush on a communicator in error can hang).
+- A sticky CUDA error (illegal or misaligned address) stops the run too: the context is dead.
 - A rank stuck outside any collective (a kernel that never returns) is stopped only by
-  ``--deadline`` (``--nproc``) or the scheduler's time limit.
+  ``--deadline`` (``--nproc``), the sweep's per-case timeout or the scheduler's time limit.
 
 The driver never names a strategy: names, options, variants, ``ranks_per_problem`` and the
 resolved options (``resolved_options()``) come from the registry and the strategy objects.
@@ -42,11 +47,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import socket
 import time
-from collections import Counter
-from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -55,79 +57,13 @@ from cpbench import kernels, results, strategies, topology
 from cpbench.bench import agreement, memory, profiling, timer
 from cpbench.bench import env as env_mod
 from cpbench.bench.check import check_strategy
-from cpbench.bench.plan import Case, Plan, failure_record
+from cpbench.bench.plan import Case, Plan
 from cpbench.reference import Comparison
 from cpbench.report import console
 from cpbench.strategies.base import Strategy
 
 log = logging.getLogger("cpbench")
 out_log = logging.getLogger("cpbench.out")  # results: stdout in every format (report.console)
-
-
-# -- 2. launch -------------------------------------------------------------------------------
-
-def launch(p: Plan) -> int:
-    """Start ``p.world_size`` local gloo ranks and run the plan; the exit status. When a rank
-    dies, or the deadline passes, the case that was running is recorded as failed and the
-    error (re-raised) says so and names the cases not run."""
-    from cpbench.launch import LaunchTimeout, RankError, run_ranks
-
-    offset = os.path.getsize(p.out) if p.out and os.path.exists(p.out) else 0
-    try:
-        return run_ranks(rank_main, p.world_size, p, timeout=p.run.deadline,
-                         collective_timeout=p.init_timeout,
-                         leave_together=False)[0]
-    except LaunchTimeout as e:
-        lost = _record_lost_case(p, offset, f"{agreement.one_line(e)} (--deadline)")
-        raise LaunchTimeout(f"{e}{lost}") from e
-    except RankError as e:
-        if 0 in e.reported:  # rank 0 lived on: it recorded the case and what did not run
-            raise
-        raise RankError(f"{e}{_record_lost_case(p, offset, agreement.one_line(e))}") from e
-
-
-def _record_lost_case(p: Plan, offset: int, error: str) -> str:
-    """After the ranks stopped: the first case of the plan with no record since ``offset``
-    was running; record it as failed. What to add to the error: that, and the cases not
-    run."""
-    if not p.out:
-        return ""
-    written = Counter(results.record_key(r) for r in results.read_from(p.out, offset))
-    missing = []
-    for i, k in enumerate(p.keys()):  # a baseline timed at both ends has its key twice
-        if written[k] > 0:
-            written[k] -= 1
-        else:
-            missing.append(i)
-    if not missing:
-        return ""
-    results.append(p.out, failure_record(p, missing[0], results.FAILED,
-                                         f"the ranks stopped during this case: {error}"))
-    note = f"\n{p.cases[missing[0]].label} is recorded as failed"
-    rest = [p.cases[i] for i in missing[1:]]
-    if rest:
-        note += f"; not run: {', '.join(c.label for c in rest)} (re-run them with --strategy " \
-                f"{','.join(dict.fromkeys(c.strategy for c in rest))})"
-    return note
-
-
-def torchrun_main(p: Plan) -> int:
-    """Join torchrun's job (env://) and run the plan on this rank; the exit status."""
-    import torch.distributed as dist
-
-    rank, world, _ = env_mod.torchrun_world()
-    device_id = None
-    if p.run.device == "cuda":
-        device_id = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device_id)
-    # device_id: NCCL errors surface at init (not at the first collective), and new groups
-    # can split the world's communicator instead of building their own
-    dist.init_process_group("nccl" if p.run.device == "cuda" else "gloo",
-                            timeout=timedelta(seconds=p.init_timeout), device_id=device_id)
-    try:
-        return rank_main(rank, world, p)
-    finally:
-        dist.destroy_process_group()
 
 
 # -- 3. on every rank ------------------------------------------------------------------------
@@ -228,7 +164,7 @@ class _CaseRun:
         """Peak memory per rank as its own phase (its own status: the timings stay)."""
         self.status("measuring memory")
         dev = self.p.run.device
-        mem = agreement.Agreement(dev, store, f"{key}/memory", self.grace_s)
+        mem = agreement.Agreement(dev, store, f"{key}/memory", self.grace_s, self.phase.case)
         peak = mem(lambda: memory.peak_bytes(step, device=dev, inputs=self.inputs.values()))
         return mem, mem(lambda: [int(v[0]) for v in timer.gather_samples([peak], dev)])
 
@@ -238,7 +174,8 @@ class _CaseRun:
         record's ``profile`` section, or its error."""
         self.status("profiling")
         run = self.p.run
-        prof = agreement.Agreement(run.device, store, f"{key}/profile", self.grace_s)
+        prof = agreement.Agreement(run.device, store, f"{key}/profile", self.grace_s,
+                                   self.phase.case)
         paths = profiling.trace_paths(run.profile, index, self.case.strategy,
                                       self.p.world_size, self.p.keys()[index - 1])
         mine = prof(lambda: profiling.profile_rank(step, path=paths[self.rank],
@@ -261,9 +198,9 @@ def _usable(*phases: agreement.Agreement | None) -> bool:
 
 
 def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, store=None,
-             key: str = "", prefix: str = "", index: int = 1) -> tuple[dict, bool]:
+             key: str = "", prefix: str = "", index: int = 1) -> tuple[dict, str | None]:
     """Every phase of case ``index`` (1-based) on this rank (collective): (the record,
-    complete on rank 0; whether the process group broke)."""
+    complete on rank 0; None, or what broke: "group" or "device", a sticky CUDA error)."""
 
     def status(text):
         log.info("%s: %s", prefix or case.label, text, extra={"transient": True})
@@ -273,7 +210,8 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     # timeout, so a failing rank waits for them as long (no grace)
     grace_s = grace_s if p.run.device == "cpu" else None
     topology.set_timeout(timeout_s)
-    phase = agreement.Agreement(p.run.device, store, key, grace_s)
+    who = (case.label, p.keys()[index - 1])  # what a failing rank names (bench.failures)
+    phase = agreement.Agreement(p.run.device, store, key, grace_s, who)
     c = _CaseRun(p, case, rank, phase, status, grace_s, timeout_s)
     resolved, upstream = c.build()
     checks = c.check(ref_cache) if p.run.check else None
@@ -296,7 +234,8 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
         memory_status=mem.status if mem is not None else None,
         memory_error=mem.error if mem is not None else None, profile=profile,
         balance=balance)
-    return record, any(ph is not None and ph.broken for ph in (phase, mem, prof))
+    broke = [ph for ph in (phase, mem, prof) if ph is not None and ph.broken]
+    return record, ("device" if any(ph.sticky for ph in broke) else "group") if broke else None
 
 
 def _not_run_note(broke_in: Case, rest: tuple[Case, ...], why: str) -> str:
@@ -333,6 +272,18 @@ def _reform(p: Plan, i: int) -> str | None:
     return None
 
 
+def _reformable(p: Plan, broken: str) -> bool:
+    """In-process re-forming is proven on gloo only; NCCL cases are isolated by the launcher."""
+    return broken == "group" and p.run.device == "cpu"
+
+
+def _stop_reason(p: Plan, broken: str) -> str:
+    if broken == "device":
+        return "a sticky CUDA error left this device's context unusable"
+    return f"on {'NCCL' if p.run.device == 'cuda' else p.run.device} the group is not formed " \
+           f"again in-process (launch one strategy per torchrun: cpbench sweep, the sbatch script)"
+
+
 def _run_cases(p: Plan, rank: int, env: dict) -> tuple[list[dict], bool, bool]:
     """(rank 0's records, whether any failed, whether the process group broke for good)."""
     records, ref_cache, failed = [], {}, False
@@ -349,7 +300,8 @@ def _run_cases(p: Plan, rank: int, env: dict) -> tuple[list[dict], bool, bool]:
             _say_record(p, record, prefix, time.perf_counter() - t0)
             records.append(record)
         if broken:
-            why = _reform(p, i) if p.cases[i:] else "no case left"
+            why = _reform(p, i) if p.cases[i:] and _reformable(p, broken) else \
+                _stop_reason(p, broken) if p.cases[i:] else "no case left"
             if why is not None:
                 if p.cases[i:]:
                     log.info("%s", _not_run_note(case, p.cases[i:], why))
@@ -381,6 +333,11 @@ def _footer(p: Plan, records: list[dict], failed: bool, broken: bool) -> None:
 def rank_main(rank: int, world: int, p: Plan) -> int:
     """Run every case of the plan on this rank (process group initialised); exit status.
     Leaves together with the other ranks (a barrier) unless the process group broke."""
+    return _rank_main(rank, world, p)[0]
+
+
+def _rank_main(rank: int, world: int, p: Plan) -> tuple[int, bool]:
+    """(exit status, whether the process group broke)."""
     import torch.distributed as dist
 
     console.setup(rank, p.run.format)
@@ -402,4 +359,4 @@ def rank_main(rank: int, world: int, p: Plan) -> int:
             _barrier(p.run.device)()  # leave together: gloo can abort when peers close first
         except Exception:  # a peer is gone; nothing left to agree on
             broken = True
-    return 1 if failed or broken else 0
+    return (1 if failed or broken else 0), broken

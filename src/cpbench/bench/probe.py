@@ -4,8 +4,8 @@ what it measures is what a ring or a Ulysses step would get.
 
 Latency: the median time of a small ring exchange (each rank sends to the next and receives
 from the previous). Bandwidth: bytes a rank sends over the median time of a large exchange;
-all-to-all counts the (n - 1)/n of the buffer that leaves the rank (nccl-tests' "bus
-bandwidth").
+all-to-all counts the (n - 1)/n of the buffer that leaves the rank, all-reduce 2(n - 1)/n of
+it (nccl-tests' "bus bandwidth").
 """
 
 from __future__ import annotations
@@ -68,9 +68,11 @@ def probe(rank: int, world: int, device: str = "cpu") -> dict:
     a2a_in = torch.ones(world, large // 4 // world, device=device)
     a2a = _timed(lambda: comm.all_to_all(a2a_in, group, scatter_dim=0, gather_dim=0),
                  device, barrier)
-    mine = torch.tensor([latency, p2p, a2a], dtype=torch.float64, device=device)
+    reduce = _timed(lambda: dist.all_reduce(large_buf, group=group.pg), device, barrier)
+    mine = torch.tensor([latency, p2p, a2a, reduce], dtype=torch.float64, device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's
-    latency, p2p, a2a = mine.tolist()
+    latency, p2p, a2a, reduce = mine.tolist()
     return {"ranks": world, "small_bytes": SMALL_BYTES, "large_bytes": large,
             "p2p_latency_us": latency * 1e6, "p2p_gb_s": large / p2p / 1e9,
-            "a2a_gb_s": large * (world - 1) / world / a2a / 1e9}
+            "a2a_gb_s": large * (world - 1) / world / a2a / 1e9,
+            "all_reduce_gb_s": large * 2 * (world - 1) / world / reduce / 1e9}

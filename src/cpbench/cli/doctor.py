@@ -2,10 +2,15 @@
 spending cluster hours. One line per check, ``ok`` / ``warn`` / ``error``; exit 1 on an error.
 
 It checks the GPUs visible against the ranks a node will start, their compute capability,
-every kernel backend (importable, with its version, or the real reason not), torch / CUDA /
-NCCL versions, the NCCL and CUDA variables in force, the cores each rank may use, and probes
-point-to-point and all-to-all between local ranks with the strategies' own calls. On a machine
-without GPUs it runs too (gloo, CPU kernels) and says why each GPU piece is unavailable.
+every kernel backend (a tiny forward and backward on each device it claims, with its version,
+or the real reason not), the upstream libraries (imported as their strategies import them,
+and which strategies each can run), torch / CUDA / NCCL versions, the NCCL and CUDA variables
+in force (with what ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` does), the cores each rank may use,
+and probes point-to-point and all-to-all between local ranks with the strategies' own calls.
+Under srun with one task per node it also probes between the nodes (all-reduce, p2p,
+all-to-all; NCCL on GPUs), and says what to set when they cannot reach each other. On a
+machine without GPUs it runs too (gloo, CPU kernels) and says why each GPU piece is
+unavailable.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import sys
 from typing import Iterator
 
 from cpbench.cli import args as cli_args
+from cpbench.cli.doctor_nodes import srun_world
 from cpbench.errors import UsageError
 
 PROG = "cpbench doctor"
@@ -37,7 +43,8 @@ def add_parser(sub) -> None:
                         "torchrun, else CPBENCH_GPUS_PER_NODE / SLURM_GPUS_ON_NODE, else the "
                         "GPUs visible, else 2)")
     p.add_argument("--no-probe", action="store_true",
-                   help="skip the point-to-point / all-to-all probe")
+                   help="skip the probe between local ranks (under srun with several tasks, "
+                        "one per node, the probe between the nodes still runs)")
     p.set_defaults(func=main)
 
 
@@ -95,35 +102,118 @@ def _kernel_on(backend, device: str) -> str | None:
     return why
 
 
+def _smoke(backend, device: str, dead: set[str]) -> str | None:
+    """What the backend's tiny forward and backward did on ``device``: None when it ran.
+    ``dead``: devices whose context an earlier kernel left unusable (a sticky CUDA error:
+    every later call there fails too, so it is not blamed on this backend)."""
+    from cpbench.bench.agreement import is_sticky_cuda_error, one_line
+    from cpbench.bench.preflight import kernel_smoke
+
+    if device in dead:
+        return f"not run on {device}: an earlier kernel left its CUDA context unusable"
+    try:
+        kernel_smoke(backend, device)
+    except Exception as e:  # the kernel's own error, e.g. no image for this GPU's arch
+        if is_sticky_cuda_error(e):
+            dead.add(device)
+        return f"fails on {device}: {one_line(e)}"
+    return None
+
+
 def kernel_checks(on_gpu: bool) -> Iterator[Check]:
-    """Every backend on each of its devices: runs (with its package's version and file), or
-    why not. On a GPU node no flash kernel for CUDA is an error (``--kernel auto`` would
+    """Every backend on each of its devices: a tiny forward and backward run there (with its
+    package's version and file), or why not. A backend that claims a device and fails there
+    is an error; on a GPU node no flash kernel for CUDA is one too (``--kernel auto`` would
     refuse to run)."""
     from cpbench import kernels
+    from cpbench.bench.preflight import SMOKE
 
-    cuda_flash = False
+    cuda_flash, shape = False, f"{SMOKE['seqlen']} tokens, head dim {SMOKE['head_dim']}"
+    dead: set[str] = set()
     for name in kernels.names()[1:]:
         backend = kernels.get(name)
         why = {d: _kernel_on(backend, d) for d in sorted(backend.devices)}
-        runs = [d for d, w in why.items() if w is None]
-        package = backend.provenance() if runs else None
+        claimed = [d for d, w in why.items() if w is None]
+        failed = {d: f for d in claimed if (f := _smoke(backend, d, dead)) is not None}
+        runs = [d for d in claimed if d not in failed]
+        package = backend.provenance() if claimed else None
         where = f" ({package['distribution']} {package['version']}, {package['path']})" \
             if package else ""
         cuda_flash |= "cuda" in runs and name != "torch"
-        parts = [f"runs on {', '.join(runs)}{where}"] if runs else []
+        parts = [f"ran a forward and backward on {', '.join(runs)} ({shape}){where}"] \
+            if runs else [f"no forward and backward run{where}"]
+        parts += list(failed.values())
         parts += [f"not on {d}: {w}" for d, w in why.items() if w is not None]
-        yield OK if runs else WARN, f"kernel {name}", "; ".join(parts)
+        level = ERROR if failed else OK if runs else WARN
+        yield level, f"kernel {name}", "; ".join(parts)
     if on_gpu and not cuda_flash:
         yield ERROR, "kernel auto", "no flash kernel runs on this GPU node (see above)"
+
+
+def upstream_checks(device: str) -> Iterator[Check]:
+    """ring-flash-attn, yunchang and transformer_engine.pytorch: imported as their strategies
+    import them, and which of those strategies can run on ``device``."""
+    from cpbench import strategies
+    from cpbench.bench.agreement import one_line
+    from cpbench.bench.preflight import UPSTREAM_MODULES, installed, upstream_import
+
+    by_package: dict[str, list] = {}
+    for name in strategies.names():
+        cls = strategies.get(name)
+        if cls.upstream is not None:
+            by_package.setdefault(cls.upstream.package, []).append(cls)
+    for package in UPSTREAM_MODULES:
+        classes = by_package.get(package, [])
+        names = ", ".join(c.name for c in classes) or "no strategy"
+        what = f"lib {package}"
+        if not installed(package):
+            yield WARN, what, f"not installed: {names} cannot run (pip install -e '.[gpu]')"
+            continue
+        version = classes[0].upstream.version() if classes else None
+        runs = [c.name for c in classes if c.unavailable(device) is None]
+        if not runs:
+            reasons = sorted({c.unavailable(device) for c in classes} - {None})
+            yield WARN, what, f"{version}: nothing runs on {device}: {'; '.join(reasons)}"
+            continue
+        try:
+            how = upstream_import(package, classes, device)
+        except Exception as e:  # installed, and broken: its strategies would fail at build
+            yield ERROR, what, f"{version} does not import: {one_line(e)} ({names} would fail)"
+            continue
+        yield OK, what, f"{version} {how}: runs {', '.join(runs)} on {device}"
+
+
+# what each TORCH_NCCL_ASYNC_ERROR_HANDLING value does when a collective times out (torch's
+# ProcessGroupNCCL); torchrun gives its workers 1 when it is unset
+ERROR_HANDLING = {
+    "0": "nothing happens on a collective timeout: a hung rank holds the GPUs until the job's "
+         "time limit; set 1",
+    "1": "on a collective timeout the watchdog aborts the communicators and ends the process, "
+         "so the launch ends and cpbench's launcher records the case",
+    "2": "on a collective timeout the communicators are aborted and the process lives on, its "
+         "blocked host syncs returning garbage (cpbench stops that run); set 1",
+    "3": "on a collective timeout the process ends without aborting the communicators, so the "
+         "launch ends as with 1",
+}
+
+
+def error_handling(environ=os.environ) -> Check:
+    """What TORCH_NCCL_ASYNC_ERROR_HANDLING does here, under torchrun."""
+    value = environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    if value is None:
+        return OK, "nccl error handling", (
+            f"TORCH_NCCL_ASYNC_ERROR_HANDLING unset: torchrun gives its workers 1: "
+            f"{ERROR_HANDLING['1']}. The sbatch script and cpbench sweep set 1 themselves")
+    level = OK if value in ("1", "3") else WARN
+    return level, "nccl error handling", (
+        f"TORCH_NCCL_ASYNC_ERROR_HANDLING={value}: "
+        f"{ERROR_HANDLING.get(value, 'not a value torch knows; set 1')}")
 
 
 def environment(environ=os.environ) -> Iterator[Check]:
     shown = sorted(f"{k}={v}" for k, v in environ.items() if k.startswith(ENV_PREFIXES))
     yield OK, "environment", ", ".join(shown) if shown else "no NCCL / CUDA variables set"
-    if environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1":
-        yield WARN, "environment", ("TORCH_NCCL_ASYNC_ERROR_HANDLING=1 aborts communicators "
-                                    "on a timeout, which can itself hang; unset it (PyTorch's "
-                                    "default 3) or 2 to let cpbench go on after a failed case")
+    yield error_handling(environ)
 
 
 def cores(ranks: int) -> Iterator[Check]:
@@ -161,6 +251,28 @@ def probe_checks(ranks: int, gpus: int) -> Iterator[Check]:
                             f"{got['p2p_gb_s']:.2f} GB/s ({got['large_bytes'] // 2 ** 20} MiB)")
     yield OK, "probe a2a", (f"{how}: bus bandwidth {got['a2a_gb_s']:.2f} GB/s "
                             f"({got['large_bytes'] // 2 ** 20} MiB)")
+    if "all_reduce_gb_s" in got:
+        yield OK, "probe all-reduce", (f"{how}: bus bandwidth {got['all_reduce_gb_s']:.2f} "
+                                       f"GB/s ({got['large_bytes'] // 2 ** 20} MiB)")
+
+
+def node_checks(where: tuple[int, int, str, int], device: str) -> list[Check]:
+    """The probe between the srun tasks (one per node); only task 0 reports it."""
+    from cpbench.cli import doctor_nodes
+
+    status, got = doctor_nodes.probe(where, device)
+    if where[0] != 0:
+        return []
+    how = f"{where[1]} nodes, {'nccl on cuda' if device == 'cuda' else 'gloo on cpu'}"
+    if status != "ok":
+        return [(ERROR, "nodes", f"{how}: the nodes could not exchange data ({got}); "
+                                 f"{doctor_nodes.ADVICE}")]
+    mib = got["large_bytes"] // 2 ** 20
+    return [(OK, "nodes all-reduce", f"{how}: bus bandwidth {got['all_reduce_gb_s']:.2f} GB/s "
+                                     f"({mib} MiB)"),
+            (OK, "nodes p2p", f"{how}: latency {got['p2p_latency_us']:.0f} us, bandwidth "
+                              f"{got['p2p_gb_s']:.2f} GB/s ({mib} MiB)"),
+            (OK, "nodes a2a", f"{how}: bus bandwidth {got['a2a_gb_s']:.2f} GB/s ({mib} MiB)")]
 
 
 def main(args) -> int:
@@ -174,15 +286,17 @@ def main(args) -> int:
     on_gpu = torch.cuda.is_available()
     count = torch.cuda.device_count() if on_gpu else 0
     ranks = local_ranks(args.nproc, gpus=count)
-    checks = [*versions(), *gpus(ranks), *kernel_checks(on_gpu), *environment(),
-              *cores(ranks)]
+    checks = [*versions(), *gpus(ranks), *kernel_checks(on_gpu),
+              *upstream_checks("cuda" if on_gpu else "cpu"), *environment(), *cores(ranks)]
     for line in _lines(checks):
         sys.stdout.write(line)
-    if not args.no_probe:
-        probed = list(probe_checks(ranks, count))
-        for line in _lines(probed):
-            sys.stdout.write(line)
-        checks += probed
+    probed = [] if args.no_probe else list(probe_checks(ranks, count))
+    where = srun_world()
+    if where is not None:  # one task per node: the probe between them
+        probed += node_checks(where, "cuda" if on_gpu else "cpu")
+    for line in _lines(probed):
+        sys.stdout.write(line)
+    checks += probed
     return 1 if any(level == ERROR for level, _, _ in checks) else 0
 
 

@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from cpbench.bench import driver
+    from cpbench.bench import entry
     from cpbench.bench import plan as planning
     from cpbench.bench.env import bind_local_gpu, torchrun_world, under_torchrun
     from cpbench.launch import LaunchTimeout, RankError
@@ -40,9 +40,9 @@ def main(args) -> int:
             return cli_args.fail("cpbench run", e)
         return cli_args.USAGE_ERROR
     if launcher == "torchrun":
-        return driver.torchrun_main(plan)
+        return entry.torchrun_main(plan)
     try:
-        return driver.launch(plan)
+        return entry.launch(plan)
     except (RankError, LaunchTimeout) as e:
         why = f"{e} (--deadline)" if isinstance(e, LaunchTimeout) else str(e)
         kept = f"; records written so far are in {plan.out}" if plan.out else ""

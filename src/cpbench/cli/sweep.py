@@ -1,11 +1,13 @@
-"""``cpbench sweep``: run a YAML sweep, one launch per case, resumable."""
+"""``cpbench sweep``: run a YAML sweep, or ``cpbench run`` flags one strategy per launch;
+resumable."""
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import sys
 
-from cpbench.cli.args import USAGE_ERROR, converter, fail, read_number
+from cpbench.cli.args import USAGE_ERROR, Parser, converter, fail, given, read_number
 from cpbench.errors import UsageError
 
 PROG = "cpbench sweep"
@@ -15,10 +17,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("sweep", help="run a YAML sweep, one launch per case, resumable",
                        description="Run every case of a sweep config (configs/*.yaml) in its "
                                    "own launch, appending to one JSONL file; cases already "
-                                   "recorded ok are skipped.")
-    p.add_argument("config", metavar="CONFIG.yaml")
-    p.add_argument("--out", required=True, metavar="FILE.jsonl",
-                   help="results file (appended to; read first to skip finished cases)")
+                                   "recorded ok are skipped. With --run, `cpbench run` flags "
+                                   "instead, one launch per strategy.")
+    p.add_argument("config", metavar="CONFIG.yaml", nargs="?")
+    p.add_argument("--out", metavar="FILE.jsonl",
+                   help="results file (appended to; read first to skip finished cases); "
+                        "with --run it may come among the run flags")
     p.add_argument("--rerun-failed", action="store_true",
                    help="also retry cases recorded failed / OOM / timeout")
     p.add_argument("--timeout", type=converter(read_number(float), "a number"), metavar="SECONDS",
@@ -26,9 +30,61 @@ def add_parser(sub) -> None:
     p.add_argument("--launcher", metavar="CMD",
                    help="command prefix that starts `-m cpbench.run` for each case, e.g. "
                         "'srun ... torchrun --nnodes 4 --nproc-per-node 8 ...'")
+    p.add_argument("--entry", metavar="SCRIPT",
+                   help="a torchrun script each launch runs instead of `-m cpbench.run`")
+    p.add_argument("--nodes", type=int, metavar="N",
+                   help="with --run: the torchrun job's nodes (default: --nproc local ranks)")
+    p.add_argument("--gpus-per-node", type=int, metavar="G",
+                   help="with --run and --nodes: ranks per node (default: the GPUs visible)")
     p.add_argument("--dry-run", action="store_true",
                    help="validate and print each case's command line; run nothing")
+    p.add_argument("--run", nargs=argparse.REMAINDER, metavar="RUN_FLAGS",
+                   help="last: `cpbench run` flags, run as one case per strategy (what "
+                        "scripts/slurm/cpbench.sbatch does)")
     p.set_defaults(func=main)
+
+
+def _run_request(flags: list[str]) -> tuple[dict, str | None]:
+    """(the settings given, --out) of ``cpbench run`` flags, read by `cpbench run`'s parser."""
+    from cpbench.cli import run as cli_run
+
+    made = []
+
+    class _Sub:  # cli.run.add_parser's `sub`: `cpbench run`'s parser, under this name
+        def add_parser(self, name, help=None, **kw):
+            made.append(Parser(prog=f"{PROG} --run", **kw))
+            return made[-1]
+
+    cli_run.add_parser(_Sub())
+    settings = {k: v for k, v in given(made[0].parse_args(flags)).items() if k != "func"}
+    return settings, settings.pop("out", None)
+
+
+def _gpus_here() -> int:
+    import torch
+
+    count = torch.cuda.device_count()
+    if not count:
+        raise UsageError("no GPU visible to count ranks per node: give --gpus-per-node")
+    return count
+
+
+def _load(args):
+    """(the sweep, --out) from CONFIG or from --run's flags."""
+    from cpbench import sweep
+
+    if (args.config is None) == (args.run is None):
+        raise UsageError("give a sweep config or --run with `cpbench run` flags (one of them)")
+    if args.run is None:
+        if args.nodes is not None or args.gpus_per_node is not None:
+            raise UsageError("--nodes / --gpus-per-node go with --run; a config has topology:")
+        return sweep.load(args.config), args.out
+    if args.launcher and not args.nodes:
+        raise UsageError("--run with --launcher starts torchrun jobs: give --nodes (and "
+                         "--gpus-per-node) so the rows are planned as the job plans them")
+    settings, out = _run_request(args.run)
+    gpus = args.gpus_per_node or (_gpus_here() if args.nodes else None)
+    return sweep.per_strategy(settings, args.nodes, gpus), args.out or out
 
 
 def main(args) -> int:
@@ -38,8 +94,11 @@ def main(args) -> int:
         if args.timeout is not None and args.timeout <= 0:
             raise UsageError(f"--timeout must be a positive number of seconds, "
                              f"got {args.timeout:g}")
-        config = sweep.load(args.config)
-        commands = [sweep.command(config, case, args.out, args.launcher)
+        config, out = _load(args)
+        if out is None or out.lower() == "none":
+            raise UsageError("give --out FILE.jsonl: the sweep reads it to skip finished cases")
+        entry = (args.entry,) if args.entry else sweep.ENTRY
+        commands = [sweep.command(config, case, out, args.launcher, entry=entry)
                     for case in config.cases]
     except sweep.SweepError as e:
         sys.stderr.write(f"{PROG}: {e}\n")  # every error, one per line
@@ -51,8 +110,8 @@ def main(args) -> int:
             sys.stdout.write(f"[{case.index}] {case.label}: {shlex.join(cmd)}\n")
         return 0
     try:
-        return sweep.run(config, args.out, rerun_failed=args.rerun_failed,
-                         timeout=args.timeout, launcher=args.launcher)
+        return sweep.run(config, out, rerun_failed=args.rerun_failed,
+                         timeout=args.timeout, launcher=args.launcher, entry=entry)
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: interrupted; the running case was stopped (rows it had "
                          f"finished are kept, the rest not recorded); re-run the same command "

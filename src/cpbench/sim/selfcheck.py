@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 
 from cpbench import metrics, results, strategies
-from cpbench.bench import driver
+from cpbench.bench import entry
 from cpbench.bench import plan as planning
 from cpbench.config import AttentionConfig, RunConfig
 from cpbench.errors import UsageError
@@ -67,7 +67,7 @@ def measure(names: tuple[str, ...], attention: dict, options: dict, seqlens: lis
             run = RunConfig(strategy=names, nproc=nproc, warmup=warmup, iters=iters, out=path)
             p = planning.plan(run, {**attention, "seqlen": seqlen}, options, launcher="self")
             with _stdout_to_stderr():
-                driver.launch(p)
+                entry.launch(p)
             records += ok_records(results.read_from(path, offset))
     return records
 

@@ -3,14 +3,16 @@ environment read as a torchrun world, and the ``sbatch`` lines that submit a swe
 
 The sbatch script is plain bash (it must run before any Python environment is known); the
 functions here build the same lines, so a test can hold the script to them, and
-``submit_sweep`` (``scripts/slurm/submit_sweep.py``) uses them to submit cases:
+``submit_sweep`` (``scripts/slurm/submit_sweep.py``) uses them to submit cases. Every path of
+the script runs ``cpbench sweep`` on the first node with ``--launcher`` set to the srun +
+torchrun prefix (``sweep_launcher``), so each strategy is its own launch (on NCCL a rank
+failing inside a strategy's communication ends its launch, not the job) and the sweep records
+a case its launch left unwritten from what its failing rank left:
 
-- as a job array: one array task per case, each its own allocation;
-- as one allocation: the cases run in turn inside it, each its own ``srun`` launch, so a crash
-  of one case does not stop the others;
-- a YAML sweep in one allocation: ``cpbench sweep CONFIG`` on the first node with
-  ``--launcher`` set to the srun + torchrun prefix (``sweep_launcher``); the sweep itself
-  skips finished cases and records failed / OOM / timed-out ones.
+- one case: ``cpbench sweep --run FLAGS`` (``run_command``), one launch per strategy;
+- a cases file as a job array (one array task per case, each its own allocation) or in one
+  allocation (the cases in turn): each line as one case;
+- a YAML sweep in one allocation: ``cpbench sweep CONFIG``.
 
 Cases are lines of ``cpbench run`` flags, whitespace-separated.
 Nothing here has been run on a real Slurm cluster (see README, "Slurm").
@@ -151,14 +153,27 @@ def srun_command(world: SlurmWorld, args: Sequence[str] = (), **torchrun_kw) -> 
             "--kill-on-bad-exit=1", *torchrun_command(world, args, **torchrun_kw)]
 
 
-def sweep_launcher(world: SlurmWorld, **torchrun_kw) -> str:
+def sweep_launcher(world: SlurmWorld, rdzv_prefix: str | None = None, **torchrun_kw) -> str:
     """``cpbench sweep --launcher``'s value inside an allocation: the srun + torchrun prefix
-    each case's ``-m cpbench.run`` follows (what the sbatch script passes with
-    ``CPBENCH_SWEEP``). Its rendezvous id and port hold ``{case}`` and ``{port}``, which
-    the sweep replaces per case: a timed-out case's agent may still hold the last ones."""
-    torchrun_kw = {"rdzv_id": f"{world.job_id}-{CASE_FIELD}", "port": PORT_FIELD,
-                   **torchrun_kw}
+    each launch's ``-m cpbench.run`` follows (what the sbatch script passes). Its rendezvous
+    id (``rdzv_prefix``, default the job id, then ``-{case}``) and port hold ``{case}`` and
+    ``{port}``, which the sweep replaces per launch: a stopped launch's agent may still hold
+    the last ones."""
+    torchrun_kw = {"rdzv_id": f"{rdzv_prefix or world.job_id}-{CASE_FIELD}",
+                   "port": PORT_FIELD, **torchrun_kw}
     return shlex.join(srun_command(world, entry=(), **torchrun_kw))
+
+
+def run_command(world: SlurmWorld, args: Sequence[str] = (), *, rdzv_prefix: str | None = None,
+                cli: str = "cpbench", entry: str | None = None, **torchrun_kw) -> list[str]:
+    """What the sbatch script runs for one case (``cpbench run`` flags ``args``): ``cpbench
+    sweep --run``, one launch per strategy through ``sweep_launcher``."""
+    launcher = sweep_launcher(world, rdzv_prefix, **torchrun_kw)
+    topology = ["--nodes", str(world.num_nodes)]
+    if world.gpus_per_node:
+        topology += ["--gpus-per-node", str(world.gpus_per_node)]
+    return [cli, "sweep", "--launcher", launcher, *(["--entry", entry] if entry else []),
+            *topology, "--run", *args]
 
 
 def read_cases(path: str | os.PathLike) -> list[list[str]]:

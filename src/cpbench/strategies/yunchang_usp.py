@@ -21,10 +21,8 @@ Checked: out, dq, dk, dv. ``LongContextAttention`` returns no lse (it drops the 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 
@@ -44,6 +42,7 @@ from cpbench.strategies.usp import placement_option, ulysses_degree_option
 from cpbench.topology import (
     HEAD_FIRST,
     RING_FIRST,
+    cached_group,
     group_of,
     node_local_block,
     usp_default_degree,
@@ -54,17 +53,23 @@ RING_IMPLS = ("basic", "zigzag")
 
 
 @contextlib.contextmanager
-def _group_timeout(seconds: float | None):
-    """yunchang creates its groups with ``torch.distributed.new_group(ranks)``, no timeout:
-    torch's default for a new group (30 min on gloo) would override ``--collective-timeout``.
-    The groups are yunchang's own; only their timeout is the run's."""
+def _cached_groups(seconds: float | None):
+    """yunchang creates its groups with ``torch.distributed.new_group(ranks)`` at every
+    ``set_seq_parallel_pg``, i.e. at every build: new communicators per case, piling up, and
+    with torch's default timeout (30 min on gloo), not the case's. While it runs, its
+    ``new_group`` goes through cpbench's group cache (``topology.cached_group``): made once
+    per member list, reused by later builds, under the per-case timeout like cpbench's own."""
     import torch.distributed as dist
 
-    if seconds is None:
-        yield
-        return
-    original = dist.new_group
-    dist.new_group = functools.partial(original, timeout=timedelta(seconds=seconds))
+    original, calls = dist.new_group, iter(range(1 << 30))
+
+    def new_group(ranks=None, *args, **kwargs):
+        if args or set(kwargs) - {"timeout"}:  # not the call yunchang makes: leave it be
+            return original(ranks, *args, **kwargs)
+        # keyed by the call's place too: its Ulysses and ring groups never share one
+        return cached_group(f"yunchang/{next(calls)}", ranks, seconds, original)
+
+    dist.new_group = new_group
     try:
         yield
     finally:
@@ -134,7 +139,7 @@ class YunchangUsp(Strategy):
     def _layer(self):
         import yunchang
 
-        with _group_timeout(self.topo.group_timeout_s):
+        with _cached_groups(self.topo.group_timeout_s):
             yunchang.set_seq_parallel_pg(self.ulysses_degree, self.ring_degree, self.rank,
                                          self.world_size,
                                          use_ulysses_low=self.opts.placement == HEAD_FIRST)

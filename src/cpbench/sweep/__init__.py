@@ -21,12 +21,18 @@ when every row its plan expects has an ``ok`` record in the file, matched by
 record is not ok. A case re-run as a whole appends new rows; readers take the latest row per
 key.
 
+``cpbench sweep --run FLAGS...`` runs ``cpbench run`` flags the same way, one case per
+strategy (``sweep.config.per_strategy``): what the sbatch script does, so that on NCCL a rank
+failing inside one strategy costs that strategy's launch, not the job. A row a launch left
+unwritten is recorded from what its failing rank left (``sweep.runner``).
+
 GPU configs (with ``topology``) are planned as rank 0 of that torchrun job would plan them;
 on a machine without CUDA the fit check is left to each launch, which plans again where it
 runs.
 """
 
-from cpbench.sweep.config import Sweep, SweepCase, SweepError, load
-from cpbench.sweep.runner import command, run, run_flags
+from cpbench.sweep.config import Sweep, SweepCase, SweepError, load, per_strategy
+from cpbench.sweep.runner import ENTRY, command, run, run_flags
 
-__all__ = ["Sweep", "SweepCase", "SweepError", "command", "load", "run", "run_flags"]
+__all__ = ["ENTRY", "Sweep", "SweepCase", "SweepError", "command", "load", "per_strategy", "run",
+           "run_flags"]

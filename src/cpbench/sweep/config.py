@@ -227,3 +227,28 @@ def load(path: str | os.PathLike) -> Sweep:
         raise SweepError(errors)
     nodes, gpus = topology or (None, None)
     return Sweep(path=str(path), cases=tuple(cases), nodes=nodes, gpus_per_node=gpus)
+
+
+def per_strategy(settings: dict, nodes: int | None = None,
+                 gpus_per_node: int | None = None) -> Sweep:
+    """``cpbench run`` settings as a sweep of one case per strategy (``--strategy all`` →
+    one case each), so each strategy gets its own launch: on NCCL a rank failing inside a
+    strategy's communication ends its launch, not the run (``cpbench sweep --run``, the
+    sbatch script). Options go to the strategies that take them. ``nodes`` /
+    ``gpus_per_node``: a torchrun job (planned as its rank 0 would), else ``--nproc`` ranks.
+    A baseline is timed once (bracketing it needs one launch for all)."""
+    topology = (nodes, gpus_per_node) if nodes else None
+    if topology and settings.get("nproc") is not None:
+        raise UsageError("--nproc starts local CPU ranks; under torchrun drop it")
+    whole = _plan(settings, topology)
+    owners = strategies.option_settings()
+    cases = []
+    for i, name in enumerate(dict.fromkeys(c.strategy for c in whole.cases), 1):
+        mine = {k: v for k, v in settings.items()
+                if k not in owners or name in (n for n, _ in owners[k])}
+        mine["strategy"] = (name,)
+        p = _plan(mine, topology)
+        cases.append(SweepCase(index=i, settings=mine, label=name, timeout=None, plan=p,
+                               keys=p.keys()))
+    return Sweep(path="the run flags", cases=tuple(cases), nodes=nodes,
+                 gpus_per_node=gpus_per_node)

@@ -1,10 +1,17 @@
 """Running a sweep's cases: each its own launch (a ``cpbench run`` in its own process group,
 appending to the sweep's ``--out``), so a crash, OOM or hang becomes a record and the sweep
-goes on; cases already recorded ok are skipped."""
+goes on; cases already recorded ok are skipped.
+
+A row a launch left unwritten is recorded from what its ranks left, never from the last lines
+of its log (torchrun's summary there names no cause): the status and message a failing rank
+left in the sweep's store (``bench.failures``: a TCPStore this process hosts for the whole
+sweep), else the failure line it printed anywhere in the log, else ``timeout`` / ``failed``
+with the exit status."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import shlex
@@ -15,13 +22,21 @@ import time
 from pathlib import Path
 
 from cpbench import results
+from cpbench.bench import failures
 from cpbench.bench.plan import failure_record
 from cpbench.config import flag
 from cpbench.errors import UsageError
 from cpbench.launch import free_port
 from cpbench.sweep.config import Sweep, SweepCase
 
-KILL_GRACE_S = 5.0
+# SIGTERM to SIGKILL: longer than torchrun's own worker shutdown (its agent gives workers
+# 30 s), so srun's step ends cleanly and the next case's srun does not wait on busy nodes
+KILL_GRACE_S = 45.0
+# what every launch of a case sets: the NCCL watchdog ends a rank whose collective timed out
+# (aborting its communicators), so a case that hangs on NCCL ends its launch and the sweep
+# records it and goes on (0 would hold the GPUs until the case's timeout; 2 keeps the
+# process alive on an aborted communicator; torchrun's default is 1 too, set here explicitly)
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 # what each case's launch runs: the package's own entry, so an installed cpbench works from
 # any directory (torchrun takes it as `-m cpbench.run`)
 ENTRY = ("-m", "cpbench.run")
@@ -46,21 +61,22 @@ def run_flags(settings: dict) -> list[str]:
 
 
 def command(sweep: Sweep, case: SweepCase, out: str, launcher: str | None = None,
-            port: int | None = None) -> list[str]:
-    """The command line of one case's launch; ``port`` fills the launcher's {port}."""
+            port: int | None = None, entry: tuple[str, ...] = ENTRY) -> list[str]:
+    """The command line of one case's launch; ``port`` fills the launcher's {port};
+    ``entry``: what the launcher starts (a script in place of ``-m cpbench.run``)."""
     flags = [*run_flags(case.settings), "--out", out]
     if launcher:  # e.g. "srun ... torchrun --nnodes 4 --nproc-per-node 8 ..."
         words = [w.replace(CASE_FIELD, str(case.index)) for w in shlex.split(launcher)]
         if port is not None:
             words = [w.replace(PORT_FIELD, str(port)) for w in words]
-        return [*words, *ENTRY, *flags]
+        return [*words, *entry, *flags]
     if sweep.nodes is None:
-        return [sys.executable, *ENTRY, *flags]
+        return [sys.executable, *entry, *flags]
     if sweep.nodes > 1:
         raise UsageError(f"{sweep.path} spans {sweep.nodes} nodes: run it through Slurm "
                          f"(scripts/slurm/) or give --launcher 'srun ... torchrun ...'")
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(sweep.gpus_per_node), *ENTRY, *flags]
+            "--nproc-per-node", str(sweep.gpus_per_node), *entry, *flags]
 
 
 def _repair_tail(path: Path) -> None:
@@ -68,6 +84,9 @@ def _repair_tail(path: Path) -> None:
     if not path.exists() or path.stat().st_size == 0:
         return
     with open(path, "rb+") as f:
+        # the appends' lock (results.append): a writer sharing the file (an array task) is
+        # never cut mid-record
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         f.seek(-1, os.SEEK_END)
         if f.read(1) == b"\n":
             return
@@ -82,13 +101,6 @@ def _latest(path: Path) -> dict[str, str]:
     if not path.exists():
         return {}
     return {results.record_key(r): r["status"] for r in results.read(path)}
-
-
-def _tail(path: Path, lines: int = 4) -> str:
-    """The last lines a launch printed (its first line, the command, left out), as one."""
-    text = path.read_text(errors="replace") if path.exists() else ""
-    shown = [line.rsplit("\r", 1)[-1].strip() for line in text.splitlines()[1:]]
-    return " | ".join([t for t in shown if t][-lines:]) or "(no output)"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -111,11 +123,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
-def _launch(cmd: list[str], log_path: Path, timeout: float | None) -> tuple[int | None, bool]:
+def _launch(cmd: list[str], log_path: Path, timeout: float | None,
+            store_address: str | None = None) -> tuple[int | None, bool]:
     """(exit status, timed out). Output goes to ``log_path``; Ctrl-C stops the case's
     processes and propagates."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **NCCL_ERROR_HANDLING)
+    if store_address:
+        env[failures.STORE_ENV] = store_address
     with open(log_path, "wb") as log_file:
         log_file.write(("$ " + shlex.join(cmd) + "\n").encode())
         log_file.flush()
@@ -155,14 +170,14 @@ class _Console:
 
 
 def run(sweep: Sweep, out: str, *, rerun_failed: bool = False, timeout: float | None = None,
-        launcher: str | None = None, stream=None) -> int:
+        launcher: str | None = None, entry: tuple[str, ...] = ENTRY, stream=None) -> int:
     """Run every case not already recorded ok; 0 when every case ends ok, 1 otherwise.
     Ctrl-C (or SIGTERM) stops the running case's processes and raises KeyboardInterrupt;
     rows that case had finished stay in ``out``, the rest are not recorded."""
     import threading
 
     runner = _Runner(sweep, Path(out), rerun_failed, timeout, launcher,
-                     _Console(stream or sys.stdout))
+                     _Console(stream or sys.stdout), entry)
     if threading.current_thread() is not threading.main_thread():
         return runner.run()
     previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
@@ -174,10 +189,11 @@ def run(sweep: Sweep, out: str, *, rerun_failed: bool = False, timeout: float | 
 
 class _Runner:
     def __init__(self, sweep: Sweep, out: Path, rerun_failed: bool, timeout: float | None,
-                 launcher: str | None, say: _Console):
+                 launcher: str | None, say: _Console, entry: tuple[str, ...] = ENTRY):
         self.sweep, self.out, self.rerun_failed = sweep, out, rerun_failed
-        self.timeout, self.launcher, self.say = timeout, launcher, say
+        self.timeout, self.launcher, self.say, self.entry = timeout, launcher, say, entry
         self.logs = out.with_name(out.name + ".logs")
+        self.store = self.store_address = None
 
     def _todo(self) -> list[SweepCase]:
         """The cases to run; a line for each one skipped."""
@@ -198,6 +214,12 @@ class _Runner:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         _repair_tail(self.out)
         todo, n = self._todo(), len(self.sweep.cases)
+        if todo:  # the ranks' failures come back through it; without it, through the logs
+            try:
+                self.store, self.store_address = failures.host_store(
+                    local=self.launcher is None)
+            except Exception as e:  # noqa: BLE001 - the logs still carry the failure lines
+                self.say(f"sweep: no failure store ({e}); failures are read from the logs")
         start, durations, failed = time.monotonic(), [], False
         for i, case in enumerate(todo):
             self.say(f"[{case.index}/{n}] {case.label}: running ({i + 1} of {len(todo)} to "
@@ -222,14 +244,16 @@ class _Runner:
         log_path = self.logs / f"case{case.index:03d}_{digest}.log"
         _repair_tail(self.out)
         offset = self.out.stat().st_size if self.out.exists() else 0
-        cmd = command(self.sweep, case, str(self.out), self.launcher, free_port())
-        rc, timed_out = _launch(cmd, log_path, limit)
+        cmd = command(self.sweep, case, str(self.out), self.launcher, free_port(), self.entry)
+        rc, timed_out = _launch(cmd, log_path, limit, self.store_address)
         _repair_tail(self.out)
         written = {results.record_key(r): r["status"]
                    for r in results.read_from(self.out, offset)}
-        status, error = _why(rc, timed_out, limit, _tail(log_path))
+        log_text = log_path.read_text(errors="replace") if log_path.exists() else ""
         for j, key in enumerate(case.keys):
             if key not in written:
+                left = self._left_by_ranks(case, j, log_text)
+                status, error = _why(rc, timed_out, limit, left, log_path, log_text)
                 results.append(self.out, failure_record(
                     case.plan, j, status, error,
                     sweep={"case": case.index, "label": case.label, "returncode": rc,
@@ -237,11 +261,27 @@ class _Runner:
                 written[key] = status
         return [written[k] for k in case.keys], log_path
 
+    def _left_by_ranks(self, case: SweepCase, j: int, log_text: str) -> tuple[str, str] | None:
+        """(status, "rank r: message") a failing rank left for row ``j``: in the store, else
+        its failure line anywhere in the log."""
+        found = None
+        if self.store is not None:
+            found = failures.from_store(self.store, case.keys[j], case.plan.world_size)
+        return found or failures.from_log(log_text, case.plan.cases[j].label)
 
-def _why(rc: int | None, timed_out: bool, limit: float | None, tail: str) -> tuple[str, str]:
-    """The status and error of the rows a launch left unwritten."""
+
+def _why(rc: int | None, timed_out: bool, limit: float | None,
+         left: tuple[str, str] | None, log_path: Path, log_text: str = "") -> tuple[str, str]:
+    """The status and error of a row a launch left unwritten: what its failing rank said
+    (OOM or failed), else timeout or failed. The log's last line is context in the message
+    only (under torchrun it is the agent's summary): it never sets the status."""
+    ended = f"the launch ended (exit {rc}) before the row was recorded; log {log_path}"
+    if left is not None:
+        status, msg = left
+        return status, f"{msg} ({ended})"
     if timed_out:
         return results.TIMEOUT, f"no result within the case's timeout of {limit:g} s"
-    if "out of memory" in tail.lower() or "outofmemory" in tail.lower():
-        return results.OOM, f"the launch ran out of memory (exit {rc}): {tail}"
-    return results.FAILED, f"the launch exited {rc} without this row: {tail}"
+    lines = [line.rsplit("\r", 1)[-1].strip() for line in log_text.splitlines()[1:]]
+    last = next((line for line in reversed(lines) if line), None)
+    return results.FAILED, f"no rank reported a failure: {ended}" + (
+        f"; its last line: {last}" if last else "")

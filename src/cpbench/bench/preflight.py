@@ -1,0 +1,106 @@
+"""What ``cpbench doctor`` runs besides reading the machine: each kernel backend's tiny forward
+and backward on the device (a flash-attn built without this GPU's architecture fails here,
+not at a job's first case), the upstream libraries imported the way their strategies import
+them, and the probe between nodes (one task per node under srun).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from datetime import timedelta
+
+import torch
+
+from cpbench.kernels.base import KernelBackend
+
+# the kernel smoke test's block: small, but the GPU default's head dim and a GQA-free shape
+# every flash kernel takes
+SMOKE = dict(batch=1, seqlen=128, heads=8, head_dim=128)
+# what each upstream library's strategies import (transformer_engine: its PyTorch part)
+UPSTREAM_MODULES = {"ring-flash-attn": "ring_flash_attn", "yunchang": "yunchang",
+                    "transformer-engine": "transformer_engine.pytorch"}
+
+
+def smoke_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def kernel_smoke(backend: KernelBackend, device: str) -> str:
+    """Run a causal forward and backward of one SMOKE block on ``device`` and compare the
+    output with the float64 reference; what ran (raises what the kernel raised, or
+    RuntimeError on a wrong result)."""
+    from cpbench.kernels import torch_ref
+
+    b, s, h, d = (SMOKE[k] for k in ("batch", "seqlen", "heads", "head_dim"))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, dout = (torch.randn(b, s, h, d, generator=gen).to(device, smoke_dtype(device))
+                     for _ in range(4))
+    scale = d ** -0.5
+    out, lse = backend.forward(q, k, v, causal=True, softmax_scale=scale)
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, causal=True, softmax_scale=scale)
+    if device == "cuda":
+        torch.cuda.synchronize()  # a kernel's launch error surfaces here, not later
+    ref, _ = torch_ref.forward(*(t.double().cpu() for t in (q, k, v)), causal=True,
+                               softmax_scale=scale)
+    err = (out.double().cpu() - ref).abs().max().item()
+    tol = 2e-2 if q.dtype != torch.float32 else 1e-4
+    finite = all(bool(torch.isfinite(g).all()) for g in (dq, dk, dv))
+    if err > tol or not finite:
+        raise RuntimeError(f"wrong result: max |out - reference| = {err:.2e} (tolerance "
+                           f"{tol:g}), gradients {'finite' if finite else 'NOT finite'}")
+    what = "bf16" if q.dtype == torch.bfloat16 else "fp32"
+    return f"ran a forward and backward ({s} tokens, {h} heads, head dim {d}, {what}, causal)"
+
+
+def upstream_import(package: str, classes: list, device: str) -> str:
+    """Import ``package`` as its strategies do (``classes``) on ``device``; what it runs on
+    (raises what the import raised)."""
+    from cpbench.strategies._upstream import flash_attn_beneath, import_algorithms
+
+    module = UPSTREAM_MODULES[package]
+    beneath = ""
+    if package != "transformer-engine":  # ring-flash-attn and yunchang call flash-attn
+        beneath = f" over {flash_attn_beneath(device)}"
+    modules = sorted({getattr(c, "module", None) for c in classes} - {None})
+    if package == "ring-flash-attn" and modules:
+        for name in modules:  # the algorithm files, as the adapters import them
+            import_algorithms(module, name)
+    else:
+        importlib.import_module(module)
+    return f"imports {module}{beneath}"
+
+
+def installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(UPSTREAM_MODULES[package].split(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def node_probe(rank: int, world: int, master: str, port: int, device: str,
+               timeout_s: float = 120.0) -> dict:
+    """One task per node (srun): form a group across the nodes (NCCL on GPU 0 of each, else
+    gloo) and run the probe (all-reduce, ring p2p, all-to-all) between them. Rank 0's
+    figures (the slowest node's); raises what the group or a collective raised."""
+    import torch.distributed as dist
+
+    from cpbench.bench.probe import probe
+    from cpbench.launch import NCCL_ERROR_HANDLING
+
+    # a collective that times out ends this process (the doctor's child), not hangs it
+    os.environ.update(NCCL_ERROR_HANDLING)
+    backend = "nccl" if device == "cuda" else "gloo"
+    device_id = None
+    if device == "cuda":
+        device_id = torch.device("cuda", 0)
+        torch.cuda.set_device(device_id)
+    store = dist.TCPStore(master, port, world, is_master=rank == 0,
+                          timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s), device_id=device_id)
+    try:
+        return probe(rank, world, device)
+    finally:
+        dist.destroy_process_group()
