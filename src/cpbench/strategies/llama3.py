@@ -4,10 +4,10 @@ type; ring-flash-attn's ``llama3_flash_attn_varlen_func``).
 
 Layouts (``--layout``):
 - ``zigzag`` (default, the paper's and TE's): the sequence cut into 2·N chunks, ring position
-  r holding chunks r and 2N-1-r, so causal work is balanced. The gathered K/V are put back in
-  sequence order (TE: ``get_seq_chunk_ids_for_reordering_before_attn``, context_parallel.py
-  v2.18 L3222-3231) and each local half attends to the keys before it: the earlier keys in
-  full, its own chunk causal. Under documents the chunks are the whole sequence's, as the
+  r holding chunks r and 2N-1-r, so causal work is balanced. Without a mask the gathered K/V
+  are put back in sequence order (TE: ``get_seq_chunk_ids_for_reordering_before_attn``,
+  context_parallel.py v2.18 L3222-3231) and each local half attends to the keys before it:
+  the earlier keys in full, its own chunk causal (under a mask the tiles follow positions). Under documents the chunks are the whole sequence's, as the
   paper cuts it (any document lengths; TE's thd format zigzags each document instead).
 - ``contiguous``: ring position r holds tokens [r·S/N, (r+1)·S/N), as ring-flash-attn's
   llama3 (the twin of ``rfa-llama3``).
@@ -47,7 +47,7 @@ DKV_DTYPES = ("activation", "fp32")
 
 
 def _gathered(strat, k, v):
-    """Per head chunk: (query heads, K/V heads, K and V of the whole sequence in sequence
+    """Per head chunk: (query heads, K/V heads, K and V of the whole sequence in member
     order). Chunk i+1's gathers are posted once chunk i's have arrived, before the caller
     computes chunk i (ring-flash-attn's prefetch)."""
     g, chunks = strat.groups["cp"], strat.head_chunks()
@@ -60,7 +60,7 @@ def _gathered(strat, k, v):
         k_all, v_all = (wait() for wait in pending)
         if i + 1 < len(chunks):
             pending = post(chunks[i + 1][1])
-        yield qh, kh, strat.in_sequence_order(k_all), strat.in_sequence_order(v_all)
+        yield qh, kh, k_all, v_all
 
 
 class _Llama3Attention(torch.autograd.Function):
@@ -86,8 +86,8 @@ class _Llama3Attention(torch.autograd.Function):
             dq_c, dk_all, dv_all = _attend_grads(strat, dout[:, :, qh], q[:, :, qh], k_all,
                                                  v_all, out[:, :, qh], lse[:, qh])
             dq[:, :, qh] = dq_c.to(q.dtype)
-            dk[:, :, kh] = reduce_scatter_seq(strat.in_member_order(dk_all), g).to(k.dtype)
-            dv[:, :, kh] = reduce_scatter_seq(strat.in_member_order(dv_all), g).to(v.dtype)
+            dk[:, :, kh] = reduce_scatter_seq(dk_all, g).to(k.dtype)
+            dv[:, :, kh] = reduce_scatter_seq(dv_all, g).to(v.dtype)
         return None, dq, dk, dv
 
 
@@ -95,6 +95,7 @@ def _attend(strat, q, k_all, v_all):
     """The local queries against the gathered keys: (out fp32, lse)."""
     if not strat.mask.plain:
         return strat.masked_forward(q, k_all, v_all, strat.gathered_tiles())
+    k_all, v_all = strat.in_sequence_order(k_all), strat.in_sequence_order(v_all)
     b, s, h, d = q.shape
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
@@ -108,14 +109,15 @@ def _attend(strat, q, k_all, v_all):
 
 
 def _attend_grads(strat, dout, q, k_all, v_all, out, lse):
-    """(dq fp32, dk and dv of the whole gathered sequence in the dK/dV dtype), against the
-    final out / lse. Key ranges of different query rows overlap under the zigzag layout:
-    their gradients add up in that dtype, as TE's do."""
+    """(dq fp32, dk and dv of the whole gathered sequence in member order and the dK/dV
+    dtype), against the final out / lse. Key ranges of different query rows overlap under
+    the zigzag layout: their gradients add up in that dtype, as TE's do."""
     dtype = strat.dkv_dtype
     if not strat.mask.plain:
         dq, dk, dv = strat.masked_backward(dout, q, k_all, v_all, out, lse,
                                            strat.gathered_tiles())
         return dq, dk.to(dtype), dv.to(dtype)
+    k_all, v_all = strat.in_sequence_order(k_all), strat.in_sequence_order(v_all)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k_all.shape, dtype=dtype, device=q.device)
     dv = torch.zeros_like(dk)
@@ -127,7 +129,7 @@ def _attend_grads(strat, dout, q, k_all, v_all, out, lse):
             dq[:, rows] += bq
             dk[:, keys] += bk
             dv[:, keys] += bv
-    return dq, dk, dv
+    return dq, strat.in_member_order(dk), strat.in_member_order(dv)
 
 
 @register
@@ -243,8 +245,10 @@ class Llama3(Strategy):
         return out
 
     def gathered_tiles(self):
-        """The local queries against the gathered sequence, in sequence order."""
-        return self.tiles("gathered", self.seq_index(self.rank), torch.arange(self.attn.seqlen))
+        """The local queries against the gathered sequence, in member order (a mask needs
+        no sequence order: the tiles follow the positions)."""
+        ring = next(lst for lst in self.cp_lists if self.rank in lst)
+        return self.tiles("gathered", self.seq_index(self.rank), self.positions(sorted(ring)))
 
     def attention(self, q, k, v):
         return _Llama3Attention.apply(self, q, k, v)
