@@ -7,8 +7,9 @@ Layouts (``--layout``):
   r holding chunks r and 2N-1-r, so causal work is balanced. Without a mask the gathered K/V
   are put back in sequence order (TE: ``get_seq_chunk_ids_for_reordering_before_attn``,
   context_parallel.py v2.18 L3222-3231) and each local half attends to the keys before it:
-  the earlier keys in full, its own chunk causal (under a mask the tiles follow positions). Under documents the chunks are the whole sequence's, as the
-  paper cuts it (any document lengths; TE's thd format zigzags each document instead).
+  the earlier keys in full, its own chunk causal (under a mask the tiles follow positions).
+  Under documents the chunks are the whole sequence's, as the paper cuts it (any document
+  lengths; TE's thd format zigzags each document instead).
 - ``contiguous``: ring position r holds tokens [r·S/N, (r+1)·S/N), as ring-flash-attn's
   llama3 (the twin of ``rfa-llama3``).
 
