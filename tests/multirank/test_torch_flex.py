@@ -2,7 +2,8 @@
 on real gloo ranks. Its backward does not run on CPU (torch refuses it there, and so does
 cpbench's driver), so here its forward — the layout each balancer shards by, the block mask
 torch makes for a rank's shard, the mask as a mask_mod — is compared with the float64
-reference under documents and a window."""
+reference under documents and a window, and what it sends, traced as ``cpbench comm`` traces
+it, with llama3's forward: the same all-gathers of K and V in the activation dtype."""
 
 from __future__ import annotations
 
@@ -33,5 +34,8 @@ def test_torch_flex_forward_matches_the_reference_with_every_balancer():
              (_attn(documents=DOCS), _opts("per-document")),
              (_attn(documents=DOCS, window_size=(100, 0)), _opts("ptrr")),
              (_attn(causal=False, documents=DOCS), _opts("none"))]
-    failures = run_ranks(flex_forward, 2, cases, timeout=600)[0]
+    failures, sent = run_ranks(flex_forward, 2, cases, timeout=600)[0]
     assert not failures, "\n".join(failures)
+    # llama3's forward: K and V of a rank's S/2 tokens (2 K/V heads x 16, fp32) to the other
+    kv = S // 2 * 2 * 16 * 4
+    assert all(s == [("all_gather", "float32", kv)] * 2 for s in sent), sent

@@ -120,6 +120,9 @@ class Strategy(ABC):
     # ``auto`` the plan hands the strategy one of these (strategies._upstream.case_kernel)
     accepted_kernels: ClassVar[dict[str, tuple[str, ...]] | None] = None
     returns_lse: ClassVar[bool] = True  # False: attention() returns (out, None)
+    # its code runs torch.compile, which refuses to run under a Python dispatch mode: its
+    # traffic is traced without one (``bench.commtrace.traced(dispatch=False)``)
+    compiles: ClassVar[bool] = False
     # the masks beyond causal it computes exactly ("documents", "window"); under any other
     # its row is skipped with the reason (never run silently wrong)
     masks: ClassVar[frozenset[str]] = frozenset()

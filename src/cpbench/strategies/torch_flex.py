@@ -94,6 +94,7 @@ class TorchFlex(Strategy):
                    "its load balancers (head-tail, per-document, PTRR)")
     upstream = Upstream("torch", _CP, twin="llama3", cuda_only=True)
     masks = frozenset({"documents", "window"})
+    compiles = True  # FlexAttention (and its block mask) run through torch.compile
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
