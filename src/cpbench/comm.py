@@ -157,15 +157,28 @@ for _name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
 def all_gather_seq(x_bs: torch.Tensor, group: Group) -> torch.Tensor:
     """Every member's ``x`` (b, s, ...) laid end to end along dim 1, in member order (the
     members' group ranks are their sorted global ranks; ``ranks`` lists them so)."""
+    return all_gather_seq_async(x_bs, group)()
+
+
+def all_gather_seq_async(x_bs: torch.Tensor, group: Group):
+    """``all_gather_seq`` posted without waiting; returns the call that waits for it and
+    hands back its result (so the next gather can be posted while this one's result is
+    used: ring-flash-attn's llama3 prefetch)."""
     n = group.size
     if n == 1:
-        return x_bs
+        return lambda: x_bs
     x = x_bs.contiguous()
     # gathered along dim 0 (members' tensors end to end), then their s-slices side by side
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _record("ag", group, nbytes(x) * (n - 1))  # to each of the n-1 others
-    dist.all_gather_into_tensor(_wire(out), _wire(x), group=group.pg)
-    return out.unflatten(0, (n, -1)).movedim(0, 1).flatten(1, 2)
+    # in its own dtype (gloo gathers bf16 / fp16), as ring-flash-attn's gathers travel
+    work = dist.all_gather_into_tensor(out, x, group=group.pg, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return out.unflatten(0, (n, -1)).movedim(0, 1).flatten(1, 2)
+
+    return wait
 
 
 def reduce_scatter_seq(x_bs: torch.Tensor, group: Group) -> torch.Tensor:

@@ -4,7 +4,8 @@ reference under the same mask (out, lse, dq, dk, dv), cpbench's own also held to
 declared schedules. Two launches in all (CI time): 2 ranks for the mask matrix — random
 document lengths, a document shorter than a rank's shard, one spanning every rank, a window
 smaller than a shard and one larger — and 4 ranks for llama3 without a mask (causal and full,
-GQA, fp16, head chunks; rfa-llama3 causal and full) beside ring / zigzag / llama3 / usp on
+GQA, fp16, head chunks; rfa-llama3 causal and full), llama3's two layouts and two dK/dV
+dtypes plain, under documents and under a window, beside ring / zigzag / llama3 / usp on
 documents and a window over 4 shards. (llama3 is checked here rather than in test_strategies'
 per-topology matrix: one launch, not five.)"""
 
@@ -55,6 +56,14 @@ def _four_rank_cases():
               _options("llama3"))
              for causal in (True, False) for kv, dtype in ((None, "fp32"), (2, "fp16"))]
     cases.append(("llama3", _attn(), _options("llama3", heads_k_stride=1)))
+    # both layouts x both dK/dV dtypes, plain, under documents (one shorter than a zigzag
+    # chunk, lengths no multiple of anything) and a window, in bf16 where the dtypes differ
+    cases += [("llama3", _attn(dtype="bf16", **mask),
+               _options("llama3", layout=layout, dkv_dtype=dkv, heads_k_stride=1))
+              for layout in ("zigzag", "contiguous") for dkv in ("activation", "fp32")
+              for mask in (dict(), dict(documents=(19, 5, 40)), dict(window_size=(11, 0)))]
+    cases += [("llama3", _attn(causal=False, documents=(19, 5, 40), window_size=(9, 2)),
+               _options("llama3", layout=layout)) for layout in ("zigzag", "contiguous")]
     # its upstream twin without a mask (test_upstream leaves it to this launch)
     cases += [("rfa-llama3", _attn(causal=causal), _options("rfa-llama3", heads_k_stride=1))
               for causal in (True, False)]

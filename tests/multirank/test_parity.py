@@ -4,7 +4,8 @@ the same calls and bytes per (phase, op, dtype), and for the rings the same per-
 per-step sequence (op, dtype, bytes, group, kernel calls before it).
 
 The upstream code runs here: ring-flash-attn 0.1.8 (zigzag_ring_flash_attn.py,
-ring_flash_attn.py) and yunchang 0.6.4 (hybrid/attn_layer.py LongContextAttention, ring/*)."""
+ring_flash_attn.py, llama3_flash_attn_varlen.py) and yunchang 0.6.4 (hybrid/attn_layer.py
+LongContextAttention, ring/*)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,42 @@ def test_ulysses_forward_sends_no_fp32():
                          ("bwd", "all_to_all_single", "bfloat16")}
     # 4 ranks x (q, k, v, out) forward and (dout, dq, dk, dv) backward
     assert [calls for calls, _ in rows.values()] == [16, 16]
+
+
+def _by_chunk(found: dict) -> list[tuple]:
+    """Per rank and phase, the calls in order (op, dtype, bytes), each with how many head
+    chunks had computed before it: its kernel count ranked densely, as a chunk is one varlen
+    call upstream and one or two kernels in cpbench."""
+    out = []
+    for rank, per_rank in enumerate(found["events"]):
+        for phase, events in per_rank.items():
+            rank_of = {k: i for i, k in enumerate(sorted({e.kernels_before for e in events}))}
+            out += [(rank, phase, rank_of[e.kernels_before], e.op, e.dtype, e.nbytes)
+                    for e in events]
+    return out
+
+
+@pytest.mark.parametrize("stride", [1, 0])
+def test_llama3_sends_what_ring_flash_attn_llama3_sends(stride):
+    """ring-flash-attn 0.1.8 llama3_flash_attn_varlen.py: K/V gathered in the activation
+    dtype, the next head chunk's gathers posted before this chunk computes (L104-115, L233-243:
+    two chunks' gathers before the first kernel), dK/dV reduce-scattered in the activation
+    dtype after each chunk (L194-196, L292-293). The contiguous layout is the library's; the
+    zigzag layout (the default) moves the same bytes."""
+    found = _traced("llama3,rfa-llama3", heads_k_stride=stride, layout="contiguous",
+                    dkv_dtype="activation")
+    rows = _by_strategy(found)
+    assert rows["llama3"] == rows["rfa-llama3"]
+    assert {dtype for _, _, dtype in rows["llama3"]} == {"bfloat16"}
+    assert _by_chunk(found[0]) == _by_chunk(found[1])
+    if stride == 1:  # 8 K/V heads: chunk 1's gathers go out before chunk 0's kernel
+        assert [c for r, p, c, op, *_ in _by_chunk(found[0])
+                if (r, p, op) == (0, "fwd", "all_gather")][:4] == [0, 0, 0, 0]
+    zigzag = _by_strategy(_traced("llama3", heads_k_stride=stride, layout="zigzag"))["llama3"]
+    assert zigzag == rows["llama3"]
+
+
+def test_llama3_fp32_sums_are_a_named_option():
+    rows = _by_strategy(_traced("llama3", dkv_dtype="fp32", layout="zigzag"))["llama3"]
+    assert rows[("bwd", "reduce_scatter_tensor", "float32")][1] == \
+        2 * rows[("bwd", "all_gather", "bfloat16")][1]

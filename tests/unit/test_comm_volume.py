@@ -338,15 +338,20 @@ def test_local_sends_nothing(world, rpn):
 @pytest.mark.parametrize("prob", PROBLEMS)
 @pytest.mark.parametrize("world,rpn", TOPOS)
 @pytest.mark.parametrize("stride", [0, 1])
-def test_llama3(world, rpn, stride, prob):
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("dkv", ["activation", "fp32"])
+def test_llama3(world, rpn, stride, layout, dkv, prob):
     """K and V all-gathered (each rank's s tokens to the N-1 others) forward and again
-    backward; dK/dV of the whole sequence reduce-scattered in fp32 ((N-1)/N of N·s tokens).
-    Gathering in head chunks moves the same bytes in more messages."""
+    backward; dK/dV of the whole sequence reduce-scattered ((N-1)/N of N·s tokens) in the
+    activation dtype as ring-flash-attn (llama3_flash_attn_varlen.py L194-196, L292-293),
+    or fp32 under --dkv-dtype fp32. Either layout moves the same bytes; gathering in head
+    chunks moves them in more messages."""
     B, S, H, HK, D, e = dims(PROBLEMS[prob])
     N, s = world, S // world
     ag = 2 * (N - 1) * B * s * HK * D * e
-    rs = 2 * (N - 1) * B * s * HK * D * F32
-    check(every_rank("llama3", world, rpn, PROBLEMS[prob], heads_k_stride=stride),
+    rs = 2 * (N - 1) * B * s * HK * D * (F32 if dkv == "fp32" else e)
+    check(every_rank("llama3", world, rpn, PROBLEMS[prob], heads_k_stride=stride,
+                     layout=layout, dkv_dtype=dkv),
           {("ag", "cp"): ag}, {("ag", "cp"): ag, ("rs", "cp"): rs})
 
 

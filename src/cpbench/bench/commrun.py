@@ -33,9 +33,9 @@ def _trace_case(strat, p: Plan, rank: int) -> dict[str, list[Event]]:
     out.backward(x["dout"])
     for t in (x["q"], x["k"], x["v"]):
         t.grad = None
-    with traced() as fwd:
+    with traced(dispatch=not strat.compiles) as fwd:
         out, _ = strat.attention(x["q"], x["k"], x["v"])
-    with traced() as bwd:
+    with traced(dispatch=not strat.compiles) as bwd:
         out.backward(x["dout"])
     return {"fwd": fwd, "bwd": bwd}
 

@@ -137,10 +137,31 @@ _PATCHED = ("isend", "send", "all_to_all_single", "all_gather", "all_gather_into
             "reduce_scatter_tensor", "all_reduce", "broadcast")
 
 
+# the functional collectives torch's FlexAttention CP calls (_cp_custom_ops.py), by the
+# functional op each issues
+_FUNCOL = {"all_gather_single": "all_gather_into_tensor",
+           "reduce_scatter_single": "reduce_scatter_tensor"}
+
+
+def _wrap_funcol(rec: _Recorder, name: str, original):
+    def traced_call(t, *args, **kwargs):
+        group = kwargs.get("group", args[-1] if args else None)
+        group = _group_by_name(group) if isinstance(group, str) else group
+        rec.add(_FUNCOL[name], t, _members(group))
+        return original(t, *args, **kwargs)
+
+    traced_call.__wrapped__ = original
+    return traced_call
+
+
 @contextlib.contextmanager
-def traced():
+def traced(dispatch: bool = True):
     """Within the block, every torch.distributed call of this process is recorded:
-    ``with traced() as events: ...`` (a list of Event)."""
+    ``with traced() as events: ...`` (a list of Event). ``dispatch=False``: no dispatch mode
+    (torch.compile refuses to run under one: FlexAttention compiles even eagerly), so the
+    functional collectives are seen where torch's FlexAttention CP calls them, and no kernel
+    is counted."""
+    import torch.distributed._functional_collectives as funcol
     from torch.distributed import distributed_c10d as c10d
 
     rec = _Recorder()
@@ -149,8 +170,12 @@ def traced():
         wrapper = _wrap(rec, n, getattr(c10d, n))
         setattr(dist, n, wrapper)
         setattr(c10d, n, wrapper)
+    if not dispatch:
+        saved.update({(funcol, n): getattr(funcol, n) for n in _FUNCOL})
+        for n in _FUNCOL:
+            setattr(funcol, n, _wrap_funcol(rec, n, getattr(funcol, n)))
     try:
-        with _Functional(rec):
+        with _Functional(rec) if dispatch else contextlib.nullcontext():
             yield rec.events
     finally:
         for (mod, n), original in saved.items():

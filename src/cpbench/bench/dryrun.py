@@ -196,12 +196,12 @@ def _step(strat: Strategy, x: dict, device: str, fwd_only: bool, r: RankResult) 
     for t in x.values():
         meter.track(t)
     with meter, _SyncGuard(device):
-        with traced() as fwd, fakegrad.recording():
+        with traced(dispatch=not strat.compiles) as fwd, fakegrad.recording():
             out, _lse = strat.attention(x["q"], x["k"], x["v"])
         r.events["fwd"] = list(fwd)
         r.peak_fwd_bytes = meter.peak
         if not fwd_only:
-            with traced() as bwd:
+            with traced(dispatch=not strat.compiles) as bwd:
                 (fakegrad.backward if device == "cuda" else torch.Tensor.backward)(
                     out, x["dout"])
             r.events["bwd"] = list(bwd)

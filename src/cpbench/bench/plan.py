@@ -279,7 +279,8 @@ def runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
             skipped.append(str(e))
             first_skip = first_skip or e
         except UsageError as e:
-            skipped.append(str(e))
+            if str(e) not in skipped:  # once per strategy, not per variant (a missing library)
+                skipped.append(str(e))
             first_error.setdefault(case.strategy, e)
     ran = {case.strategy for case, _ in built}
     for name in names:

@@ -24,6 +24,7 @@ import torch
 
 from cpbench import comm
 from cpbench.config import AttentionConfig
+from cpbench.errors import Skipped, UsageError
 from cpbench.kernels import masked
 from cpbench.kernels.base import KernelBackend
 from cpbench.mask import Mask, mask_of
@@ -119,6 +120,9 @@ class Strategy(ABC):
     # ``auto`` the plan hands the strategy one of these (strategies._upstream.case_kernel)
     accepted_kernels: ClassVar[dict[str, tuple[str, ...]] | None] = None
     returns_lse: ClassVar[bool] = True  # False: attention() returns (out, None)
+    # its code runs torch.compile, which refuses to run under a Python dispatch mode: its
+    # traffic is traced without one (``bench.commtrace.traced(dispatch=False)``)
+    compiles: ClassVar[bool] = False
     # the masks beyond causal it computes exactly ("documents", "window"); under any other
     # its row is skipped with the reason (never run silently wrong)
     masks: ClassVar[frozenset[str]] = frozenset()
@@ -135,6 +139,7 @@ class Strategy(ABC):
         self.need_lse = False
         self.opts = options if options is not None else self.Options()
         self.cp_lists = cp_lists or [list(range(topo.world_size))]
+        self.refuse_what_it_cannot_compute()
         self.validate()
         build = new_groups if create_groups else plan_group
         self.groups: dict[str, Group] = {
@@ -180,6 +185,17 @@ class Strategy(ABC):
         flags = " and ".join("--" + k.replace("window", "window-size") for k in missing)
         return f"{cls.name} does not support {flags} (masks it takes: " \
                f"{', '.join(sorted(cls.masks)) or 'causal or full only'})"
+
+    def refuse_what_it_cannot_compute(self) -> None:
+        """Raise, whoever builds it (the driver, the simulator, a harness through the Python
+        API), for attention this strategy would compute wrong: non-causal for a causal-only
+        one, a mask it does not declare. The driver asks the same first (``unsupported_mask``)
+        to skip a row with the reason before any process starts."""
+        if self.causal_only and not self.attn.causal:
+            raise UsageError(f"{self.name} only runs causal attention; drop --no-causal")
+        why = self.unsupported_mask(self.mask)
+        if why:
+            raise Skipped(why)
 
     def area_per_rank(self) -> list[int]:
         """Attended (query, key) pairs each rank computes, from its layout and the mask:

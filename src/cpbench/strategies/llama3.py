@@ -1,18 +1,32 @@
 """llama3: all-gather K/V across the CP group, then attention of the local queries (the
-Llama 3 paper's context parallelism; ring-flash-attn's ``llama3_flash_attn_varlen_func``;
-TransformerEngine's ``all_gather`` CP type).
+Llama 3 paper's context parallelism, section 3.3.2; TransformerEngine's ``all_gather`` CP
+type; ring-flash-attn's ``llama3_flash_attn_varlen_func``).
 
-Ring position r holds tokens [r·S/N, (r+1)·S/N). Forward: K and V are gathered from every
-rank (two all-gathers), and the local queries attend to every key they see under the mask:
-no ring steps, so nothing to balance but the queries themselves, and no step is ever empty.
-Backward: K and V are gathered again (not kept: the point of the method is memory), the
-local queries' dQ stays here, and the dK/dV of the whole sequence are reduce-scattered back
-to their owners (fp32 sums, as the K/V ring sends its dK/dV).
-``--heads-k-stride H``: gather (and reduce-scatter) H K/V heads at a time, capping the
-gathered buffers at H/kv_heads of the sequence's K/V (ring-flash-attn's ``heads_k_stride``);
-0 gathers every head at once.
-The gathers are exposed: the local attention needs their result (ring-flash-attn overlaps
-the next head chunk's gather with this one's kernel; cpbench's is the plain algorithm).
+Layouts (``--layout``):
+- ``zigzag`` (default, the paper's and TE's): the sequence cut into 2·N chunks, ring position
+  r holding chunks r and 2N-1-r, so causal work is balanced. Without a mask the gathered K/V
+  are put back in sequence order (TE: ``get_seq_chunk_ids_for_reordering_before_attn``,
+  context_parallel.py v2.18 L3222-3231) and each local half attends to the keys before it:
+  the earlier keys in full, its own chunk causal (under a mask the tiles follow positions).
+  Under documents the chunks are the whole sequence's, as the paper cuts it (any document
+  lengths; TE's thd format zigzags each document instead).
+- ``contiguous``: ring position r holds tokens [r·S/N, (r+1)·S/N), as ring-flash-attn's
+  llama3 (the twin of ``rfa-llama3``).
+
+Forward: K and V are gathered from every rank (two all-gathers per head chunk) and the local
+queries attend to every key they see under the mask. Backward: K and V are gathered again (not
+kept: the point of the method is memory), dQ stays here, and the dK/dV of the whole sequence
+are reduce-scattered back to their owners.
+As ring-flash-attn (llama3_flash_attn_varlen.py, 0.1.8) by default:
+- ``--heads-k-stride H`` gathers (and reduce-scatters) H K/V heads at a time, capping the
+  gathered buffers at H/kv_heads of the sequence's K/V; 0 gathers every head at once;
+- the next head chunk's all-gathers are posted as soon as this chunk's have arrived, before
+  its kernels, so they travel while it computes (L97-115 forward, L213-243 backward); the
+  first chunk's are exposed;
+- the dK/dV buffer of the whole sequence is in the activation dtype (L194-198), and the
+  reduce-scatters, posted after a chunk's kernels and awaited at once, move that dtype
+  (L292-293; TE's all_gather alike: L3766-3775, L4098-4121).
+``--dkv-dtype fp32`` (a cpbench variant) keeps the dK/dV buffer and the reduce-scatter in fp32.
 """
 
 from __future__ import annotations
@@ -22,23 +36,41 @@ from dataclasses import dataclass
 
 import torch
 
-from cpbench.comm import all_gather_seq, reduce_scatter_seq
+from cpbench.comm import all_gather_seq_async, reduce_scatter_seq
 from cpbench.errors import UsageError
 from cpbench.merge import OutLseAccumulator
 from cpbench.strategies import register
 from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, option, save_for_backward
-from cpbench.strategies.layout import check_divisible, contiguous_index, slice_len
+from cpbench.strategies.layout import check_divisible, contiguous_index, zigzag_index
+
+LAYOUTS = ("zigzag", "contiguous")
+DKV_DTYPES = ("activation", "fp32")
+
+
+def _gathered(strat, k, v):
+    """Per head chunk: (query heads, K/V heads, K and V of the whole sequence in member
+    order). Chunk i+1's gathers are posted once chunk i's have arrived, before the caller
+    computes chunk i (ring-flash-attn's prefetch)."""
+    g, chunks = strat.groups["cp"], strat.head_chunks()
+
+    def post(kh):
+        return all_gather_seq_async(k[:, :, kh], g), all_gather_seq_async(v[:, :, kh], g)
+
+    pending = post(chunks[0][1])
+    for i, (qh, kh) in enumerate(chunks):
+        k_all, v_all = (wait() for wait in pending)
+        if i + 1 < len(chunks):
+            pending = post(chunks[i + 1][1])
+        yield qh, kh, k_all, v_all
 
 
 class _Llama3Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, strat, q, k, v):
-        g = strat.groups["cp"]
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32,
                           device=q.device)
-        for qh, kh in strat.head_chunks():
-            k_all, v_all = all_gather_seq(k[:, :, kh], g), all_gather_seq(v[:, :, kh], g)
+        for qh, _, k_all, v_all in _gathered(strat, k, v):
             o, lse[:, qh] = _attend(strat, q[:, :, qh], k_all, v_all)
             out[:, :, qh] = o.to(q.dtype)
         save_for_backward(ctx, strat, q, k, v, out, lse, lse=lse)
@@ -51,8 +83,7 @@ class _Llama3Attention(torch.autograd.Function):
         g = strat.groups["cp"]
         dout = dout.contiguous()
         dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-        for qh, kh in strat.head_chunks():
-            k_all, v_all = all_gather_seq(k[:, :, kh], g), all_gather_seq(v[:, :, kh], g)
+        for qh, kh, k_all, v_all in _gathered(strat, k, v):
             dq_c, dk_all, dv_all = _attend_grads(strat, dout[:, :, qh], q[:, :, qh], k_all,
                                                  v_all, out[:, :, qh], lse[:, qh])
             dq[:, :, qh] = dq_c.to(q.dtype)
@@ -65,45 +96,78 @@ def _attend(strat, q, k_all, v_all):
     """The local queries against the gathered keys: (out fp32, lse)."""
     if not strat.mask.plain:
         return strat.masked_forward(q, k_all, v_all, strat.gathered_tiles())
-    acc = OutLseAccumulator(*q.shape, q.device)
-    for keys, causal in strat.plain_parts():
-        acc.update(*strat.kernel_call("forward", q, k_all[:, keys], v_all[:, keys],
-                                      causal=causal))
-    return acc.out, acc.lse
+    k_all, v_all = strat.in_sequence_order(k_all), strat.in_sequence_order(v_all)
+    b, s, h, d = q.shape
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+    for rows, parts in strat.plain_parts():
+        acc = OutLseAccumulator(b, len(range(s)[rows]), h, d, q.device)
+        for keys, causal in parts:
+            acc.update(*strat.kernel_call("forward", q[:, rows], k_all[:, keys],
+                                          v_all[:, keys], causal=causal))
+        out[:, rows], lse[:, :, rows] = acc.out, acc.lse
+    return out, lse
 
 
 def _attend_grads(strat, dout, q, k_all, v_all, out, lse):
-    """(dq, dk, dv of the whole gathered sequence), fp32, against the final out / lse."""
+    """(dq fp32, dk and dv of the whole gathered sequence in member order and the dK/dV
+    dtype), against the final out / lse. Key ranges of different query rows overlap under
+    the zigzag layout: their gradients add up in that dtype, as TE's do."""
+    dtype = strat.dkv_dtype
     if not strat.mask.plain:
-        return strat.masked_backward(dout, q, k_all, v_all, out, lse, strat.gathered_tiles())
+        dq, dk, dv = strat.masked_backward(dout, q, k_all, v_all, out, lse,
+                                           strat.gathered_tiles())
+        return dq, dk.to(dtype), dv.to(dtype)
+    k_all, v_all = strat.in_sequence_order(k_all), strat.in_sequence_order(v_all)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k_all.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k_all.shape, dtype=dtype, device=q.device)
     dv = torch.zeros_like(dk)
-    for keys, causal in strat.plain_parts():
-        bq, bk, bv = strat.kernel_call("backward", dout, q, k_all[:, keys], v_all[:, keys],
-                                       out, lse, causal=causal)
-        dq += bq
-        dk[:, keys] += bk
-        dv[:, keys] += bv
-    return dq, dk, dv
+    for rows, parts in strat.plain_parts():
+        for keys, causal in parts:
+            bq, bk, bv = strat.kernel_call("backward", dout[:, rows], q[:, rows],
+                                           k_all[:, keys], v_all[:, keys], out[:, rows],
+                                           lse[:, :, rows], causal=causal)
+            dq[:, rows] += bq
+            dk[:, keys] += bk
+            dv[:, keys] += bv
+    return dq, strat.in_member_order(dk), strat.in_member_order(dv)
 
 
 @register
 class Llama3(Strategy):
     name = "llama3"
     description = ("all-gather K/V, local queries attend to the whole sequence; dK/dV "
-                   "reduce-scattered (Llama 3's CP)")
+                   "reduce-scattered (Llama 3's CP; zigzag layout by default)")
     masks = frozenset({"documents", "window"})
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
+        layout: str = option("zigzag", "which tokens a rank holds: zigzag (the Llama 3 paper, "
+                             "TE's all_gather: chunks r and 2N-1-r of 2N) or contiguous "
+                             "(ring-flash-attn's llama3)", LAYOUTS)
         heads_k_stride: int = option(0, "K/V heads gathered at a time (0: all at once); "
                                      "fewer caps the gathered buffers")
+        dkv_dtype: str = option("activation", "dtype of the dK/dV buffer and its "
+                                "reduce-scatter: activation (ring-flash-attn, TE) or fp32 "
+                                "(a cpbench variant)", DKV_DTYPES)
+
+    @classmethod
+    def variants(cls, topo) -> list:
+        # both layouts side by side: the paper's, and the twin of rfa-llama3
+        return [cls.Options(layout=layout) for layout in LAYOUTS]
 
     def validate(self) -> None:
-        check_divisible(self.attn.seqlen, self.cp_size, f"{self.name} over {self.cp_size} "
-                        f"ranks")
-        stride, hk = self.opts.heads_k_stride, self.attn.num_kv_heads
+        o, n = self.opts, self.cp_size
+        for name, value, allowed in (("layout", o.layout, LAYOUTS),
+                                     ("dkv-dtype", o.dkv_dtype, DKV_DTYPES)):
+            if value not in allowed:
+                raise UsageError(f"{self.name} --{name} must be one of {', '.join(allowed)}, "
+                                 f"got {value!r}")
+        zigzag = o.layout == "zigzag"
+        check_divisible(self.attn.seqlen, 2 * n if zigzag else n,
+                        f"{self.name} over {n} ranks" + (" (zigzag: 2 chunks per rank)"
+                                                         if zigzag else ""))
+        stride, hk = o.heads_k_stride, self.attn.num_kv_heads
         if stride < 0 or (stride and hk % stride):
             ok = ", ".join(str(d) for d in range(1, hk + 1) if hk % d == 0)
             raise UsageError(f"--heads-k-stride {stride} must divide the {hk} K/V heads; "
@@ -113,29 +177,47 @@ class Llama3(Strategy):
         return {"cp": self.cp_lists}
 
     def seq_index(self, rank: int) -> torch.Tensor:
-        return contiguous_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))
+        index = zigzag_index if self.opts.layout == "zigzag" else contiguous_index
+        return index(self.attn.seqlen, self.cp_size, self.cp_index(rank))
 
     def resolved_options(self) -> dict:
-        return {"heads_k_stride": self.stride}
+        return {**dataclasses.asdict(self.opts), "heads_k_stride": self.stride}
 
     @property
     def stride(self) -> int:
         return self.opts.heads_k_stride or self.attn.num_kv_heads
 
+    @property
+    def dkv_dtype(self) -> torch.dtype:
+        return torch.float32 if self.opts.dkv_dtype == "fp32" else self.attn.torch_dtype
+
     def late_accumulator_bytes(self, phase: str) -> int:
         return 0  # its sums exist before the first call
 
     def accumulator_bytes(self, phase: str) -> int:
-        """out / dq, dk, dv filled chunk by chunk, and one chunk's fp32 sums: out in the
-        forward; dq and the gathered sequence's dK, dV in the backward."""
+        """out / dq, dk, dv filled chunk by chunk, and a chunk's sums: out in fp32 (and its
+        rows' accumulator) in the forward; dq in fp32 and the gathered sequence's dK, dV in
+        the backward; plain zigzag also reorders the gathered K/V (a copy)."""
         s, share = self.local_seqlen, self.stride / self.attn.num_kv_heads
-        q32, kv32 = self.q_bytes(s, element_size=4), 4 * self.kv_bytes(s) // self.attn.element_size
-        # under a mask the masked kernels return the fp32 sums (their results)
-        plain = self.mask.plain
+        q32, gathered = self.q_bytes(s, element_size=4), 2 * self.cp_size * self.kv_bytes(s)
+        plain = self.mask.plain  # under a mask the masked kernels return the fp32 sums
+        reordered = gathered if plain and self.opts.layout == "zigzag" else 0
         if phase == FWD:
-            return self.q_bytes(s) + self.lse_bytes(s) + int(plain * share * q32)
-        gathered = 2 * self.cp_size * kv32
-        return self.q_bytes(s) + 2 * self.kv_bytes(s) + int(plain * share * (q32 + gathered))
+            return self.q_bytes(s) + self.lse_bytes(s) + int(share * (plain * 2 * q32 + reordered))
+        wide = 4 // self.attn.element_size if self.opts.dkv_dtype == "fp32" else 1
+        return self.q_bytes(s) + 2 * self.kv_bytes(s) + int(
+            share * (plain * q32 + wide * gathered + reordered))
+
+    def finish_bytes(self, phase: str) -> int:
+        """Plain zigzag's backward ends putting the gathered dK, dV back in member order (a
+        copy each) for the reduce-scatters, beside the gathered K/V in both orders."""
+        extra = 0
+        if phase == BWD and self.mask.plain and self.opts.layout == "zigzag":
+            wide = 4 // self.attn.element_size if self.opts.dkv_dtype == "fp32" else 1
+            share = self.stride / self.attn.num_kv_heads
+            gathered = 2 * self.cp_size * self.kv_bytes(self.local_seqlen)
+            extra = int(share * (wide + 1) * gathered)
+        return super().finish_bytes(phase) + extra
 
     def head_chunks(self) -> list[tuple[slice, slice]]:
         """(query heads, K/V heads) of each gather."""
@@ -143,41 +225,92 @@ class Llama3(Strategy):
         return [(slice(h * group, (h + self.stride) * group), slice(h, h + self.stride))
                 for h in range(0, self.attn.num_kv_heads, self.stride)]
 
-    def plain_parts(self) -> list[tuple[slice, bool]]:
-        """Without documents or a window: the earlier ranks' keys in full, then the diagonal
-        block causal (the kernels' fast paths); full attention: every key."""
-        s, me = self.local_seqlen, self.groups["cp"].index
+    # -- the gathered sequence ----------------------------------------------------------------
+
+    def _chunks_held(self) -> list[int]:
+        """The sequence chunks (S/N contiguous, S/2N zigzag) in the order an all-gather lays
+        them: group members in global rank order, each member's chunks in its local order."""
+        n, zigzag = self.cp_size, self.opts.layout == "zigzag"
+        ring = next(lst for lst in self.cp_lists if self.rank in lst)
+        positions = [self.cp_index(r) for r in sorted(ring)]
+        return [c for p in positions for c in ((p, 2 * n - 1 - p) if zigzag else (p,))]
+
+    def _reorder(self, x_bs: torch.Tensor, to_sequence: bool) -> torch.Tensor:
+        held = self._chunks_held()
+        if held == sorted(held):  # contiguous on a ring in rank order: nothing to move
+            return x_bs
+        cache = self.__dict__.setdefault("_orders", {})
+        key = (x_bs.device, to_sequence)
+        if key not in cache:  # made once per device (the first call: a warm-up), not per step
+            order = [held.index(c) for c in range(len(held))] if to_sequence else held
+            cache[key] = torch.tensor(order, device=x_bs.device)
+        return x_bs.unflatten(1, (len(held), -1)).index_select(1, cache[key]).flatten(1, 2)
+
+    def in_sequence_order(self, gathered: torch.Tensor) -> torch.Tensor:
+        return self._reorder(gathered, True)
+
+    def in_member_order(self, x_bs: torch.Tensor) -> torch.Tensor:
+        """The inverse: what a reduce-scatter hands each member its own tokens from."""
+        return self._reorder(x_bs, False)
+
+    def plain_parts(self, position: int | None = None
+                    ) -> list[tuple[slice, list[tuple[slice, bool]]]]:
+        """Without documents or a window, per run of local query rows (one contiguous, two
+        zigzag halves), the keys of the sequence-ordered gather they see: the earlier keys in
+        full, then their own chunk causal (the kernels' fast paths); full attention: every
+        key. ``position``: that ring position's (default this rank's)."""
+        s, n = self.local_seqlen, self.cp_size
+        me = self.cp_index(self.rank) if position is None else position
         if not self.attn.causal:
-            return [(slice(0, self.attn.seqlen), False)]
-        return ([(slice(0, me * s), False)] if me else []) + [(slice(me * s, (me + 1) * s),
-                                                               True)]
+            return [(slice(0, s), [(slice(0, self.attn.seqlen), False)])]
+        zigzag = self.opts.layout == "zigzag"
+        c = s // 2 if zigzag else s
+        chunks = (me, 2 * n - 1 - me) if zigzag else (me,)
+        out = []
+        for j, chunk in enumerate(chunks):
+            parts = [(slice(0, chunk * c), False)] if chunk else []
+            out.append((slice(j * c, (j + 1) * c), parts + [(slice(chunk * c, (chunk + 1) * c),
+                                                              True)]))
+        return out
 
     def gathered_tiles(self):
-        """The local queries against the gathered sequence (member order: global order)."""
-        ranks = next(lst for lst in self.cp_lists if self.rank in lst)
-        return self.tiles("gathered", self.seq_index(self.rank), self.positions(sorted(ranks)))
+        """The local queries against the gathered sequence, in member order (a mask needs
+        no sequence order: the tiles follow the positions)."""
+        ring = next(lst for lst in self.cp_lists if self.rank in lst)
+        return self.tiles("gathered", self.seq_index(self.rank), self.positions(sorted(ring)))
 
     def attention(self, q, k, v):
         return _Llama3Attention.apply(self, q, k, v)
 
+    # -- the schedule -------------------------------------------------------------------------
+
     def schedule(self) -> list[Step]:
-        g, s = self.groups["cp"], self.local_seqlen
+        g, a = self.groups["cp"], self.attn
         n, chunks = g.size, len(self.head_chunks())
-        kv = self.kv_bytes(s) * self.stride // self.attn.num_kv_heads
+        elems = a.batch * self.local_seqlen * self.stride * a.head_dim * (n - 1)
+        kv, dkv = elems * a.element_size, elems * self.dkv_dtype.itemsize
         steps: list[Step] = []
         for phase in (FWD, BWD):
-            for _ in range(chunks):
-                gather = [Message("ag", g.name, kv * (n - 1), g.crosses_nodes,
-                                  overlapped=False)] * 2 if n > 1 else []
-                scatter = []
-                if phase == BWD and n > 1:  # fp32 sums of the whole sequence's dK/dV
-                    dkv = kv * 4 // self.attn.element_size * (n - 1)
-                    scatter = [Message("rs", g.name, dkv, g.crosses_nodes, overlapped=False,
-                                       after_compute=True)] * 2
-                steps += self._chunk_steps(phase, len(steps), chunks, gather, scatter)
+            for i in range(chunks):
+                gathers = []
+                if n > 1 and i == 0:  # the first chunk's gathers: nothing to hide them
+                    gathers += [Message("ag", g.name, kv, g.crosses_nodes, overlapped=False)] * 2
+                if n > 1 and i + 1 < chunks:  # the next chunk's, behind this one's kernels
+                    gathers += [Message("ag", g.name, kv, g.crosses_nodes,
+                                        overlap_steps=self._steps_per_chunk())] * 2
+                scatters = [Message("rs", g.name, dkv, g.crosses_nodes, overlapped=False,
+                                    after_compute=True)] * 2 if phase == BWD and n > 1 else []
+                steps += self._chunk_steps(phase, len(steps), chunks, gathers, scatters)
         return steps
 
-    def _chunk_steps(self, phase: str, index: int, chunks: int, gather, scatter
+    def _steps_per_chunk(self) -> int:
+        """Kernel steps of one head chunk, the same on every rank (the simulator's rule)."""
+        if not self.mask.plain:
+            return 1
+        return max(sum(len(parts) for _, parts in self.plain_parts(p))
+                   for p in range(self.cp_size))
+
+    def _chunk_steps(self, phase: str, index: int, chunks: int, gathers, scatters
                      ) -> list[Step]:
         """One head chunk: the gathers before its first kernel, the reduce-scatters after
         its last; under a mask one kernel of its attended pairs, else ``plain_parts``."""
@@ -185,14 +318,15 @@ class Llama3(Strategy):
         if not self.mask.plain:
             mine = self.mask.pairs(self.seq_index(self.rank), torch.arange(self.attn.seqlen))
             return [self.pairs_step(phase, index, mine / chunks, (s, self.attn.seqlen),
-                                    gather + scatter)]
-        parts = self.plain_parts()
-        steps = [self.kernel_step(phase, index + i, s, slice_len(keys, self.attn.seqlen),
-                                  causal, head_share=chunks)
-                 for i, (keys, causal) in enumerate(parts)]
-        if self.attn.causal and len(parts) == 1:  # rank 0 has no earlier keys: an empty
-            # step in their place, so every rank has as many steps (the simulator's rule)
-            steps = [Step(phase, index, 0.0), dataclasses.replace(steps[0], index=index + 1)]
-        steps[0] = dataclasses.replace(steps[0], messages=tuple(gather))
-        steps[-1] = dataclasses.replace(steps[-1], messages=steps[-1].messages + tuple(scatter))
+                                    gathers + scatters)]
+        blocks = [(len(range(s)[rows]), len(range(self.attn.seqlen)[keys]), causal)
+                  for rows, parts in self.plain_parts() for keys, causal in parts]
+        # a rank with fewer kernels (no earlier keys) gets empty steps in their place
+        missing = self._steps_per_chunk() - len(blocks)
+        steps = [Step(phase, index + i, 0.0) for i in range(missing)]
+        steps += [self.kernel_step(phase, index + missing + i, sq, sk, causal,
+                                   head_share=chunks)
+                  for i, (sq, sk, causal) in enumerate(blocks)]
+        steps[0] = dataclasses.replace(steps[0], messages=tuple(gathers))
+        steps[-1] = dataclasses.replace(steps[-1], messages=steps[-1].messages + tuple(scatters))
         return steps

@@ -220,7 +220,8 @@ class RfaLlama3(_RingFlashAttn):
         return {"heads_k_stride": self.opts.heads_k_stride or self.attn.num_kv_heads}
 
     def twin_options(self) -> dict:
-        return self.resolved_options()
+        # the library's layout and dK/dV dtype: llama3's row of the same problem
+        return {**self.resolved_options(), "layout": "contiguous", "dkv_dtype": "activation"}
 
     def prepare(self) -> None:
         """The library's ``llama3_flash_attn_prepare_cu_seqlens`` (six ``.item()``: host

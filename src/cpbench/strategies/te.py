@@ -230,7 +230,14 @@ class TeP2P(_TransformerEngine):
 class TeAllGather(_TransformerEngine):
     name = "te-all-gather"
     description = "TransformerEngine DotProductAttention, cp_comm_type all_gather (GPU only)"
+    upstream = Upstream(PACKAGE, MODULE, twin="llama3", cuda_only=True)
     comm_type = "all_gather"
+
+    def twin_options(self) -> dict:
+        # TE's all_gather: chunks r and 2N-1-r, every head gathered at once, dK/dV in the
+        # activation dtype (context_parallel.py v2.18 L3252, L3766-3775, L4098-4121)
+        return {"layout": "zigzag", "dkv_dtype": "activation",
+                "heads_k_stride": self.attn.num_kv_heads}
 
 
 @register
