@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
 from cpbench.errors import UsageError
-from cpbench.mask import parse_documents, parse_size, parse_window, resolve_documents
+from cpbench.mask import (
+    pad_documents,
+    parse_documents,
+    parse_size,
+    parse_window,
+    resolve_documents,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ("table", "markdown", "csv", "json")  # how results print (cpbench run and report)
 DEVICES = ("auto", "cpu", "cuda")
+PADDINGS = ("pad", "refuse")  # --document-padding
 
 
 def flag(name: str) -> str:
@@ -36,6 +44,8 @@ class AttentionConfig:
     documents: tuple[int, ...] | None = None
     window_size: tuple[int, int] | None = None
     max_document: int | None = None  # the cap of sampled documents (default: S / 4)
+    # a document a strategy's layout cannot split: padded to its multiple, or refused
+    document_padding: str = "pad"
 
     def __post_init__(self):
         for name in ("batch", "seqlen", "heads", "head_dim"):
@@ -49,6 +59,9 @@ class AttentionConfig:
             )
         if self.dtype not in DTYPES:
             raise UsageError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
+        if self.document_padding not in PADDINGS:
+            raise UsageError(f"--document-padding {self.document_padding!r}: choose one of "
+                             f"{', '.join(PADDINGS)}")
         if isinstance(self.documents, str):
             raise UsageError("a --documents distribution must be sampled before the problem "
                              "is built (cpbench.mask.resolve_documents)")
@@ -78,6 +91,39 @@ class AttentionConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaddedAttention(AttentionConfig):
+    """The problem a strategy computes after padding (``padded``): ``documents`` are the
+    layout's lengths (pad included; a pad-only segment may end the sequence), ``seqlen``
+    their sum, ``padding`` the pad tokens at the end of each (``cpbench.mask.Mask``)."""
+
+    padding: tuple[int, ...] = ()
+
+    @property
+    def real_documents(self) -> tuple[int, ...]:
+        return tuple(d - p for d, p in zip(self.documents, self.padding) if d > p)
+
+    @property
+    def padded_tokens(self) -> int:
+        return sum(self.padding)
+
+
+def padded(attn: AttentionConfig, doc_multiple: int, seq_multiple: int) -> AttentionConfig:
+    """``attn`` with its documents padded to these multiples (``mask.pad_documents``), or
+    ``attn`` itself when they already fit (nothing to pad, or refused by
+    ``--document-padding refuse``: the strategy's own check then says why)."""
+    if not attn.documents or attn.document_padding != "pad":
+        return attn
+    if attn.seqlen % math.lcm(doc_multiple, seq_multiple) == 0 and all(
+            d % doc_multiple == 0 for d in attn.documents):
+        return attn  # already splits (a composite's inner strategy on its padded problem)
+    real = attn.real_documents if isinstance(attn, PaddedAttention) else attn.documents
+    layout, padding = pad_documents(real, sum(real), doc_multiple, seq_multiple)
+    fields = {f.name: getattr(attn, f.name) for f in dataclasses.fields(AttentionConfig)}
+    return PaddedAttention(**{**fields, "seqlen": sum(layout), "documents": layout},
+                           padding=padding)
 
 
 def resolved_documents(attention: dict, seed: int) -> dict:
@@ -125,6 +171,10 @@ ATTENTION_HELP = {
                    "i-LEFT..i+RIGHT (-1: unbounded; 1023,0 with --causal: itself and the "
                    "1,023 before)",
     "max_document": "cap of each sampled document length (default: a quarter of --seqlen)",
+    "document_padding": "a document whose length a strategy's layout cannot split (zigzag: "
+                        "a multiple of 2N): pad it to that multiple, pad tokens attending "
+                        "to nothing (TransformerEngine's cu_seqlens_padded), or refuse the "
+                        "strategy",
 }
 ATTENTION_PARSE = {"seqlen": parse_size, "documents": parse_documents,
                    "window_size": parse_window, "max_document": parse_size}

@@ -121,13 +121,34 @@ def resolve_documents(documents, seqlen: int, seed: int, max_document: int | Non
     return tuple(lengths)
 
 
+def pad_documents(documents: tuple[int, ...], seqlen: int, doc_multiple: int,
+                  seq_multiple: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(layout lengths, pad tokens at the end of each) of ``documents`` padded as deployed
+    context parallelism pads them (TransformerEngine's ``cu_seqlens_padded``, Megatron's
+    packing to 2 × CP): each document up to a multiple of ``doc_multiple``, then one
+    pad-only segment at the tail up to a multiple of ``seq_multiple`` (and never below
+    ``seqlen``). Lengths already fitting are returned as they are, unpadded."""
+    seq_multiple = math.lcm(seq_multiple, doc_multiple)
+    layout = [-(-d // doc_multiple) * doc_multiple for d in documents]
+    padding = [p - d for p, d in zip(layout, documents)]
+    total = max(sum(layout), seqlen)
+    tail = -(-total // seq_multiple) * seq_multiple - sum(layout)
+    if tail:
+        layout.append(tail)
+        padding.append(tail)
+    return tuple(layout), tuple(padding)
+
+
 @dataclass(frozen=True)
 class Mask:
-    """The whole problem's mask in global positions."""
+    """The whole problem's mask in global positions. ``padding``: pad tokens at the end of
+    each document (``pad_documents``); a pad token attends to nothing and nothing attends to
+    it (TransformerEngine's semantics of the gap between cu_seqlens and cu_seqlens_padded)."""
 
     causal: bool
     documents: tuple[int, ...] | None = None
     window: tuple[int, int] | None = None
+    padding: tuple[int, ...] | None = None
 
     @property
     def plain(self) -> bool:
@@ -148,6 +169,10 @@ class Mask:
             doc = torch.searchsorted(ends, q, right=True)
             lo = ends[doc] - torch.tensor(self.documents, device=q.device)[doc]
             hi = ends[doc] - 1
+            if self.padding is not None:
+                real_end = hi - torch.tensor(self.padding, device=q.device)[doc]
+                # a real query stops before its document's pad; a pad query sees nothing
+                hi = torch.where(q <= real_end, real_end, lo - 1)
         if self.causal:
             hi = torch.minimum(hi, q)
         if self.window is not None:
@@ -185,5 +210,7 @@ def mask_of(attn) -> Mask:
     """The mask of an ``AttentionConfig`` (or its dict form, as records hold it)."""
     get = attn.get if isinstance(attn, dict) else (lambda k: getattr(attn, k))
     docs, window = get("documents"), get("window_size")
+    padding = attn.get("padding") if isinstance(attn, dict) else getattr(attn, "padding", None)
     return Mask(bool(get("causal")), tuple(docs) if docs else None,
-                tuple(window) if window else None)
+                tuple(window) if window else None,
+                tuple(padding) if docs and padding and any(padding) else None)

@@ -284,6 +284,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
         if p.run.profile and _usable(phase) and not (mem and mem.broken) else (None, None)
     ranks_per_problem = c.strat.ranks_per_problem if c.strat is not None else p.world_size
     balance = c.strat.balance() if c.strat is not None and rank == 0 else None
+    padding = c.strat.padding() if c.strat is not None else None
     c.strat = c.inputs = step = None  # free the shards and graphs before the next case
     agreement.cleanup()
     record = results.make_record(
@@ -295,7 +296,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
         samples_ms=samples if any(samples.values()) else None, memory_bytes=memory_bytes,
         memory_status=mem.status if mem is not None else None,
         memory_error=mem.error if mem is not None else None, profile=profile,
-        balance=balance)
+        balance=balance, padding=padding)
     return record, any(ph is not None and ph.broken for ph in (phase, mem, prof))
 
 

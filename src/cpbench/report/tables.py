@@ -17,7 +17,8 @@ samples); the efficiency joins each CP row to its baseline on the problem's colu
 
 "Window" is the attention's sliding window as the seeds print it (flash-attn's
 ``window_size``; None without ``--window-size``; double-ring's ``--window``, its inner ring
-size, shows under Placement). With ``--documents`` a Documents column (count, longest), and
+size, shows under Placement). With ``--documents`` a Documents column (count, longest) and Padding (pad tokens'
+share of the padded sequence: ``--document-padding``), and
 wherever a record holds its ``balance`` an Imbalance column: max / mean attended area over
 ranks, from the layout and the mask. TFLOPs/s is per GPU for FWD+BWD (FWD alone with
 --fwd-only); every figure is recomputed from the record's raw samples by ``cpbench.results.derive``.
@@ -84,7 +85,8 @@ def rows(records: list[dict]) -> list[dict]:
             "Nodes×GPUs": f"{row['nodes']}×{row['ranks_per_node']}",
             "CP": str(row["ranks_per_problem"] > 1),
             "Window": "None" if row["window"] == "(-1, -1)" else row["window"],
-            **({"Documents": _docs_cell(row["documents"])} if with_docs else {}),
+            **({"Documents": _docs_cell(row["documents"]),
+                "Padding": _padding_cell(row["padding_fraction"])} if with_docs else {}),
             **({"Imbalance": "-" if _missing(row["imbalance"]) else
                 f"{row['imbalance']:.2f}"} if with_balance else {}),
             **({"Source": "simulated" if row["simulated"] else "measured"} if mixed else {}),
@@ -109,6 +111,11 @@ def _docs_cell(documents: str) -> str:
         return "-"
     lengths = [int(x) for x in documents.split(",")]
     return f"{len(lengths)} (max {max(lengths)})"
+
+
+def _padding_cell(fraction) -> str:
+    """The pad tokens' share of the padded sequence (--document-padding pad)."""
+    return "-" if _missing(fraction) else f"{100 * fraction:.2f} %"
 
 
 def _pct(x) -> str:
