@@ -17,11 +17,11 @@ samples); the efficiency joins each CP row to its baseline on the problem's colu
 
 "Window" is the attention's sliding window as the seeds print it (flash-attn's
 ``window_size``; None without ``--window-size``; double-ring's ``--window``, its inner ring
-size, shows under Placement). With ``--documents`` a Documents column (count, longest) and Padding (pad tokens'
-share of the padded sequence: ``--document-padding``), and
-wherever a record holds its ``balance`` an Imbalance column: max / mean attended area over
-ranks, from the layout and the mask. TFLOPs/s is per GPU for FWD+BWD (FWD alone with
---fwd-only); every figure is recomputed from the record's raw samples by ``cpbench.results.derive``.
+size, shows under Placement). With ``--documents`` a Documents column (count, longest) and
+Padding (pad tokens' share of the padded sequence: ``--document-padding``), and wherever a
+record holds its ``balance`` an Imbalance column: max / mean attended area over ranks, from
+the layout and the mask. TFLOPs/s is per GPU for FWD+BWD (FWD alone with --fwd-only); every
+figure is recomputed from the record's raw samples by ``cpbench.results.derive``.
 """
 
 from __future__ import annotations
