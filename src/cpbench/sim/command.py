@@ -32,6 +32,10 @@ def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
     run = RunConfig(strategy=(case.strategy,), device="cuda", kernel="simulated",
                     ranks_per_node=topo.ranks_per_node, out="none").resolved("cuda")
     oom = p.oom
+    # under a mask, the area each rank computes (a plain causal layout's is known) and,
+    # under documents, the padding its layout needs
+    strat = None if mask_of(attn).plain else model.build(case.strategy, case.options, attn,
+                                                         topo, 0)
     return results.make_record(
         strategy=case.strategy, options=case.options, attention=attn, run=run,
         kernel=f"simulated: {hw.name}", world_size=topo.world_size,
@@ -44,9 +48,7 @@ def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
         samples_ms=None if oom else {"fwd": [[p.fwd_s * 1e3]],
                                      "fwd_bwd": [[p.fwd_bwd_s * 1e3]]},
         memory_bytes=[int(p.memory_bytes)], memory_status=results.OOM if oom else None,
-        # under a mask, the area each rank computes (a plain causal layout's is known)
-        balance=None if mask_of(attn).plain else
-        model.build(case.strategy, case.options, attn, topo, 0).balance(),
+        balance=strat and strat.balance(), padding=strat and strat.padding(),
         simulation={"fwd_compute_ms": p.fwd_compute_s * 1e3,
                     "bwd_compute_ms": p.bwd_compute_s * 1e3,
                     "capacity_bytes": p.capacity_bytes})
