@@ -142,9 +142,10 @@ class Strategy(ABC):
         # the problem as this layout computes it: documents padded to its multiples
         self.attn = padded(attn, *self.pad_multiples())
         if self.attn is not attn and not self.pads_documents:
+            doc_m, seq_m = self.pad_multiples()
             raise Skipped(f"{self.name} hands document lengths to its library as they are, "
-                          f"so it cannot pad them to the {self.pad_multiples()[0]} its "
-                          f"layout needs here: refused, not padded; give such lengths")
+                          f"and its layout needs each a multiple of {doc_m} (the sequence "
+                          f"a multiple of {seq_m}): refused, not padded; give such lengths")
         self.validate()
         build = new_groups if create_groups else plan_group
         self.groups: dict[str, Group] = {
