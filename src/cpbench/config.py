@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cpbench import traces
 from cpbench.errors import UsageError
 from cpbench.mask import (
     pad_documents,
@@ -166,7 +167,9 @@ ATTENTION_HELP = {
               "meaning",
     "documents": "packed documents (attention never crosses one): lengths summing to "
                  "--seqlen (4k,2k,1k,1k) or a distribution sampled with --seed: "
-                 "uniform:MIN-MAX, lognormal:MEDIAN,SIGMA, file:PATH (one length a line)",
+                 "uniform:MIN-MAX, lognormal:MEDIAN,SIGMA, file:PATH (one length a line, or "
+                 "a histogram as the traces), trace:NAME, a real length trace shipped with "
+                 "cpbench: " + traces.describe(),
     "window_size": "sliding window LEFT,RIGHT as flash-attn's window_size: query i sees keys "
                    "i-LEFT..i+RIGHT (-1: unbounded; 1023,0 with --causal: itself and the "
                    "1,023 before)",

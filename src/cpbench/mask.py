@@ -9,12 +9,14 @@ step) follows from it.
 
 ``--documents`` takes explicit lengths (``4k,2k,1k,1k``) or a distribution sampled with the
 run's seed until the sequence is full (``uniform:MIN-MAX``, ``lognormal:MEDIAN,SIGMA``,
-``file:PATH``), each length capped at ``--max-document`` (default a quarter of the sequence,
-as MagiAttention's benchmark caps its documents).
+``trace:NAME`` of ``cpbench.traces``, ``file:PATH``), each length capped at
+``--max-document`` (default a quarter of the sequence, as MagiAttention's benchmark caps its
+documents). ``--document-padding pad`` pads them per strategy (``pad_documents``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -22,9 +24,10 @@ from pathlib import Path
 
 import torch
 
+from cpbench import traces
 from cpbench.errors import UsageError
 
-DISTRIBUTIONS = ("uniform", "lognormal", "file")
+DISTRIBUTIONS = ("uniform", "lognormal", "file", "trace")
 
 
 _SIZE_SUFFIX = {"k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
@@ -55,8 +58,8 @@ def parse_documents(text: str) -> tuple[int, ...] | str:
     if sep:
         if kind not in DISTRIBUTIONS:
             raise UsageError(f"--documents {t!r}: unknown distribution {kind!r}; use lengths "
-                             f"(4k,2k,1k,1k), uniform:MIN-MAX, lognormal:MEDIAN,SIGMA or "
-                             f"file:PATH")
+                             f"(4k,2k,1k,1k), uniform:MIN-MAX, lognormal:MEDIAN,SIGMA, "
+                             f"trace:NAME ({', '.join(traces.TRACES)}) or file:PATH")
         _sampler(t)  # reads the parameters now, so a typo fails before anything runs
         return t
     return tuple(_size(part) for part in t.split(",") if part.strip())
@@ -78,6 +81,8 @@ def parse_window(text: str) -> tuple[int, int]:
 def _sampler(spec: str):
     """A function rng -> one document length for a distribution spec."""
     kind, _, rest = spec.partition(":")
+    if kind == "trace":
+        return _histogram_sampler(traces.text(rest), spec)
     try:
         if kind == "uniform":
             lo, hi = (_size(x) for x in rest.split("-"))
@@ -88,7 +93,10 @@ def _sampler(spec: str):
             median, sigma = rest.split(",")
             mu, sd = math.log(_size(median)), float(sigma)
             return lambda rng: max(1, round(rng.lognormvariate(mu, sd)))
-        lengths = [int(line) for line in Path(rest).read_text().split() if line.strip()]
+        content = Path(rest).read_text()
+        if traces.is_histogram(content):
+            return _histogram_sampler(content, spec)
+        lengths = [int(line) for line in content.split() if line.strip()]
         if not lengths or min(lengths) < 1:
             raise ValueError
         return lambda rng: rng.choice(lengths)
@@ -98,7 +106,24 @@ def _sampler(spec: str):
     except (ValueError, UsageError):
         raise UsageError(f"--documents {spec!r}: cannot read it; use uniform:MIN-MAX "
                          f"(MIN <= MAX), lognormal:MEDIAN,SIGMA or file:PATH (one positive "
-                         f"length a line)") from None
+                         f"length a line, or a histogram: range,number header, then "
+                         f'"[LO, HI]",COUNT rows)') from None
+
+
+def _histogram_sampler(content: str, spec: str):
+    """A bin drawn in proportion to its count, then a length uniform inside it."""
+    try:
+        bins = traces.histogram(content)
+    except (ValueError, IndexError):
+        raise UsageError(f"--documents {spec}: not a histogram this reads: give a CSV with "
+                         f'a range,number header and "[LO, HI]",COUNT rows') from None
+    cum = list(itertools.accumulate(count for _, _, count in bins))
+
+    def draw(rng: random.Random) -> int:
+        lo, hi, _ = rng.choices(bins, cum_weights=cum)[0]
+        return rng.randint(lo, hi)
+
+    return draw
 
 
 def resolve_documents(documents, seqlen: int, seed: int, max_document: int | None
@@ -115,9 +140,10 @@ def resolve_documents(documents, seqlen: int, seed: int, max_document: int | Non
                              f"{seqlen}; give positive lengths that add up to the sequence")
         return lengths
     cap = max_document or max(1, seqlen // 4)
-    draw, rng, lengths = _sampler(documents), random.Random(seed), []
-    while sum(lengths) < seqlen:
-        lengths.append(min(draw(rng), cap, seqlen - sum(lengths)))
+    draw, rng, lengths, total = _sampler(documents), random.Random(seed), [], 0
+    while total < seqlen:
+        lengths.append(min(draw(rng), cap, seqlen - total))
+        total += lengths[-1]
     return tuple(lengths)
 
 
