@@ -138,6 +138,19 @@ def resolved_documents(attention: dict, seed: int) -> dict:
                                                         attention.get("max_document"))}
 
 
+def packed_problems(attention: dict, seed: int, packings: int
+                    ) -> tuple[AttentionConfig, ...]:
+    """The problem of each of ``packings`` packings: the ``documents`` distribution sampled
+    with seeds ``seed``, ``seed + 1``, ... (one problem when ``packings`` is 1). A training
+    run packs different documents every step; one packing is one step's imbalance."""
+    if packings > 1 and not isinstance(attention.get("documents"), str):
+        raise UsageError(f"--packings {packings} samples packings of a --documents "
+                         f"distribution; give one (e.g. --documents lognormal:8k,1.0 or "
+                         f"trace:magiattention), or drop --packings")
+    return tuple(AttentionConfig(**resolved_documents(attention, seed + i))
+                 for i in range(packings))
+
+
 # -- the benchmark run (owned by the driver; the CLI is generated from these fields) ----------
 
 def arg(default, help: str, *, choices: tuple | None = None, parse=None,
@@ -235,9 +248,12 @@ class RunConfig:
                                            "60 s)", metavar="SECONDS")
     deadline: float | None = arg(None, "--nproc only: seconds before the whole run is "
                                  "stopped (default: none)", metavar="SECONDS")
+    packings: int = arg(1, "with a --documents distribution: sample K packings of it (seeds "
+                        "--seed, --seed+1, ...), each a case of its own; reports show each "
+                        "strategy's median over them and their spread", metavar="K")
 
     def __post_init__(self):
-        for name in ("ranks_per_node", "iters", "nproc"):
+        for name in ("ranks_per_node", "iters", "nproc", "packings"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"{flag(name)} must be a positive integer, got {value}")

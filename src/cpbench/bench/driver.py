@@ -191,7 +191,7 @@ class _CaseRun:
         def build():
             cls = strategies.get(self.case.strategy)
             topo = dataclasses.replace(self.p.topo, group_timeout_s=self.timeout_s)
-            self.strat = cls(self.p.attn, topo, self.rank,
+            self.strat = cls(self.p.attn_of(self.case), topo, self.rank,
                              kernel=kernels.get(self.p.kernel_of(self.case)),
                              options=self.case.options)
             return self.strat.resolved_options(), self.strat.provenance()
@@ -288,7 +288,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     c.strat = c.inputs = step = None  # free the shards and graphs before the next case
     agreement.cleanup()
     record = results.make_record(
-        strategy=case.strategy, options=case.options, attention=p.attn, run=p.run,
+        strategy=case.strategy, options=case.options, attention=p.attn_of(case), run=p.run,
         kernel=p.kernel_of(case), world_size=p.world_size, ranks_per_node=p.ranks_per_node,
         ranks_per_problem=ranks_per_problem, env=env, status=phase.status,
         error=phase.error, traceback=_traceback(phase, mem, prof), resolved=resolved,
@@ -296,7 +296,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
         samples_ms=samples if any(samples.values()) else None, memory_bytes=memory_bytes,
         memory_status=mem.status if mem is not None else None,
         memory_error=mem.error if mem is not None else None, profile=profile,
-        balance=balance, padding=padding)
+        balance=balance, padding=padding, packing=p.packing_of(case))
     return record, any(ph is not None and ph.broken for ph in (phase, mem, prof))
 
 
