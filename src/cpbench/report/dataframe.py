@@ -48,6 +48,10 @@ def _row(r: dict) -> dict:
         "exposed_comm_pct": (r.get("profile") or {}).get("exposed_comm_pct"),
         "exposed_comm_ms": (r.get("profile") or {}).get("exposed_comm_ms"),
         "iters_fwd": _iterations(r, "fwd"), "iters_fwd_bwd": _iterations(r, "fwd_bwd"),
+        # --packings K: which packing of which distribution (None: one fixed problem)
+        "packing": (r.get("packing") or {}).get("index"),
+        "packings": (r.get("packing") or {}).get("count"),
+        "documents_spec": (r.get("packing") or {}).get("documents"),
     }
 
 

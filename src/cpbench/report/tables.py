@@ -34,6 +34,7 @@ import statistics
 from cpbench.config import FORMATS
 from cpbench.profile.summary import detail_lines
 from cpbench.reference import TENSORS, Comparison
+from cpbench.report import packings
 from cpbench.report.dataframe import baseline_drift, efficiencies, frame
 from cpbench.report.labels import mask_text, option_text, row_label, window_text
 from cpbench.results import FAILED, OK, OOM, derive
@@ -68,6 +69,7 @@ def rows(records: list[dict]) -> list[dict]:
     mixed = df["simulated"].nunique() > 1  # measured and simulated rows side by side
     with_docs = (df["documents"] != "-").any()
     with_balance = df["imbalance"].notna().any()
+    with_packings = df["packing"].notna().any()
     out = []
     for row in df.to_dict("records"):
         status = row["status"]
@@ -85,6 +87,7 @@ def rows(records: list[dict]) -> list[dict]:
             "Nodes×GPUs": f"{row['nodes']}×{row['ranks_per_node']}",
             "CP": str(row["ranks_per_problem"] > 1),
             "Window": "None" if row["window"] == "(-1, -1)" else row["window"],
+            **({"Packing": str(int(row["packing"]))} if with_packings else {}),
             **({"Documents": _docs_cell(row["documents"]),
                 "Padding": _padding_cell(row["padding_fraction"])} if with_docs else {}),
             **({"Imbalance": "-" if _missing(row["imbalance"]) else
@@ -196,11 +199,12 @@ def summary(records: list[dict], fmt: str = "table") -> str:
         eff_lines = _efficiency_lines(records)
         if eff_lines:
             lines += ["", *eff_lines]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + packings.lines(records, fmt)) + "\n"
     if fmt == "markdown":
         note = simulated_note(records)
         lines = [f"*Benchmark Summary{note}*", ""] if note else []
-        return "\n".join(lines + render(None, rows(records), "markdown")) + "\n"
+        return "\n".join(lines + render(None, rows(records), "markdown")
+                         + packings.lines(records, fmt)) + "\n"
     data = _data(records)
     if fmt == "json":
         records_out = [{k: (None if _missing(v) else v) for k, v in row.items()}
@@ -223,7 +227,8 @@ def _data(records: list[dict]):
     cols = ["strategy", "placement", "dtype", "qkv_format", "batch", "seqlen", "heads",
             "kv_heads", "head_dim", "causal", "documents", "window", "world", "nodes",
             "gpus_per_node", "cp", "kernel", "status", "fwd_ms", "bwd_ms", "fwd_bwd_ms",
-            "memory_mb", "tflops", "imbalance", "check",
+            "memory_mb", "tflops", "imbalance", "padded_tokens", "padding_fraction",
+            "packing", "documents_spec", "check",
             "cp_efficiency", "cp_efficiency_low", "cp_efficiency_high", "exposed_comm_pct",
             "exposed_comm_ms", "error", "memory_status", "memory_error"]
     return df[cols]
