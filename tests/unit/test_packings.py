@@ -52,3 +52,22 @@ def test_best_over_packings_needs_a_win_in_every_packing():
     assert v.winner == "zigzag" and v.tie
     text = summary(wins)
     assert "Over the packings" in text and "1.50 - 1.70" in text and "trace:pile" in text
+
+
+def test_simulate_predicts_every_packing():
+    from cpbench.sim import command, hardware
+    from cpbench.topology import Topology
+
+    topo = Topology(world_size=8, ranks_per_node=4)
+    attention = {"batch": 1, "heads": 8, "head_dim": 64, "dtype": "bf16", "causal": True,
+                 "documents": "trace:prolong64k"}
+    records, _ = command.simulate(("zigzag", "ring"), {}, attention, [16384], topo,
+                                  hardware.load("h100-sxm"), seed=3, packings=2)
+    assert [(r["config"]["strategy"], r["packing"]["index"]) for r in records] == [
+        ("zigzag", 0), ("ring", 0), ("zigzag", 1), ("ring", 1)]
+    assert records[0]["config"]["attention"]["documents"] != \
+        records[2]["config"]["attention"]["documents"]
+    assert all(r["packing"]["seed"] == 3 + r["packing"]["index"] for r in records)
+    assert records[0]["padding"]["document_multiple"] == 16
+    (v,) = verdicts(records)
+    assert "×2 packings" in v.problem
