@@ -71,3 +71,16 @@ def test_simulate_predicts_every_packing():
     assert records[0]["padding"]["document_multiple"] == 16
     (v,) = verdicts(records)
     assert "×2 packings" in v.problem
+
+
+def test_a_sweep_forwards_packings(tmp_path):
+    from cpbench import sweep
+
+    path = tmp_path / "s.yaml"
+    path.write_text("base: {strategy: [ring, zigzag], nproc: 2, heads: 2, head_dim: 16, "
+                    "seqlen: 1k, documents: 'trace:pile', packings: 2}\n"
+                    "sweep: {window_size: ['-1,-1']}\n")
+    cfg = sweep.load(path)
+    (case,) = cfg.cases
+    assert [c.packing for c in case.plan.cases] == [0, 0, 1, 1]
+    assert "--packings" in " ".join(sweep.command(cfg, case, str(tmp_path / "o.jsonl")))
