@@ -52,3 +52,13 @@ def test_file_reads_the_histogram_format(tmp_path):
         parse_documents(f"file:{path}")
     with pytest.raises(UsageError, match="magiattention"):
         parse_documents("trace:nope")
+
+
+def test_run_help_lists_every_trace(capsys):
+    from cpbench.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    for name, line in traces.lines():
+        assert f"  {name}" in out and line in out

@@ -374,6 +374,13 @@ def bracket_baselines(built: list[tuple[Case, Any]]) -> list[Case]:
     return base + cp + base if base and cp else [case for case, _ in built]
 
 
+def _in_packing(built: list[tuple[Case, Any]], packing: int | None) -> list:
+    """The cases of packing ``packing`` (None: no --packings): the plan runs them packing
+    after packing, every strategy on one packing before the next."""
+    return built if packing is None else [(dataclasses.replace(c, packing=packing), st)
+                                          for c, st in built]
+
+
 def _request(attn: AttentionConfig, device: str) -> dict:
     """What a kernel backend is asked to run (KernelBackend.unsupported_reason's fields)."""
     return dict(device=device, dtype=attn.torch_dtype, head_dim=attn.head_dim,
@@ -424,8 +431,7 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
         built, notes = runnable(expand_cases(run.strategy, options, topo), run.strategy,
                                 problem, topo, backend, device, capacity,
                                 auto=run.kernel == kernels.AUTO, elsewhere=job is not None)
-        if len(problems) > 1:  # packing-major: every strategy on a packing, then the next
-            built = [(dataclasses.replace(c, packing=i), st) for c, st in built]
+        built = _in_packing(built, i if len(problems) > 1 else None)
         cases += bracket_baselines(built) if baseline_both_ends else [c for c, _ in built]
         skipped += [n for n in notes if n not in skipped]
         strat_of.update(built)

@@ -28,9 +28,9 @@ TRACES = {
 }
 
 
-def describe() -> str:
-    """The traces for ``--help``: ``NAME (what it is)``, one after the other."""
-    return "; ".join(f"{name}: {line}" for name, (_, line) in TRACES.items())
+def lines() -> list[tuple[str, str]]:
+    """(name, one line saying what it is) per trace, for ``--help``."""
+    return [(name, line) for name, (_, line) in TRACES.items()]
 
 
 def text(name: str) -> str:
