@@ -106,10 +106,6 @@ class PaddedAttention(AttentionConfig):
     def real_documents(self) -> tuple[int, ...]:
         return tuple(d - p for d, p in zip(self.documents, self.padding) if d > p)
 
-    @property
-    def padded_tokens(self) -> int:
-        return sum(self.padding)
-
 
 def padded(attn: AttentionConfig, doc_multiple: int, seq_multiple: int) -> AttentionConfig:
     """``attn`` with its documents padded to these multiples (``mask.pad_documents``), or
