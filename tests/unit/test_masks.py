@@ -251,3 +251,26 @@ cases: [{total_tokens: 2k, batch: 4, documents: [128, 384]}]
     path.write_text("base: {nproc: 2, seqlen: 1k}\nsweep: {tokens_per_rank: [512]}\n")
     with pytest.raises(UsageError, match="each set the sequence length"):
         sweep.load(path)
+
+
+def test_each_layout_declares_the_multiples_it_pads_to():
+    topo = Topology(world_size=8, ranks_per_node=4)
+    attn = AttentionConfig(seqlen=1000, heads=8, head_dim=16, documents=(301, 499, 200))
+
+    def built(name, **opts):
+        cls = strategies.get(name)
+        return cls(attn, topo, 0, kernel=kernels.get("sdpa-cpu"), options=cls.Options(**opts),
+                   create_groups=False)
+
+    for name in ("zigzag", "megatron-cp", "double-ring"):
+        st = built(name)
+        assert st.pad_multiples() == (16, 16)
+        assert all(d % 16 == 0 for d in st.attn.documents) and st.attn.seqlen == 1024
+    for name in ("ring", "llama3", "ulysses"):
+        st = built(name)
+        assert st.pad_multiples() == (1, 8) and st.attn.seqlen == 1000
+    # usp 2 x 4 on a zigzag ring: documents to 8, the sequence to lcm(8, 8)
+    st = built("usp", ulysses_degree=2)
+    assert st.pad_multiples() == (8, 8) and st.ring.attn.documents == st.attn.documents
+    assert st.padding()["padded_tokens"] == st.attn.seqlen - 1000
+    assert built("usp", ulysses_degree=8).pad_multiples() == (1, 8)
