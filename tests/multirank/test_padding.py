@@ -12,9 +12,10 @@ import random
 import pytest
 from strategy_matrix import check_named_cases
 
-from cpbench import strategies
+from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
 from cpbench.launch import run_ranks
+from cpbench.topology import Topology
 
 pytestmark = pytest.mark.multirank
 
@@ -42,4 +43,22 @@ def _cases():
 @pytest.mark.parametrize("rpn", [1, 3])
 def test_padded_documents_match_the_reference_at_any_n(rpn):
     failures = run_ranks(check_named_cases, 3, rpn, _cases(), timeout=300)[0]
+    assert not failures, "\n".join(failures)
+
+
+def test_a_pad_only_tail_through_a_zigzag_ring():
+    """usp 3 x 2 on 6 ranks: documents padded to 4 (its zigzag ring of 2), the sequence to
+    lcm(4, 6) = 12, so a pad-only segment ends it and is cut into zigzag chunks like a
+    document (TransformerEngine #3331's tail)."""
+    usp = strategies.get("usp")
+    opts = usp.Options(ulysses_degree=3)
+    while True:  # fresh lengths whose padding needs a tail (most do)
+        attn = AttentionConfig(batch=1, seqlen=70, heads=6, head_dim=8, dtype="fp32",
+                               causal=True, documents=_documents(70))
+        st = usp(attn, Topology(world_size=6, ranks_per_node=3), 0,
+                 kernel=kernels.get("sdpa-cpu"), options=opts, create_groups=False)
+        if st.padding()["tail_tokens"]:
+            break
+    assert st.attn.seqlen % 12 == 0
+    failures = run_ranks(check_named_cases, 6, 3, [("usp", attn, opts)], timeout=300)[0]
     assert not failures, "\n".join(failures)
