@@ -270,6 +270,16 @@ def _configuration(record: dict) -> list[str]:
              f"  - World Size: {topo['world_size']} ({topo['num_nodes']} node(s) × "
              f"{topo['ranks_per_node']} ranks)",
              f"  - Strategy Options: {opts}"]
+    pad = record.get("padding")
+    if pad:  # --document-padding pad: what this strategy's layout added
+        lines.append(f"  - Document Padding: {pad['padded_tokens']} tokens "
+                     f"({100 * pad['fraction']:.2f} % of {pad['padded_seqlen']}; documents "
+                     f"to multiples of {pad['document_multiple']}, the sequence of "
+                     f"{pad['sequence_multiple']})")
+    packing = record.get("packing")
+    if packing:
+        lines.append(f"  - Packing: {packing['index']} of {packing['count']} "
+                     f"({packing['documents']}, seed {packing['seed']})")
     up = record.get("upstream")
     if up:
         lines.append(f"  - Upstream: {', '.join(f'{k} {v}' for k, v in up.items())}")
