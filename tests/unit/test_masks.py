@@ -274,3 +274,13 @@ def test_each_layout_declares_the_multiples_it_pads_to():
     assert st.pad_multiples() == (8, 8) and st.ring.attn.documents == st.attn.documents
     assert st.padding()["padded_tokens"] == st.attn.seqlen - 1000
     assert built("usp", ulysses_degree=8).pad_multiples() == (1, 8)
+
+
+def test_an_adapter_refuses_lengths_its_library_would_need_padded():
+    topo = Topology(world_size=2, ranks_per_node=1)
+    cls = strategies.get("rfa-zigzag")
+    odd = AttentionConfig(seqlen=64, heads=4, head_dim=16, dtype="bf16", documents=(23, 9, 32))
+    with pytest.raises(Skipped, match="multiple of 4.*refused, not padded"):
+        cls(odd, topo, 0, kernel=kernels.get("sdpa-cpu"), create_groups=False)
+    even = AttentionConfig(seqlen=64, heads=4, head_dim=16, dtype="bf16", documents=(24, 8, 32))
+    assert cls(even, topo, 0, kernel=kernels.get("sdpa-cpu"), create_groups=False).attn is even
