@@ -202,3 +202,21 @@ def test_masked_cases_plan_on_the_host(name, opts):
         assert r.status == "ok", (rank, r.error, r.where)
         want = dryrun.schedule_bytes(name, opts, MASKED, TOPO, rank, kernel_name="sdpa-cpu")
         assert {p: r.sent_bytes(p) for p in ("fwd", "bwd")} == want
+
+
+PADDED = AttentionConfig(seqlen=4000, heads=6, head_dim=64, dtype="bf16", causal=True,
+                         documents=(1999, 1001, 513, 487))
+
+
+@pytest.mark.parametrize("name", ["zigzag", "megatron-cp", "double-ring", "ring", "llama3"])
+def test_padded_documents_run_on_the_host_at_any_n(name):
+    """Lengths no layout splits over 3 ranks: each pads (zigzag layouts every document to 6,
+    contiguous ones the tail) and its real code sends what its schedule declares."""
+    topo = Topology(world_size=3, ranks_per_node=3)
+    opts = dryrun.case_options(name, {})
+    for rank in (0, 2):
+        r = dryrun.dry_rank(name, opts, PADDED, topo, rank, kernel_name="sdpa-cpu",
+                            device="cpu")
+        assert r.status == "ok", (rank, r.error, r.where)
+        want = dryrun.schedule_bytes(name, opts, PADDED, topo, rank, kernel_name="sdpa-cpu")
+        assert {p: r.sent_bytes(p) for p in ("fwd", "bwd")} == want
