@@ -91,7 +91,12 @@ class AttentionConfig:
         return torch.empty((), dtype=self.torch_dtype).element_size()
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["document_padding"] == "pad":
+            # the default left out: records from before the flag keep their keys (a sweep
+            # resumes, a compare matches them); AttentionConfig(**d) reads it back the same
+            del d["document_padding"]
+        return d
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -284,3 +284,12 @@ def test_an_adapter_refuses_lengths_its_library_would_need_padded():
         cls(odd, topo, 0, kernel=kernels.get("sdpa-cpu"), create_groups=False)
     even = AttentionConfig(seqlen=64, heads=4, head_dim=16, dtype="bf16", documents=(24, 8, 32))
     assert cls(even, topo, 0, kernel=kernels.get("sdpa-cpu"), create_groups=False).attn is even
+
+
+def test_the_default_padding_leaves_record_keys_as_before():
+    assert "document_padding" not in AttentionConfig().to_dict()
+    refuse = AttentionConfig(document_padding="refuse")
+    assert refuse.to_dict()["document_padding"] == "refuse"
+    assert AttentionConfig(**refuse.to_dict()) == refuse
+    with pytest.raises(UsageError, match="--document-padding 'trim'"):
+        AttentionConfig(document_padding="trim")
