@@ -1,17 +1,29 @@
 import os
 import sys
 
+import pytest
+
 # Rank bodies live in plain modules beside the tests so spawned ranks can import them; the
 # unit tests share helpers the same way.
 for _dir in ("multirank", "unit", "gpu"):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), _dir))
 
 
+@pytest.fixture()
+def own_modules():
+    """The adapters install cpbench's CPU flash-attn interface as ``flash_attn`` in this
+    process: removed after, so later tests see this machine as it is."""
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in ("flash_attn", "flash_attn_interface", "ring_flash_attn",
+                                  "yunchang"):
+            del sys.modules[name]
+
+
 def pytest_collection_modifyitems(config, items):
     """Everything under tests/multirank starts real gloo ranks: mark it, so the unit layer
     runs alone with `-m "not multirank"` (make test-fast)."""
-    import pytest
-
     for item in items:
         if f"{os.sep}multirank{os.sep}" in str(item.path):
             item.add_marker(pytest.mark.multirank)

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
+from cpbench import traces
 from cpbench.errors import UsageError
-from cpbench.mask import parse_documents, parse_size, parse_window, resolve_documents
+from cpbench.mask import (
+    pad_documents,
+    parse_documents,
+    parse_size,
+    parse_window,
+    resolve_documents,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ("table", "markdown", "csv", "json")  # how results print (cpbench run and report)
 DEVICES = ("auto", "cpu", "cuda")
+PADDINGS = ("pad", "refuse")  # --document-padding
 
 
 def flag(name: str) -> str:
@@ -36,6 +45,8 @@ class AttentionConfig:
     documents: tuple[int, ...] | None = None
     window_size: tuple[int, int] | None = None
     max_document: int | None = None  # the cap of sampled documents (default: S / 4)
+    # a document a strategy's layout cannot split: padded to its multiple, or refused
+    document_padding: str = "pad"
 
     def __post_init__(self):
         for name in ("batch", "seqlen", "heads", "head_dim"):
@@ -49,6 +60,9 @@ class AttentionConfig:
             )
         if self.dtype not in DTYPES:
             raise UsageError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
+        if self.document_padding not in PADDINGS:
+            raise UsageError(f"--document-padding {self.document_padding!r}: choose one of "
+                             f"{', '.join(PADDINGS)}")
         if isinstance(self.documents, str):
             raise UsageError("a --documents distribution must be sampled before the problem "
                              "is built (cpbench.mask.resolve_documents)")
@@ -77,7 +91,41 @@ class AttentionConfig:
         return torch.empty((), dtype=self.torch_dtype).element_size()
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["document_padding"] == "pad":
+            # the default left out: records from before the flag keep their keys (a sweep
+            # resumes, a compare matches them); AttentionConfig(**d) reads it back the same
+            del d["document_padding"]
+        return d
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaddedAttention(AttentionConfig):
+    """The problem a strategy computes after padding (``padded``): ``documents`` are the
+    layout's lengths (pad included; a pad-only segment may end the sequence), ``seqlen``
+    their sum, ``padding`` the pad tokens at the end of each (``cpbench.mask.Mask``)."""
+
+    padding: tuple[int, ...] = ()
+
+    @property
+    def real_documents(self) -> tuple[int, ...]:
+        return tuple(d - p for d, p in zip(self.documents, self.padding) if d > p)
+
+
+def padded(attn: AttentionConfig, doc_multiple: int, seq_multiple: int) -> AttentionConfig:
+    """``attn`` with its documents padded to these multiples (``mask.pad_documents``), or
+    ``attn`` itself when they already fit (nothing to pad, or refused by
+    ``--document-padding refuse``: the strategy's own check then says why)."""
+    if not attn.documents or attn.document_padding != "pad":
+        return attn
+    if attn.seqlen % math.lcm(doc_multiple, seq_multiple) == 0 and all(
+            d % doc_multiple == 0 for d in attn.documents):
+        return attn  # already splits (a composite's inner strategy on its padded problem)
+    real = attn.real_documents if isinstance(attn, PaddedAttention) else attn.documents
+    layout, padding = pad_documents(real, sum(real), doc_multiple, seq_multiple)
+    fields = {f.name: getattr(attn, f.name) for f in dataclasses.fields(AttentionConfig)}
+    return PaddedAttention(**{**fields, "seqlen": sum(layout), "documents": layout},
+                           padding=padding)
 
 
 def resolved_documents(attention: dict, seed: int) -> dict:
@@ -89,6 +137,19 @@ def resolved_documents(attention: dict, seed: int) -> dict:
     seqlen = attention.get("seqlen", CPU_ATTENTION["seqlen"])
     return {**attention, "documents": resolve_documents(docs, seqlen, seed,
                                                         attention.get("max_document"))}
+
+
+def packed_problems(attention: dict, seed: int, packings: int
+                    ) -> tuple[AttentionConfig, ...]:
+    """The problem of each of ``packings`` packings: the ``documents`` distribution sampled
+    with seeds ``seed``, ``seed + 1``, ... (one problem when ``packings`` is 1). A training
+    run packs different documents every step; one packing is one step's imbalance."""
+    if packings > 1 and not isinstance(attention.get("documents"), str):
+        raise UsageError(f"--packings {packings} samples packings of a --documents "
+                         f"distribution; give one (e.g. --documents lognormal:8k,1.0 or "
+                         f"trace:magiattention), or drop --packings")
+    return tuple(AttentionConfig(**resolved_documents(attention, seed + i))
+                 for i in range(packings))
 
 
 # -- the benchmark run (owned by the driver; the CLI is generated from these fields) ----------
@@ -120,11 +181,17 @@ ATTENTION_HELP = {
               "meaning",
     "documents": "packed documents (attention never crosses one): lengths summing to "
                  "--seqlen (4k,2k,1k,1k) or a distribution sampled with --seed: "
-                 "uniform:MIN-MAX, lognormal:MEDIAN,SIGMA, file:PATH (one length a line)",
+                 "uniform:MIN-MAX, lognormal:MEDIAN,SIGMA, trace:NAME (a real length trace "
+                 "shipped with cpbench: " + ", ".join(traces.TRACES) + "), file:PATH (one "
+                 "length a line, or a histogram in the traces' format)",
     "window_size": "sliding window LEFT,RIGHT as flash-attn's window_size: query i sees keys "
                    "i-LEFT..i+RIGHT (-1: unbounded; 1023,0 with --causal: itself and the "
                    "1,023 before)",
     "max_document": "cap of each sampled document length (default: a quarter of --seqlen)",
+    "document_padding": "a document whose length a strategy's layout cannot split (zigzag: "
+                        "a multiple of 2N): pad it to that multiple, pad tokens attending "
+                        "to nothing (TransformerEngine's cu_seqlens_padded), or refuse the "
+                        "strategy",
 }
 ATTENTION_PARSE = {"seqlen": parse_size, "documents": parse_documents,
                    "window_size": parse_window, "max_document": parse_size}
@@ -182,9 +249,12 @@ class RunConfig:
                                            "60 s)", metavar="SECONDS")
     deadline: float | None = arg(None, "--nproc only: seconds before the whole run is "
                                  "stopped (default: none)", metavar="SECONDS")
+    packings: int = arg(1, "with a --documents distribution: sample K packings of it (seeds "
+                        "--seed, --seed+1, ...), each a case of its own; reports show each "
+                        "strategy's median over them and their spread", metavar="K")
 
     def __post_init__(self):
-        for name in ("ranks_per_node", "iters", "nproc"):
+        for name in ("ranks_per_node", "iters", "nproc", "packings"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"{flag(name)} must be a positive integer, got {value}")

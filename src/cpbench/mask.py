@@ -9,12 +9,14 @@ step) follows from it.
 
 ``--documents`` takes explicit lengths (``4k,2k,1k,1k``) or a distribution sampled with the
 run's seed until the sequence is full (``uniform:MIN-MAX``, ``lognormal:MEDIAN,SIGMA``,
-``file:PATH``), each length capped at ``--max-document`` (default a quarter of the sequence,
-as MagiAttention's benchmark caps its documents).
+``trace:NAME`` of ``cpbench.traces``, ``file:PATH``), each length capped at
+``--max-document`` (default a quarter of the sequence, as MagiAttention's benchmark caps its
+documents). ``--document-padding pad`` pads them per strategy (``pad_documents``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -22,9 +24,10 @@ from pathlib import Path
 
 import torch
 
+from cpbench import traces
 from cpbench.errors import UsageError
 
-DISTRIBUTIONS = ("uniform", "lognormal", "file")
+DISTRIBUTIONS = ("uniform", "lognormal", "file", "trace")
 
 
 _SIZE_SUFFIX = {"k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
@@ -55,8 +58,8 @@ def parse_documents(text: str) -> tuple[int, ...] | str:
     if sep:
         if kind not in DISTRIBUTIONS:
             raise UsageError(f"--documents {t!r}: unknown distribution {kind!r}; use lengths "
-                             f"(4k,2k,1k,1k), uniform:MIN-MAX, lognormal:MEDIAN,SIGMA or "
-                             f"file:PATH")
+                             f"(4k,2k,1k,1k), uniform:MIN-MAX, lognormal:MEDIAN,SIGMA, "
+                             f"trace:NAME ({', '.join(traces.TRACES)}) or file:PATH")
         _sampler(t)  # reads the parameters now, so a typo fails before anything runs
         return t
     return tuple(_size(part) for part in t.split(",") if part.strip())
@@ -78,6 +81,8 @@ def parse_window(text: str) -> tuple[int, int]:
 def _sampler(spec: str):
     """A function rng -> one document length for a distribution spec."""
     kind, _, rest = spec.partition(":")
+    if kind == "trace":
+        return _histogram_sampler(traces.text(rest), spec)
     try:
         if kind == "uniform":
             lo, hi = (_size(x) for x in rest.split("-"))
@@ -88,7 +93,10 @@ def _sampler(spec: str):
             median, sigma = rest.split(",")
             mu, sd = math.log(_size(median)), float(sigma)
             return lambda rng: max(1, round(rng.lognormvariate(mu, sd)))
-        lengths = [int(line) for line in Path(rest).read_text().split() if line.strip()]
+        content = Path(rest).read_text()
+        if traces.is_histogram(content):
+            return _histogram_sampler(content, spec)
+        lengths = [int(line) for line in content.split() if line.strip()]
         if not lengths or min(lengths) < 1:
             raise ValueError
         return lambda rng: rng.choice(lengths)
@@ -98,7 +106,24 @@ def _sampler(spec: str):
     except (ValueError, UsageError):
         raise UsageError(f"--documents {spec!r}: cannot read it; use uniform:MIN-MAX "
                          f"(MIN <= MAX), lognormal:MEDIAN,SIGMA or file:PATH (one positive "
-                         f"length a line)") from None
+                         f"length a line, or a histogram: range,number header, then "
+                         f'"[LO, HI]",COUNT rows)') from None
+
+
+def _histogram_sampler(content: str, spec: str):
+    """A bin drawn in proportion to its count, then a length uniform inside it."""
+    try:
+        bins = traces.histogram(content)
+    except (ValueError, IndexError):
+        raise UsageError(f"--documents {spec}: not a histogram this reads: give a CSV with "
+                         f'a range,number header and "[LO, HI]",COUNT rows') from None
+    cum = list(itertools.accumulate(count for _, _, count in bins))
+
+    def draw(rng: random.Random) -> int:
+        lo, hi, _ = rng.choices(bins, cum_weights=cum)[0]
+        return rng.randint(lo, hi)
+
+    return draw
 
 
 def resolve_documents(documents, seqlen: int, seed: int, max_document: int | None
@@ -115,19 +140,41 @@ def resolve_documents(documents, seqlen: int, seed: int, max_document: int | Non
                              f"{seqlen}; give positive lengths that add up to the sequence")
         return lengths
     cap = max_document or max(1, seqlen // 4)
-    draw, rng, lengths = _sampler(documents), random.Random(seed), []
-    while sum(lengths) < seqlen:
-        lengths.append(min(draw(rng), cap, seqlen - sum(lengths)))
+    draw, rng, lengths, total = _sampler(documents), random.Random(seed), [], 0
+    while total < seqlen:
+        lengths.append(min(draw(rng), cap, seqlen - total))
+        total += lengths[-1]
     return tuple(lengths)
+
+
+def pad_documents(documents: tuple[int, ...], seqlen: int, doc_multiple: int,
+                  seq_multiple: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(layout lengths, pad tokens at the end of each) of ``documents`` padded as deployed
+    context parallelism pads them (TransformerEngine's ``cu_seqlens_padded``, Megatron's
+    packing to 2 × CP): each document up to a multiple of ``doc_multiple``, then one
+    pad-only segment at the tail up to a multiple of ``seq_multiple`` (and never below
+    ``seqlen``). Lengths already fitting are returned as they are, unpadded."""
+    seq_multiple = math.lcm(seq_multiple, doc_multiple)
+    layout = [-(-d // doc_multiple) * doc_multiple for d in documents]
+    padding = [p - d for p, d in zip(layout, documents)]
+    total = max(sum(layout), seqlen)
+    tail = -(-total // seq_multiple) * seq_multiple - sum(layout)
+    if tail:
+        layout.append(tail)
+        padding.append(tail)
+    return tuple(layout), tuple(padding)
 
 
 @dataclass(frozen=True)
 class Mask:
-    """The whole problem's mask in global positions."""
+    """The whole problem's mask in global positions. ``padding``: pad tokens at the end of
+    each document (``pad_documents``); a pad token attends to nothing and nothing attends to
+    it (TransformerEngine's semantics of the gap between cu_seqlens and cu_seqlens_padded)."""
 
     causal: bool
     documents: tuple[int, ...] | None = None
     window: tuple[int, int] | None = None
+    padding: tuple[int, ...] | None = None
 
     @property
     def plain(self) -> bool:
@@ -148,6 +195,10 @@ class Mask:
             doc = torch.searchsorted(ends, q, right=True)
             lo = ends[doc] - torch.tensor(self.documents, device=q.device)[doc]
             hi = ends[doc] - 1
+            if self.padding is not None:
+                real_end = hi - torch.tensor(self.padding, device=q.device)[doc]
+                # a real query stops before its document's pad; a pad query sees nothing
+                hi = torch.where(q <= real_end, real_end, lo - 1)
         if self.causal:
             hi = torch.minimum(hi, q)
         if self.window is not None:
@@ -185,5 +236,7 @@ def mask_of(attn) -> Mask:
     """The mask of an ``AttentionConfig`` (or its dict form, as records hold it)."""
     get = attn.get if isinstance(attn, dict) else (lambda k: getattr(attn, k))
     docs, window = get("documents"), get("window_size")
+    padding = attn.get("padding") if isinstance(attn, dict) else getattr(attn, "padding", None)
     return Mask(bool(get("causal")), tuple(docs) if docs else None,
-                tuple(window) if window else None)
+                tuple(window) if window else None,
+                tuple(padding) if docs and padding and any(padding) else None)

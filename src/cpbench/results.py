@@ -27,7 +27,11 @@ A record holds what is needed to re-run it and to recompute every figure printed
   ``cpbench.bench.profiling``, or ``{"error", "traces"}`` when profiling failed) and
   ``balance`` (from the layout and the mask: attended pairs per rank and per ring step, and
   ``imbalance`` = max / mean over ranks), ``dryrun`` (``cpbench dryrun``: the device, its
-  memory, and per rank run its peaks, bytes sent and declared, error and file:line).
+  memory, and per rank run its peaks, bytes sent and declared, error and file:line),
+  ``padding`` (under documents: the strategy's document and sequence multiples, the real and
+  padded sequence, ``padded_tokens``, their ``fraction`` of the padded sequence, the tail's
+  pad and the padded lengths; FLOPs count real pairs only) and ``packing`` (the index of the
+  packing under ``--packings K``: seed + index sampled the documents).
 The mask is part of the problem: ``config.attention.documents`` (the lengths) and
 ``window_size``; ``derived.flops_counted`` says whether FLOPs come from the seeds' formula
 (plain causal / full) or the exact attended pairs (documents, windows).
@@ -58,7 +62,8 @@ STATUSES = (OK, OOM, FAILED, TIMEOUT)  # timeout: a sweep's case ran past its li
 # what a case measured (null until it did), and the sections some records add
 MEASURED = ("resolved", "error", "traceback", "samples_ms", "memory_bytes", "memory_status",
             "memory_error", "check")
-SECTIONS = ("sweep", "simulation", "upstream", "profile", "balance", "dryrun")
+SECTIONS = ("sweep", "simulation", "upstream", "profile", "balance", "dryrun", "padding",
+            "packing")
 # a row's key: what was asked for, not what a machine resolved it to (the device, the kernel
 # "auto" became), so a sweep checked on a login node matches records made on GPUs
 KEY_RUN_FIELDS = ("kernel", "warmup", "iters", "fwd_only", "check", "seed")
@@ -204,6 +209,9 @@ def derive(record: dict) -> dict:
                  "flops_counted": _flops(attention, "fwd")[1]}
     if record.get("balance"):
         out["imbalance"] = record["balance"]["imbalance"]
+    if record.get("padding"):
+        out["padded_tokens"] = record["padding"]["padded_tokens"]
+        out["padding_fraction"] = record["padding"]["fraction"]
     checks = record.get("check")
     out["check_passed"] = None if not checks else all(c["passed"] for c in checks)
     n = record["ranks_per_problem"]

@@ -14,6 +14,7 @@ from cpbench.config import (
     ATTENTION_HELP,
     ATTENTION_PARSE,
     DTYPES,
+    PADDINGS,
     AttentionConfig,
     RunConfig,
     flag,
@@ -102,7 +103,8 @@ def settings_of(cls, *, help_map: dict | None = None, parse_map: dict | None = N
 
 def attention_settings() -> list[Setting]:
     return settings_of(AttentionConfig, help_map=ATTENTION_HELP, parse_map=ATTENTION_PARSE,
-                       choices_map={"dtype": tuple(DTYPES)})
+                       choices_map={"dtype": tuple(DTYPES),
+                                     "document_padding": PADDINGS})
 
 
 def run_settings() -> list[Setting]:

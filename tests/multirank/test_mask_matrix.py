@@ -2,12 +2,12 @@
 strategy that declares a mask, gathered into global order and compared with the float64
 reference under the same mask (out, lse, dq, dk, dv), cpbench's own also held to their
 declared schedules. Two launches in all (CI time): 2 ranks for the mask matrix — random
-document lengths, a document shorter than a rank's shard, one spanning every rank, a window
-smaller than a shard and one larger — and 4 ranks for llama3 without a mask (causal and full,
-GQA, fp16, head chunks; rfa-llama3 causal and full), llama3's two layouts and two dK/dV
-dtypes plain, under documents and under a window, beside ring / zigzag / llama3 / usp on
-documents and a window over 4 shards. (llama3 is checked here rather than in test_strategies'
-per-topology matrix: one launch, not five.)"""
+document lengths, lengths no zigzag layout splits (padded: ``--document-padding pad``), a
+document shorter than a rank's shard, one spanning every rank, a window smaller than a shard
+and one larger — and 4 ranks for llama3 without a mask (causal and full, GQA, fp16, head
+chunks; rfa-llama3 causal and full), llama3's two layouts and two dK/dV dtypes plain, under
+documents and under a window, beside ring / zigzag / llama3 / usp on documents and a window
+over 4 shards."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ pytestmark = pytest.mark.multirank
 S = 64  # 2 ranks: shards of 32 (zigzag chunks of 16); 4 ranks: shards of 16
 MASKS = [
     dict(documents=(24, 8, 32)),  # random-ish; 8 is shorter than a shard
+    dict(documents=(23, 9, 32)),  # zigzag layouts pad 23 and 9 to 4 (2N)
     dict(documents=(56, 8)),  # the first spans every rank
     dict(window_size=(5, 0)),  # smaller than a shard
     dict(window_size=(40, 3), causal=False, documents=(24, 8, 32)),  # larger, both sides

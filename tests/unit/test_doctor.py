@@ -10,6 +10,10 @@ import torch
 from cpbench import cli
 from cpbench.cli import doctor
 
+# doctor imports the adapters' libraries as they do (cpbench's CPU flash-attn interface as
+# ``flash_attn``): gone again after each test
+pytestmark = pytest.mark.usefixtures("own_modules")
+
 FIGURES = {"ranks": 2, "small_bytes": 4096, "large_bytes": 4 * 2 ** 20,
            "p2p_latency_us": 55.0, "p2p_gb_s": 1.25, "a2a_gb_s": 0.5}
 

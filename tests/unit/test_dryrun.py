@@ -159,20 +159,6 @@ def test_cli_says_oom_and_by_how_much(capsys):
     assert "OOM: needs" in out and "over)" in out
 
 
-@pytest.fixture
-def own_modules():
-    """The adapters install cpbench's CPU flash-attn interface as ``flash_attn`` in this
-    process: removed after, so later tests see this machine as it is."""
-    import sys
-
-    before = set(sys.modules)
-    yield
-    for name in set(sys.modules) - before:
-        if name.split(".")[0] in ("flash_attn", "flash_attn_interface", "ring_flash_attn",
-                                  "yunchang"):
-            del sys.modules[name]
-
-
 @pytest.mark.parametrize("name", ["rfa-llama3", "rfa-zigzag", "torch-ring", "yunchang-usp"])
 def test_the_upstream_adapters_run_every_rank_without_a_host_sync(name, own_modules):
     """Their libraries' code on fake tensors: rfa-llama3's CPU flash-attn interface once read
@@ -201,4 +187,22 @@ def test_masked_cases_plan_on_the_host(name, opts):
                             device="cpu")
         assert r.status == "ok", (rank, r.error, r.where)
         want = dryrun.schedule_bytes(name, opts, MASKED, TOPO, rank, kernel_name="sdpa-cpu")
+        assert {p: r.sent_bytes(p) for p in ("fwd", "bwd")} == want
+
+
+PADDED = AttentionConfig(seqlen=4000, heads=6, head_dim=64, dtype="bf16", causal=True,
+                         documents=(1999, 1001, 513, 487))
+
+
+@pytest.mark.parametrize("name", ["zigzag", "megatron-cp", "double-ring", "ring", "llama3"])
+def test_padded_documents_run_on_the_host_at_any_n(name):
+    """Lengths no layout splits over 3 ranks: each pads (zigzag layouts every document to 6,
+    contiguous ones the tail) and its real code sends what its schedule declares."""
+    topo = Topology(world_size=3, ranks_per_node=3)
+    opts = dryrun.case_options(name, {})
+    for rank in (0, 2):
+        r = dryrun.dry_rank(name, opts, PADDED, topo, rank, kernel_name="sdpa-cpu",
+                            device="cpu")
+        assert r.status == "ok", (rank, r.error, r.where)
+        want = dryrun.schedule_bytes(name, opts, PADDED, topo, rank, kernel_name="sdpa-cpu")
         assert {p: r.sent_bytes(p) for p in ("fwd", "bwd")} == want

@@ -12,7 +12,7 @@ from cpbench.bench.plan import plan
 from cpbench.config import AttentionConfig, RunConfig
 from cpbench.errors import Skipped, UsageError
 from cpbench.kernels import masked
-from cpbench.mask import Mask, parse_documents, parse_window, resolve_documents
+from cpbench.mask import Mask, pad_documents, parse_documents, parse_window, resolve_documents
 from cpbench.reference import reference_attention
 from cpbench.topology import Topology
 
@@ -148,11 +148,62 @@ def test_a_strategy_that_cannot_take_the_mask_is_skipped_with_the_reason():
         plan(alone, {"seqlen": 1024, "documents": (512, 512)}, {}, launcher="self")
 
 
-def test_zigzag_refuses_documents_it_cannot_cut():
+def test_zigzag_pads_documents_it_cannot_cut_or_refuses_them_on_request():
     run = RunConfig(strategy=("zigzag", "ring"), nproc=4, out="none")
     p = plan(run, {"seqlen": 1024, "documents": (500, 524)}, {}, launcher="self")
+    assert [c.strategy for c in p.cases] == ["zigzag", "ring"]
+    p = plan(run, {"seqlen": 1024, "documents": (500, 524),
+                   "document_padding": "refuse"}, {}, launcher="self")
     assert [c.strategy for c in p.cases] == ["ring"]
     assert any("multiple of 8" in s and "refused, not padded" in s for s in p.skipped)
+
+
+def test_pad_documents_pads_each_then_the_tail():
+    assert pad_documents((500, 524), 1024, 8, 8) == ((504, 528), (4, 4))
+    assert pad_documents((512, 512), 1024, 8, 8) == ((512, 512), (0, 0))
+    # contiguous shards over 3 ranks: documents as they are, the sequence's tail padded
+    assert pad_documents((500, 524), 1024, 1, 3) == ((500, 524, 2), (0, 0, 2))
+    # usp 2x2 with a zigzag ring: documents to 4, the sequence to lcm(4, 4)
+    layout, pads = pad_documents((3, 5, 9), 17, 4, 6)
+    assert sum(layout) % 12 == 0 and all(d % 4 == 0 for d in layout)
+    assert [d - p for d, p in zip(layout, pads) if d > p] == [3, 5, 9]
+
+
+def test_pad_tokens_attend_to_nothing_and_nothing_attends_to_them():
+    m = Mask(causal=True, documents=(4, 4, 2), padding=(1, 0, 2))
+    every = torch.arange(10)
+    vis = m.visible(every, every)
+    pad = torch.tensor([3, 8, 9])
+    assert not vis[pad].any() and not vis[:, pad].any()
+    assert bool(vis[2, 0]) and bool(vis[2, 2]) and not bool(vis[4, 2])
+    assert m.pairs(every, every) == int(vis.sum()) == 6 + 10
+    # the FLOPs of the real problem: the real documents' pairs alone
+    assert metrics.attended_pairs(seqlen=7, causal=True, documents=(3, 4)) == 6 + 10
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, (5, 0))])
+def test_masked_kernel_matches_float64_with_pad_tokens_at_the_tail(causal, window):
+    """A padded problem (a pad inside, a pad-only tail: TransformerEngine #3331's case) on
+    fresh inputs: pad rows out 0 and lse -inf, no gradient into or out of them."""
+    m = Mask(causal=causal, documents=(24, 16, 8), window=window, padding=(3, 0, 8))
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    q, k, v, do = (torch.randn(1, 48, 2, 16, generator=g) for _ in range(4))
+    every = torch.arange(48)
+    ref = reference_attention(q, k, v, do, causal=causal, softmax_scale=0.25,
+                              visible=m.visible(every, every))
+    block = masked.Block(m, every, every)
+    out, lse = masked.forward(kernels.get("sdpa-cpu"), block.tiles, q, k, v,
+                              softmax_scale=0.25)
+    dq, dk, dv = masked.backward(kernels.get("sdpa-cpu"), block.tiles, do, q, k, v, out, lse,
+                                 softmax_scale=0.25)
+    pad = torch.tensor([21, 22, 23, *range(40, 48)])
+    assert torch.isneginf(ref["lse"][..., pad]).all() and torch.isneginf(lse[..., pad]).all()
+    real = torch.tensor([i for i in range(48) if i not in set(pad.tolist())])
+    torch.testing.assert_close(lse[..., real].double(), ref["lse"][..., real], rtol=2e-4,
+                               atol=2e-4)
+    for got, want in ((out, ref["out"]), (dq, ref["dq"]), (dk, ref["dk"]), (dv, ref["dv"])):
+        torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=2e-4)
+        assert not got[:, pad].any()
 
 
 def test_report_best_names_a_winner_or_a_tie():
@@ -200,3 +251,49 @@ cases: [{total_tokens: 2k, batch: 4, documents: [128, 384]}]
     path.write_text("base: {nproc: 2, seqlen: 1k}\nsweep: {tokens_per_rank: [512]}\n")
     with pytest.raises(UsageError, match="each set the sequence length"):
         sweep.load(path)
+
+
+def test_each_layout_declares_the_multiples_it_pads_to():
+    topo = Topology(world_size=8, ranks_per_node=4)
+    attn = AttentionConfig(seqlen=1000, heads=8, head_dim=16, documents=(301, 499, 200))
+
+    def built(name, **opts):
+        cls = strategies.get(name)
+        return cls(attn, topo, 0, kernel=kernels.get("sdpa-cpu"), options=cls.Options(**opts),
+                   create_groups=False)
+
+    for name in ("zigzag", "megatron-cp", "double-ring"):
+        st = built(name)
+        assert st.pad_multiples() == (16, 16)
+        assert all(d % 16 == 0 for d in st.attn.documents) and st.attn.seqlen == 1024
+    for name in ("ring", "ulysses"):
+        st = built(name)
+        assert st.pad_multiples() == (1, 8) and st.attn.seqlen == 1000
+    # llama3: any document length; zigzag cuts the whole sequence in 2N chunks (the tail pads)
+    assert built("llama3", layout="contiguous").pad_multiples() == (1, 8)
+    st = built("llama3", layout="zigzag")
+    assert st.pad_multiples() == (1, 16) and st.attn.seqlen == 1008
+    # usp 2 x 4 on a zigzag ring: documents to 8, the sequence to lcm(8, 8)
+    st = built("usp", ulysses_degree=2)
+    assert st.pad_multiples() == (8, 8) and st.ring.attn.documents == st.attn.documents
+    assert st.padding()["padded_tokens"] == st.attn.seqlen - 1000
+    assert built("usp", ulysses_degree=8).pad_multiples() == (1, 8)
+
+
+def test_an_adapter_refuses_lengths_its_library_would_need_padded():
+    topo = Topology(world_size=2, ranks_per_node=1)
+    cls = strategies.get("rfa-zigzag")
+    odd = AttentionConfig(seqlen=64, heads=4, head_dim=16, dtype="bf16", documents=(23, 9, 32))
+    with pytest.raises(Skipped, match="multiple of 4.*refused, not padded"):
+        cls(odd, topo, 0, kernel=kernels.get("sdpa-cpu"), create_groups=False)
+    even = AttentionConfig(seqlen=64, heads=4, head_dim=16, dtype="bf16", documents=(24, 8, 32))
+    assert cls(even, topo, 0, kernel=kernels.get("sdpa-cpu"), create_groups=False).attn is even
+
+
+def test_the_default_padding_leaves_record_keys_as_before():
+    assert "document_padding" not in AttentionConfig().to_dict()
+    refuse = AttentionConfig(document_padding="refuse")
+    assert refuse.to_dict()["document_padding"] == "refuse"
+    assert AttentionConfig(**refuse.to_dict()) == refuse
+    with pytest.raises(UsageError, match="--document-padding 'trim'"):
+        AttentionConfig(document_padding="trim")

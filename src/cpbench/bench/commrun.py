@@ -50,7 +50,7 @@ def rank_comm(rank: int, world: int, p: Plan) -> list[dict]:
         phase = agreement.Agreement(p.run.device, agreement.store(), f"comm{i}")
         cls = strategies.get(case.strategy)
         strat = phase(lambda cls=cls, case=case: cls(
-            p.attn, p.topo, rank, kernel=kernels.get(p.kernel_of(case)),
+            p.attn_of(case), p.topo, rank, kernel=kernels.get(p.kernel_of(case)),
             options=case.options))
         events = phase(lambda strat=strat: _trace_case(strat, p, rank))
         everyone = [None] * world

@@ -127,7 +127,7 @@ class _CaseRun:
         def build():
             cls = strategies.get(self.case.strategy)
             topo = dataclasses.replace(self.p.topo, group_timeout_s=self.timeout_s)
-            self.strat = cls(self.p.attn, topo, self.rank,
+            self.strat = cls(self.p.attn_of(self.case), topo, self.rank,
                              kernel=kernels.get(self.p.kernel_of(self.case)),
                              options=self.case.options)
             return self.strat.resolved_options(), self.strat.provenance()
@@ -222,10 +222,11 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
         if p.run.profile and _usable(phase) and not (mem and mem.broken) else (None, None)
     ranks_per_problem = c.strat.ranks_per_problem if c.strat is not None else p.world_size
     balance = c.strat.balance() if c.strat is not None and rank == 0 else None
+    padding = c.strat.padding() if c.strat is not None else None
     c.strat = c.inputs = step = None  # free the shards and graphs before the next case
     agreement.cleanup()
     record = results.make_record(
-        strategy=case.strategy, options=case.options, attention=p.attn, run=p.run,
+        strategy=case.strategy, options=case.options, attention=p.attn_of(case), run=p.run,
         kernel=p.kernel_of(case), world_size=p.world_size, ranks_per_node=p.ranks_per_node,
         ranks_per_problem=ranks_per_problem, env=env, status=phase.status,
         error=phase.error, traceback=_traceback(phase, mem, prof), resolved=resolved,
@@ -233,7 +234,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
         samples_ms=samples if any(samples.values()) else None, memory_bytes=memory_bytes,
         memory_status=mem.status if mem is not None else None,
         memory_error=mem.error if mem is not None else None, profile=profile,
-        balance=balance)
+        balance=balance, padding=padding, packing=p.packing_of(case))
     broke = [ph for ph in (phase, mem, prof) if ph is not None and ph.broken]
     return record, ("device" if any(ph.sticky for ph in broke) else "group") if broke else None
 
@@ -314,6 +315,9 @@ def _header(p: Plan, world: int) -> None:
     log.info("cpbench: %d case(s) on %d ranks (%d node(s) × %d), %s on %s, %s",
              len(p.cases), world, topo.num_nodes, topo.ranks_per_node, p.kernel, p.run.device,
              ", ".join(f"{k}={v}" for k, v in p.attn.to_dict().items()))
+    if p.packed:  # the documents above are the first packing's
+        log.info("%d packings of %s (seeds %d..%d), each strategy on each", len(p.packed),
+                 p.documents_spec, p.run.seed, p.run.seed + len(p.packed) - 1)
     for reason in p.skipped:
         log.info("skipped %s", reason)
 

@@ -30,7 +30,7 @@ from cpbench.config import (
     RunConfig,
     default_attention,
     flag,
-    resolved_documents,
+    packed_problems,
 )
 from cpbench.errors import Skipped, UsageError
 from cpbench.kernels import masked_varlen
@@ -58,12 +58,14 @@ class Case:
     strategy: str
     options: Any
     kernel: str | None = None  # None: the plan's (else see strategies._upstream.case_kernel)
+    packing: int | None = None  # under --packings K: which packing (Plan.packed) it runs
 
     @property
     def label(self) -> str:
         fields = dataclasses.asdict(self.options)
-        return f"{self.strategy} ({', '.join(f'{k}={v}' for k, v in fields.items())})" \
+        text = f"{self.strategy} ({', '.join(f'{k}={v}' for k, v in fields.items())})" \
             if fields else self.strategy
+        return text if self.packing is None else f"{text} [packing {self.packing}]"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +84,20 @@ class Plan:
     # per case: (collective timeout, how long a rank that failed by itself waits for its
     # peers in the agreement on gloo), in seconds; see case_waits
     waits: tuple[tuple[float, float], ...] = ()
+    # under --packings K: each packing's problem (``attn`` is the first), and the spec
+    packed: tuple[AttentionConfig, ...] = ()
+    documents_spec: str | None = None
+
+    def attn_of(self, case: Case) -> AttentionConfig:
+        """The problem ``case`` runs: its packing's under --packings, else ``attn``."""
+        return self.attn if case.packing is None else self.packed[case.packing]
+
+    def packing_of(self, case: Case) -> dict | None:
+        """The record's ``packing`` section: which packing, of how many, its seed."""
+        if case.packing is None:
+            return None
+        return {"index": case.packing, "count": len(self.packed),
+                "seed": self.run.seed + case.packing, "documents": self.documents_spec}
 
     @property
     def topo(self) -> Topology:
@@ -99,9 +115,10 @@ class Plan:
 
     def keys(self) -> tuple[str, ...]:
         """``results.record_key`` of every row this plan records, in order."""
-        run, attn = self.run.to_dict(), self.attn.to_dict()
+        run = self.run.to_dict()
         return tuple(results.case_key(strategy=c.strategy, options=dataclasses.asdict(c.options),
-                                      attention=attn, run=run, world_size=self.world_size,
+                                      attention=self.attn_of(c).to_dict(), run=run,
+                                      world_size=self.world_size,
                                       ranks_per_node=self.ranks_per_node)
                      for c in self.cases)
 
@@ -112,16 +129,16 @@ def failure_record(p: Plan, index: int, status: str, error: str, **sections) -> 
     from cpbench.bench.env import cpus_usable, utc_now
 
     case = p.cases[index]
-    strat = strategies.get(case.strategy)(p.attn, p.topo, 0,
+    strat = strategies.get(case.strategy)(p.attn_of(case), p.topo, 0,
                                           kernel=kernels.get(p.kernel_of(case)),
                                           options=case.options, create_groups=False)
     env = {"utc": utc_now(), "launcher": p.launcher, "cpus_usable": cpus_usable(),
            "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
     return results.make_record(
-        strategy=case.strategy, options=case.options, attention=p.attn, run=p.run,
+        strategy=case.strategy, options=case.options, attention=p.attn_of(case), run=p.run,
         kernel=p.kernel_of(case), world_size=p.world_size, ranks_per_node=p.ranks_per_node,
         ranks_per_problem=strat.ranks_per_problem, env=env, status=status, error=error,
-        **sections)
+        packing=p.packing_of(case), **sections)
 
 
 def case_waits(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int
@@ -358,6 +375,13 @@ def bracket_baselines(built: list[tuple[Case, Any]]) -> list[Case]:
     return base + cp + base if base and cp else [case for case, _ in built]
 
 
+def _in_packing(built: list[tuple[Case, Any]], packing: int | None) -> list:
+    """The cases of packing ``packing`` (None: no --packings): the plan runs them packing
+    after packing, every strategy on one packing before the next."""
+    return built if packing is None else [(dataclasses.replace(c, packing=packing), st)
+                                          for c, st in built]
+
+
 def _request(attn: AttentionConfig, device: str) -> dict:
     """What a kernel backend is asked to run (KernelBackend.unsupported_reason's fields)."""
     return dict(device=device, dtype=attn.torch_dtype, head_dim=attn.head_dim,
@@ -389,8 +413,9 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     device = _device(run, launcher) if job is None else (
         "cuda" if run.device == "auto" else run.device)
     run = run.resolved(device)
-    attn = AttentionConfig(**resolved_documents({**default_attention(device), **attention},
-                                                run.seed))
+    given = {**default_attention(device), **attention}
+    problems = packed_problems(given, run.seed, run.packings)
+    attn = problems[0]
     world, default_rpn = _world(run, launcher) if job is None else job
     topo = Topology(world_size=world, ranks_per_node=run.ranks_per_node or default_rpn)
     if launcher == "torchrun" and run.deadline is not None:
@@ -402,11 +427,15 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     backend = _kernel(run, device, attn, kernel_notes, elsewhere=job is not None)
     local_ranks = topo.ranks_per_node if launcher == "torchrun" else world
     capacity = memory.capacity_bytes(device, local_ranks) if job is None else None
-    built, skipped = runnable(expand_cases(run.strategy, options, topo), run.strategy, attn,
-                              topo, backend, device, capacity, auto=run.kernel == kernels.AUTO,
-                              elsewhere=job is not None)
-    cases = bracket_baselines(built) if baseline_both_ends else [case for case, _ in built]
-    strat_of = dict(built)
+    cases, skipped, strat_of = [], [], {}
+    for i, problem in enumerate(problems):
+        built, notes = runnable(expand_cases(run.strategy, options, topo), run.strategy,
+                                problem, topo, backend, device, capacity,
+                                auto=run.kernel == kernels.AUTO, elsewhere=job is not None)
+        built = _in_packing(built, i if len(problems) > 1 else None)
+        cases += bracket_baselines(built) if baseline_both_ends else [c for c, _ in built]
+        skipped += [n for n in notes if n not in skipped]
+        strat_of.update(built)
     if run.check:
         _reference_fits(attn, device, local_ranks, capacity)
     out = None if (run.out or "").lower() == "none" else (run.out or _default_out(run, attn))
@@ -422,4 +451,6 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
                 kernel=backend.name, cases=tuple(cases), out=out, launcher=launcher,
                 skipped=(*kernel_notes, *skipped),
                 waits=tuple(case_waits(attn, run, strat_of[c].ranks_per_problem)
-                            for c in cases))
+                            for c in cases),
+                packed=problems if len(problems) > 1 else (),
+                documents_spec=given["documents"] if len(problems) > 1 else None)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 
+from cpbench import traces
 from cpbench.cli import args as cli_args
 from cpbench.config import AttentionConfig, RunConfig
 from cpbench.errors import UsageError
@@ -14,7 +16,12 @@ from cpbench.settings import attention_settings, run_settings
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run strategies and print the seed-format tables",
                        description="Run context-parallel attention strategies: check, time, "
-                                   "measure memory; print seed-format tables; append JSONL.")
+                                   "measure memory; print seed-format tables; append JSONL.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="length traces for --documents trace:NAME (sources and "
+                              "licences: src/cpbench/traces/README.md):\n"
+                              + "\n".join(f"  {name:<14} {line}"
+                                          for name, line in traces.lines()))
     cli_args.add_settings(p.add_argument_group("attention problem"), attention_settings(),
                           cli_args.attention_default)
     cli_args.add_settings(p.add_argument_group("run"), run_settings(), cli_args.run_default)

@@ -9,9 +9,9 @@ from cpbench.config import (
     FORMATS,
     GPU_ATTENTION,
     AttentionConfig,
+    packed_problems,
     parse_names,
     parse_size,
-    resolved_documents,
 )
 from cpbench.errors import UsageError
 from cpbench.settings import attention_settings
@@ -47,6 +47,12 @@ def add_parser(sub) -> None:
     s.add_argument("--strategy", type=cli_args.converter(parse_names, "names"),
                    default=("all",), metavar="NAME[,NAME...]|all",
                    help="strategies (default all)")
+    s.add_argument("--seed", type=integer, default=0,
+                   help="seed sampling a --documents distribution (default 0)")
+    s.add_argument("--packings", type=integer, default=1, metavar="K",
+                   help="with a --documents distribution: K packings of it (seeds --seed, "
+                        "--seed+1, ...), each predicted; the tables add each strategy's "
+                        "median over them and the spread (default 1)")
     s.add_argument("--compare-placements", action="store_true",
                    help="every valid placement / split / window of the strategies side by "
                         "side, fastest first")
@@ -99,8 +105,10 @@ def _checked(args, hw):
     # a measured preset (cpbench calibrate on a CPU) models its own dtype: default to it
     dtype = GPU_ATTENTION["dtype"] if GPU_ATTENTION["dtype"] in hw.dtypes else hw.dtypes[0]
     attention = {**GPU_ATTENTION, "dtype": dtype, **given}
+    if args.packings < 1:
+        raise UsageError(f"--packings must be a positive integer, got {args.packings}")
     for seqlen in args.seqlen or (GPU_ATTENTION["seqlen"],):  # one line for a bad shape
-        AttentionConfig(**resolved_documents({**attention, "seqlen": seqlen}, 0))
+        packed_problems({**attention, "seqlen": seqlen}, args.seed, args.packings)
     if args.compare_placements and options:
         raise UsageError("--compare-placements tries every option value itself; drop the "
                          "strategy options")
@@ -134,7 +142,7 @@ def _simulate(args) -> int:
     topo, attention, options, seqlens = _checked(args, hw)
     cases = command.placement_cases(args.strategy, topo) if args.compare_placements else None
     records, skipped = command.simulate(args.strategy, options, attention, seqlens, topo, hw,
-                                        cases=cases)
+                                        cases=cases, seed=args.seed, packings=args.packings)
     if args.compare_placements:
         text = command.render_comparison(command.compare_placements(records), hw, topo,
                                          args.format)

@@ -2,8 +2,10 @@
 
 A problem is everything but the strategy: the mask (causal or full, documents, window), the
 shape (dtype, B, S, heads, head dim), the topology (world, nodes × GPUs), the kernel and the
-device, measured or simulated. Among its CP rows that ran, the fastest FWD+BWD median (FWD
-with --fwd-only) wins; the margin is the runner-up's time over the winner's, less one.
+device, measured or simulated; under ``--packings K`` the distribution, not one packing's
+lengths (judged over the packings: ``_packed_verdict``). Among its CP rows that ran, the
+fastest FWD+BWD median (FWD with --fwd-only) wins; the margin is the runner-up's time over
+the winner's, less one.
 It is a tie when their intervals overlap: the 95 % bootstrap interval of the runner-up /
 winner ratio of per-iteration times reaches 1 (TransformerEngine's benchmark flags such
 near-ties in its winner maps); simulated rows, which have no spread, tie within 1 %.
@@ -13,6 +15,7 @@ near-ties in its winner maps); simulated rows, which have no spread, tie within 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from statistics import median
 
 from cpbench.metrics import bootstrap_ratio
 from cpbench.report.dataframe import frame
@@ -36,7 +39,9 @@ class Verdict:
 
 def _problem(row: dict) -> str:
     mask = "causal" if row["causal"] else "full"
-    if row["documents"] != "-":
+    if _packed(row):  # --packings K: one problem over its packings
+        mask += f" docs {row['documents_spec']} ×{int(row['packings'])} packings"
+    elif row["documents"] != "-":
         docs = row["documents"].split(",")
         mask += f" docs×{len(docs)}"
     if row["window"] != "(-1, -1)":
@@ -49,10 +54,13 @@ def _problem(row: dict) -> str:
 def verdicts(records: list[dict]) -> list[Verdict]:
     df = frame(records)
     df = df[(df["status"] == OK) & (df["ranks_per_problem"] > 1)]
-    out = []
-    for row in _groups(df):
-        out.append(_verdict(row))
-    return out
+    return [_packed_verdict(rows) if _packed(rows[0]) else _verdict(rows)
+            for rows in _groups(df)]
+
+
+def _packed(row: dict) -> bool:
+    """A row of ``--packings K`` (pandas leaves NaN where a record has no packing)."""
+    return row.get("packing") is not None and row["packing"] == row["packing"]
 
 
 def _groups(df):
@@ -65,6 +73,35 @@ def _groups(df):
     df = df[df["time"].notna()]
     return [g.sort_values("time").to_dict("records")
             for _, g in df.groupby(["problem", "topology", "world"], sort=False)]
+
+
+def _packed_verdict(rows: list[dict]) -> Verdict:
+    """Over packings: each strategy's median over the packings it ran; the fastest wins. It
+    is a tie unless it beat the runner-up in every packing they share, each time beyond the
+    95 % bootstrap interval of the per-iteration ratio (simulated: by SIM_TIE); the margin
+    is the median of the per-packing ratios, the interval the widest over packings."""
+    by: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        by.setdefault(joined(r["strategy"], r["options"]), {})[int(r["packing"])] = r
+    ranked = sorted(by, key=lambda n: median(r["time"] for r in by[n].values()))
+    best, first = ranked[0], rows[0]
+    best_ms = median(r["time"] for r in by[best].values())
+    if len(ranked) == 1:
+        return Verdict(first["problem"], first["topology"], best, best_ms, None, None, None,
+                       False)
+    second = ranked[1]
+    shared = sorted(set(by[best]) & set(by[second]))
+    ratios = [by[second][i]["time"] / by[best][i]["time"] for i in shared]
+    bounds = [bootstrap_ratio(by[second][i]["iters"], by[best][i]["iters"]) for i in shared
+              if all(isinstance(by[n][i]["iters"], list) and len(by[n][i]["iters"]) >= 3
+                     for n in (best, second))]
+    if len(bounds) == len(shared) and shared:
+        interval = (min(b[0] for b in bounds), max(b[1] for b in bounds))
+        tie = interval[0] <= 1.0
+    else:
+        interval, tie = None, not shared or min(ratios) - 1 < SIM_TIE
+    return Verdict(first["problem"], first["topology"], best, best_ms, second,
+                   median(ratios) - 1 if ratios else None, interval, tie)
 
 
 def _verdict(rows: list[dict]) -> Verdict:
@@ -91,7 +128,7 @@ def best_table(records: list[dict], fmt: str = "table") -> str:
     head = ["Problem", "Topology", "Winner", "Time (ms)", "Runner-up", "Margin", "Verdict"]
     rows = []
     for v in vs:
-        margin = "-" if v.margin is None else f"+{100 * v.margin:.1f} %"
+        margin = "-" if v.margin is None else f"{100 * v.margin:+.1f} %"
         if v.interval:
             margin += f" [{100 * (v.interval[0] - 1):+.1f}, {100 * (v.interval[1] - 1):+.1f}]"
         verdict = "only one" if v.runner_up is None else "tie" if v.tie else "wins"

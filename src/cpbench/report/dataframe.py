@@ -15,7 +15,8 @@ from cpbench.results import OK, derive
 PROBLEM = ["dtype", "batch", "seqlen", "heads", "kv_heads", "head_dim", "causal", "documents",
            "window", "world", "ranks_per_node", "kernel", "device"]
 _FIGURES = ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "memory_mb", "fwd_tflops", "bwd_tflops",
-            "fwd_bwd_tflops", "check_passed", "imbalance")
+            "fwd_bwd_tflops", "check_passed", "imbalance", "padded_tokens",
+            "padding_fraction")
 
 
 def _iterations(r: dict, phase: str) -> list[float] | None:
@@ -47,6 +48,10 @@ def _row(r: dict) -> dict:
         "exposed_comm_pct": (r.get("profile") or {}).get("exposed_comm_pct"),
         "exposed_comm_ms": (r.get("profile") or {}).get("exposed_comm_ms"),
         "iters_fwd": _iterations(r, "fwd"), "iters_fwd_bwd": _iterations(r, "fwd_bwd"),
+        # --packings K: which packing of which distribution (None: one fixed problem)
+        "packing": (r.get("packing") or {}).get("index"),
+        "packings": (r.get("packing") or {}).get("count"),
+        "documents_spec": (r.get("packing") or {}).get("documents"),
     }
 
 

@@ -17,10 +17,11 @@ samples); the efficiency joins each CP row to its baseline on the problem's colu
 
 "Window" is the attention's sliding window as the seeds print it (flash-attn's
 ``window_size``; None without ``--window-size``; double-ring's ``--window``, its inner ring
-size, shows under Placement). With ``--documents`` a Documents column (count, longest), and
-wherever a record holds its ``balance`` an Imbalance column: max / mean attended area over
-ranks, from the layout and the mask. TFLOPs/s is per GPU for FWD+BWD (FWD alone with
---fwd-only); every figure is recomputed from the record's raw samples by ``cpbench.results.derive``.
+size, shows under Placement). With ``--documents`` a Documents column (count, longest) and
+Padding (pad tokens' share of the padded sequence: ``--document-padding``), and wherever a
+record holds its ``balance`` an Imbalance column: max / mean attended area over ranks, from
+the layout and the mask. TFLOPs/s is per GPU for FWD+BWD (FWD alone with --fwd-only); every
+figure is recomputed from the record's raw samples by ``cpbench.results.derive``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import statistics
 from cpbench.config import FORMATS
 from cpbench.profile.summary import detail_lines
 from cpbench.reference import TENSORS, Comparison
+from cpbench.report import packings
 from cpbench.report.dataframe import baseline_drift, efficiencies, frame
 from cpbench.report.labels import mask_text, option_text, row_label, window_text
 from cpbench.results import FAILED, OK, OOM, derive
@@ -67,6 +69,7 @@ def rows(records: list[dict]) -> list[dict]:
     mixed = df["simulated"].nunique() > 1  # measured and simulated rows side by side
     with_docs = (df["documents"] != "-").any()
     with_balance = df["imbalance"].notna().any()
+    with_packings = df["packing"].notna().any()
     out = []
     for row in df.to_dict("records"):
         status = row["status"]
@@ -84,7 +87,9 @@ def rows(records: list[dict]) -> list[dict]:
             "Nodes×GPUs": f"{row['nodes']}×{row['ranks_per_node']}",
             "CP": str(row["ranks_per_problem"] > 1),
             "Window": "None" if row["window"] == "(-1, -1)" else row["window"],
-            **({"Documents": _docs_cell(row["documents"])} if with_docs else {}),
+            **({"Packing": str(int(row["packing"]))} if with_packings else {}),
+            **({"Documents": _docs_cell(row["documents"]),
+                "Padding": _padding_cell(row["padding_fraction"])} if with_docs else {}),
             **({"Imbalance": "-" if _missing(row["imbalance"]) else
                 f"{row['imbalance']:.2f}"} if with_balance else {}),
             **({"Source": "simulated" if row["simulated"] else "measured"} if mixed else {}),
@@ -109,6 +114,11 @@ def _docs_cell(documents: str) -> str:
         return "-"
     lengths = [int(x) for x in documents.split(",")]
     return f"{len(lengths)} (max {max(lengths)})"
+
+
+def _padding_cell(fraction) -> str:
+    """The pad tokens' share of the padded sequence (--document-padding pad)."""
+    return "-" if _missing(fraction) else f"{100 * fraction:.2f} %"
 
 
 def _pct(x) -> str:
@@ -189,11 +199,12 @@ def summary(records: list[dict], fmt: str = "table") -> str:
         eff_lines = _efficiency_lines(records)
         if eff_lines:
             lines += ["", *eff_lines]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + packings.lines(records, fmt)) + "\n"
     if fmt == "markdown":
         note = simulated_note(records)
         lines = [f"*Benchmark Summary{note}*", ""] if note else []
-        return "\n".join(lines + render(None, rows(records), "markdown")) + "\n"
+        return "\n".join(lines + render(None, rows(records), "markdown")
+                         + packings.lines(records, fmt)) + "\n"
     data = _data(records)
     if fmt == "json":
         records_out = [{k: (None if _missing(v) else v) for k, v in row.items()}
@@ -216,7 +227,8 @@ def _data(records: list[dict]):
     cols = ["strategy", "placement", "dtype", "qkv_format", "batch", "seqlen", "heads",
             "kv_heads", "head_dim", "causal", "documents", "window", "world", "nodes",
             "gpus_per_node", "cp", "kernel", "status", "fwd_ms", "bwd_ms", "fwd_bwd_ms",
-            "memory_mb", "tflops", "imbalance", "check",
+            "memory_mb", "tflops", "imbalance", "padded_tokens", "padding_fraction",
+            "packing", "documents_spec", "check",
             "cp_efficiency", "cp_efficiency_low", "cp_efficiency_high", "exposed_comm_pct",
             "exposed_comm_ms", "error", "memory_status", "memory_error"]
     return df[cols]
@@ -258,6 +270,16 @@ def _configuration(record: dict) -> list[str]:
              f"  - World Size: {topo['world_size']} ({topo['num_nodes']} node(s) × "
              f"{topo['ranks_per_node']} ranks)",
              f"  - Strategy Options: {opts}"]
+    pad = record.get("padding")
+    if pad:  # --document-padding pad: what this strategy's layout added
+        lines.append(f"  - Document Padding: {pad['padded_tokens']} tokens "
+                     f"({100 * pad['fraction']:.2f} % of {pad['padded_seqlen']}; documents "
+                     f"to multiples of {pad['document_multiple']}, the sequence of "
+                     f"{pad['sequence_multiple']})")
+    packing = record.get("packing")
+    if packing:
+        lines.append(f"  - Packing: {packing['index']} of {packing['count']} "
+                     f"({packing['documents']}, seed {packing['seed']})")
     up = record.get("upstream")
     if up:
         lines.append(f"  - Upstream: {', '.join(f'{k} {v}' for k, v in up.items())}")

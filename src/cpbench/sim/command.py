@@ -15,7 +15,7 @@ import typing
 from cpbench import results, strategies
 from cpbench.bench.env import utc_now
 from cpbench.bench.plan import Case, expand_cases
-from cpbench.config import AttentionConfig, RunConfig, resolved_documents
+from cpbench.config import AttentionConfig, RunConfig, packed_problems
 from cpbench.errors import Skipped, UsageError
 from cpbench.mask import mask_of
 from cpbench.metrics import gib
@@ -28,10 +28,14 @@ log = logging.getLogger("cpbench")
 
 
 def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
-            p: model.Prediction, utc: str) -> dict:
+            p: model.Prediction, utc: str, packing: dict | None = None) -> dict:
     run = RunConfig(strategy=(case.strategy,), device="cuda", kernel="simulated",
                     ranks_per_node=topo.ranks_per_node, out="none").resolved("cuda")
     oom = p.oom
+    # under a mask, the area each rank computes (a plain causal layout's is known) and,
+    # under documents, the padding its layout needs
+    strat = None if mask_of(attn).plain else model.build(case.strategy, case.options, attn,
+                                                         topo, 0)
     return results.make_record(
         strategy=case.strategy, options=case.options, attention=attn, run=run,
         kernel=f"simulated: {hw.name}", world_size=topo.world_size,
@@ -44,30 +48,34 @@ def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
         samples_ms=None if oom else {"fwd": [[p.fwd_s * 1e3]],
                                      "fwd_bwd": [[p.fwd_bwd_s * 1e3]]},
         memory_bytes=[int(p.memory_bytes)], memory_status=results.OOM if oom else None,
-        # under a mask, the area each rank computes (a plain causal layout's is known)
-        balance=None if mask_of(attn).plain else
-        model.build(case.strategy, case.options, attn, topo, 0).balance(),
+        balance=strat and strat.balance(), padding=strat and strat.padding(),
+        packing=packing,
         simulation={"fwd_compute_ms": p.fwd_compute_s * 1e3,
                     "bwd_compute_ms": p.bwd_compute_s * 1e3,
                     "capacity_bytes": p.capacity_bytes})
 
 
 def simulate(names: tuple[str, ...], options: dict, attention: dict, seqlens: list[int],
-             topo: Topology, hw: Hardware, *, cases: list[Case] | None = None
-             ) -> tuple[list[dict], list[str]]:
-    """Records for every case × seqlen, and why the cases that cannot run were skipped.
-    ValueError when a strategy asked for by name runs at none of them."""
+             topo: Topology, hw: Hardware, *, cases: list[Case] | None = None,
+             seed: int = 0, packings: int = 1) -> tuple[list[dict], list[str]]:
+    """Records for every case × seqlen (× packing: ``packings`` of the documents
+    distribution, seeds ``seed``, ``seed + 1``, ...), and why the cases that cannot run were
+    skipped. ValueError when a strategy asked for by name runs at none of them."""
     cases = cases if cases is not None else expand_cases(names, options, topo)
     records, skipped, ran = [], [], set()
     first_error: dict[str, UsageError] = {}
-    todo = list(itertools.product(seqlens, cases))
+    todo = [(seqlen, i, attn, case) for seqlen in seqlens
+            for i, attn in enumerate(packed_problems({**attention, "seqlen": seqlen}, seed,
+                                                     packings))
+            for case in cases]
     utc = utc_now()  # one invocation, one time: `cpbench report` reads it as one launch
-    for i, (seqlen, case) in enumerate(todo, start=1):
+    for n, (seqlen, i, attn, case) in enumerate(todo, start=1):
         # a new (strategy, topology) builds every rank's schedule: seconds at 128 GPUs
-        log.info("simulating %d/%d: %s at seqlen %d", i, len(todo), case.label, seqlen,
+        log.info("simulating %d/%d: %s at seqlen %d", n, len(todo), case.label, seqlen,
                  extra={"transient": True})
-        # sampled documents are drawn per length with seed 0 (a run's default seed)
-        attn = AttentionConfig(**resolved_documents({**attention, "seqlen": seqlen}, 0))
+        packing = None if packings == 1 else {
+            "index": i, "count": packings, "seed": seed + i,
+            "documents": attention.get("documents")}
         try:
             p = model.predict(case.strategy, case.options, attn, topo, hw)
         except Skipped as e:  # cannot take this mask or dtype: the others still answer
@@ -78,7 +86,7 @@ def simulate(names: tuple[str, ...], options: dict, attention: dict, seqlens: li
             first_error.setdefault(case.strategy, e)
             continue
         ran.add(case.strategy)
-        records.append(_record(case, attn, topo, hw, p, utc))
+        records.append(_record(case, attn, topo, hw, p, utc, packing))
     for name in names:
         if name != "all" and name not in ran and name in first_error:
             raise first_error[name]

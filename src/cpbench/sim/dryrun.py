@@ -148,7 +148,18 @@ def record(req: Request, case: Case, rows: list[dict], env: dict) -> dict:
         error=f"rank {bad['rank']}: {bad['error']}" + (f" at {bad['where']}" if bad and
                                                       bad["where"] else "") if bad else None,
         memory_bytes=per_rank if any(p is not None for p in per_rank) else None,
-        dryrun={"device": req.device, "capacity_bytes": req.capacity_bytes, "rows": rows})
+        dryrun={"device": req.device, "capacity_bytes": req.capacity_bytes, "rows": rows},
+        padding=_padding(req, case))
+
+
+def _padding(req: Request, case: Case) -> dict | None:
+    """The record's ``padding``: the documents as the case's layout padded them."""
+    if not req.attn.documents:
+        return None
+    try:
+        return model.build(case.strategy, case.options, req.attn, req.topo).padding()
+    except UsageError:  # it could not be built: the rows already say why
+        return None
 
 
 def env_of(req: Request) -> dict:

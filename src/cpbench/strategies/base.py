@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 
 from cpbench import comm
-from cpbench.config import AttentionConfig
+from cpbench.config import AttentionConfig, padded
 from cpbench.errors import Skipped, UsageError
 from cpbench.kernels import masked
 from cpbench.kernels.base import KernelBackend
@@ -126,6 +126,9 @@ class Strategy(ABC):
     # the masks beyond causal it computes exactly ("documents", "window"); under any other
     # its row is skipped with the reason (never run silently wrong)
     masks: ClassVar[frozenset[str]] = frozenset()
+    # whether it computes padded documents as cpbench.mask defines them (pad tokens attend to
+    # nothing): an adapter handing document lengths to a library as they are does not
+    pads_documents: ClassVar[bool] = True
 
     def __init__(self, attn: AttentionConfig, topo: Topology, rank: int, *,
                  kernel: KernelBackend, options=None, create_groups: bool = True,
@@ -139,6 +142,13 @@ class Strategy(ABC):
         self.need_lse = False
         self.opts = options if options is not None else self.Options()
         self.cp_lists = cp_lists or [list(range(topo.world_size))]
+        # the problem as this layout computes it: documents padded to its multiples
+        self.attn = padded(attn, *self.pad_multiples())
+        if self.attn is not attn and not self.pads_documents:
+            doc_m, seq_m = self.pad_multiples()
+            raise Skipped(f"{self.name} hands document lengths to its library as they are, "
+                          f"and its layout needs each a multiple of {doc_m} (the sequence "
+                          f"a multiple of {seq_m}): refused, not padded; give such lengths")
         self.refuse_what_it_cannot_compute()
         self.validate()
         build = new_groups if create_groups else plan_group
@@ -153,6 +163,34 @@ class Strategy(ABC):
         """Option sets worth running side by side on ``topo`` (e.g. both USP placements).
         ``--strategy all`` runs each; the test matrix checks each. Default: the defaults."""
         return [cls.Options()]
+
+    @classmethod
+    def layout_multiples(cls, cp_size: int, options) -> tuple[int, int]:
+        """(document, sequence) multiples its layout over ``cp_size`` ranks splits evenly
+        (``options``: this strategy's): contiguous shards by default, any document length
+        and a sequence of N equal shards. Zigzag layouts say (2N, 2N)."""
+        return 1, cp_size
+
+    def pad_multiples(self) -> tuple[int, int]:
+        """(document, sequence) multiples this instance pads its documents to (see
+        ``config.padded``); what the plan, the simulator and the dry run read back as the
+        record's ``padding``. Runs before ``validate``. Default: ``layout_multiples``."""
+        return self.layout_multiples(self.cp_size, self.opts)
+
+    def padding(self) -> dict | None:
+        """The record's ``padding`` section (None without documents): real and padded
+        lengths, the pad tokens and their share of the padded sequence."""
+        a = self.attn
+        if not a.documents:
+            return None
+        pads = getattr(a, "padding", ()) or (0,) * len(a.documents)
+        real = [d - p for d, p in zip(a.documents, pads) if d > p]
+        doc_m, seq_m = self.pad_multiples()
+        return {"document_multiple": doc_m, "sequence_multiple": seq_m,
+                "real_seqlen": sum(real), "padded_seqlen": a.seqlen,
+                "padded_tokens": sum(pads), "fraction": sum(pads) / a.seqlen,
+                "tail_tokens": pads[-1] if len(real) < len(a.documents) else 0,
+                "padded_lengths": list(a.documents)}
 
     def validate(self) -> None:  # noqa: B027 - an optional hook: most strategies accept all
         """Raise ValueError, saying what would work, for a config this strategy cannot run.

@@ -35,13 +35,15 @@ def zigzag_documents_index(documents: tuple[int, ...], n: int, r: int) -> torch.
 
 
 def check_documents_divisible(documents: tuple[int, ...], multiple: int, who: str) -> None:
-    """Refuse (rather than pad) documents a per-document split cannot cut evenly."""
+    """Refuse documents a per-document split cannot cut evenly (left so only under
+    ``--document-padding refuse``; ``pad`` pads them first: ``config.padded``)."""
     bad = [d for d in documents if d % multiple]
     if bad:
         raise Skipped(
             f"{who} cuts each document into {multiple} chunks, so every document length "
             f"must be a multiple of {multiple}; {len(bad)} are not (e.g. {bad[0]}): refused, "
-            f"not padded; give such lengths, or use ring, llama3 or ulysses")
+            f"not padded (--document-padding refuse); give such lengths, use "
+            f"--document-padding pad, or ring, llama3 or ulysses")
 
 
 def slice_len(part: slice, total: int) -> int:
@@ -94,6 +96,11 @@ def check_divisible(seqlen: int, multiple: int, why: str) -> None:
 class ZigzagLayout:
     """Mixin for a strategy on the zigzag layout over its CP ring (put it before
     ``Strategy`` in the bases): the layout, and the sequence-length check it needs."""
+
+    @classmethod
+    def layout_multiples(cls, cp_size: int, options) -> tuple[int, int]:
+        # every document in 2N chunks (documents padded to 2N: TE, Megatron, ring-flash-attn)
+        return 2 * cp_size, 2 * cp_size
 
     def validate(self) -> None:
         n = self.cp_size

@@ -156,6 +156,12 @@ class Llama3(Strategy):
         # both layouts side by side: the paper's, and the twin of rfa-llama3
         return [cls.Options(layout=layout) for layout in LAYOUTS]
 
+    @classmethod
+    def layout_multiples(cls, cp_size: int, options) -> tuple[int, int]:
+        # zigzag cuts the whole sequence into 2N chunks (any document lengths, as the paper)
+        zigzag = (options or cls.Options()).layout == "zigzag"
+        return 1, 2 * cp_size if zigzag else cp_size
+
     def validate(self) -> None:
         o, n = self.opts, self.cp_size
         for name, value, allowed in (("layout", o.layout, LAYOUTS),

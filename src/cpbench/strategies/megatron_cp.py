@@ -146,8 +146,10 @@ def _sum_outputs(q, tiles, lse):
     out = None
     for blk, o, lse_step in filter(None, tiles):
         # a masked row that sees nothing in this step has o = 0 and lse_step = -inf: weight 0
-        # (the final lse is finite, every query sees at least itself)
-        scaled = o * _rows(torch.exp(lse_step.float() - lse[:, :, blk.q]))
+        # (a pad token sees nothing in any step: its final lse is -inf too, and -inf - -inf
+        # would be NaN)
+        w = torch.exp(lse_step.float() - lse[:, :, blk.q])
+        scaled = o * _rows(torch.where(torch.isneginf(lse_step), 0.0, w))
         if out is None:  # step 0 covers every row
             out = scaled.to(q.dtype)
         else:

@@ -55,6 +55,7 @@ PACKAGE, MODULE = "ring-flash-attn", "ring_flash_attn"
 
 class _RingFlashAttn(Strategy):
     """One of ring-flash-attn's functions over the CP group."""
+    pads_documents = False  # the library takes document lengths as they are
 
     module: ClassVar[str]  # the library's file of the algorithm
     function: ClassVar[str]
@@ -147,6 +148,10 @@ class RfaRing(_RingFlashAttn):
     masks = frozenset({"documents"})
     module, function = "ring_flash_attn", "ring_flash_attn_func"
     varlen = "ring_flash_attn_varlen", "ring_flash_attn_varlen_func"
+
+    @classmethod
+    def layout_multiples(cls, cp_size: int, options) -> tuple[int, int]:
+        return cp_size, cp_size  # every document cut in N (its varlen function)
 
     def validate(self) -> None:
         super().validate()

@@ -133,6 +133,7 @@ def hierarchical_lists(cp: list[int], a2a: int) -> tuple[list[list[int]], list[l
 
 
 class _TransformerEngine(ZigzagLayout, Strategy):
+    pads_documents = False  # the library takes document lengths as they are
     comm_type: ClassVar[str]
     upstream = Upstream(PACKAGE, MODULE, cuda_only=True)
     returns_lse = False

@@ -30,6 +30,7 @@ u = N leaves a ring of one rank: the kernel runs directly, exactly as ``ulysses`
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +151,17 @@ class Usp(Strategy):
         if ring != (dataclasses.asdict(type(self.ring.opts)()) if self.ring else {}):
             resolved["ring_options"] = ring  # what the ring resolved: double-ring's window
         return resolved
+
+    def pad_multiples(self) -> tuple[int, int]:
+        """The ring strategy's multiples over the R ring positions, the sequence also a
+        multiple of N: a ring position's tokens are cut in u pieces."""
+        u, _, impl = self._plan()
+        n = self.cp_size
+        if u < 1 or n % u or n == u:
+            return 1, n
+        ring = strategies.get(impl)
+        doc, seq = ring.layout_multiples(n // u, ring.Options())
+        return doc, math.lcm(seq, n)
 
     def validate(self) -> None:
         a, n = self.attn, self.cp_size
