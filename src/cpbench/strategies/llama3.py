@@ -246,11 +246,14 @@ class Llama3(Strategy):
         if held == sorted(held):  # contiguous on a ring in rank order: nothing to move
             return x_bs
         cache = self.__dict__.setdefault("_orders", {})
-        key = (x_bs.device, to_sequence)
-        if key not in cache:  # made once per device (the first call: a warm-up), not per step
-            order = [held.index(c) for c in range(len(held))] if to_sequence else held
-            cache[key] = torch.tensor(order, device=x_bs.device)
-        return x_bs.unflatten(1, (len(held), -1)).index_select(1, cache[key]).flatten(1, 2)
+        if x_bs.device not in cache:
+            # both orders made once per device at the first call (a forward: the warm-up),
+            # not per step; the backward's own would otherwise copy host to device in a step
+            to_seq = [held.index(c) for c in range(len(held))]
+            cache[x_bs.device] = {True: torch.tensor(to_seq, device=x_bs.device),
+                                  False: torch.tensor(held, device=x_bs.device)}
+        order = cache[x_bs.device][to_sequence]
+        return x_bs.unflatten(1, (len(held), -1)).index_select(1, order).flatten(1, 2)
 
     def in_sequence_order(self, gathered: torch.Tensor) -> torch.Tensor:
         return self._reorder(gathered, True)
