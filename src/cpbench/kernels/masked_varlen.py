@@ -142,6 +142,14 @@ def _refusal(mask: Mask, why: str) -> str:
             f"run it on the CPU (sdpa-cpu) instead")
 
 
+def largest_call(vplan: VarlenPlan) -> tuple[int, int, int]:
+    """(rows, keys, calls): what the largest varlen call of a plan packs (a row is packed
+    once per key run it sees), and how many calls the plan makes."""
+    sizes = [(sum(t.q1 - t.q0 for t in g.tiles), sum(t.k1 - t.k0 for t in g.tiles))
+             for g in vplan.groups]
+    return (*max(sizes, key=sum, default=(0, 0)), len(sizes))
+
+
 def plan(mask: Mask, q_pos: torch.Tensor, k_pos: torch.Tensor) -> VarlenPlan:
     """The varlen plan of queries at global positions ``q_pos`` against keys at ``k_pos``
     (both in local order); no groups when nothing is visible. Raises UsageError for a tile

@@ -94,7 +94,12 @@ def _kernel_bytes(strat: Strategy, step: Step) -> tuple[float, float]:
     if strat.mask.plain:
         results = q + lse if step.phase == FWD else q + 2 * kv
         return share * results, 0.0
-    if step.phase == FWD:  # packed q, k, v; the call's out; the merge's fp32 sum
-        return share * (wide * q + lse), share * (2 * q + 2 * kv + wide * q)
-    # packed dout, q, out, k, v; the call's dQ, dK, dV
-    return share * wide * (q + 2 * kv), share * (4 * q + 4 * kv)
+    pq, pkv, calls = q, kv, 1
+    if step.packed:
+        pq, pkv, calls = step.packed
+        pq, pkv = strat.q_bytes(pq), strat.kv_bytes(pkv)
+    if step.phase == FWD:  # packed q, k, v; every call's out (merged at the end); fp32 sum
+        return share * (wide * q + lse), share * (pq + 2 * pkv + calls * pq + wide * q)
+    # packed dout, q, out, k, v; the call's dQ, dK, dV and the previous call's
+    call = pq + 2 * pkv
+    return share * wide * (q + 2 * kv), share * (3 * pq + 2 * pkv + min(calls, 2) * call)

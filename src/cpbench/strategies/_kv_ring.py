@@ -191,7 +191,9 @@ def kv_ring_schedule(strat) -> list[Step]:
                 msgs += [Message("p2p", g_dkv.name, dkv, g_dkv.crosses_nodes,
                                  overlapped=step + 1 < n, after_compute=True)] * 2
             if areas is not None:
-                steps.append(strat.pairs_step(phase, step, areas[step], (s, s), msgs))
+                keys = strat.seq_index(strat.ring_rank(src_of(me, step, n)))
+                steps.append(strat.pairs_step(phase, step, areas[step], (s, s), msgs,
+                                              (strat.seq_index(strat.rank), keys)))
                 continue
             steps.append(Step(phase, step, 0.0, tuple(msgs)) if blk is None else
                          strat.kernel_step(phase, step, slice_len(blk.q, s),

@@ -187,8 +187,9 @@ def ring_step(strat: Strategy, rings: Rings, phase: str, index: int, j: int, t: 
     mask lets through."""
     s, src = strat.local_seqlen, rings.source(j, t)
     if not strat.mask.plain:
-        pairs = strat.mask.pairs(strat.seq_index(strat.rank), strat.seq_index(strat.ring_rank(src)))
-        return strat.pairs_step(phase, index, pairs, (s, s), msgs)
+        rows, keys = strat.seq_index(strat.rank), strat.seq_index(strat.ring_rank(src))
+        return strat.pairs_step(phase, index, strat.mask.pairs(rows, keys), (s, s), msgs,
+                                (rows, keys))
     blk = zigzag_block(rings.position, src, s, strat.attn.causal)
     return strat.kernel_step(phase, index, slice_len(blk.q, s), slice_len(blk.kv, s),
                              blk.causal, msgs)

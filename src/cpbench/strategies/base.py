@@ -25,7 +25,7 @@ import torch
 from cpbench import comm
 from cpbench.config import AttentionConfig, padded
 from cpbench.errors import Skipped, UsageError
-from cpbench.kernels import masked
+from cpbench.kernels import masked, masked_varlen
 from cpbench.kernels.base import KernelBackend
 from cpbench.mask import Mask, mask_of
 from cpbench.metrics import attention_flops, pairs_flops
@@ -62,6 +62,9 @@ class Step:
     flops: float
     messages: tuple[Message, ...] = ()
     block: tuple[int, int, bool] | None = None
+    # under a mask, the (rows, keys) its largest varlen call packs and how many calls it
+    # makes (the simulator's memory model; None: the block's, one call)
+    packed: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -373,12 +376,21 @@ class Strategy(ABC):
                                      softmax_scale=self.attn.softmax_scale)
 
     def pairs_step(self, phase: str, index: int, pairs: int, shape: tuple[int, int],
-                   messages=()) -> Step:
-        """A step computing ``pairs`` attended pairs (a masked block) of ``shape``."""
+                   messages=(), positions: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> Step:
+        """A step computing ``pairs`` attended pairs (a masked block) of ``shape``; with the
+        block's (query, key) ``positions``, also what its largest varlen call packs."""
         a = self.attn
         flops = pairs_flops(pairs, batch=a.batch, heads=a.heads, head_dim=a.head_dim,
                             mode=phase)
-        return Step(phase, index, flops, tuple(messages), (*shape, False) if pairs else None)
+        packed = None
+        if positions is not None and pairs:
+            try:
+                packed = masked_varlen.largest_call(masked_varlen.plan(self.mask, *positions))
+            except UsageError:  # no varlen call expresses it (the CPU's masked kernels do)
+                pass
+        return Step(phase, index, flops, tuple(messages), (*shape, False) if pairs else None,
+                    packed)
 
     def cp_index(self, rank: int) -> int:
         """``rank``'s position in its CP ring: what its sequence shard is keyed by."""

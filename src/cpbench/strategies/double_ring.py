@@ -47,7 +47,7 @@ from cpbench.strategies._rings import (
     ring_step,
     send_block,
 )
-from cpbench.strategies.base import BWD, Message, Step, Strategy, option
+from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, option
 from cpbench.strategies.layout import Block, ZigzagLayout, zigzag_block
 from cpbench.topology import Topology, divisors, node_local_block
 
@@ -198,6 +198,14 @@ class DoubleRing(ZigzagLayout, Strategy):
     @property
     def dkv_rings(self) -> Rings:
         return Rings.of(self, self.window, ("inner_dkv", "outer_dkv"))
+
+    def late_accumulator_bytes(self, phase: str) -> int:
+        # under a mask the masked kernel's fp32 dK/dV of a whole block start the sums as they
+        # are (fresh_sum keeps them), cast to the activation dtype after the first window
+        # (mixed): a copy of that size only
+        if self.mask.plain or phase == FWD:
+            return super().late_accumulator_bytes(phase)
+        return 0 if self.opts.dkv_dtype == "fp32" else 2 * self.kv_bytes(self.local_seqlen)
 
     def attention(self, q, k, v):
         return _DoubleRingAttention.apply(self, q, k, v)

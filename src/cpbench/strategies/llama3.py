@@ -212,18 +212,23 @@ class Llama3(Strategy):
             return self.q_bytes(s) + self.lse_bytes(s) + int(share * (plain * 2 * q32 + reordered))
         wide = 4 // self.attn.element_size if self.opts.dkv_dtype == "fp32" else 1
         return self.q_bytes(s) + 2 * self.kv_bytes(s) + int(
-            share * (plain * q32 + wide * gathered + reordered))
+            share * plain * (q32 + wide * gathered) + share * reordered)
 
     def finish_bytes(self, phase: str) -> int:
-        """Plain zigzag's backward ends putting the gathered dK, dV back in member order (a
-        copy each) for the reduce-scatters, beside the gathered K/V in both orders."""
-        extra = 0
-        if phase == BWD and self.mask.plain and self.opts.layout == "zigzag":
-            wide = 4 // self.attn.element_size if self.opts.dkv_dtype == "fp32" else 1
-            share = self.stride / self.attn.num_kv_heads
-            gathered = 2 * self.cp_size * self.kv_bytes(self.local_seqlen)
-            extra = int(share * (wide + 1) * gathered)
-        return super().finish_bytes(phase) + extra
+        """The backward's end: under a mask, the masked kernel's fp32 dK, dV of the gathered
+        sequence cast to the dK/dV dtype (a copy unless that is fp32); plain zigzag puts the
+        gathered dK, dV back in member order (a copy each), beside the K/V in both orders."""
+        base = super().finish_bytes(phase)
+        if phase == FWD:
+            return base
+        share = self.stride / self.attn.num_kv_heads
+        gathered = 2 * self.cp_size * self.kv_bytes(self.local_seqlen)
+        wide = 4 // self.attn.element_size if self.opts.dkv_dtype == "fp32" else 1
+        if not self.mask.plain:
+            return base + int(share * gathered) * (self.dkv_dtype.itemsize < 4)
+        if self.opts.layout == "zigzag":
+            return base + int(share * (wide + 1) * gathered)
+        return base
 
     def head_chunks(self) -> list[tuple[slice, slice]]:
         """(query heads, K/V heads) of each gather."""
@@ -325,9 +330,11 @@ class Llama3(Strategy):
         its last; under a mask one kernel of its attended pairs, else ``plain_parts``."""
         s = self.local_seqlen
         if not self.mask.plain:
-            mine = self.mask.pairs(self.seq_index(self.rank), torch.arange(self.attn.seqlen))
+            rows = self.seq_index(self.rank)
+            mine = self.mask.pairs(rows, torch.arange(self.attn.seqlen))
+            ring = next(lst for lst in self.cp_lists if self.rank in lst)
             return [self.pairs_step(phase, index, mine / chunks, (s, self.attn.seqlen),
-                                    gathers + scatters)]
+                                    gathers + scatters, (rows, self.positions(sorted(ring))))]
         blocks = [(len(range(s)[rows]), len(range(self.attn.seqlen)[keys]), causal)
                   for rows, parts in self.plain_parts() for keys, causal in parts]
         # a rank with fewer kernels (no earlier keys) gets empty steps in their place

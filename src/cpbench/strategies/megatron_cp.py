@@ -310,9 +310,9 @@ class MegatronCP(ZigzagLayout, Strategy):
         the pairs the mask lets through."""
         s = self.local_seqlen
         if not self.mask.plain:
-            pairs = self.mask.pairs(self.seq_index(self.rank),
-                                    self.seq_index(self.ring_rank(src)))
-            return self.pairs_step(phase, step, pairs, (s, s), msgs)
+            rows, keys = self.seq_index(self.rank), self.seq_index(self.ring_rank(src))
+            return self.pairs_step(phase, step, self.mask.pairs(rows, keys), (s, s), msgs,
+                                   (rows, keys))
         blk = zigzag_block(self.groups["ring"].index, src, s, self.attn.causal)
         return self.kernel_step(phase, step, slice_len(blk.q, s), slice_len(blk.kv, s),
                                 blk.causal, msgs)
