@@ -27,8 +27,12 @@ def add_parser(sub) -> None:
                         "usp / yunchang-usp, …) on the same problem, with the time ratio")
     r.add_argument("--best", action="store_true",
                    help="for each problem (mask, sequence, topology, kernel) the fastest "
-                        "strategy, its margin over the runner-up, and a tie when their "
-                        "intervals overlap; with --plot, a winner map")
+                        "strategy, its margin over the runner-up, and wins / tie / unclear "
+                        "against the band 1 ± --min-effect; with --plot, a winner map")
+    r.add_argument("--min-effect", type=float, default=0.02,
+                   help="with --best: the equivalence band; a tie only when the interval of "
+                        "runner-up / winner lies inside 1 ± this, a win only above it "
+                        "(default 0.02, as cpbench compare)")
     r.add_argument("--plot", metavar="OUT.png",
                    help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib); "
                         "with --best the winner map (problem × topology)")
@@ -46,6 +50,8 @@ def _records(args) -> list[dict]:
     if args.compare and args.format not in ("table", "markdown"):
         raise UsageError(f"--compare prints tables; use --format table or markdown, not "
                          f"{args.format}")
+    if not 0 <= args.min_effect < 1:
+        raise UsageError(f"--min-effect {args.min_effect:g} must be at least 0 and below 1")
     if args.plot:
         from cpbench.report import plot
 
@@ -65,7 +71,7 @@ def _text(args, records: list[dict]) -> str:
     if args.best:
         from cpbench.report.best import best_table
 
-        return best_table(records, args.format)
+        return best_table(records, args.format, args.min_effect)
     if args.compare:
         from cpbench.report.upstream import compare_upstream
 
@@ -93,7 +99,7 @@ def main(args) -> int:
             if args.best:
                 from cpbench.report.best import plot_winners
 
-                plot_winners(records, args.plot)
+                plot_winners(records, args.plot, args.min_effect)
                 sys.stderr.write(f"{PROG}: winner map written to {args.plot}\n")
                 return 0
             note = tables.simulated_note(records).strip(" ()") or None

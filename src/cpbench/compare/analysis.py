@@ -33,6 +33,8 @@ class PhaseTest:
     p_value: float
     p_adjusted: float
     verdict: str
+    # unclear only: about how many iterations a side would resolve it (inf: never)
+    iters_to_resolve: float | None = None
 
     @property
     def median_a(self) -> float:
@@ -116,10 +118,14 @@ def compare(a_records: list[dict], b_records: list[dict], *, alpha: float = 0.05
     can = stats.reachable([len(a) for _, _, a, _ in pending],
                           [len(b) for _, _, _, b in pending], alpha)
     judged = stats.verdicts(p_adj, low, high, can, alpha=alpha, min_effect=min_effect)
+    need = stats.iterations_to_resolve(
+        [float(r) for r, _, _ in intervals], low, high,
+        [max(len(a), len(b)) for _, _, a, b in pending], min_effect=min_effect)
     tests = [PhaseTest(case.label, case.key, phase, tuple(a), tuple(b), float(ratio),
-                       float(lo), float(hi), float(pv), float(pa), str(v))
-             for (case, phase, a, b), (ratio, lo, hi), pv, pa, v
-             in zip(pending, intervals, p, p_adj, judged)]
+                       float(lo), float(hi), float(pv), float(pa), str(v),
+                       float(k) if v == stats.UNCLEAR else None)
+             for (case, phase, a, b), (ratio, lo, hi), pv, pa, v, k
+             in zip(pending, intervals, p, p_adj, judged, need)]
     parts: list[PartChange] = []
     for case in cases:
         changes, note = compare_parts(case.label, case.a, case.b)
