@@ -159,8 +159,8 @@ def best_table(records: list[dict], fmt: str = "table",
     rule = "-" * (sum(widths) + 3 * (len(widths) - 1))
     return "\n".join([f"Which strategy wins (fastest FWD+BWD; wins: the 95 % interval of "
                       f"runner-up / winner above 1 + {min_effect:g}; tie: inside "
-                      f"1 ± {min_effect:g}; unclear: neither):", rule, fmt_row(*head), rule, *(fmt_row(*r) for r in rows),
-                      rule]) + "\n"
+                      f"1 ± {min_effect:g}; unclear: neither):", rule, fmt_row(*head), rule,
+                      *(fmt_row(*r) for r in rows), rule]) + "\n"
 
 
 def plot_winners(records: list[dict], path: str, min_effect: float = MIN_EFFECT) -> None:
