@@ -41,9 +41,10 @@ def add_parser(sub) -> None:
 
 def _records(args) -> list[dict]:
     """Every record of the files; the request checked before any output."""
-    from cpbench import results
+    from cpbench import results, rounds
 
-    records = [r for path in args.files for r in results.read(path)]
+    # --rounds K: every view shows a case's rounds as one row, all their iterations pooled
+    records = rounds.pool([r for path in args.files for r in results.read(path)])
     if args.best and (args.compare or args.format not in ("table", "markdown")):
         raise UsageError("--best prints a table of winners; use --format table or markdown "
                          "and no --compare")

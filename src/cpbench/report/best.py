@@ -19,9 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from statistics import median
 
+from cpbench import rounds
 from cpbench.metrics import bootstrap_ratio
 from cpbench.report.dataframe import frame
 from cpbench.report.labels import joined
+from cpbench.report.tables import case_text
 from cpbench.results import OK
 
 SIM_TIE = 0.01  # simulated rows: a margin below this is a tie (a model has no spread)
@@ -67,7 +69,7 @@ def _problem(row: dict) -> str:
 
 
 def verdicts(records: list[dict], min_effect: float = MIN_EFFECT) -> list[Verdict]:
-    df = frame(records)
+    df = frame(rounds.pool(records))
     df = df[(df["status"] == OK) & (df["ranks_per_problem"] > 1)]
     return [_packed_verdict(rows, min_effect) if _packed(rows[0])
             else _verdict(rows, min_effect) for rows in _groups(df)]
@@ -140,6 +142,7 @@ def _verdict(rows: list[dict], min_effect: float) -> Verdict:
 def best_table(records: list[dict], fmt: str = "table",
                min_effect: float = MIN_EFFECT) -> str:
     """One line per problem and topology: the winner, its time, the runner-up, the margin."""
+    records = rounds.pool(records)
     vs = verdicts(records, min_effect)
     if not vs:
         return "no CP rows that ran: nothing to rank\n"
@@ -157,10 +160,12 @@ def best_table(records: list[dict], fmt: str = "table",
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     fmt_row = " | ".join(f"{{:<{w}}}" for w in widths).format
     rule = "-" * (sum(widths) + 3 * (len(widths) - 1))
+    drift = rounds.drift_lines(records, case_text)
     return "\n".join([f"Which strategy wins (fastest FWD+BWD; wins: the 95 % interval of "
                       f"runner-up / winner above 1 + {min_effect:g}; tie: inside "
                       f"1 ± {min_effect:g}; unclear: neither):", rule, fmt_row(*head), rule,
-                      *(fmt_row(*r) for r in rows), rule]) + "\n"
+                      *(fmt_row(*r) for r in rows), rule] + ([""] + drift if drift else [])) \
+        + "\n"
 
 
 def plot_winners(records: list[dict], path: str, min_effect: float = MIN_EFFECT) -> None:
