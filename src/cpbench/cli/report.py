@@ -29,6 +29,10 @@ def add_parser(sub) -> None:
                    help="for each problem (mask, sequence, topology, kernel) the fastest "
                         "strategy, its margin over the runner-up, and wins / tie / unclear "
                         "against the band 1 ± --min-effect; with --plot, a winner map")
+    r.add_argument("--accuracy", action="store_true",
+                   help="the errors of every --check against the float64 reference: per "
+                        "tensor (out, lse, dq, dk, dv) the max and the RMS relative error, a "
+                        "row per strategy, rank count, dtype and mask")
     r.add_argument("--min-effect", type=float, default=0.02,
                    help="with --best: the equivalence band; a tie only when the interval of "
                         "runner-up / winner lies inside 1 ± this, a win only above it "
@@ -45,6 +49,8 @@ def _records(args) -> list[dict]:
 
     # --rounds K: every view shows a case's rounds as one row, all their iterations pooled
     records = rounds.pool([r for path in args.files for r in results.read(path)])
+    if args.accuracy and (args.best or args.compare or args.plot):
+        raise UsageError("--accuracy prints its own table: drop --best, --compare and --plot")
     if args.best and (args.compare or args.format not in ("table", "markdown")):
         raise UsageError("--best prints a table of winners; use --format table or markdown "
                          "and no --compare")
@@ -69,6 +75,10 @@ def _text(args, records: list[dict]) -> str:
 
     sweep_view = args.view == "sweep" or (args.view == "auto" and records
                                           and not report.sweep.one_launch(records))
+    if args.accuracy:
+        from cpbench.report.accuracy import accuracy_table
+
+        return accuracy_table(records, args.format)
     if args.best:
         from cpbench.report.best import best_table
 
