@@ -24,7 +24,7 @@ import torch
 
 from cpbench import kernels, metrics, results, strategies
 from cpbench.bench import env as env_mod
-from cpbench.bench import memory
+from cpbench.bench import memory, order
 from cpbench.config import (
     AttentionConfig,
     RunConfig,
@@ -372,32 +372,6 @@ def _default_out(run: RunConfig, attn: AttentionConfig) -> str:
     return str(Path("runs") / f"{utc}_{names}_{attn.seqlen}" / "results.jsonl")
 
 
-def bracket_baselines(built: list[tuple[Case, Any]]) -> list[Case]:
-    """With a no-CP baseline and a CP strategy in one run: the baselines first and again last,
-    the CP cases between them in their order. The machine's load drifts over a run; timing the
-    baseline at both ends lets the report pool both and warn when they disagree."""
-    base = [case for case, strat in built if strat.ranks_per_problem == 1]
-    cp = [case for case, strat in built if strat.ranks_per_problem > 1]
-    return base + cp + base if base and cp else [case for case, _ in built]
-
-
-def in_rounds(cases: list[Case], rounds: int) -> list[Case]:
-    """``--rounds K``: the cases K times, alternate rounds reversed (A B … B A), each tagged
-    with its round. A linear drift of the machine over the run then adds the same to every
-    case's pooled time, where one pass would hand it all to the cases that ran last."""
-    if rounds == 1:
-        return cases
-    return [dataclasses.replace(c, round=k) for k in range(rounds)
-            for c in (cases if k % 2 == 0 else cases[::-1])]
-
-
-def _in_packing(built: list[tuple[Case, Any]], packing: int | None) -> list:
-    """The cases of packing ``packing`` (None: no --packings): the plan runs them packing
-    after packing, every strategy on one packing before the next."""
-    return built if packing is None else [(dataclasses.replace(c, packing=packing), st)
-                                          for c, st in built]
-
-
 def _request(attn: AttentionConfig, device: str) -> dict:
     """What a kernel backend is asked to run (KernelBackend.unsupported_reason's fields)."""
     return dict(device=device, dtype=attn.torch_dtype, head_dim=attn.head_dim,
@@ -448,13 +422,13 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
         built, notes = runnable(expand_cases(run.strategy, options, topo), run.strategy,
                                 problem, topo, backend, device, capacity,
                                 auto=run.kernel == kernels.AUTO, elsewhere=job is not None)
-        built = _in_packing(built, i if len(problems) > 1 else None)
+        built = order.in_packing(built, i if len(problems) > 1 else None)
         # rounds alternate the order already: a baseline at both ends of each would be twice
         bracket = baseline_both_ends and run.rounds == 1
-        cases += bracket_baselines(built) if bracket else [c for c, _ in built]
+        cases += order.bracket_baselines(built) if bracket else [c for c, _ in built]
         skipped += [n for n in notes if n not in skipped]
         strat_of.update(built)
-    cases = in_rounds(cases, run.rounds)
+    cases = order.in_rounds(cases, run.rounds)
     if run.check:
         _reference_fits(attn, device, local_ranks, capacity)
     out = None if (run.out or "").lower() == "none" else (run.out or _default_out(run, attn))
