@@ -252,9 +252,13 @@ class RunConfig:
     packings: int = arg(1, "with a --documents distribution: sample K packings of it (seeds "
                         "--seed, --seed+1, ...), each a case of its own; reports show each "
                         "strategy's median over them and their spread", metavar="K")
+    rounds: int = arg(1, "time every case K times in A B … B A order (each round all cases, "
+                      "alternate rounds reversed, the baseline included), so the machine's "
+                      "drift cancels instead of favouring whichever case ran first; reports "
+                      "pool a case's rounds and print the drift between them", metavar="K")
 
     def __post_init__(self):
-        for name in ("ranks_per_node", "iters", "nproc", "packings"):
+        for name in ("ranks_per_node", "iters", "nproc", "packings", "rounds"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"{flag(name)} must be a positive integer, got {value}")

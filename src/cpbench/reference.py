@@ -71,15 +71,22 @@ def reference_by_head(inputs: dict, *, heads: int, kv_heads: int, causal: bool,
 
 @dataclass(frozen=True)
 class Comparison:
+    """One tensor against the float64 reference. The max says whether any element is wrong
+    (the pass / fail); the RMS says how wrong the tensor is as a whole, which is what grows
+    with ring size when partial results are summed in a low precision. None where a record
+    predates the RMS fields."""
     tensor: str
     max_abs: float
     max_rel: float  # max |err| / max |ref|
     passed: bool
+    rms_abs: float | None = None  # sqrt(mean err²)
+    rms_rel: float | None = None  # sqrt(mean err²) / sqrt(mean ref²)
 
     def line(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
-        return (f"{self.tensor:>4}: max abs {self.max_abs:.3e}  max rel {self.max_rel:.3e}  "
-                f"{verdict}")
+        rms = "" if self.rms_rel is None else f"  rms rel {self.rms_rel:.3e}"
+        return (f"{self.tensor:>4}: max abs {self.max_abs:.3e}  max rel {self.max_rel:.3e}"
+                f"{rms}  {verdict}")
 
 
 def compare(tensor: str, got: torch.Tensor, ref: torch.Tensor, dtype: str) -> Comparison:
@@ -90,6 +97,13 @@ def compare(tensor: str, got: torch.Tensor, ref: torch.Tensor, dtype: str) -> Co
     err = torch.where(same, 0.0, (got - ref).abs())
     finite = bool((torch.isfinite(got) | same).all())
     passed = finite and bool((err <= atol + rtol * ref.abs()).all())
-    scale = ref[torch.isfinite(ref)].abs().max().item() if ref.numel() else 0.0
+    finite_ref = ref[torch.isfinite(ref)]
+    scale = finite_ref.abs().max().item() if finite_ref.numel() else 0.0
     scale = scale or 1.0
-    return Comparison(tensor, err.max().item(), err.max().item() / scale, passed)
+    # over the finite elements: the -inf lse of a row that sees nothing is no error, and an
+    # inf error (a non-finite result) already fails through ``finite`` and the max
+    err_finite = err[torch.isfinite(err)]
+    rms_abs = err_finite.square().mean().sqrt().item() if err_finite.numel() else 0.0
+    rms_ref = finite_ref.square().mean().sqrt().item() if finite_ref.numel() else 0.0
+    return Comparison(tensor, err.max().item(), err.max().item() / scale, passed, rms_abs,
+                      rms_abs / (rms_ref or 1.0))

@@ -31,7 +31,8 @@ A record holds what is needed to re-run it and to recompute every figure printed
   ``padding`` (under documents: the strategy's document and sequence multiples, the real and
   padded sequence, ``padded_tokens``, their ``fraction`` of the padded sequence, the tail's
   pad and the padded lengths; FLOPs count real pairs only) and ``packing`` (the index of the
-  packing under ``--packings K``: seed + index sampled the documents).
+  packing under ``--packings K``: seed + index sampled the documents) and ``round`` (under
+  ``--rounds K``: ``index`` and ``count``; ``cpbench.rounds`` pools a case's rounds).
 The mask is part of the problem: ``config.attention.documents`` (the lengths) and
 ``window_size``; ``derived.flops_counted`` says whether FLOPs come from the seeds' formula
 (plain causal / full) or the exact attended pairs (documents, windows).
@@ -63,7 +64,7 @@ STATUSES = (OK, OOM, FAILED, TIMEOUT)  # timeout: a sweep's case ran past its li
 MEASURED = ("resolved", "error", "traceback", "samples_ms", "memory_bytes", "memory_status",
             "memory_error", "check")
 SECTIONS = ("sweep", "simulation", "upstream", "profile", "balance", "dryrun", "padding",
-            "packing")
+            "packing", "round")
 # a row's key: what was asked for, not what a machine resolved it to (the device, the kernel
 # "auto" became), so a sweep checked on a login node matches records made on GPUs
 KEY_RUN_FIELDS = ("kernel", "warmup", "iters", "fwd_only", "check", "seed")

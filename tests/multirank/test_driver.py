@@ -126,6 +126,22 @@ def test_check_time_record_and_report(tmp_path):
     assert "CP efficiency = T_local / (N · T_cp)" in text
 
 
+def test_rounds_record_abba_order_check_once_and_pool_in_the_summary(tmp_path):
+    out = str(tmp_path / "r.jsonl")
+    flags = {"warmup": 1, "iters": 2, "rounds": 2}
+    (code, text), _ = run_ranks(run_driver, 2, ("zigzag", "ring"), out, True, False, flags,
+                                timeout=120)
+    assert code == 0
+    records = results.read(out)
+    assert [(r["config"]["strategy"], r["round"]["index"]) for r in records] == [
+        ("zigzag", 0), ("ring", 0), ("ring", 1), ("zigzag", 1)]
+    assert [bool(r["check"]) for r in records] == [True, True, False, False]
+    assert all(c["rms_rel"] is not None for c in records[0]["check"])
+    summary = text[text.index("Benchmark Summary"):]
+    assert summary.count("zigzag") == 2  # one pooled row, one drift line
+    assert "Drift between rounds" in summary
+
+
 def test_oom_failure_and_wrong_results_do_not_stop_the_run(tmp_path):
     out = str(tmp_path / "r.jsonl")
     names = ("test-oom", "test-fail", "test-wrong", "test-mem-oom", "ring")

@@ -206,7 +206,7 @@ def test_masked_kernel_matches_float64_with_pad_tokens_at_the_tail(causal, windo
         assert not got[:, pad].any()
 
 
-def test_report_best_names_a_winner_or_a_tie():
+def test_report_best_names_a_winner_a_tie_or_unclear():
     from test_results import fake_record
 
     from cpbench.report.best import best_table, verdicts
@@ -214,17 +214,23 @@ def test_report_best_names_a_winner_or_a_tie():
     def rec(name, times, seqlen=1024):
         return fake_record(name, seqlen=seqlen, fwd_bwd=[times] * 4)
 
-    records = [rec("ring", [30.0, 31.0, 30.5, 30.2, 30.8]),
-               rec("zigzag", [20.0, 20.5, 20.2, 20.1, 20.4]),
-               rec("ring", [30.0, 31.0, 30.5, 30.2, 30.8], seqlen=2048),
-               rec("zigzag", [29.0, 32.0, 30.0, 31.5, 30.1], seqlen=2048)]
+    ring = [30.0, 31.0, 30.5, 30.2, 30.8]
+    records = [rec("ring", ring), rec("zigzag", [20.0, 20.5, 20.2, 20.1, 20.4]),
+               rec("ring", ring, seqlen=2048),
+               rec("zigzag", [29.0, 32.0, 30.0, 31.5, 30.1], seqlen=2048),
+               rec("ring", [30.0, 30.05, 30.02, 30.03, 30.01], seqlen=4096),
+               rec("zigzag", [30.0, 30.03, 30.04, 30.0, 30.02], seqlen=4096)]
     by_seqlen = {v.problem.split("S=")[1].split()[0]: v for v in verdicts(records)}
-    win, tie = by_seqlen["1024"], by_seqlen["2048"]
-    assert (win.winner, win.runner_up, win.tie) == ("zigzag", "ring", False)
+    win, unclear, tie = by_seqlen["1024"], by_seqlen["2048"], by_seqlen["4096"]
+    assert (win.winner, win.runner_up, win.call) == ("zigzag", "ring", "wins")
     assert win.margin == pytest.approx(30.5 / 20.2 - 1)
-    assert tie.tie and tie.interval[0] <= 1.0
+    # overlapping intervals that reach outside 1 ± 2 %: no difference shown, nor its absence
+    assert unclear.call == "unclear" and unclear.interval[1] > 1.02
+    assert tie.call == "tie" and 0.98 <= tie.interval[0] and tie.interval[1] <= 1.02
     text = best_table(records)
-    assert "wins" in text and "tie" in text
+    assert "wins" in text and "tie" in text and "unclear" in text
+    # a wider band makes the unclear one a tie
+    assert {v.call for v in verdicts(records, min_effect=0.2)} == {"wins", "tie"}
 
 
 def test_sweep_protocols_and_mask_axes(tmp_path):

@@ -214,7 +214,8 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     phase = agreement.Agreement(p.run.device, store, key, grace_s, who)
     c = _CaseRun(p, case, rank, phase, status, grace_s, timeout_s)
     resolved, upstream = c.build()
-    checks = c.check(ref_cache) if p.run.check else None
+    # --rounds K: the result does not change between rounds, only the timings: check once
+    checks = c.check(ref_cache) if p.run.check and not case.round else None
     samples, step = c.time()
     mem, memory_bytes = c.memory(step, store, key) if _usable(phase) else (None, None)
     # a failed memory step leaves the group usable (it is agreed on); a broken one does not
@@ -234,7 +235,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
         samples_ms=samples if any(samples.values()) else None, memory_bytes=memory_bytes,
         memory_status=mem.status if mem is not None else None,
         memory_error=mem.error if mem is not None else None, profile=profile,
-        balance=balance, padding=padding, packing=p.packing_of(case))
+        balance=balance, padding=padding, packing=p.packing_of(case), round=p.round_of(case))
     broke = [ph for ph in (phase, mem, prof) if ph is not None and ph.broken]
     return record, ("device" if any(ph.sticky for ph in broke) else "group") if broke else None
 

@@ -24,7 +24,7 @@ import torch
 
 from cpbench import kernels, metrics, results, strategies
 from cpbench.bench import env as env_mod
-from cpbench.bench import memory
+from cpbench.bench import memory, order
 from cpbench.config import (
     AttentionConfig,
     RunConfig,
@@ -59,13 +59,15 @@ class Case:
     options: Any
     kernel: str | None = None  # None: the plan's (else see strategies._upstream.case_kernel)
     packing: int | None = None  # under --packings K: which packing (Plan.packed) it runs
+    round: int | None = None  # under --rounds K: which round (0-based) times it
 
     @property
     def label(self) -> str:
         fields = dataclasses.asdict(self.options)
         text = f"{self.strategy} ({', '.join(f'{k}={v}' for k, v in fields.items())})" \
             if fields else self.strategy
-        return text if self.packing is None else f"{text} [packing {self.packing}]"
+        text = text if self.packing is None else f"{text} [packing {self.packing}]"
+        return text if self.round is None else f"{text} [round {self.round}]"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +93,10 @@ class Plan:
     def attn_of(self, case: Case) -> AttentionConfig:
         """The problem ``case`` runs: its packing's under --packings, else ``attn``."""
         return self.attn if case.packing is None else self.packed[case.packing]
+
+    def round_of(self, case: Case) -> dict | None:
+        """The record's ``round`` section under --rounds K: which round, of how many."""
+        return None if case.round is None else {"index": case.round, "count": self.run.rounds}
 
     def packing_of(self, case: Case) -> dict | None:
         """The record's ``packing`` section: which packing, of how many, its seed."""
@@ -138,7 +144,7 @@ def failure_record(p: Plan, index: int, status: str, error: str, **sections) -> 
         strategy=case.strategy, options=case.options, attention=p.attn_of(case), run=p.run,
         kernel=p.kernel_of(case), world_size=p.world_size, ranks_per_node=p.ranks_per_node,
         ranks_per_problem=strat.ranks_per_problem, env=env, status=status, error=error,
-        packing=p.packing_of(case), **sections)
+        packing=p.packing_of(case), round=p.round_of(case), **sections)
 
 
 def case_waits(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int
@@ -366,22 +372,6 @@ def _default_out(run: RunConfig, attn: AttentionConfig) -> str:
     return str(Path("runs") / f"{utc}_{names}_{attn.seqlen}" / "results.jsonl")
 
 
-def bracket_baselines(built: list[tuple[Case, Any]]) -> list[Case]:
-    """With a no-CP baseline and a CP strategy in one run: the baselines first and again last,
-    the CP cases between them in their order. The machine's load drifts over a run; timing the
-    baseline at both ends lets the report pool both and warn when they disagree."""
-    base = [case for case, strat in built if strat.ranks_per_problem == 1]
-    cp = [case for case, strat in built if strat.ranks_per_problem > 1]
-    return base + cp + base if base and cp else [case for case, _ in built]
-
-
-def _in_packing(built: list[tuple[Case, Any]], packing: int | None) -> list:
-    """The cases of packing ``packing`` (None: no --packings): the plan runs them packing
-    after packing, every strategy on one packing before the next."""
-    return built if packing is None else [(dataclasses.replace(c, packing=packing), st)
-                                          for c, st in built]
-
-
 def _request(attn: AttentionConfig, device: str) -> dict:
     """What a kernel backend is asked to run (KernelBackend.unsupported_reason's fields)."""
     return dict(device=device, dtype=attn.torch_dtype, head_dim=attn.head_dim,
@@ -432,10 +422,13 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
         built, notes = runnable(expand_cases(run.strategy, options, topo), run.strategy,
                                 problem, topo, backend, device, capacity,
                                 auto=run.kernel == kernels.AUTO, elsewhere=job is not None)
-        built = _in_packing(built, i if len(problems) > 1 else None)
-        cases += bracket_baselines(built) if baseline_both_ends else [c for c, _ in built]
+        built = order.in_packing(built, i if len(problems) > 1 else None)
+        # rounds alternate the order already: a baseline at both ends of each would be twice
+        bracket = baseline_both_ends and run.rounds == 1
+        cases += order.bracket_baselines(built) if bracket else [c for c, _ in built]
         skipped += [n for n in notes if n not in skipped]
         strat_of.update(built)
+    cases = order.in_rounds(cases, run.rounds)
     if run.check:
         _reference_fits(attn, device, local_ranks, capacity)
     out = None if (run.out or "").lower() == "none" else (run.out or _default_out(run, attn))
@@ -450,7 +443,7 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     return Plan(attn=attn, run=run, world_size=world, ranks_per_node=topo.ranks_per_node,
                 kernel=backend.name, cases=tuple(cases), out=out, launcher=launcher,
                 skipped=(*kernel_notes, *skipped),
-                waits=tuple(case_waits(attn, run, strat_of[c].ranks_per_problem)
-                            for c in cases),
+                waits=tuple(case_waits(attn, run, strat_of[dataclasses.replace(
+                    c, round=None)].ranks_per_problem) for c in cases),
                 packed=problems if len(problems) > 1 else (),
                 documents_spec=given["documents"] if len(problems) > 1 else None)

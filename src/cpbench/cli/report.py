@@ -27,8 +27,16 @@ def add_parser(sub) -> None:
                         "usp / yunchang-usp, …) on the same problem, with the time ratio")
     r.add_argument("--best", action="store_true",
                    help="for each problem (mask, sequence, topology, kernel) the fastest "
-                        "strategy, its margin over the runner-up, and a tie when their "
-                        "intervals overlap; with --plot, a winner map")
+                        "strategy, its margin over the runner-up, and wins / tie / unclear "
+                        "against the band 1 ± --min-effect; with --plot, a winner map")
+    r.add_argument("--accuracy", action="store_true",
+                   help="the errors of every --check against the float64 reference: per "
+                        "tensor (out, lse, dq, dk, dv) the max and the RMS relative error, a "
+                        "row per strategy, rank count, dtype and mask")
+    r.add_argument("--min-effect", type=float, default=0.02,
+                   help="with --best: the equivalence band; a tie only when the interval of "
+                        "runner-up / winner lies inside 1 ± this, a win only above it "
+                        "(default 0.02, as cpbench compare)")
     r.add_argument("--plot", metavar="OUT.png",
                    help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib); "
                         "with --best the winner map (problem × topology)")
@@ -37,15 +45,20 @@ def add_parser(sub) -> None:
 
 def _records(args) -> list[dict]:
     """Every record of the files; the request checked before any output."""
-    from cpbench import results
+    from cpbench import results, rounds
 
-    records = [r for path in args.files for r in results.read(path)]
+    # --rounds K: every view shows a case's rounds as one row, all their iterations pooled
+    records = rounds.pool([r for path in args.files for r in results.read(path)])
+    if args.accuracy and (args.best or args.compare or args.plot):
+        raise UsageError("--accuracy prints its own table: drop --best, --compare and --plot")
     if args.best and (args.compare or args.format not in ("table", "markdown")):
         raise UsageError("--best prints a table of winners; use --format table or markdown "
                          "and no --compare")
     if args.compare and args.format not in ("table", "markdown"):
         raise UsageError(f"--compare prints tables; use --format table or markdown, not "
                          f"{args.format}")
+    if not 0 <= args.min_effect < 1:
+        raise UsageError(f"--min-effect {args.min_effect:g} must be at least 0 and below 1")
     if args.plot:
         from cpbench.report import plot
 
@@ -62,10 +75,14 @@ def _text(args, records: list[dict]) -> str:
 
     sweep_view = args.view == "sweep" or (args.view == "auto" and records
                                           and not report.sweep.one_launch(records))
+    if args.accuracy:
+        from cpbench.report.accuracy import accuracy_table
+
+        return accuracy_table(records, args.format)
     if args.best:
         from cpbench.report.best import best_table
 
-        return best_table(records, args.format)
+        return best_table(records, args.format, args.min_effect)
     if args.compare:
         from cpbench.report.upstream import compare_upstream
 
@@ -93,7 +110,7 @@ def main(args) -> int:
             if args.best:
                 from cpbench.report.best import plot_winners
 
-                plot_winners(records, args.plot)
+                plot_winners(records, args.plot, args.min_effect)
                 sys.stderr.write(f"{PROG}: winner map written to {args.plot}\n")
                 return 0
             note = tables.simulated_note(records).strip(" ()") or None

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cpbench import metrics
+from cpbench import metrics, rounds
 from cpbench.compare import match, stats
 from cpbench.compare.profile import PartChange, compare_parts, ranked
 from cpbench.errors import UsageError
+from cpbench.report.tables import case_text
 from cpbench.results import OK
 
 PHASES = {"fwd": "FWD", "fwd_bwd": "FWD+BWD"}  # record key → the name the tables print
@@ -33,6 +34,8 @@ class PhaseTest:
     p_value: float
     p_adjusted: float
     verdict: str
+    # unclear only: about how many iterations a side would resolve it (inf: never)
+    iters_to_resolve: float | None = None
 
     @property
     def median_a(self) -> float:
@@ -96,12 +99,16 @@ def compare(a_records: list[dict], b_records: list[dict], *, alpha: float = 0.05
             min_effect: float = 0.02, seed: int = 0,
             resamples: int = stats.RESAMPLES) -> Comparison:
     """Compare run A's records with run B's; UsageError when no case can be compared."""
+    # --rounds K: a case's rounds are one case, their iterations pooled
+    a_records, b_records = rounds.pool(a_records), rounds.pool(b_records)
     cases, only_a, only_b = match.match(a_records, b_records)
     if not cases:
         raise UsageError(f"no case is in both runs (A: {len(only_a)} cases, B: "
                          f"{len(only_b)}); compare runs of the same strategy, options, problem, "
                          f"topology and kernel")
-    notes: list[str] = []
+    notes: list[str] = [f"{side}: {line.strip()}" for side, recs in (("A", a_records),
+                                                                     ("B", b_records))
+                        for line in rounds.drift_lines(recs, case_text)[1:]]
     pending = _pending(cases, notes)
     if not pending:
         raise UsageError(f"none of the {len(cases)} cases in both runs has a phase timed in "
@@ -116,10 +123,14 @@ def compare(a_records: list[dict], b_records: list[dict], *, alpha: float = 0.05
     can = stats.reachable([len(a) for _, _, a, _ in pending],
                           [len(b) for _, _, _, b in pending], alpha)
     judged = stats.verdicts(p_adj, low, high, can, alpha=alpha, min_effect=min_effect)
+    need = stats.iterations_to_resolve(
+        [float(r) for r, _, _ in intervals], low, high,
+        [max(len(a), len(b)) for _, _, a, b in pending], min_effect=min_effect)
     tests = [PhaseTest(case.label, case.key, phase, tuple(a), tuple(b), float(ratio),
-                       float(lo), float(hi), float(pv), float(pa), str(v))
-             for (case, phase, a, b), (ratio, lo, hi), pv, pa, v
-             in zip(pending, intervals, p, p_adj, judged)]
+                       float(lo), float(hi), float(pv), float(pa), str(v),
+                       float(k) if v == stats.UNCLEAR else None)
+             for (case, phase, a, b), (ratio, lo, hi), pv, pa, v, k
+             in zip(pending, intervals, p, p_adj, judged, need)]
     parts: list[PartChange] = []
     for case in cases:
         changes, note = compare_parts(case.label, case.a, case.b)

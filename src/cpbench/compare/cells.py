@@ -58,7 +58,20 @@ def test_row(t: PhaseTest) -> dict[str, str]:
             "B median (ms)": ms(t.median_b), "B/A": ratio(t.ratio),
             f"{percent(stats.LEVEL)} CI": interval(t), "p": p(t.p_value),
             "p (Holm)": p(t.p_adjusted),
-            "Verdict": t.verdict}
+            "Verdict": verdict(t)}
+
+
+def resolve(k: float | None) -> str:
+    """The iterations an unclear test needs, as a note: "~140 iters", "never (ratio on the
+    band's edge)"."""
+    if k is None:
+        return ""
+    return f"~{int(k)} iters" if math.isfinite(k) else "never: ratio on the band's edge"
+
+
+def verdict(t: PhaseTest) -> str:
+    return f"{t.verdict} ({resolve(t.iters_to_resolve)})" if t.iters_to_resolve is not None \
+        else t.verdict
 
 
 def part_row(c: PartChange) -> dict[str, str]:
@@ -77,7 +90,8 @@ def part_row(c: PartChange) -> dict[str, str]:
 def rule_text(cmp: Comparison) -> str:
     """The decision rule in one sentence, with this comparison's figures."""
     return (f"α = {cmp.alpha:g} after Holm over {len(cmp.tests)} tests; slower / faster also "
-            f"need the {percent(cmp.level)} interval of B/A outside 1 ± {cmp.min_effect:g}")
+            f"need the {percent(cmp.level)} interval of B/A outside 1 ± {cmp.min_effect:g}, "
+            f"same needs it inside; unclear: neither")
 
 
 def verdict_line(cmp: Comparison) -> str:
@@ -100,6 +114,15 @@ def timing_findings(cmp: Comparison, bold: bool = True) -> list[str]:
             f"- {_b(f'{t.case}, {PHASES[t.phase]}:', bold)} B is {_b(t.verdict, bold)}: "
             f"median {ms(t.median_a)} → {ms(t.median_b)} ms (×{t.ratio:.3f}, "
             f"{percent(cmp.level)} CI {interval(t)}), Holm-corrected {p_is(t.p_adjusted)}.")
+    unclear = [t for t in cmp.tests if t.verdict == stats.UNCLEAR]
+    if unclear:
+        need = max(t.iters_to_resolve for t in unclear)
+        lines.append(f"- {len(unclear)} tests are unclear: their intervals straddle the edge of "
+                     f"1 ± {cmp.min_effect:g}, neither a change nor its absence shown; "
+                     + (f"about --iters {int(need)} would resolve them all at this spread."
+                        if math.isfinite(need) else
+                        "at least one has its ratio on the band's edge (no iteration count "
+                        "resolves it): widen or narrow --min-effect."))
     insufficient = [t for t in cmp.tests if t.verdict == stats.INSUFFICIENT]
     if insufficient:
         sizes = sorted({(len(t.samples_a), len(t.samples_b)) for t in insufficient})

@@ -66,6 +66,10 @@ def _overview(cmp: Comparison) -> str:
     else:
         text = (f"None of the {len(cmp.tests)} (case, phase) tests shows a change beyond noise "
                 f"and the ±{cells.percent(cmp.min_effect)} band.")
+    unclear = sum(t.verdict == stats.UNCLEAR for t in cmp.tests)
+    if unclear:  # "no change shown" is not "shown unchanged"
+        text += (f" {unclear} of them are unclear: their data neither show a change nor rule "
+                 f"one out.")
     if cmp.parts:
         top_part = cmp.parts[0]
         text += (f" Among the profiled parts, the largest suspicion is **`{top_part.part}`** in "
@@ -109,7 +113,10 @@ def _legend(cmp: Comparison) -> list[str]:
         f"- **Verdict**: *slower* / *faster* when p (Holm) < α = {cmp.alpha:g} **and** the "
         f"whole {level} interval lies above 1 + {cmp.min_effect:g} / below 1 − "
         f"{cmp.min_effect:g} (the practical-equivalence band, `--min-effect`); *same* "
-        "otherwise (no change shown, or one too small to matter); *insufficient* when the "
+        "only when the whole interval lies inside that band (an equivalence test: any change "
+        "is too small to matter); *unclear* otherwise (neither a change nor its absence "
+        "shown), with about how many iterations a side would resolve it at the observed "
+        "spread; *insufficient* when the "
         "iteration counts cannot give p < α after Holm even with every B iteration ranked "
         "beyond every A iteration (smallest p = 2 / C(n_A + n_B, n_A)).",
         "- **Time Rank**: iterations sorted slowest first; **Δ**: B − A at the same rank.",

@@ -78,6 +78,8 @@ def records(cmp: Comparison) -> list[dict]:
              "ratio": _finite(t.ratio), "ci_low": _finite(t.ci_low),
              "ci_high": _finite(t.ci_high), "ci_level": cmp.level,
              "p_value": t.p_value, "p_adjusted": t.p_adjusted, "verdict": t.verdict,
+             "iters_to_resolve": None if t.iters_to_resolve is None
+             else _finite(t.iters_to_resolve),
              "alpha": cmp.alpha, "min_effect": cmp.min_effect}
             for t in cmp.tests]
 

@@ -9,8 +9,12 @@
   dozens of cases; uncorrected, some would differ by chance).
 - ``reachable``: whether a test can reach α at all, given its sample sizes and the correction.
 - ``verdicts``: slower / faster only when the adjusted p is below α *and* the whole interval
-  lies outside the practical-equivalence band 1 ± min_effect; a difference can be real and
-  still too small to matter (or the other way round: large, and not distinguishable from noise).
+  lies outside the practical-equivalence band 1 ± min_effect; same only when the whole interval
+  lies inside that band (an equivalence test: the data rule out any change that matters);
+  anything else is unclear. A non-significant test is no evidence of no change: a 20 %
+  regression that noise hides must not read as "same".
+- ``iterations_to_resolve``: for an unclear test, about how many iterations a side would put
+  its interval wholly inside or wholly outside the band, from its observed spread.
 
 Every function takes leading batch dimensions, so the tests check calibration, power and
 coverage over thousands of synthetic pairs at once.
@@ -25,8 +29,9 @@ from scipy import stats
 
 LEVEL = 0.95
 RESAMPLES = 10_000
-SLOWER, FASTER, SAME, INSUFFICIENT = "slower", "faster", "same", "insufficient"
-VERDICTS = (SLOWER, FASTER, SAME, INSUFFICIENT)
+SLOWER, FASTER, SAME, UNCLEAR, INSUFFICIENT = "slower", "faster", "same", "unclear", \
+    "insufficient"
+VERDICTS = (SLOWER, FASTER, SAME, UNCLEAR, INSUFFICIENT)
 # bootstrap block size in array elements: memory stays bounded (~32 MiB per run) whatever the
 # batch, the number of iterations or of resamples
 _BLOCK = 2 ** 22
@@ -106,10 +111,34 @@ def reachable(n_a, n_b, alpha: float) -> np.ndarray:
 
 def verdicts(p_adjusted, low, high, can_reach, *, alpha: float,
              min_effect: float) -> np.ndarray:
-    """slower / faster / same / insufficient, elementwise (see the module docstring)."""
+    """slower / faster / same / unclear / insufficient, elementwise (see the module
+    docstring). "same" needs no significance: an interval inside the band is the equivalence
+    test (two one-sided tests, each at (1 − level) / 2)."""
     p_adjusted, low, high = (np.asarray(x, dtype=float) for x in (p_adjusted, low, high))
     significant = p_adjusted < alpha
     return np.select(
         [~np.asarray(can_reach, dtype=bool), significant & (low > 1 + min_effect),
-         significant & (high < 1 - min_effect)],
-        [INSUFFICIENT, SLOWER, FASTER], default=SAME)
+         significant & (high < 1 - min_effect),
+         (low >= 1 - min_effect) & (high <= 1 + min_effect)],
+        [INSUFFICIENT, SLOWER, FASTER, SAME], default=UNCLEAR)
+
+
+def iterations_to_resolve(ratio, low, high, n, *, min_effect: float,
+                          power: float = 0.8) -> np.ndarray:
+    """Iterations a side that would make an unclear interval land wholly inside or wholly
+    outside 1 ± min_effect with probability ``power``, assuming the same spread and ratio: an
+    interval's half-width shrinks as 1 / sqrt(n); it must fit, with the ratio's own error at
+    ``power`` added (the usual sample-size rule: (z_level + z_power) / z_level times the
+    half-width), into the distance from the ratio to the nearer band edge (in log space, where
+    a ratio's interval is about symmetric). Aiming the half-width at the edge alone would
+    resolve only half the re-runs. A ratio on an edge can never be resolved: inf."""
+    ratio, low, high, n = (np.asarray(x, dtype=float) for x in (ratio, low, high, n))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        half = (np.log(high) - np.log(low)) / 2
+        edges = np.abs(np.log(ratio)[..., None]
+                       - np.log([1 - min_effect, 1 + min_effect]))
+        room = edges.min(axis=-1)
+        z_level = stats.norm.ppf((1 + LEVEL) / 2)
+        widen = (z_level + stats.norm.ppf(power)) / z_level
+        need = np.ceil(n * (widen * half / room) ** 2)
+    return np.where(room > 0, need, np.inf)

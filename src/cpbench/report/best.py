@@ -6,9 +6,11 @@ device, measured or simulated; under ``--packings K`` the distribution, not one 
 lengths (judged over the packings: ``_packed_verdict``). Among its CP rows that ran, the
 fastest FWD+BWD median (FWD with --fwd-only) wins; the margin is the runner-up's time over
 the winner's, less one.
-It is a tie when their intervals overlap: the 95 % bootstrap interval of the runner-up /
-winner ratio of per-iteration times reaches 1 (TransformerEngine's benchmark flags such
-near-ties in its winner maps); simulated rows, which have no spread, tie within 1 %.
+The words are ``cpbench compare``'s: it wins when the 95 % bootstrap interval of the
+runner-up / winner ratio of per-iteration times lies wholly above 1 + min_effect, it is a
+tie only when that interval lies inside 1 ± min_effect (an equivalence test), and unclear
+otherwise: overlapping intervals show no difference, they do not show the absence of one.
+Simulated rows, which have no spread, tie within 1 %.
 ``--plot`` draws the winner map: problems × topologies, each cell coloured by its winner.
 """
 
@@ -17,12 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from statistics import median
 
+from cpbench import rounds
 from cpbench.metrics import bootstrap_ratio
 from cpbench.report.dataframe import frame
 from cpbench.report.labels import joined
+from cpbench.report.tables import case_text
 from cpbench.results import OK
 
 SIM_TIE = 0.01  # simulated rows: a margin below this is a tie (a model has no spread)
+MIN_EFFECT = 0.02  # the equivalence band, as `cpbench compare --min-effect` defaults
+WINS, TIE, UNCLEAR, ONLY = "wins", "tie", "unclear", "only one"
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,18 @@ class Verdict:
     runner_up: str | None
     margin: float | None  # runner-up / winner - 1
     interval: tuple[float, float] | None  # of runner-up / winner
-    tie: bool
+    call: str  # WINS, TIE, UNCLEAR or ONLY
+
+    @property
+    def tie(self) -> bool:
+        return self.call == TIE
+
+
+def _call(interval: tuple[float, float], min_effect: float) -> str:
+    low, high = interval
+    if low > 1 + min_effect:
+        return WINS
+    return TIE if 1 - min_effect <= low and high <= 1 + min_effect else UNCLEAR
 
 
 def _problem(row: dict) -> str:
@@ -51,11 +68,11 @@ def _problem(row: dict) -> str:
             f"{row['kernel']}{source}")
 
 
-def verdicts(records: list[dict]) -> list[Verdict]:
-    df = frame(records)
+def verdicts(records: list[dict], min_effect: float = MIN_EFFECT) -> list[Verdict]:
+    df = frame(rounds.pool(records))
     df = df[(df["status"] == OK) & (df["ranks_per_problem"] > 1)]
-    return [_packed_verdict(rows) if _packed(rows[0]) else _verdict(rows)
-            for rows in _groups(df)]
+    return [_packed_verdict(rows, min_effect) if _packed(rows[0])
+            else _verdict(rows, min_effect) for rows in _groups(df)]
 
 
 def _packed(row: dict) -> bool:
@@ -75,11 +92,12 @@ def _groups(df):
             for _, g in df.groupby(["problem", "topology", "world"], sort=False)]
 
 
-def _packed_verdict(rows: list[dict]) -> Verdict:
+def _packed_verdict(rows: list[dict], min_effect: float) -> Verdict:
     """Over packings: each strategy's median over the packings it ran; the fastest wins. It
-    is a tie unless it beat the runner-up in every packing they share, each time beyond the
-    95 % bootstrap interval of the per-iteration ratio (simulated: by SIM_TIE); the margin
-    is the median of the per-packing ratios, the interval the widest over packings."""
+    wins when it beat the runner-up in every packing they share, each time with the 95 %
+    bootstrap interval of the per-iteration ratio above 1 + min_effect; a tie when the
+    widest interval over packings lies inside 1 ± min_effect; else unclear (simulated: a tie
+    within SIM_TIE). The margin is the median of the per-packing ratios."""
     by: dict[str, dict[int, dict]] = {}
     for r in rows:
         by.setdefault(joined(r["strategy"], r["options"]), {})[int(r["packing"])] = r
@@ -88,7 +106,7 @@ def _packed_verdict(rows: list[dict]) -> Verdict:
     best_ms = median(r["time"] for r in by[best].values())
     if len(ranked) == 1:
         return Verdict(first["problem"], first["topology"], best, best_ms, None, None, None,
-                       False)
+                       ONLY)
     second = ranked[1]
     shared = sorted(set(by[best]) & set(by[second]))
     ratios = [by[second][i]["time"] / by[best][i]["time"] for i in shared]
@@ -97,32 +115,35 @@ def _packed_verdict(rows: list[dict]) -> Verdict:
                      for n in (best, second))]
     if len(bounds) == len(shared) and shared:
         interval = (min(b[0] for b in bounds), max(b[1] for b in bounds))
-        tie = interval[0] <= 1.0
+        call = _call(interval, min_effect)
     else:
-        interval, tie = None, not shared or min(ratios) - 1 < SIM_TIE
+        interval = None
+        call = TIE if not shared or min(ratios) - 1 < SIM_TIE else WINS
     return Verdict(first["problem"], first["topology"], best, best_ms, second,
-                   median(ratios) - 1 if ratios else None, interval, tie)
+                   median(ratios) - 1 if ratios else None, interval, call)
 
 
-def _verdict(rows: list[dict]) -> Verdict:
+def _verdict(rows: list[dict], min_effect: float) -> Verdict:
     best = rows[0]
     name = joined(best["strategy"], best["options"])
     if len(rows) == 1:
         return Verdict(best["problem"], best["topology"], name, best["time"], None, None,
-                       None, False)
+                       None, ONLY)
     second = rows[1]
     margin = second["time"] / best["time"] - 1
-    interval, tie = None, margin < SIM_TIE
+    interval, call = None, TIE if margin < SIM_TIE else WINS
     if all(isinstance(r["iters"], list) and len(r["iters"]) >= 3 for r in (best, second)):
         interval = bootstrap_ratio(second["iters"], best["iters"])
-        tie = interval[0] <= 1.0
+        call = _call(interval, min_effect)
     return Verdict(best["problem"], best["topology"], name, best["time"],
-                   joined(second["strategy"], second["options"]), margin, interval, tie)
+                   joined(second["strategy"], second["options"]), margin, interval, call)
 
 
-def best_table(records: list[dict], fmt: str = "table") -> str:
+def best_table(records: list[dict], fmt: str = "table",
+               min_effect: float = MIN_EFFECT) -> str:
     """One line per problem and topology: the winner, its time, the runner-up, the margin."""
-    vs = verdicts(records)
+    records = rounds.pool(records)
+    vs = verdicts(records, min_effect)
     if not vs:
         return "no CP rows that ran: nothing to rank\n"
     head = ["Problem", "Topology", "Winner", "Time (ms)", "Runner-up", "Margin", "Verdict"]
@@ -131,27 +152,29 @@ def best_table(records: list[dict], fmt: str = "table") -> str:
         margin = "-" if v.margin is None else f"{100 * v.margin:+.1f} %"
         if v.interval:
             margin += f" [{100 * (v.interval[0] - 1):+.1f}, {100 * (v.interval[1] - 1):+.1f}]"
-        verdict = "only one" if v.runner_up is None else "tie" if v.tie else "wins"
         rows.append([v.problem, v.topology, v.winner, f"{v.time_ms:.2f}", v.runner_up or "-",
-                     margin, verdict])
+                     margin, v.call])
     if fmt == "markdown":
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     fmt_row = " | ".join(f"{{:<{w}}}" for w in widths).format
     rule = "-" * (sum(widths) + 3 * (len(widths) - 1))
-    return "\n".join(["Which strategy wins (fastest FWD+BWD; tie: the 95 % intervals "
-                      "overlap):", rule, fmt_row(*head), rule, *(fmt_row(*r) for r in rows),
-                      rule]) + "\n"
+    drift = rounds.drift_lines(records, case_text)
+    return "\n".join([f"Which strategy wins (fastest FWD+BWD; wins: the 95 % interval of "
+                      f"runner-up / winner above 1 + {min_effect:g}; tie: inside "
+                      f"1 ± {min_effect:g}; unclear: neither):", rule, fmt_row(*head), rule,
+                      *(fmt_row(*r) for r in rows), rule] + ([""] + drift if drift else [])) \
+        + "\n"
 
 
-def plot_winners(records: list[dict], path: str) -> None:
+def plot_winners(records: list[dict], path: str, min_effect: float = MIN_EFFECT) -> None:
     """The winner map: a row per problem, a column per topology, coloured by strategy;
-    a tie is hatched and names both."""
+    a tie (~) or an unclear call (?) is hatched and names both."""
     from cpbench.report.plot import require_matplotlib
 
     plt = require_matplotlib()
-    vs = verdicts(records)
+    vs = verdicts(records, min_effect)
     problems = list(dict.fromkeys(v.problem for v in vs))
     topos = list(dict.fromkeys(v.topology for v in vs))
     names = sorted({v.winner for v in vs})
@@ -160,8 +183,9 @@ def plot_winners(records: list[dict], path: str) -> None:
     for v in vs:
         x, y = topos.index(v.topology), problems.index(v.problem)
         ax.add_patch(plt.Rectangle((x, y), 1, 1, color=colours[v.winner],
-                                   hatch="//" if v.tie else None, ec="white"))
+                                   hatch="//" if v.call in (TIE, UNCLEAR) else None, ec="white"))
         text = v.winner + (f"\n~ {v.runner_up}" if v.tie else
+                           f"\n? {v.runner_up}" if v.call == UNCLEAR else
                            f"\n+{100 * v.margin:.0f} %" if v.margin is not None else "")
         ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=7)
     ax.set_xlim(0, len(topos))
@@ -169,7 +193,7 @@ def plot_winners(records: list[dict], path: str) -> None:
     ax.set_xticks([i + 0.5 for i in range(len(topos))], topos)
     ax.set_yticks([i + 0.5 for i in range(len(problems))], problems, fontsize=7)
     ax.set_xlabel("nodes × GPUs")
-    ax.set_title("Fastest strategy per problem\n(hatched: a tie with the runner-up)",
+    ax.set_title("Fastest strategy per problem\n(hatched: a tie with the runner-up, or unclear)",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -19,6 +19,7 @@ import json
 import re
 from statistics import median
 
+from cpbench import rounds
 from cpbench.metrics import bootstrap_ratio
 from cpbench.report import tables
 from cpbench.report.dataframe import PROBLEM, frame
@@ -200,4 +201,6 @@ def sweep_report(records: list[dict], fmt: str = "table") -> str:
     elif n:
         head = (f"{n} of {len(records)} rows are simulated, not measured: the Source "
                 f"column and '(simulated)' in the pivots mark them.\n\n")
-    return head + grouped(records, fmt) + "\n" + pivot(records, fmt)
+    drift = rounds.drift_lines(records, tables.case_text)
+    return head + grouped(records, fmt) + "\n" + pivot(records, fmt) + \
+        ("\n" + "\n".join(drift) + "\n" if drift else "")

@@ -31,6 +31,7 @@ import json
 import math
 import statistics
 
+from cpbench import rounds
 from cpbench.config import FORMATS
 from cpbench.profile.summary import detail_lines
 from cpbench.reference import TENSORS, Comparison
@@ -189,16 +190,23 @@ def simulated_note(records: list[dict]) -> str:
     return f" (simulated on {hardware}, not measured)"
 
 
+def case_text(record: dict) -> str:
+    """A case in a line of text: its row, sequence length and packing."""
+    packing = (record.get("packing") or {}).get("index")
+    return f"{row_label(record)} S={record['config']['attention']['seqlen']}" + \
+        ("" if packing is None else f" packing {packing}")
+
+
 def summary(records: list[dict], fmt: str = "table") -> str:
     """The summary of ``records`` in ``fmt`` (table, markdown, csv or json)."""
     if not records:
         return "no records\n"
+    records = rounds.pool(records)  # --rounds K: a case's rounds are one row
     if fmt == "table":
         table_rows = [{k: v for k, v in r.items() if k != "CP Efficiency"} for r in rows(records)]
         lines = [f"Benchmark Summary{simulated_note(records)}:", *_seed_table(table_rows)]
-        eff_lines = _efficiency_lines(records)
-        if eff_lines:
-            lines += ["", *eff_lines]
+        for extra in (_efficiency_lines(records), rounds.drift_lines(records, case_text)):
+            lines += ["", *extra] if extra else []
         return "\n".join(lines + packings.lines(records, fmt)) + "\n"
     if fmt == "markdown":
         note = simulated_note(records)

@@ -235,7 +235,19 @@ class _Runner:
                      + (f" | log {log_path}" if summary != "ok" else ""))
         self.say(f"sweep: {len(todo)} case(s) run, {n - len(todo)} skipped; records in "
                  f"{self.out}")
+        self._say_accuracy()
         return 1 if failed else 0
+
+    def _say_accuracy(self) -> None:
+        """A sweep that checks: the error table over its cases, so an nproc or topology axis
+        shows the error's growth with ring size without a second command."""
+        from cpbench.report.accuracy import accuracy_table
+
+        keys = {k for case in self.sweep.cases for k in case.keys}
+        checked = [r for r in results.read(self.out) if r.get("check")
+                   and results.record_key(r) in keys] if self.out.exists() else []
+        if checked:
+            self.say("\n" + accuracy_table(checked).rstrip("\n"))
 
     def _case(self, case: SweepCase) -> tuple[list[str], Path]:
         """Launch one case; record every row it left unwritten; the status of each row."""
