@@ -31,7 +31,10 @@ A record holds what is needed to re-run it and to recompute every figure printed
   ``padding`` (under documents: the strategy's document and sequence multiples, the real and
   padded sequence, ``padded_tokens``, their ``fraction`` of the padded sequence, the tail's
   pad and the padded lengths; FLOPs count real pairs only) and ``packing`` (the index of the
-  packing under ``--packings K``: seed + index sampled the documents).
+  packing under ``--packings K``: seed + index sampled the documents) and ``comm`` (the
+  bytes each rank sent in the timed step, per timed phase, whether its timed steps differed,
+  and what the strategy's schedule declares per phase: ``comm_section``).
+  ``derived.flags``: the physics guards' findings (``cpbench.guards``).
 The mask is part of the problem: ``config.attention.documents`` (the lengths) and
 ``window_size``; ``derived.flops_counted`` says whether FLOPs come from the seeds' formula
 (plain causal / full) or the exact attended pairs (documents, windows).
@@ -53,7 +56,7 @@ import logging
 import os
 from pathlib import Path
 
-from cpbench import metrics
+from cpbench import guards, metrics
 from cpbench.errors import UsageError
 
 SCHEMA_VERSION = 1
@@ -63,7 +66,7 @@ STATUSES = (OK, OOM, FAILED, TIMEOUT)  # timeout: a sweep's case ran past its li
 MEASURED = ("resolved", "error", "traceback", "samples_ms", "memory_bytes", "memory_status",
             "memory_error", "check")
 SECTIONS = ("sweep", "simulation", "upstream", "profile", "balance", "dryrun", "padding",
-            "packing")
+            "packing", "comm")
 # a row's key: what was asked for, not what a machine resolved it to (the device, the kernel
 # "auto" became), so a sweep checked on a login node matches records made on GPUs
 KEY_RUN_FIELDS = ("kernel", "warmup", "iters", "fwd_only", "check", "seed")
@@ -93,6 +96,22 @@ def make_record(*, strategy: str, options, attention, run, kernel: str, world_si
     record = json.loads(json.dumps(record, default=str))
     record["derived"] = derive(record)
     return record
+
+
+def comm_section(per_rank: list[list[float]], counted: str) -> dict:
+    """The ``comm`` section from each rank's [FWD bytes, FWD varied, FWD+BWD bytes, FWD+BWD
+    varied, declared fwd, declared bwd] (-1: not counted / not declared)."""
+    def column(i, kind=int):
+        values = [kind(r[i]) if r[i] >= 0 else None for r in per_rank]
+        return None if all(v is None for v in values) else values
+
+    declared = {"fwd": column(4), "bwd": column(5)}
+    return {"counted": counted,
+            "sent_bytes": {p: column(i) for p, i in (("fwd", 0), ("fwd_bwd", 2))
+                           if column(i) is not None},
+            "varies": {p: column(i, bool) for p, i in (("fwd", 1), ("fwd_bwd", 3))
+                       if column(i - 1) is not None},
+            "schedule_bytes": declared if declared["fwd"] is not None else None}
 
 
 def case_key(*, strategy: str, options: dict, attention: dict, run: dict, world_size: int,
@@ -212,6 +231,7 @@ def derive(record: dict) -> dict:
     if record.get("padding"):
         out["padded_tokens"] = record["padding"]["padded_tokens"]
         out["padding_fraction"] = record["padding"]["fraction"]
+    out["flags"] = guards.flags(record)
     checks = record.get("check")
     out["check_passed"] = None if not checks else all(c["passed"] for c in checks)
     n = record["ranks_per_problem"]

@@ -54,7 +54,7 @@ from typing import Callable
 import torch
 
 from cpbench import kernels, results, strategies, topology
-from cpbench.bench import agreement, memory, profiling, timer
+from cpbench.bench import agreement, memory, profiling, sentcount, timer
 from cpbench.bench import env as env_mod
 from cpbench.bench.check import check_strategy
 from cpbench.bench.plan import Case, Plan
@@ -121,6 +121,7 @@ class _CaseRun:
     timeout_s: float | None = None  # the groups' collective timeout in this case
     strat: Strategy | None = None
     inputs: dict | None = None
+    sent: dict = dataclasses.field(default_factory=dict)  # phase -> sentcount.StepBytes
 
     def build(self) -> tuple[dict | None, dict | None]:
         """(the options as resolved, the library that runs: see Strategy.provenance)."""
@@ -148,10 +149,30 @@ class _CaseRun:
         self.inputs = self.phase(lambda: rank_inputs(self.strat, self.p, self.rank))
         fwd, fwd_bwd = _closures(self.strat, self.inputs) if self.inputs else (None, None)
         tm = timer.Timer(run.device, _barrier(run.device))
-        samples = {"fwd": self._timed(tm, "FWD", fwd), "fwd_bwd": None}
+        self.sent = {"fwd": sentcount.StepBytes(self.strat, run.warmup)} if fwd else {}
+        samples = {"fwd": self._timed(tm, "FWD", fwd and self.sent["fwd"].wrap(fwd)),
+                   "fwd_bwd": None}
         if not run.fwd_only:
-            samples["fwd_bwd"] = self._timed(tm, "FWD+BWD", fwd_bwd)
+            self.sent["fwd_bwd"] = sentcount.StepBytes(self.strat, run.warmup)
+            samples["fwd_bwd"] = self._timed(tm, "FWD+BWD", fwd_bwd and
+                                             self.sent["fwd_bwd"].wrap(fwd_bwd))
         return samples, fwd if run.fwd_only else fwd_bwd
+
+    def comm(self) -> dict | None:
+        """The record's ``comm`` section: per rank, the bytes each timed step sent and what
+        the schedule declares (a collective: every rank's figures)."""
+        def gather():
+            mine = []
+            for phase in ("fwd", "fwd_bwd"):
+                got = self.sent[phase].counted() if phase in self.sent else None
+                mine += [-1, 0] if got is None else [got[0], int(got[1])]
+            declared = sentcount.declared(self.strat)
+            mine += [-1, -1] if declared is None else [declared["fwd"], declared["bwd"]]
+            return timer.gather_samples(mine, self.p.run.device)
+
+        everyone = self.phase(gather) if self.sent else None
+        return None if everyone is None else \
+            results.comm_section(everyone, sentcount.how_counted(self.strat))
 
     def _timed(self, tm: timer.Timer, what: str, fn) -> list[list[float]] | None:
         run = self.p.run
@@ -216,6 +237,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     resolved, upstream = c.build()
     checks = c.check(ref_cache) if p.run.check else None
     samples, step = c.time()
+    comm = c.comm()
     mem, memory_bytes = c.memory(step, store, key) if _usable(phase) else (None, None)
     # a failed memory step leaves the group usable (it is agreed on); a broken one does not
     prof, profile = c.profile(step, store, key, index) \
@@ -234,7 +256,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
         samples_ms=samples if any(samples.values()) else None, memory_bytes=memory_bytes,
         memory_status=mem.status if mem is not None else None,
         memory_error=mem.error if mem is not None else None, profile=profile,
-        balance=balance, padding=padding, packing=p.packing_of(case))
+        balance=balance, padding=padding, packing=p.packing_of(case), comm=comm)
     broke = [ph for ph in (phase, mem, prof) if ph is not None and ph.broken]
     return record, ("device" if any(ph.sticky for ph in broke) else "group") if broke else None
 
