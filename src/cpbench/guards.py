@@ -25,8 +25,8 @@ def comm_flags(comm: dict | None) -> list[str]:
         return []
     flags = []
     sent, varies = comm["sent_bytes"], comm.get("varies") or {}
-    for phase, per_rank in sent.items():
-        if any((varies.get(phase) or [])):
+    for phase in sent:
+        if any(varies.get(phase) or ()):
             flags.append(f"{phase.upper().replace('_', '+')}: bytes sent differ between "
                          f"timed steps")
     declared = comm.get("schedule_bytes")

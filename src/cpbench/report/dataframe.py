@@ -42,6 +42,7 @@ def _row(r: dict) -> dict:
         "status": r["status"], "error": r.get("error"),
         "memory_status": r.get("memory_status"), "memory_error": r.get("memory_error"),
         **{k: d.get(k) for k in _FIGURES},
+        "flags": "; ".join(d.get("flags") or ()),  # the physics guards' (cpbench.guards)
         "utc": r["env"].get("utc"), "git_sha": r["env"].get("git_sha"),
         "simulated": bool(r["env"].get("simulated")),
         # the breakdown of a profiled step (run --profile), where the record has one

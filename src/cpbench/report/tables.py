@@ -70,6 +70,7 @@ def rows(records: list[dict]) -> list[dict]:
     with_docs = (df["documents"] != "-").any()
     with_balance = df["imbalance"].notna().any()
     with_packings = df["packing"].notna().any()
+    with_flags = (df["flags"] != "").any()
     out = []
     for row in df.to_dict("records"):
         status = row["status"]
@@ -101,6 +102,8 @@ def rows(records: list[dict]) -> list[dict]:
         if with_check:
             passed = row["check_passed"]
             cells["Check"] = "-" if _missing(passed) else "PASS" if passed else "FAIL"
+        if with_flags:  # the physics guards' (cpbench.guards): the row's figures are suspect
+            cells["Flags"] = row["flags"] or "-"
         cells["CP Efficiency"] = ("-" if _missing(row["cp_efficiency"]) else
                                   f"{100 * row['cp_efficiency']:.1f} % "
                                   f"[{_pct(row['cp_efficiency_low'])}, "
@@ -230,15 +233,19 @@ def _data(records: list[dict]):
             "memory_mb", "tflops", "imbalance", "padded_tokens", "padding_fraction",
             "packing", "documents_spec", "check",
             "cp_efficiency", "cp_efficiency_low", "cp_efficiency_high", "exposed_comm_pct",
-            "exposed_comm_ms", "error", "memory_status", "memory_error"]
+            "exposed_comm_ms", "flags", "error", "memory_status", "memory_error"]
     return df[cols]
 
 
 def detail(record: dict) -> str:
     """Seed 000's per-run block."""
+    d = derive(record)
     lines = ["=" * _RULE, f"Benchmark Results for {row_label(record)}", "=" * _RULE,
              "Configuration:", *_configuration(record), "", "Performance:",
-             *_performance(record, derive(record))]
+             *_performance(record, d)]
+    if d["flags"]:  # cpbench.guards: figures that cannot be what they claim
+        lines += ["", "Flagged (never a winner in report --best):",
+                  *(f"  {f}" for f in d["flags"])]
     if record.get("check"):
         lines += ["", "Check against the float64 reference:"]
         lines += ["  " + Comparison(**c).line() for c in record["check"]]

@@ -1,0 +1,51 @@
+"""The physics guards end to end: ``cpbench run`` with a strategy a third party registers
+through the entry-point group, whose schedule sends K/V and whose attention sends nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+SMALL = ["--seqlen", "256", "--heads", "2", "--head-dim", "16", "--warmup", "1",
+         "--iters", "3"]
+
+
+def _cpbench(*args, timeout=180):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(PLUGINS), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    cmd = [sys.executable, "-c", "import sys; from cpbench.cli import main; sys.exit(main())",
+           *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=env)
+
+
+def test_a_strategy_that_sends_nothing_is_flagged_and_never_wins(tmp_path):
+    out = tmp_path / "r.jsonl"
+    run = _cpbench("run", "--strategy", "test-silent-zigzag,zigzag", "--nproc", "2", *SMALL,
+                   "--out", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr  # exit status unchanged
+    silent, zigzag = (json.loads(line) for line in out.read_text().splitlines())
+    assert silent["config"]["strategy"] == "test-silent-zigzag"
+    # zigzag's ring at S=256, H=2, D=16, fp32, 2 ranks: one K and one V block of 128 tokens
+    block = 2 * 128 * 2 * 16 * 4
+    assert silent["comm"]["sent_bytes"]["fwd"] == [0, 0]
+    assert silent["comm"]["schedule_bytes"]["fwd"] == [block, block]
+    assert silent["derived"]["flags"] == [f"FWD rank 0: sent 0 B, schedule says "
+                                          f"{block / 1e3:.3g} KB",
+                                          "FWD+BWD rank 0: sent 0 B, schedule says "
+                                          f"{4 * block / 1e3:.3g} KB"]
+    assert zigzag["comm"]["sent_bytes"] == {"fwd": [block, block],
+                                            "fwd_bwd": [4 * block, 4 * block]}
+    assert zigzag["derived"]["flags"] == []
+    table = run.stdout[run.stdout.index("Benchmark Summary:"):]
+    assert "Flags" in table and "schedule says" in table
+    best = _cpbench("report", str(out), "--best")
+    assert best.returncode == 0, best.stderr
+    ranked = best.stdout.split("not ranked:")[0]
+    assert "test-silent-zigzag" not in ranked and "zigzag" in ranked
+    assert "not ranked: test-silent-zigzag" in best.stdout
