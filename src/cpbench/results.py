@@ -34,7 +34,11 @@ A record holds what is needed to re-run it and to recompute every figure printed
   packing under ``--packings K``: seed + index sampled the documents) and ``comm`` (the
   bytes each rank sent in the timed step, per timed phase, whether its timed steps differed,
   and what the strategy's schedule declares per phase: ``comm_section``).
-  ``derived.flags``: the physics guards' findings (``cpbench.guards``).
+  ``derived.flags``: the physics guards' findings (``cpbench.guards``); ``ideal`` (the
+  slowest rank's kernel blocks timed alone: ``rank``, its ideal ``fwd_ms`` / ``bwd_ms`` and
+  each distinct block's times, ``cpbench.bench.ideal``; or ``{"none": why}``), from which
+  ``derived.fraction_of_ideal`` (FWD+BWD, FWD with --fwd-only) and ``fraction_of_ideal_fwd``:
+  the ideal step over the measured one.
 The mask is part of the problem: ``config.attention.documents`` (the lengths) and
 ``window_size``; ``derived.flops_counted`` says whether FLOPs come from the seeds' formula
 (plain causal / full) or the exact attended pairs (documents, windows).
@@ -66,7 +70,7 @@ STATUSES = (OK, OOM, FAILED, TIMEOUT)  # timeout: a sweep's case ran past its li
 MEASURED = ("resolved", "error", "traceback", "samples_ms", "memory_bytes", "memory_status",
             "memory_error", "check")
 SECTIONS = ("sweep", "simulation", "upstream", "profile", "balance", "dryrun", "padding",
-            "packing", "comm")
+            "packing", "comm", "ideal")
 # a row's key: what was asked for, not what a machine resolved it to (the device, the kernel
 # "auto" became), so a sweep checked on a login node matches records made on GPUs
 KEY_RUN_FIELDS = ("kernel", "warmup", "iters", "fwd_only", "check", "seed")
@@ -220,6 +224,18 @@ def _flops(attention: dict, mode: str) -> tuple[float, str]:
         mode=mode)
 
 
+def _fractions(ideal: dict | None, d: dict) -> dict:
+    """The ideal step (its kernel blocks alone) over the measured step, per phase."""
+    if not ideal or ideal.get("fwd_ms") is None:
+        return {}
+    out = {"fraction_of_ideal_fwd": ideal["fwd_ms"] / d["fwd_ms"]}
+    if ideal.get("bwd_ms") is not None and d.get("fwd_bwd_ms"):
+        out["fraction_of_ideal"] = (ideal["fwd_ms"] + ideal["bwd_ms"]) / d["fwd_bwd_ms"]
+    else:
+        out["fraction_of_ideal"] = out["fraction_of_ideal_fwd"]
+    return out
+
+
 def derive(record: dict) -> dict:
     """Every figure a report prints, from the record's raw measurements and config."""
     attention = record["config"]["attention"]
@@ -249,6 +265,7 @@ def derive(record: dict) -> dict:
                    bwd_tflops=(metrics.tflops_per_gpu(problem_flops(attention, "bwd"), n,
                                                          bwd / 1e3) if bwd > 0 else None),
                    slowest_rank_fwd_bwd=metrics.slowest_rank(samples["fwd_bwd"]))
+    out.update(_fractions(record.get("ideal"), out))
     if record.get("memory_bytes"):
         out["memory_mb"] = max(record["memory_bytes"]) / metrics.MB
     return out

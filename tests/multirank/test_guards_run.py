@@ -49,3 +49,27 @@ def test_a_strategy_that_sends_nothing_is_flagged_and_never_wins(tmp_path):
     ranked = best.stdout.split("not ranked:")[0]
     assert "test-silent-zigzag" not in ranked and "zigzag" in ranked
     assert "not ranked: test-silent-zigzag" in best.stdout
+
+
+def test_every_cp_row_prints_its_fraction_of_ideal(tmp_path):
+    out = tmp_path / "r.jsonl"
+    run = _cpbench("run", "--strategy", "zigzag,ring", "--nproc", "2", *SMALL,
+                   "--out", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    for r in records:  # the slowest rank's blocks, as declared, each timed once
+        assert r["ideal"]["rank"] in (0, 1) and r["ideal"]["fwd_ms"] > 0
+        assert 0 < r["derived"]["fraction_of_ideal"] < 10
+    assert run.stdout.count("  - Fraction of Ideal: ") == 2  # each detail block
+    table = run.stdout[run.stdout.index("Benchmark Summary:"):].splitlines()
+    header = [c.strip() for c in table[2].split("|")]
+    assert "Fraction of Ideal" in header
+    col = header.index("Fraction of Ideal")
+    for line in table[4:6]:
+        assert [c.strip() for c in line.split("|")][col].endswith(" %")
+    md = _cpbench("report", str(out), "--format", "markdown").stdout.splitlines()
+    header = [c.strip() for c in md[0].split("|")]
+    # beside the CP efficiency
+    assert header.index("CP Efficiency") == header.index("Fraction of Ideal") + 1
+    assert all(line.split("|")[header.index("Fraction of Ideal")].strip().endswith(" %")
+               for line in md[2:4])

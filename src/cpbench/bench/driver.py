@@ -54,7 +54,7 @@ from typing import Callable
 import torch
 
 from cpbench import kernels, results, strategies, topology
-from cpbench.bench import agreement, memory, profiling, sentcount, timer
+from cpbench.bench import agreement, ideal, memory, profiling, sentcount, timer
 from cpbench.bench import env as env_mod
 from cpbench.bench.check import check_strategy
 from cpbench.bench.plan import Case, Plan
@@ -161,16 +161,8 @@ class _CaseRun:
     def comm(self) -> dict | None:
         """The record's ``comm`` section: per rank, the bytes each timed step sent and what
         the schedule declares (a collective: every rank's figures)."""
-        def gather():
-            mine = []
-            for phase in ("fwd", "fwd_bwd"):
-                got = self.sent[phase].counted() if phase in self.sent else None
-                mine += [-1, 0] if got is None else [got[0], int(got[1])]
-            declared = sentcount.declared(self.strat)
-            mine += [-1, -1] if declared is None else [declared["fwd"], declared["bwd"]]
-            return timer.gather_samples(mine, self.p.run.device)
-
-        everyone = self.phase(gather) if self.sent else None
+        everyone = self.phase(lambda: timer.gather_samples(
+            sentcount.figures(self.sent, self.strat), self.p.run.device)) if self.sent else None
         return None if everyone is None else \
             results.comm_section(everyone, sentcount.how_counted(self.strat))
 
@@ -188,6 +180,20 @@ class _CaseRun:
         mem = agreement.Agreement(dev, store, f"{key}/memory", self.grace_s, self.phase.case)
         peak = mem(lambda: memory.peak_bytes(step, device=dev, inputs=self.inputs.values()))
         return mem, mem(lambda: [int(v[0]) for v in timer.gather_samples([peak], dev)])
+
+    def ideal(self, store, key: str) -> tuple[agreement.Agreement, dict]:
+        """The case's kernel blocks timed alone on rank 0 (``bench.ideal``; the others wait,
+        so nothing shares its device or CPUs) as a phase of its own: the record's
+        ``ideal`` section, or why there is none."""
+        self.status("timing the kernel blocks alone")
+        p, run = self.p, self.p.run
+        ph = agreement.Agreement(run.device, store, f"{key}/ideal", self.grace_s,
+                                 self.phase.case)
+        section = ph(lambda: ideal.measure(
+            self.case.strategy, self.case.options, p.attn_of(self.case), p.topo,
+            p.kernel_of(self.case), device=run.device, warmup=run.warmup, iters=run.iters,
+            fwd_only=run.fwd_only) if self.rank == 0 else None)
+        return ph, section if ph.status == results.OK else {"none": f"{ph.status}: {ph.error}"}
 
     def profile(self, step: Callable[[], None], store, key: str, index: int
                 ) -> tuple[agreement.Agreement, dict]:
@@ -240,8 +246,11 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     comm = c.comm()
     mem, memory_bytes = c.memory(step, store, key) if _usable(phase) else (None, None)
     # a failed memory step leaves the group usable (it is agreed on); a broken one does not
+    ideal_ph, ideal_section = c.ideal(store, key) if _usable(phase) and not (
+        mem and mem.broken) else (None, None)
     prof, profile = c.profile(step, store, key, index) \
-        if p.run.profile and _usable(phase) and not (mem and mem.broken) else (None, None)
+        if p.run.profile and _usable(phase) and not any(
+            ph and ph.broken for ph in (mem, ideal_ph)) else (None, None)
     ranks_per_problem = c.strat.ranks_per_problem if c.strat is not None else p.world_size
     balance = c.strat.balance() if c.strat is not None and rank == 0 else None
     padding = c.strat.padding() if c.strat is not None else None
@@ -256,8 +265,9 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
         samples_ms=samples if any(samples.values()) else None, memory_bytes=memory_bytes,
         memory_status=mem.status if mem is not None else None,
         memory_error=mem.error if mem is not None else None, profile=profile,
-        balance=balance, padding=padding, packing=p.packing_of(case), comm=comm)
-    broke = [ph for ph in (phase, mem, prof) if ph is not None and ph.broken]
+        balance=balance, padding=padding, packing=p.packing_of(case), comm=comm,
+        ideal=ideal_section)
+    broke = [ph for ph in (phase, mem, ideal_ph, prof) if ph is not None and ph.broken]
     return record, ("device" if any(ph.sticky for ph in broke) else "group") if broke else None
 
 

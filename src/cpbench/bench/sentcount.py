@@ -72,3 +72,14 @@ class StepBytes:
 def how_counted(strat: Strategy) -> str:
     return "every timed step (cpbench.comm)" if strat.upstream is None else \
         "the last warm-up step (torch.distributed trace)"
+
+
+def figures(sent: dict[str, StepBytes], strat: Strategy) -> list[int]:
+    """This rank's figures for ``results.comm_section``: [FWD bytes, FWD varied, FWD+BWD
+    bytes, FWD+BWD varied, declared fwd, declared bwd] (-1: not counted / not declared)."""
+    mine = []
+    for phase in ("fwd", "fwd_bwd"):
+        got = sent[phase].counted() if phase in sent else None
+        mine += [-1, 0] if got is None else [got[0], int(got[1])]
+    want = declared(strat)
+    return mine + ([-1, -1] if want is None else [want["fwd"], want["bwd"]])

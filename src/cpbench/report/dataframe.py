@@ -16,7 +16,7 @@ PROBLEM = ["dtype", "batch", "seqlen", "heads", "kv_heads", "head_dim", "causal"
            "window", "world", "ranks_per_node", "kernel", "device"]
 _FIGURES = ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "memory_mb", "fwd_tflops", "bwd_tflops",
             "fwd_bwd_tflops", "check_passed", "imbalance", "padded_tokens",
-            "padding_fraction")
+            "padding_fraction", "fraction_of_ideal")
 
 
 def _iterations(r: dict, phase: str) -> list[float] | None:
