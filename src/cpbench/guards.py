@@ -3,12 +3,64 @@
 A flag keeps the row in every table (its text beside it) and in the record
 (``derived.flags``), and keeps it from winning ``report --best``; the exit status stays.
 
+- TFLOP/s per device above the device's dense peak for the dtype ("impossible: above
+  peak"): known GPUs by name (``PEAKS``, datasheet figures; the simulator's presets carry the
+  same bf16 peaks, a test holds them equal); other devices, CPUs included, have no guard,
+  and the summary says so once per device (``unguarded``);
 - the bytes each rank sent in the timed step against the strategy's declared schedule (the
   record's ``comm`` section): a strategy that silently stopped communicating (CP off) sends
   less than its schedule says.
 """
 
 from __future__ import annotations
+
+# Dense tensor-core TFLOP/s per device, datasheet (no sparsity), by a name fragment of
+# torch.cuda.get_device_name, most specific first. fp32 is the TF32 figure: a kernel may use
+# TF32 where torch allows it, so that is the most an fp32 row can honestly reach. A family
+# holds its fastest variant's figures (an H100 PCIe is held to the SXM's): the guard may miss
+# a slower variant's impossible row, never flag a possible one.
+PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}),
+    ("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}),
+    ("H800", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}),
+    ("A800", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}),
+    ("MI300X", {"bf16": 1307.4, "fp16": 1307.4, "fp32": 653.7}),
+)
+
+
+def peak_tflops(device_name: str | None, dtype: str) -> float | None:
+    """The dense peak of ``device_name`` in ``dtype``; None for a device not in ``PEAKS``."""
+    for fragment, peaks in PEAKS:
+        if device_name and fragment.lower() in device_name.lower():
+            return peaks.get(dtype)
+    return None
+
+
+def _measured(record: dict) -> bool:
+    return not (record.get("env") or {}).get("simulated")  # a prediction is no measurement
+
+
+def peak_flags(record: dict, derived: dict) -> list[str]:
+    """"impossible: above peak" where a measured phase's TFLOP/s per device exceeds it. BWD
+    is a difference of two medians (FWD+BWD − FWD), noisy by construction: not judged."""
+    if not _measured(record):
+        return []
+    dtype = record["config"]["attention"].get("dtype")
+    peak = peak_tflops((record.get("env") or {}).get("device_name"), dtype)
+    if peak is None:
+        return []
+    return [f"impossible: above peak ({phase} {rate:.0f} TFLOP/s per device > {peak:g} "
+            f"{dtype} dense)" for phase, rate in (("FWD", derived.get("fwd_tflops")),
+                                                  ("FWD+BWD", derived.get("fwd_bwd_tflops")))
+            if rate is not None and rate > peak]
+
+
+def unguarded(records: list[dict]) -> list[str]:
+    """The measured devices with no known peak, each once: their rows have no peak guard."""
+    names = {(r.get("env") or {}).get("device_name") or (r.get("env") or {}).get("device")
+             for r in records if _measured(r) and r.get("samples_ms")}
+    return sorted(n for n in names if n and peak_tflops(n, "bf16") is None)
 
 
 def _size(nbytes: float) -> str:
@@ -42,6 +94,7 @@ def comm_flags(comm: dict | None) -> list[str]:
     return flags
 
 
-def flags(record: dict) -> list[str]:
-    """Every flag of a record (old records without the measured sections: none)."""
-    return comm_flags(record.get("comm"))
+def flags(record: dict, derived: dict) -> list[str]:
+    """Every flag of a record, given its derived figures (old records without the measured
+    sections: only what their figures show)."""
+    return peak_flags(record, derived) + comm_flags(record.get("comm"))

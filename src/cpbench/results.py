@@ -237,7 +237,14 @@ def _fractions(ideal: dict | None, d: dict) -> dict:
 
 
 def derive(record: dict) -> dict:
-    """Every figure a report prints, from the record's raw measurements and config."""
+    """Every figure a report prints, from the record's raw measurements and config, and
+    the physics guards' flags on them (``cpbench.guards``)."""
+    out = _figures(record)
+    out["flags"] = guards.flags(record, out)
+    return out
+
+
+def _figures(record: dict) -> dict:
     attention = record["config"]["attention"]
     out: dict = {"flops_fwd": problem_flops(attention, "fwd"),
                  "flops_fwd_bwd": problem_flops(attention, "fwd_bwd"),
@@ -247,7 +254,6 @@ def derive(record: dict) -> dict:
     if record.get("padding"):
         out["padded_tokens"] = record["padding"]["padded_tokens"]
         out["padding_fraction"] = record["padding"]["fraction"]
-    out["flags"] = guards.flags(record)
     checks = record.get("check")
     out["check_passed"] = None if not checks else all(c["passed"] for c in checks)
     n = record["ranks_per_problem"]

@@ -31,6 +31,7 @@ import json
 import math
 import statistics
 
+from cpbench import guards
 from cpbench.config import FORMATS
 from cpbench.profile.summary import detail_lines
 from cpbench.reference import TENSORS, Comparison
@@ -208,6 +209,8 @@ def summary(records: list[dict], fmt: str = "table") -> str:
         eff_lines = _efficiency_lines(records)
         if eff_lines:
             lines += ["", *eff_lines]
+        lines += [f"no dense peak known for {name}: its rows have no above-peak guard"
+                  for name in guards.unguarded(records)]
         return "\n".join(lines + packings.lines(records, fmt)) + "\n"
     if fmt == "markdown":
         note = simulated_note(records)
