@@ -9,7 +9,10 @@ A flag keeps the row in every table (its text beside it) and in the record
   and the summary says so once per device (``unguarded``);
 - the bytes each rank sent in the timed step against the strategy's declared schedule (the
   record's ``comm`` section): a strategy that silently stopped communicating (CP off) sends
-  less than its schedule says.
+  less than its schedule says;
+- a world or CP size other than asked (the record's ``sizes``): every rank in a world of the
+  ``--nproc`` asked, a CP row's ring over all of them, its ranks' shards covering the
+  sequence once per problem (a rank holding all of it is CP silently off).
 """
 
 from __future__ import annotations
@@ -94,7 +97,28 @@ def comm_flags(comm: dict | None) -> list[str]:
     return flags
 
 
+def size_flags(record: dict) -> list[str]:
+    """Where the ranks ran other than the row was asked to (see the module docstring)."""
+    sizes = record.get("sizes")
+    if not sizes:
+        return []
+    world, rpp = record["topology"]["world_size"], record["ranks_per_problem"]
+    found = []
+    if any(w != world for w in sizes["world"]):
+        found.append(f"ran in a world of {max(sizes['world'], key=lambda w: w != world)} "
+                     f"ranks, asked for {world}")
+    wrong_cp = [c for c in sizes["cp"] if c != (world if rpp > 1 else 1)]
+    if wrong_cp:
+        found.append(f"CP over {wrong_cp[0]} ranks, asked for {world if rpp > 1 else 1}")
+    seqlen = record["config"]["attention"]["seqlen"]
+    tokens, problems = sum(sizes["local_seqlen"]), world // max(rpp, 1)
+    if tokens != seqlen * problems:
+        found.append(f"the shards hold {tokens} tokens, the {problems} problem(s) "
+                     f"{seqlen * problems}")
+    return found
+
+
 def flags(record: dict, derived: dict) -> list[str]:
     """Every flag of a record, given its derived figures (old records without the measured
     sections: only what their figures show)."""
-    return peak_flags(record, derived) + comm_flags(record.get("comm"))
+    return peak_flags(record, derived) + comm_flags(record.get("comm")) + size_flags(record)

@@ -38,7 +38,8 @@ A record holds what is needed to re-run it and to recompute every figure printed
   slowest rank's kernel blocks timed alone: ``rank``, its ideal ``fwd_ms`` / ``bwd_ms`` and
   each distinct block's times, ``cpbench.bench.ideal``; or ``{"none": why}``), from which
   ``derived.fraction_of_ideal`` (FWD+BWD, FWD with --fwd-only) and ``fraction_of_ideal_fwd``:
-  the ideal step over the measured one.
+  the ideal step over the measured one; ``sizes`` (per rank: the world it ran in, its CP
+  ring's size and its shard's tokens), which ``cpbench.guards`` holds to what was asked.
 The mask is part of the problem: ``config.attention.documents`` (the lengths) and
 ``window_size``; ``derived.flops_counted`` says whether FLOPs come from the seeds' formula
 (plain causal / full) or the exact attended pairs (documents, windows).
@@ -70,7 +71,7 @@ STATUSES = (OK, OOM, FAILED, TIMEOUT)  # timeout: a sweep's case ran past its li
 MEASURED = ("resolved", "error", "traceback", "samples_ms", "memory_bytes", "memory_status",
             "memory_error", "check")
 SECTIONS = ("sweep", "simulation", "upstream", "profile", "balance", "dryrun", "padding",
-            "packing", "comm", "ideal")
+            "packing", "comm", "ideal", "sizes")
 # a row's key: what was asked for, not what a machine resolved it to (the device, the kernel
 # "auto" became), so a sweep checked on a login node matches records made on GPUs
 KEY_RUN_FIELDS = ("kernel", "warmup", "iters", "fwd_only", "check", "seed")

@@ -26,10 +26,10 @@ def _cpbench(*args, timeout=180):
 
 def test_a_strategy_that_sends_nothing_is_flagged_and_never_wins(tmp_path):
     out = tmp_path / "r.jsonl"
-    run = _cpbench("run", "--strategy", "test-silent-zigzag,zigzag", "--nproc", "2", *SMALL,
-                   "--out", str(out))
+    run = _cpbench("run", "--strategy", "test-silent-zigzag,zigzag,test-cp-off", "--nproc",
+                   "2", *SMALL, "--out", str(out))
     assert run.returncode == 0, run.stdout + run.stderr  # exit status unchanged
-    silent, zigzag = (json.loads(line) for line in out.read_text().splitlines())
+    silent, zigzag, cp_off = (json.loads(line) for line in out.read_text().splitlines())
     assert silent["config"]["strategy"] == "test-silent-zigzag"
     # zigzag's ring at S=256, H=2, D=16, fp32, 2 ranks: one K and one V block of 128 tokens
     block = 2 * 128 * 2 * 16 * 4
@@ -42,6 +42,10 @@ def test_a_strategy_that_sends_nothing_is_flagged_and_never_wins(tmp_path):
     assert zigzag["comm"]["sent_bytes"] == {"fwd": [block, block],
                                             "fwd_bwd": [4 * block, 4 * block]}
     assert zigzag["derived"]["flags"] == []
+    assert zigzag["sizes"] == {"world": [2, 2], "cp": [2, 2], "local_seqlen": [128, 128]}
+    assert cp_off["sizes"] == {"world": [2, 2], "cp": [1, 1], "local_seqlen": [256, 256]}
+    assert cp_off["derived"]["flags"] == ["CP over 1 ranks, asked for 2",
+                                          "the shards hold 512 tokens, the 1 problem(s) 256"]
     table = run.stdout[run.stdout.index("Benchmark Summary:"):]
     assert "Flags" in table and "schedule says" in table
     best = _cpbench("report", str(out), "--best")
@@ -49,6 +53,7 @@ def test_a_strategy_that_sends_nothing_is_flagged_and_never_wins(tmp_path):
     ranked = best.stdout.split("not ranked:")[0]
     assert "test-silent-zigzag" not in ranked and "zigzag" in ranked
     assert "not ranked: test-silent-zigzag" in best.stdout
+    assert "test-cp-off" not in ranked and "not ranked: test-cp-off" in best.stdout
 
 
 def test_every_cp_row_prints_its_fraction_of_ideal(tmp_path):

@@ -103,3 +103,22 @@ def test_the_simulators_presets_carry_the_same_peaks():
     for name in hardware.names():
         hw = hardware.load(name)
         assert abs(guards.peak_tflops(hw.name, "bf16") - hw.peak_tflops) < 1, name
+
+
+def _sized(world, cp, local_seqlen, ranks_per_problem=4):
+    rec = fake_record(ranks_per_problem=ranks_per_problem)  # 4 ranks asked, S = 1024
+    return {**rec, "sizes": {"world": world, "cp": cp, "local_seqlen": local_seqlen}}
+
+
+def test_sizes_as_asked_raise_no_flag():
+    assert guards.size_flags(_sized([4] * 4, [4] * 4, [256] * 4)) == []
+    assert guards.size_flags(_sized([4] * 4, [1] * 4, [1024] * 4, ranks_per_problem=1)) == []
+
+
+def test_sizes_other_than_asked_are_flagged():
+    assert guards.size_flags(_sized([2] * 4, [4] * 4, [256] * 4)) == [
+        "ran in a world of 2 ranks, asked for 4"]
+    assert guards.size_flags(_sized([4] * 4, [2] * 4, [256] * 4)) == [
+        "CP over 2 ranks, asked for 4"]
+    assert guards.size_flags(_sized([4] * 4, [4] * 4, [1024] * 4)) == [
+        "the shards hold 4096 tokens, the 1 problem(s) 1024"]

@@ -158,13 +158,22 @@ class _CaseRun:
                                              self.sent["fwd_bwd"].wrap(fwd_bwd))
         return samples, fwd if run.fwd_only else fwd_bwd
 
-    def comm(self) -> dict | None:
-        """The record's ``comm`` section: per rank, the bytes each timed step sent and what
-        the schedule declares (a collective: every rank's figures)."""
+    def comm(self) -> tuple[dict | None, dict | None]:
+        """The record's ``comm`` and ``sizes`` sections (a collective: every rank's figures):
+        the bytes each timed step sent and what the schedule declares; the world this rank
+        ran in, its CP ring's size and the tokens of its shard."""
+        import torch.distributed as dist
+
+        s = self.strat
         everyone = self.phase(lambda: timer.gather_samples(
-            sentcount.figures(self.sent, self.strat), self.p.run.device)) if self.sent else None
-        return None if everyone is None else \
-            results.comm_section(everyone, sentcount.how_counted(self.strat))
+            sentcount.figures(self.sent, s) + [dist.get_world_size(), s.cp_size,
+                                               s.local_seqlen], self.p.run.device)) \
+            if self.sent else None
+        if everyone is None:
+            return None, None
+        return (results.comm_section([r[:6] for r in everyone], sentcount.how_counted(s)),
+                {k: [int(r[i]) for r in everyone]
+                 for i, k in enumerate(("world", "cp", "local_seqlen"), 6)})
 
     def _timed(self, tm: timer.Timer, what: str, fn) -> list[list[float]] | None:
         run = self.p.run
@@ -243,7 +252,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     resolved, upstream = c.build()
     checks = c.check(ref_cache) if p.run.check else None
     samples, step = c.time()
-    comm = c.comm()
+    comm, sizes = c.comm()
     mem, memory_bytes = c.memory(step, store, key) if _usable(phase) else (None, None)
     # a failed memory step leaves the group usable (it is agreed on); a broken one does not
     ideal_ph, ideal_section = c.ideal(store, key) if _usable(phase) and not (
@@ -266,7 +275,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
         memory_status=mem.status if mem is not None else None,
         memory_error=mem.error if mem is not None else None, profile=profile,
         balance=balance, padding=padding, packing=p.packing_of(case), comm=comm,
-        ideal=ideal_section)
+        sizes=sizes, ideal=ideal_section)
     broke = [ph for ph in (phase, mem, ideal_ph, prof) if ph is not None and ph.broken]
     return record, ("device" if any(ph.sticky for ph in broke) else "group") if broke else None
 
