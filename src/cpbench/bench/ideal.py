@@ -26,6 +26,10 @@ from cpbench.errors import UsageError
 from cpbench.topology import Topology
 
 Shape = tuple[int, int, bool, int]  # rows, keys, causal, query heads
+# the other ranks wait in a collective while rank 0 times: its timeout is ten pessimistic
+# steps (bench.plan.case_waits), hundreds of real ones; a step's distinct blocks timed this
+# many times each stay well inside it whatever --iters asks
+MAX_WARMUP, MAX_ITERS = 3, 20
 
 
 def rank_blocks(name: str, options, attn: AttentionConfig, topo: Topology, kernel: str
@@ -90,7 +94,8 @@ def measure(name: str, options, attn: AttentionConfig, topo: Topology, kernel: s
         for _, shape in blocks:
             if shape not in timed:
                 timed[shape] = _time_block(kernel, attn, shape, device,
-                                           warmup=max(1, warmup), iters=max(1, iters))
+                                           warmup=min(max(1, warmup), MAX_WARMUP),
+                                           iters=min(max(1, iters), MAX_ITERS))
     sums = [{"fwd": sum(timed[s][0] for p, s in blocks if p == "fwd"),
              "bwd": sum(timed[s][1] for p, s in blocks if p == "bwd")} for blocks in per_rank]
     rank = max(range(len(sums)), key=lambda r: sums[r]["fwd"] + (0 if fwd_only else
