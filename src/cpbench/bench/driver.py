@@ -171,7 +171,8 @@ class _CaseRun:
             if self.sent else None
         if everyone is None:
             return None, None
-        return (results.comm_section([r[:6] for r in everyone], sentcount.how_counted(s)),
+        how = sentcount.how_counted(s, self.p.run.warmup)
+        return (results.comm_section([r[:6] for r in everyone], how),
                 {k: [int(r[i]) for r in everyone]
                  for i, k in enumerate(("world", "cp", "local_seqlen"), 6)})
 

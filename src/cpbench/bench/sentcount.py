@@ -69,9 +69,10 @@ class StepBytes:
         return timed[-1], len(set(timed)) > 1
 
 
-def how_counted(strat: Strategy) -> str:
-    return "every timed step (cpbench.comm)" if strat.upstream is None else \
-        "the last warm-up step (torch.distributed trace)"
+def how_counted(strat: Strategy, warmup: int) -> str:
+    if strat.upstream is None:
+        return "every timed step (cpbench.comm)"
+    return f"the {'last warm-up' if warmup else 'first timed'} step (torch.distributed trace)"
 
 
 def figures(sent: dict[str, StepBytes], strat: Strategy) -> list[int]:
