@@ -8,10 +8,11 @@
    estimate of its step time, at least 60 s (``bench.plan.case_waits``).
 3. ``rank_main`` on every rank, per (strategy, options) case: build the strategy (its groups),
    ``--check`` against the float64 reference, build this rank's input shard straight from
-   the seed, time FWD and gather its samples, time FWD+BWD and gather its samples, then
-   measure peak memory (``bench.memory``) and, with ``--profile``, profile a few steps
-   (``bench.profiling``), each a step of its own (a failure there keeps the timings); on
-   rank 0 append the record and print.
+   the seed, time FWD and gather its samples, time FWD+BWD and gather its samples (each
+   timed step's bytes counted: ``bench.sentcount``), then measure peak memory
+   (``bench.memory``), time the kernel blocks alone (``bench.ideal``) and, with
+   ``--profile``, profile a few steps (``bench.profiling``), each a step of its own (a
+   failure there keeps the timings); on rank 0 append the record and print.
 
 Every phase ends with all ranks agreeing on its outcome (``bench.agreement``), so an OOM or
 an exception in one case becomes that row's status on every rank and the run goes on.
@@ -196,13 +197,12 @@ class _CaseRun:
         so nothing shares its device or CPUs) as a phase of its own: the record's
         ``ideal`` section, or why there is none."""
         self.status("timing the kernel blocks alone")
-        p, run = self.p, self.p.run
-        ph = agreement.Agreement(run.device, store, f"{key}/ideal", self.grace_s,
-                                 self.phase.case)
+        p, run, case = self.p, self.p.run, self.case
+        ph = agreement.Agreement(run.device, store, f"{key}/ideal", self.grace_s, self.phase.case)
         section = ph(lambda: ideal.measure(
-            self.case.strategy, self.case.options, p.attn_of(self.case), p.topo,
-            p.kernel_of(self.case), device=run.device, warmup=run.warmup, iters=run.iters,
-            fwd_only=run.fwd_only) if self.rank == 0 else None)
+            case.strategy, case.options, p.attn_of(case), p.topo, p.kernel_of(case),
+            device=run.device, warmup=run.warmup, iters=run.iters, fwd_only=run.fwd_only)
+            if self.rank == 0 else None)
         return ph, section if ph.status == results.OK else {"none": f"{ph.status}: {ph.error}"}
 
     def profile(self, step: Callable[[], None], store, key: str, index: int
