@@ -55,3 +55,14 @@ def test_a_timed_block_takes_time():
                         warmup=1, iters=2, fwd_only=False)
     assert got["rank"] == 0 and len(got["blocks"]) == 1
     assert got["fwd_ms"] > 0 and got["bwd_ms"] > 0
+
+
+def test_the_tables_print_it_and_old_records_keep_their_columns():
+    from cpbench import report
+
+    rec = fake_record(fwd=[[10.0] * 3] * 4, fwd_bwd=[[40.0] * 3] * 4)
+    rec["ideal"] = {"rank": 1, "fwd_ms": 5.0, "bwd_ms": 15.0, "blocks": []}
+    assert "Fraction of Ideal" in report.summary([rec]) and "50.0 %" in report.summary([rec])
+    markdown = report.summary([rec], "markdown")
+    assert "| Fraction of Ideal | CP Efficiency |" in markdown
+    assert "Fraction of Ideal" not in report.summary([fake_record()])

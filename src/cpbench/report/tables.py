@@ -72,6 +72,7 @@ def rows(records: list[dict]) -> list[dict]:
     with_balance = df["imbalance"].notna().any()
     with_packings = df["packing"].notna().any()
     with_flags = (df["flags"] != "").any()
+    with_ideal = any(r.get("ideal") for r in records)  # records before it: no column
     out = []
     for row in df.to_dict("records"):
         status = row["status"]
@@ -106,7 +107,8 @@ def rows(records: list[dict]) -> list[dict]:
         if with_flags:  # the physics guards' (cpbench.guards): the row's figures are suspect
             cells["Flags"] = row["flags"] or "-"
         # the kernel blocks alone over the step (bench.ideal): needs no baseline that fits
-        cells["Fraction of Ideal"] = _pct_cell(row["fraction_of_ideal"])
+        if with_ideal:
+            cells["Fraction of Ideal"] = _pct_cell(row["fraction_of_ideal"])
         cells["CP Efficiency"] = ("-" if _missing(row["cp_efficiency"]) else
                                   f"{100 * row['cp_efficiency']:.1f} % "
                                   f"[{_pct(row['cp_efficiency_low'])}, "
