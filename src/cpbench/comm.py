@@ -41,7 +41,32 @@ def trace():
         _TRACE.reset(token)
 
 
+class Counter:
+    """Bytes this process sent while counting (``with counting() as c: ...; c.nbytes``)."""
+
+    nbytes: int = 0
+
+
+# the active counters, seen from any thread: a CUDA backward runs on autograd's device
+# thread, where the trace's ContextVar is unset; one add per message, so counting every
+# timed step costs nothing measurable
+_COUNTERS: list[Counter] = []
+
+
+@contextlib.contextmanager
+def counting():
+    """Count the bytes this process sends inside the block, whichever thread sends them."""
+    c = Counter()
+    _COUNTERS.append(c)
+    try:
+        yield c
+    finally:
+        _COUNTERS.remove(c)
+
+
 def _record(op: str, group: Group, nbytes: int) -> None:
+    for c in _COUNTERS:
+        c.nbytes += nbytes
     log = _TRACE.get()
     if log is not None:
         log.append(Sent(op, group.name, nbytes))

@@ -31,8 +31,16 @@ A record holds what is needed to re-run it and to recompute every figure printed
   ``padding`` (under documents: the strategy's document and sequence multiples, the real and
   padded sequence, ``padded_tokens``, their ``fraction`` of the padded sequence, the tail's
   pad and the padded lengths; FLOPs count real pairs only) and ``packing`` (the index of the
-  packing under ``--packings K``: seed + index sampled the documents) and ``round`` (under
-  ``--rounds K``: ``index`` and ``count``; ``cpbench.rounds`` pools a case's rounds).
+  packing under ``--packings K``: seed + index sampled the documents), ``round`` (under
+  ``--rounds K``: ``index`` and ``count``; ``cpbench.rounds`` pools a case's rounds) and
+  ``comm`` (the bytes each rank sent in the timed step, per timed phase, whether its timed
+  steps differed, and what the strategy's schedule declares per phase: ``comm_section``).
+  ``derived.flags``: the physics guards' findings (``cpbench.guards``); ``ideal`` (the
+  slowest rank's kernel blocks timed alone: ``rank``, its ideal ``fwd_ms`` / ``bwd_ms`` and
+  each distinct block's times, ``cpbench.bench.ideal``; or ``{"none": why}``), from which
+  ``derived.fraction_of_ideal`` (FWD+BWD, FWD with --fwd-only) and ``fraction_of_ideal_fwd``:
+  the ideal step over the measured one; ``sizes`` (per rank: the world it ran in, its CP
+  ring's size and its shard's tokens), which ``cpbench.guards`` holds to what was asked.
 The mask is part of the problem: ``config.attention.documents`` (the lengths) and
 ``window_size``; ``derived.flops_counted`` says whether FLOPs come from the seeds' formula
 (plain causal / full) or the exact attended pairs (documents, windows).
@@ -54,7 +62,7 @@ import logging
 import os
 from pathlib import Path
 
-from cpbench import metrics
+from cpbench import guards, metrics
 from cpbench.errors import UsageError
 
 SCHEMA_VERSION = 1
@@ -64,7 +72,7 @@ STATUSES = (OK, OOM, FAILED, TIMEOUT)  # timeout: a sweep's case ran past its li
 MEASURED = ("resolved", "error", "traceback", "samples_ms", "memory_bytes", "memory_status",
             "memory_error", "check")
 SECTIONS = ("sweep", "simulation", "upstream", "profile", "balance", "dryrun", "padding",
-            "packing", "round")
+            "packing", "round", "comm", "ideal", "sizes")
 # a row's key: what was asked for, not what a machine resolved it to (the device, the kernel
 # "auto" became), so a sweep checked on a login node matches records made on GPUs
 KEY_RUN_FIELDS = ("kernel", "warmup", "iters", "fwd_only", "check", "seed")
@@ -94,6 +102,22 @@ def make_record(*, strategy: str, options, attention, run, kernel: str, world_si
     record = json.loads(json.dumps(record, default=str))
     record["derived"] = derive(record)
     return record
+
+
+def comm_section(per_rank: list[list[float]], counted: str) -> dict:
+    """The ``comm`` section from each rank's [FWD bytes, FWD varied, FWD+BWD bytes, FWD+BWD
+    varied, declared fwd, declared bwd] (-1: not counted / not declared)."""
+    def column(i, kind=int):
+        values = [kind(r[i]) if r[i] >= 0 else None for r in per_rank]
+        return None if all(v is None for v in values) else values
+
+    declared = {"fwd": column(4), "bwd": column(5)}
+    return {"counted": counted,
+            "sent_bytes": {p: column(i) for p, i in (("fwd", 0), ("fwd_bwd", 2))
+                           if column(i) is not None},
+            "varies": {p: column(i, bool) for p, i in (("fwd", 1), ("fwd_bwd", 3))
+                       if column(i - 1) is not None},
+            "schedule_bytes": declared if declared["fwd"] is not None else None}
 
 
 def case_key(*, strategy: str, options: dict, attention: dict, run: dict, world_size: int,
@@ -202,8 +226,27 @@ def _flops(attention: dict, mode: str) -> tuple[float, str]:
         mode=mode)
 
 
+def _fractions(ideal: dict | None, d: dict) -> dict:
+    """The ideal step (its kernel blocks alone) over the measured step, per phase."""
+    if not ideal or ideal.get("fwd_ms") is None:
+        return {}
+    out = {"fraction_of_ideal_fwd": ideal["fwd_ms"] / d["fwd_ms"]}
+    if ideal.get("bwd_ms") is not None and d.get("fwd_bwd_ms"):
+        out["fraction_of_ideal"] = (ideal["fwd_ms"] + ideal["bwd_ms"]) / d["fwd_bwd_ms"]
+    else:
+        out["fraction_of_ideal"] = out["fraction_of_ideal_fwd"]
+    return out
+
+
 def derive(record: dict) -> dict:
-    """Every figure a report prints, from the record's raw measurements and config."""
+    """Every figure a report prints, from the record's raw measurements and config, and
+    the physics guards' flags on them (``cpbench.guards``)."""
+    out = _figures(record)
+    out["flags"] = guards.flags(record, out)
+    return out
+
+
+def _figures(record: dict) -> dict:
     attention = record["config"]["attention"]
     out: dict = {"flops_fwd": problem_flops(attention, "fwd"),
                  "flops_fwd_bwd": problem_flops(attention, "fwd_bwd"),
@@ -230,6 +273,7 @@ def derive(record: dict) -> dict:
                    bwd_tflops=(metrics.tflops_per_gpu(problem_flops(attention, "bwd"), n,
                                                          bwd / 1e3) if bwd > 0 else None),
                    slowest_rank_fwd_bwd=metrics.slowest_rank(samples["fwd_bwd"]))
+    out.update(_fractions(record.get("ideal"), out))
     if record.get("memory_bytes"):
         out["memory_mb"] = max(record["memory_bytes"]) / metrics.MB
     return out

@@ -8,10 +8,11 @@
    estimate of its step time, at least 60 s (``bench.plan.case_waits``).
 3. ``rank_main`` on every rank, per (strategy, options) case: build the strategy (its groups),
    ``--check`` against the float64 reference, build this rank's input shard straight from
-   the seed, time FWD and gather its samples, time FWD+BWD and gather its samples, then
-   measure peak memory (``bench.memory``) and, with ``--profile``, profile a few steps
-   (``bench.profiling``), each a step of its own (a failure there keeps the timings); on
-   rank 0 append the record and print.
+   the seed, time FWD and gather its samples, time FWD+BWD and gather its samples (each
+   timed step's bytes counted: ``bench.sentcount``), then measure peak memory
+   (``bench.memory``), time the kernel blocks alone (``bench.ideal``) and, with
+   ``--profile``, profile a few steps (``bench.profiling``), each a step of its own (a
+   failure there keeps the timings); on rank 0 append the record and print.
 
 Every phase ends with all ranks agreeing on its outcome (``bench.agreement``), so an OOM or
 an exception in one case becomes that row's status on every rank and the run goes on.
@@ -54,7 +55,7 @@ from typing import Callable
 import torch
 
 from cpbench import kernels, results, strategies, topology
-from cpbench.bench import agreement, memory, profiling, timer
+from cpbench.bench import agreement, ideal, memory, profiling, sentcount, timer
 from cpbench.bench import env as env_mod
 from cpbench.bench.check import check_strategy
 from cpbench.bench.plan import Case, Plan
@@ -121,6 +122,7 @@ class _CaseRun:
     timeout_s: float | None = None  # the groups' collective timeout in this case
     strat: Strategy | None = None
     inputs: dict | None = None
+    sent: dict = dataclasses.field(default_factory=dict)  # phase -> sentcount.StepBytes
 
     def build(self) -> tuple[dict | None, dict | None]:
         """(the options as resolved, the library that runs: see Strategy.provenance)."""
@@ -148,10 +150,32 @@ class _CaseRun:
         self.inputs = self.phase(lambda: rank_inputs(self.strat, self.p, self.rank))
         fwd, fwd_bwd = _closures(self.strat, self.inputs) if self.inputs else (None, None)
         tm = timer.Timer(run.device, _barrier(run.device))
-        samples = {"fwd": self._timed(tm, "FWD", fwd), "fwd_bwd": None}
+        self.sent = {"fwd": sentcount.StepBytes(self.strat, run.warmup)} if fwd else {}
+        samples = {"fwd": self._timed(tm, "FWD", fwd and self.sent["fwd"].wrap(fwd)),
+                   "fwd_bwd": None}
         if not run.fwd_only:
-            samples["fwd_bwd"] = self._timed(tm, "FWD+BWD", fwd_bwd)
+            self.sent["fwd_bwd"] = sentcount.StepBytes(self.strat, run.warmup)
+            samples["fwd_bwd"] = self._timed(tm, "FWD+BWD", fwd_bwd and
+                                             self.sent["fwd_bwd"].wrap(fwd_bwd))
         return samples, fwd if run.fwd_only else fwd_bwd
+
+    def comm(self) -> tuple[dict | None, dict | None]:
+        """The record's ``comm`` and ``sizes`` sections (a collective: every rank's figures):
+        the bytes each timed step sent and what the schedule declares; the world this rank
+        ran in, its CP ring's size and the tokens of its shard."""
+        import torch.distributed as dist
+
+        s = self.strat
+        everyone = self.phase(lambda: timer.gather_samples(
+            sentcount.figures(self.sent, s) + [dist.get_world_size(), s.cp_size,
+                                               s.local_seqlen], self.p.run.device)) \
+            if self.sent else None
+        if everyone is None:
+            return None, None
+        how = sentcount.how_counted(s, self.p.run.warmup)
+        return (results.comm_section([r[:6] for r in everyone], how),
+                {k: [int(r[i]) for r in everyone]
+                 for i, k in enumerate(("world", "cp", "local_seqlen"), 6)})
 
     def _timed(self, tm: timer.Timer, what: str, fn) -> list[list[float]] | None:
         run = self.p.run
@@ -167,6 +191,19 @@ class _CaseRun:
         mem = agreement.Agreement(dev, store, f"{key}/memory", self.grace_s, self.phase.case)
         peak = mem(lambda: memory.peak_bytes(step, device=dev, inputs=self.inputs.values()))
         return mem, mem(lambda: [int(v[0]) for v in timer.gather_samples([peak], dev)])
+
+    def ideal(self, store, key: str) -> tuple[agreement.Agreement, dict]:
+        """The case's kernel blocks timed alone on rank 0 (``bench.ideal``; the others wait,
+        so nothing shares its device or CPUs) as a phase of its own: the record's
+        ``ideal`` section, or why there is none."""
+        self.status("timing the kernel blocks alone")
+        p, run, case = self.p, self.p.run, self.case
+        ph = agreement.Agreement(run.device, store, f"{key}/ideal", self.grace_s, self.phase.case)
+        section = ph(lambda: ideal.measure(
+            case.strategy, case.options, p.attn_of(case), p.topo, p.kernel_of(case),
+            device=run.device, warmup=run.warmup, iters=run.iters, fwd_only=run.fwd_only)
+            if self.rank == 0 else None)
+        return ph, section if ph.status == results.OK else {"none": f"{ph.status}: {ph.error}"}
 
     def profile(self, step: Callable[[], None], store, key: str, index: int
                 ) -> tuple[agreement.Agreement, dict]:
@@ -217,10 +254,14 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     # --rounds K: the result does not change between rounds, only the timings: check once
     checks = c.check(ref_cache) if p.run.check and not case.round else None
     samples, step = c.time()
+    comm, sizes = c.comm()
     mem, memory_bytes = c.memory(step, store, key) if _usable(phase) else (None, None)
     # a failed memory step leaves the group usable (it is agreed on); a broken one does not
+    ideal_ph, ideal_section = c.ideal(store, key) if _usable(phase) and not (
+        mem and mem.broken) else (None, None)
     prof, profile = c.profile(step, store, key, index) \
-        if p.run.profile and _usable(phase) and not (mem and mem.broken) else (None, None)
+        if p.run.profile and _usable(phase) and not any(
+            ph and ph.broken for ph in (mem, ideal_ph)) else (None, None)
     ranks_per_problem = c.strat.ranks_per_problem if c.strat is not None else p.world_size
     balance = c.strat.balance() if c.strat is not None and rank == 0 else None
     padding = c.strat.padding() if c.strat is not None else None
@@ -235,8 +276,9 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
         samples_ms=samples if any(samples.values()) else None, memory_bytes=memory_bytes,
         memory_status=mem.status if mem is not None else None,
         memory_error=mem.error if mem is not None else None, profile=profile,
-        balance=balance, padding=padding, packing=p.packing_of(case), round=p.round_of(case))
-    broke = [ph for ph in (phase, mem, prof) if ph is not None and ph.broken]
+        balance=balance, padding=padding, packing=p.packing_of(case), round=p.round_of(case),
+        comm=comm, sizes=sizes, ideal=ideal_section)
+    broke = [ph for ph in (phase, mem, ideal_ph, prof) if ph is not None and ph.broken]
     return record, ("device" if any(ph.sticky for ph in broke) else "group") if broke else None
 
 

@@ -43,6 +43,7 @@ from cpbench import kernels, results, strategies
 from cpbench.bench import fakecuda, fakegrad
 from cpbench.bench.commtrace import Event, traced
 from cpbench.bench.memory import StorageMeter
+from cpbench.bench.sentcount import declared
 from cpbench.config import AttentionConfig
 from cpbench.errors import UsageError
 from cpbench.kernels import masked
@@ -289,16 +290,8 @@ def distinct_ranks(name: str, options, attn: AttentionConfig, topo: Topology, *,
 def schedule_bytes(name: str, options, attn: AttentionConfig, topo: Topology, rank: int, *,
                    kernel_name: str) -> dict[str, int] | None:
     """Bytes per phase the strategy declares this rank sends (None: it declares none)."""
-    strat = strategies.get(name)(attn, topo, rank, kernel=kernels.get(kernel_name),
-                                 options=options, create_groups=False)
-    try:
-        steps = strat.schedule()
-    except UsageError:
-        return None
-    total = {"fwd": 0, "bwd": 0}
-    for s in steps:
-        total[s.phase] += sum(m.nbytes for m in s.messages)
-    return total
+    return declared(strategies.get(name)(attn, topo, rank, kernel=kernels.get(kernel_name),
+                                         options=options, create_groups=False))
 
 
 def case_options(name: str, options: dict):

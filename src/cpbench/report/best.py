@@ -4,7 +4,9 @@ A problem is everything but the strategy: the mask (causal or full, documents, w
 shape (dtype, B, S, heads, head dim), the topology (world, nodes × GPUs), the kernel and the
 device, measured or simulated; under ``--packings K`` the distribution, not one packing's
 lengths (judged over the packings: ``_packed_verdict``). Among its CP rows that ran, the
-fastest FWD+BWD median (FWD with --fwd-only) wins; the margin is the runner-up's time over
+fastest FWD+BWD median (FWD with --fwd-only) wins; a row a physics guard flagged
+(``cpbench.guards``: above the device's peak, sent other than its schedule, sizes not as
+asked) never does: it is listed below the table instead; the margin is the runner-up's time over
 the winner's, less one.
 The words are ``cpbench compare``'s: it wins when the 95 % bootstrap interval of the
 runner-up / winner ratio of per-iteration times lies wholly above 1 + min_effect, it is a
@@ -70,7 +72,7 @@ def _problem(row: dict) -> str:
 
 def verdicts(records: list[dict], min_effect: float = MIN_EFFECT) -> list[Verdict]:
     df = frame(rounds.pool(records))
-    df = df[(df["status"] == OK) & (df["ranks_per_problem"] > 1)]
+    df = df[(df["status"] == OK) & (df["ranks_per_problem"] > 1) & (df["flags"] == "")]
     return [_packed_verdict(rows, min_effect) if _packed(rows[0])
             else _verdict(rows, min_effect) for rows in _groups(df)]
 
@@ -144,8 +146,9 @@ def best_table(records: list[dict], fmt: str = "table",
     """One line per problem and topology: the winner, its time, the runner-up, the margin."""
     records = rounds.pool(records)
     vs = verdicts(records, min_effect)
+    flagged = _flagged(records)
     if not vs:
-        return "no CP rows that ran: nothing to rank\n"
+        return "\n".join(["no CP rows that ran unflagged: nothing to rank", *flagged]) + "\n"
     head = ["Problem", "Topology", "Winner", "Time (ms)", "Runner-up", "Margin", "Verdict"]
     rows = []
     for v in vs:
@@ -156,7 +159,8 @@ def best_table(records: list[dict], fmt: str = "table",
                      margin, v.call])
     if fmt == "markdown":
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]
+                         + [f"- {line}" for line in flagged]) + "\n"
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     fmt_row = " | ".join(f"{{:<{w}}}" for w in widths).format
     rule = "-" * (sum(widths) + 3 * (len(widths) - 1))
@@ -164,8 +168,16 @@ def best_table(records: list[dict], fmt: str = "table",
     return "\n".join([f"Which strategy wins (fastest FWD+BWD; wins: the 95 % interval of "
                       f"runner-up / winner above 1 + {min_effect:g}; tie: inside "
                       f"1 ± {min_effect:g}; unclear: neither):", rule, fmt_row(*head), rule,
-                      *(fmt_row(*r) for r in rows), rule] + ([""] + drift if drift else [])) \
-        + "\n"
+                      *(fmt_row(*r) for r in rows), rule, *flagged]
+                     + ([""] + drift if drift else [])) + "\n"
+
+
+def _flagged(records: list[dict]) -> list[str]:
+    """A line per flagged row that ran: why it is not ranked."""
+    df = frame(records)
+    df = df[(df["status"] == OK) & (df["ranks_per_problem"] > 1) & (df["flags"] != "")]
+    return [f"not ranked: {joined(r['strategy'], r['options'])} {_problem(r)} "
+            f"{r['nodes']}×{r['ranks_per_node']}: {r['flags']}" for r in df.to_dict("records")]
 
 
 def plot_winners(records: list[dict], path: str, min_effect: float = MIN_EFFECT) -> None:

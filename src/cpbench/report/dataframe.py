@@ -16,7 +16,7 @@ PROBLEM = ["dtype", "batch", "seqlen", "heads", "kv_heads", "head_dim", "causal"
            "window", "world", "ranks_per_node", "kernel", "device"]
 _FIGURES = ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "memory_mb", "fwd_tflops", "bwd_tflops",
             "fwd_bwd_tflops", "check_passed", "imbalance", "padded_tokens",
-            "padding_fraction")
+            "padding_fraction", "fraction_of_ideal")
 
 
 def _iterations(r: dict, phase: str) -> list[float] | None:
@@ -42,6 +42,7 @@ def _row(r: dict) -> dict:
         "status": r["status"], "error": r.get("error"),
         "memory_status": r.get("memory_status"), "memory_error": r.get("memory_error"),
         **{k: d.get(k) for k in _FIGURES},
+        "flags": "; ".join(d.get("flags") or ()),  # the physics guards' (cpbench.guards)
         "utc": r["env"].get("utc"), "git_sha": r["env"].get("git_sha"),
         "simulated": bool(r["env"].get("simulated")),
         # the breakdown of a profiled step (run --profile), where the record has one

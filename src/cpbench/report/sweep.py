@@ -77,8 +77,9 @@ def grouped(records: list[dict], fmt: str = "table") -> str:
     for (label, topo), g in df.groupby(["label", "topo"], sort=False):
         g = g.sort_values("seqlen", kind="stable")
         drop = {"Strategy", "Placement", "Nodes×GPUs"}
-        if (g["CP Efficiency"] == "-").all():
-            drop.add("CP Efficiency")
+        for col in ("CP Efficiency", "Fraction of Ideal"):  # neither measured: no column
+            if all(c.get(col, "-") == "-" for c in g["_cells"]):
+                drop.add(col)
         if "Check" in g["_cells"].iloc[0] and all(c["Check"] == "-" for c in g["_cells"]):
             drop.add("Check")
         table_rows = [{k: v for k, v in c.items() if k not in drop} for c in g["_cells"]]

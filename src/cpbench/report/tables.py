@@ -31,7 +31,7 @@ import json
 import math
 import statistics
 
-from cpbench import rounds
+from cpbench import guards, rounds
 from cpbench.config import FORMATS
 from cpbench.profile.summary import detail_lines
 from cpbench.reference import TENSORS, Comparison
@@ -71,6 +71,8 @@ def rows(records: list[dict]) -> list[dict]:
     with_docs = (df["documents"] != "-").any()
     with_balance = df["imbalance"].notna().any()
     with_packings = df["packing"].notna().any()
+    with_flags = (df["flags"] != "").any()
+    with_ideal = any(r.get("ideal") for r in records)  # records before it: no column
     out = []
     for row in df.to_dict("records"):
         status = row["status"]
@@ -102,6 +104,11 @@ def rows(records: list[dict]) -> list[dict]:
         if with_check:
             passed = row["check_passed"]
             cells["Check"] = "-" if _missing(passed) else "PASS" if passed else "FAIL"
+        if with_flags:  # the physics guards' (cpbench.guards): the row's figures are suspect
+            cells["Flags"] = row["flags"] or "-"
+        # the kernel blocks alone over the step (bench.ideal): needs no baseline that fits
+        if with_ideal:
+            cells["Fraction of Ideal"] = _pct_cell(row["fraction_of_ideal"])
         cells["CP Efficiency"] = ("-" if _missing(row["cp_efficiency"]) else
                                   f"{100 * row['cp_efficiency']:.1f} % "
                                   f"[{_pct(row['cp_efficiency_low'])}, "
@@ -120,6 +127,10 @@ def _docs_cell(documents: str) -> str:
 def _padding_cell(fraction) -> str:
     """The pad tokens' share of the padded sequence (--document-padding pad)."""
     return "-" if _missing(fraction) else f"{100 * fraction:.2f} %"
+
+
+def _pct_cell(x) -> str:
+    return "-" if _missing(x) else f"{100 * x:.1f} %"
 
 
 def _pct(x) -> str:
@@ -207,6 +218,8 @@ def summary(records: list[dict], fmt: str = "table") -> str:
         lines = [f"Benchmark Summary{simulated_note(records)}:", *_seed_table(table_rows)]
         for extra in (_efficiency_lines(records), rounds.drift_lines(records, case_text)):
             lines += ["", *extra] if extra else []
+        lines += [f"no dense peak known for {name}: its rows have no above-peak guard"
+                  for name in guards.unguarded(records)]
         return "\n".join(lines + packings.lines(records, fmt)) + "\n"
     if fmt == "markdown":
         note = simulated_note(records)
@@ -237,16 +250,21 @@ def _data(records: list[dict]):
             "gpus_per_node", "cp", "kernel", "status", "fwd_ms", "bwd_ms", "fwd_bwd_ms",
             "memory_mb", "tflops", "imbalance", "padded_tokens", "padding_fraction",
             "packing", "documents_spec", "check",
-            "cp_efficiency", "cp_efficiency_low", "cp_efficiency_high", "exposed_comm_pct",
-            "exposed_comm_ms", "error", "memory_status", "memory_error"]
+            "cp_efficiency", "cp_efficiency_low", "cp_efficiency_high", "fraction_of_ideal",
+            "exposed_comm_pct",
+            "exposed_comm_ms", "flags", "error", "memory_status", "memory_error"]
     return df[cols]
 
 
 def detail(record: dict) -> str:
     """Seed 000's per-run block."""
+    d = derive(record)
     lines = ["=" * _RULE, f"Benchmark Results for {row_label(record)}", "=" * _RULE,
              "Configuration:", *_configuration(record), "", "Performance:",
-             *_performance(record, derive(record))]
+             *_performance(record, d)]
+    if d["flags"]:  # cpbench.guards: figures that cannot be what they claim
+        lines += ["", "Flagged (never a winner in report --best):",
+                  *(f"  {f}" for f in d["flags"])]
     if record.get("check"):
         lines += ["", "Check against the float64 reference:"]
         lines += ["  " + Comparison(**c).line() for c in record["check"]]
@@ -310,13 +328,25 @@ def _performance(record: dict, d: dict) -> list[str]:
     if d.get("fwd_bwd_ms") is None:
         return lines + [f"  - Memory Usage: {_memory_text(record, d)}",
                         f"  - Performance: {_tflops(d['fwd_tflops'])} TFLOPs/s (forward)",
-                        f"  - Slowest Rank: {d['slowest_rank_fwd']}"]
+                        f"  - Slowest Rank: {d['slowest_rank_fwd']}", *_ideal_lines(record, d)]
     return lines + [f"  - Backward Time: {_ms(d['bwd_ms'])} ms",
                     f"  - Forward+Backward Time: {_ms(d['fwd_bwd_ms'])} ms",
                     f"  - Memory Usage: {_memory_text(record, d)}",
                     f"  - Performance: {_tflops(d['fwd_bwd_tflops'])} TFLOPs/s (forward "
                     f"{_tflops(d['fwd_tflops'])}, backward {_tflops(d['bwd_tflops'])})",
-                    f"  - Slowest Rank: {d['slowest_rank_fwd_bwd']}"]
+                    f"  - Slowest Rank: {d['slowest_rank_fwd_bwd']}",
+                    *_ideal_lines(record, d)]
+
+
+def _ideal_lines(record: dict, d: dict) -> list[str]:
+    ideal = record.get("ideal")
+    if not ideal:
+        return []
+    if ideal.get("none"):
+        return [f"  - Fraction of Ideal: - ({ideal['none']})"]
+    return [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} (rank "
+            f"{ideal['rank']}'s {len(ideal['blocks'])} distinct kernel block(s) timed alone: "
+            f"{_ms(ideal['fwd_ms'] + (ideal.get('bwd_ms') or 0))} ms)"]
 
 
 def _balance_lines(record: dict) -> list[str]:
