@@ -1,18 +1,20 @@
 """The simulator's memory model: a rank's peak bytes from its schedule and what its code keeps.
 
 Held to the dry run (``cpbench dryrun``, the real code's allocations on fake tensors) by
-``tests/unit/test_sim_memory.py``; the terms below are what that code allocates:
+``tests/unit/test_sim_memory.py`` (plain, CPU) and ``tests/fake_gpu/test_sim_memory_gpu.py``
+(documents and a window, fake CUDA); the terms below are what that code allocates:
 
 - inputs q, k, v, dout and the forward's out in the activation dtype, and the lse;
 - the strategy's accumulators per phase (``Strategy.accumulator_bytes``: fp32 out in the
-  forward, fp32 dQ, dK, dV in a ring's backward);
-- per step, the messages in flight: a block sent peer to peer twice (received into, and the
-  one forwarded), a collective's output once, a partial sum posted after its step's kernel
-  once (received into; the one sent is the accumulator), in flight from the next step on;
+  forward, fp32 dQ, dK, dV in a ring's backward, the dK/dV part only from the first call on);
+- per step, the buffers messages are received into: a block (or a collective's output) from
+  the step that posts it through the step that consumes it (and forwards it: the buffer a
+  block is sent from is the one received before), a partial sum posted after its step's
+  kernel until it is awaited (the one sent is the accumulator);
 - the kernel's results of two consecutive calls (a step's are alive while the next call
-  returns its own): out and lse in the forward; dQ, dK, dV of the block in the backward; at
-  the end, the last call's with the phase's results when fp32 sums are cast back
-  (``Strategy.finish_bytes``);
+  returns its own): out and lse in the forward, dQ, dK, dV in the backward; under a mask the
+  GPU's varlen path's fp32 results and, during a call, its packed inputs (``Step.packed``);
+  at the end, the last call's beside what the phase finishes with (``finish_bytes``);
 - ``Strategy.held_bytes`` (blocks a strategy keeps to the end of the forward).
 
 The peak is the larger of the forward's and the backward's worst step. Not counted: kernel
