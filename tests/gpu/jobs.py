@@ -5,14 +5,14 @@ subprocess's, so the subprocess's limit fires first and its output is reported."
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from cpbench.sweep.runner import kill_group  # the sweep's: SIGTERM, grace, SIGKILL
 
 HERE = Path(__file__).resolve().parent
 FAULTS = HERE.parent / "multirank" / "faults.py"  # test-oom-in-ring, and the CLI with it
@@ -38,17 +38,6 @@ def run(cmd: list[str], *, env: dict | None = None, timeout: float = JOB_TIMEOUT
         pytest.fail(f"{' '.join(cmd)} ran past {timeout:.0f} s (its process group was "
                     f"killed):\n{out[-8000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
-
-
-def kill_group(proc: subprocess.Popen, grace_s: float = 35.0) -> None:
-    """SIGTERM the group (torchrun gives its workers 30 s), then SIGKILL what is left."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def torchrun(*args, nproc: int = 2, **kw) -> subprocess.CompletedProcess:

@@ -40,27 +40,23 @@ def _phase_peak(strat: Strategy, schedule: list[Step], phase: str) -> float:
     blocks, partial = _in_flight(schedule, phase, False), _in_flight(schedule, phase, True)
     if strat.receives_in_place(phase):  # its buffers are among the accumulators
         blocks = partial = [0.0] * len(schedule)
-    kernel = [_kernel_bytes(strat, schedule[i]) for i in steps]
-    calls = [k for k, _ in kernel if k]
-    first = next((j for j, k in enumerate(kernel) if k[0]), None)
-    late = strat.late_accumulator_bytes(phase)
-    setup = strat.call_setup_bytes(phase)
-    worst = max((blocks[i] + partial[i] + _two_calls(kernel, j, setup)
-                 - (late if j == first else 0) for j, i in enumerate(steps)), default=0.0)
+    kept, scratch = strat.call_setup_bytes(phase)
+    # the late accumulators start from the first call's results: not alive during it
+    late, worst, previous = strat.late_accumulator_bytes(phase), 0.0, None
+    for i in steps:
+        results, transient = _kernel_bytes(strat, schedule[i])
+        step = blocks[i] + partial[i]
+        if results:
+            # its inputs made for it, its results and transients (or the scratch that made
+            # those inputs, freed before the call), the previous call's results (alive
+            # until these return)
+            step += kept + max(scratch, results + transient)
+            step += previous if previous is not None else -late
+            previous = results
+        worst = max(worst, step)
     # the end: the last call's results alive while the phase's results are made
-    worst = max(worst, (calls[-1] if calls else 0.0) + strat.finish_bytes(phase))
+    worst = max(worst, (previous or 0.0) + strat.finish_bytes(phase))
     return resident + strat.accumulator_bytes(phase) + worst
-
-
-def _two_calls(kernel: list[tuple[float, float]], j: int, setup: tuple[int, int]) -> float:
-    """A kernel step's inputs made for it, its results and transients (or the scratch that
-    made its inputs, freed before the call), and the previous call's results (alive until
-    these return)."""
-    if not kernel[j][0]:
-        return 0.0
-    before = [k for k, _ in kernel[:j] if k]
-    kept, scratch = setup
-    return kept + max(scratch, sum(kernel[j])) + (before[-1] if before else 0.0)
 
 
 def _in_flight(schedule: list[Step], phase: str, partial: bool) -> list[float]:

@@ -103,7 +103,7 @@ def _latest(path: Path) -> dict[str, str]:
     return {results.record_key(r): r["status"] for r in results.read(path)}
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
     """Stop a case's launch and every process it started (its own process group), and wait
     (briefly) until they are gone, so the next case does not share the cores with them."""
     with contextlib.suppress(ProcessLookupError):
@@ -139,10 +139,10 @@ def _launch(cmd: list[str], log_path: Path, timeout: float | None,
         try:
             return proc.wait(timeout=timeout), False
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc)
             return proc.returncode, True
         except BaseException:  # Ctrl-C, or the sweep itself being stopped
-            _kill_group(proc)
+            kill_group(proc)
             raise
 
 
