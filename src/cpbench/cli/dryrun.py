@@ -3,7 +3,6 @@ distinct rank in turn, in this process: memory, bytes, host syncs and errors, no
 
 from __future__ import annotations
 
-import json
 import sys
 
 from cpbench.cli import args as cli_args
@@ -148,19 +147,10 @@ def _dryrun(args) -> int:
 def _render(req, summaries, every, fmt: str) -> str:
     from cpbench.sim import dryrun
 
-    if fmt == "json":
-        return json.dumps(dryrun.flat_rows(every), indent=1) + "\n"
-    if fmt == "csv":
-        import csv
-        import io
+    if fmt in ("json", "csv"):
+        from cpbench.report.rows import data_text
 
-        buf = io.StringIO()
-        rows = dryrun.flat_rows(every)
-        writer = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["case"])
-        writer.writeheader()
-        writer.writerows({k: json.dumps(v) if isinstance(v, dict) else v
-                          for k, v in r.items()} for r in rows)
-        return buf.getvalue()
+        return data_text(dryrun.flat_rows(every), fmt, empty_header=("case",))
     a, t = req.attn, req.topo
     cap = "-" if req.capacity_bytes is None else f"{req.capacity_bytes / 2**30:.0f} GiB"
     banner = (f"dry run on fake {req.device} tensors ({req.kernel}): {t.num_nodes} node(s) × "

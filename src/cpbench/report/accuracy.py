@@ -11,12 +11,9 @@ dtype grows; one that keeps them in fp32 stays flat). Records from before the RM
 
 from __future__ import annotations
 
-import csv
-import io
-import json
-
 from cpbench.reference import TENSORS
 from cpbench.report.labels import mask_text, row_label
+from cpbench.report.rows import data_text
 from cpbench.report.tables import render
 
 
@@ -58,14 +55,8 @@ def accuracy_table(records: list[dict], fmt: str = "table") -> str:
     found = rows(records)
     if not found:
         return "no record has a check: run with --check to measure the errors\n"
-    if fmt == "json":
-        return json.dumps(found, indent=2) + "\n"
-    if fmt == "csv":
-        buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=list(found[0]), lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(found)
-        return buf.getvalue()
+    if fmt in ("json", "csv"):
+        return data_text(found, fmt)
     title = ("Error against the float64 reference, relative: max = max |err| / max |ref|, "
              "rms = sqrt(mean err²) / sqrt(mean ref²)")
     lines = render(None, [{k: _cell(v) for k, v in r.items()} for r in found], fmt)

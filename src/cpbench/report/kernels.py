@@ -6,10 +6,7 @@ report`` renders a kernels file the same way; cases that were skipped are rows w
 
 from __future__ import annotations
 
-import csv
-import io
-import json
-
+from cpbench.report.rows import data_text
 from cpbench.report.tables import render
 
 SHAPE = ("seqlen", "heads", "head_dim", "dtype", "causal")
@@ -82,14 +79,8 @@ def render_kernels(records: list[dict], fmt: str, *, skipped: list[dict] = (),
     rows = values(records, skipped, baseline)
     if not rows:
         return "no kernel cases\n"
-    if fmt == "json":
-        return json.dumps(rows, indent=1) + "\n"
-    if fmt == "csv":
-        buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
-        writer.writeheader()
-        writer.writerows({k: "" if v is None else v for k, v in r.items()} for r in rows)
-        return buf.getvalue()
+    if fmt in ("json", "csv"):
+        return data_text(rows, fmt)
     title = "Attention kernels" + (f" (speedup: {baseline}'s time / this time)"
                                    if baseline else "")
     return "\n".join(render(title, [_table_row(r) for r in rows], fmt)) + "\n"
