@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -48,7 +49,7 @@ class AttentionConfig:
     # a document a strategy's layout cannot split: padded to its multiple, or refused
     document_padding: str = "pad"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("batch", "seqlen", "heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be a positive integer, got "
@@ -84,13 +85,13 @@ class AttentionConfig:
 
     @property
     def softmax_scale(self) -> float:
-        return self.head_dim ** -0.5
+        return float(self.head_dim ** -0.5)  # int ** negative is typed Any
 
     @property
     def element_size(self) -> int:
         return torch.empty((), dtype=self.torch_dtype).element_size()
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         if d["document_padding"] == "pad":
             # the default left out: records from before the flag keep their keys (a sweep
@@ -109,7 +110,7 @@ class PaddedAttention(AttentionConfig):
 
     @property
     def real_documents(self) -> tuple[int, ...]:
-        return tuple(d - p for d, p in zip(self.documents, self.padding) if d > p)
+        return tuple(d - p for d, p in zip(self.documents or (), self.padding) if d > p)
 
 
 def padded(attn: AttentionConfig, doc_multiple: int, seq_multiple: int) -> AttentionConfig:
@@ -128,7 +129,7 @@ def padded(attn: AttentionConfig, doc_multiple: int, seq_multiple: int) -> Atten
                            padding=padding)
 
 
-def resolved_documents(attention: dict, seed: int) -> dict:
+def resolved_documents(attention: dict[str, Any], seed: int) -> dict[str, Any]:
     """``attention`` (AttentionConfig fields) with a ``documents`` distribution sampled with
     ``seed``: every strategy of a run, and of a sweep's case group, sees the same lengths."""
     docs = attention.get("documents")
@@ -139,7 +140,7 @@ def resolved_documents(attention: dict, seed: int) -> dict:
                                                         attention.get("max_document"))}
 
 
-def packed_problems(attention: dict, seed: int, packings: int
+def packed_problems(attention: dict[str, Any], seed: int, packings: int
                     ) -> tuple[AttentionConfig, ...]:
     """The problem of each of ``packings`` packings: the ``documents`` distribution sampled
     with seeds ``seed``, ``seed + 1``, ... (one problem when ``packings`` is 1). A training
@@ -154,8 +155,11 @@ def packed_problems(attention: dict, seed: int, packings: int
 
 # -- the benchmark run (owned by the driver; the CLI is generated from these fields) ----------
 
-def arg(default, help: str, *, choices: tuple | None = None, parse=None,
-        metavar: str | None = None):
+_T = TypeVar("_T")
+
+
+def arg(default: _T, help: str, *, choices: tuple[str, ...] | None = None,
+        parse: Callable[[str], Any] | None = None, metavar: str | None = None) -> _T:
     """A config field with its CLI help, allowed values and a parser for its text form."""
     return dataclasses.field(default=default, metadata={
         "help": help, "choices": choices, "parse": parse, "metavar": metavar})
@@ -257,7 +261,7 @@ class RunConfig:
                       "drift cancels instead of favouring whichever case ran first; reports "
                       "pool a case's rounds and print the drift between them", metavar="K")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("ranks_per_node", "iters", "nproc", "packings", "rounds"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -282,12 +286,12 @@ class RunConfig:
             warmup=iters["warmup"] if self.warmup is None else self.warmup,
             iters=iters["iters"] if self.iters is None else self.iters)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["strategy"] = list(self.strategy)
         return d
 
 
-def default_attention(device: str) -> dict:
+def default_attention(device: str) -> dict[str, Any]:
     """The attention shape used where the command line leaves a field out."""
     return dict(GPU_ATTENTION if device == "cuda" else CPU_ATTENTION)

@@ -21,6 +21,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -78,7 +79,10 @@ def parse_window(text: str) -> tuple[int, int]:
     return left, right
 
 
-def _sampler(spec: str):
+Sampler = Callable[[random.Random], int]
+
+
+def _sampler(spec: str) -> Sampler:
     """A function rng -> one document length for a distribution spec."""
     kind, _, rest = spec.partition(":")
     if kind == "trace":
@@ -110,7 +114,7 @@ def _sampler(spec: str):
                          f'"[LO, HI]",COUNT rows)') from None
 
 
-def _histogram_sampler(content: str, spec: str):
+def _histogram_sampler(content: str, spec: str) -> Sampler:
     """A bin drawn in proportion to its count, then a length uniform inside it."""
     try:
         bins = traces.histogram(content)
@@ -126,21 +130,22 @@ def _histogram_sampler(content: str, spec: str):
     return draw
 
 
-def resolve_documents(documents, seqlen: int, seed: int, max_document: int | None
-                      ) -> tuple[int, ...] | None:
+def resolve_documents(documents: str | Iterable[int] | None, seqlen: int, seed: int,
+                      max_document: int | None) -> tuple[int, ...] | None:
     """The document lengths of a run: explicit lengths as given (they must sum to the
     sequence), or a distribution sampled with ``seed`` until the sequence is full, every
     length capped (default: a quarter of the sequence); the last one is cut to fit."""
     if documents is None:
         return None
     if not isinstance(documents, str):
-        lengths = tuple(int(x) for x in documents)
-        if sum(lengths) != seqlen or min(lengths, default=0) < 1:
-            raise UsageError(f"--documents lengths sum to {sum(lengths)}, not --seqlen "
+        given = tuple(int(x) for x in documents)
+        if sum(given) != seqlen or min(given, default=0) < 1:
+            raise UsageError(f"--documents lengths sum to {sum(given)}, not --seqlen "
                              f"{seqlen}; give positive lengths that add up to the sequence")
-        return lengths
+        return given
     cap = max_document or max(1, seqlen // 4)
-    draw, rng, lengths, total = _sampler(documents), random.Random(seed), [], 0
+    draw, rng, total = _sampler(documents), random.Random(seed), 0
+    lengths: list[int] = []
     while total < seqlen:
         lengths.append(min(draw(rng), cap, seqlen - total))
         total += lengths[-1]
@@ -232,9 +237,11 @@ class Mask:
         return int(n.clamp(min=0).sum())
 
 
-def mask_of(attn) -> Mask:
+def mask_of(attn: object) -> Mask:
     """The mask of an ``AttentionConfig`` (or its dict form, as records hold it)."""
-    get = attn.get if isinstance(attn, dict) else (lambda k: getattr(attn, k))
+    # object: AttentionConfig lives in cpbench.config, a layer above this one
+    get: Callable[[str], Any] = (attn.get if isinstance(attn, dict)
+                                 else (lambda k: getattr(attn, k)))
     docs, window = get("documents"), get("window_size")
     padding = attn.get("padding") if isinstance(attn, dict) else getattr(attn, "padding", None)
     return Mask(bool(get("causal")), tuple(docs) if docs else None,

@@ -38,12 +38,14 @@ class OutLseAccumulator:
     queries (e.g. the second half under zigzag) into that slice of the accumulator.
     """
 
-    def __init__(self, batch: int, seqlen: int, heads: int, head_dim: int, device):
+    def __init__(self, batch: int, seqlen: int, heads: int, head_dim: int,
+                 device: torch.device | str | None) -> None:
         self.out = torch.zeros(batch, seqlen, heads, head_dim, dtype=torch.float32, device=device)
         self.lse = torch.full((batch, heads, seqlen), float("-inf"), dtype=torch.float32,
                               device=device)
 
-    def update(self, block_out: torch.Tensor, block_lse: torch.Tensor, seq: slice | None = None):
+    def update(self, block_out: torch.Tensor, block_lse: torch.Tensor,
+               seq: slice | None = None) -> None:
         seq = seq if seq is not None else slice(None)
         out, lse = merge(self.out[:, seq], self.lse[:, :, seq], block_out, block_lse)
         self.out[:, seq] = out

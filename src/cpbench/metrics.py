@@ -65,14 +65,17 @@ def document_pairs(length: int, *, causal: bool, window: tuple[int, int] | None)
     return (hi - lo + 1) * length - _abs_sum(lo, hi)
 
 
-def attended_pairs(*, seqlen: int, causal: bool, documents=None, window=None) -> int:
+def attended_pairs(*, seqlen: int, causal: bool, documents: Sequence[int] | None = None,
+                   window: tuple[int, int] | None = None) -> int:
     """Exact (query, key) pairs a mask attends (documents: lengths summing to seqlen)."""
     return sum(document_pairs(n, causal=causal, window=window)
                for n in (documents or (seqlen,)))
 
 
 def problem_flops(*, batch: int, seqlen: int, heads: int, head_dim: int, causal: bool,
-                  documents=None, window=None, mode: str = "fwd") -> tuple[float, str]:
+                  documents: Sequence[int] | None = None,
+                  window: tuple[int, int] | None = None,
+                  mode: str = "fwd") -> tuple[float, str]:
     """(FLOPs of the whole problem in ``mode``, how they were counted): "formula" for a
     plain causal or full sequence (the seeds' S²/2 and S²), "exact pairs" under a mask."""
     if documents is None and window is None:

@@ -61,9 +61,15 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 from cpbench import guards, metrics
 from cpbench.errors import UsageError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    from cpbench.config import AttentionConfig, RunConfig
 
 SCHEMA_VERSION = 1
 OK, OOM, FAILED, TIMEOUT = "ok", "OOM", "failed", "timeout"
@@ -80,9 +86,10 @@ KEY_RUN_FIELDS = ("kernel", "warmup", "iters", "fwd_only", "check", "seed")
 log = logging.getLogger("cpbench")
 
 
-def make_record(*, strategy: str, options, attention, run, kernel: str, world_size: int,
-                ranks_per_node: int, ranks_per_problem: int, env: dict, status: str = OK,
-                **measured) -> dict:
+def make_record(*, strategy: str, options: DataclassInstance, attention: AttentionConfig,
+                run: RunConfig, kernel: str, world_size: int, ranks_per_node: int,
+                ranks_per_problem: int, env: dict[str, Any], status: str = OK,
+                **measured: Any) -> dict[str, Any]:
     """A record: ``options`` is the strategy's Options instance, ``attention`` and ``run``
     the config dataclasses; ``measured`` any of MEASURED and SECTIONS (the rest null). JSON-
     safe (as a reader of the file sees it), with ``derived`` filled."""
@@ -99,15 +106,15 @@ def make_record(*, strategy: str, options, attention, run, kernel: str, world_si
         "ranks_per_problem": ranks_per_problem, "env": env, "status": status,
         **dict.fromkeys(MEASURED), **measured,
     }
-    record = json.loads(json.dumps(record, default=str))
-    record["derived"] = derive(record)
-    return record
+    safe: dict[str, Any] = json.loads(json.dumps(record, default=str))
+    safe["derived"] = derive(safe)
+    return safe
 
 
-def comm_section(per_rank: list[list[float]], counted: str) -> dict:
+def comm_section(per_rank: list[list[float]], counted: str) -> dict[str, Any]:
     """The ``comm`` section from each rank's [FWD bytes, FWD varied, FWD+BWD bytes, FWD+BWD
     varied, declared fwd, declared bwd] (-1: not counted / not declared)."""
-    def column(i, kind=int):
+    def column(i: int, kind: Callable[[float], Any] = int) -> list[Any] | None:
         values = [kind(r[i]) if r[i] >= 0 else None for r in per_rank]
         return None if all(v is None for v in values) else values
 
@@ -120,8 +127,8 @@ def comm_section(per_rank: list[list[float]], counted: str) -> dict:
             "schedule_bytes": declared if declared["fwd"] is not None else None}
 
 
-def case_key(*, strategy: str, options: dict, attention: dict, run: dict, world_size: int,
-             ranks_per_node: int) -> str:
+def case_key(*, strategy: str, options: dict[str, Any], attention: dict[str, Any],
+             run: dict[str, Any], world_size: int, ranks_per_node: int) -> str:
     """The key of one row: what was asked for (see KEY_RUN_FIELDS), as canonical JSON."""
     return json.dumps({"strategy": strategy, "options": options, "attention": attention,
                        "run": {k: run.get(k) for k in KEY_RUN_FIELDS},
@@ -129,7 +136,7 @@ def case_key(*, strategy: str, options: dict, attention: dict, run: dict, world_
                       sort_keys=True)
 
 
-def record_key(record: dict) -> str:
+def record_key(record: dict[str, Any]) -> str:
     """What identifies a record's row across runs: its config, less how it was launched
     (output file, format, timeouts)."""
     cfg, topo = record["config"], record["topology"]
@@ -138,7 +145,7 @@ def record_key(record: dict) -> str:
                     world_size=topo["world_size"], ranks_per_node=topo["ranks_per_node"])
 
 
-def append(path: str | os.PathLike, record: dict) -> None:
+def append(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
     """Append ``record`` as one line; returns once it is on disk. The append holds an
     exclusive lock on the file: writers sharing it (Slurm array tasks on NFS, where the
     client only emulates O_APPEND) would otherwise interleave their records."""
@@ -155,13 +162,13 @@ def append(path: str | os.PathLike, record: dict) -> None:
         os.close(fd)
 
 
-def read(path: str | os.PathLike) -> list[dict]:
+def read(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every record in ``path``. A torn (unparseable) last line after valid records is
     skipped with a warning; any other unparseable line, or a line that is not a cpbench
     record, is an error."""
     with open(path, "rb") as f:
         lines = f.read().split(b"\n")
-    records = []
+    records: list[dict[str, Any]] = []
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     for i, line in enumerate(lines):
         if not line.strip():
@@ -179,7 +186,7 @@ def read(path: str | os.PathLike) -> list[dict]:
     return records
 
 
-def read_from(path: str | os.PathLike, offset: int = 0) -> list[dict]:
+def read_from(path: str | os.PathLike[str], offset: int = 0) -> list[dict[str, Any]]:
     """The records appended to ``path`` after byte ``offset`` (what one launch wrote),
     skipping lines that do not parse (a launch killed mid-write)."""
     if not os.path.exists(path):
@@ -198,7 +205,7 @@ def read_from(path: str | os.PathLike, offset: int = 0) -> list[dict]:
     return found
 
 
-def _checked(record, where: str) -> dict:
+def _checked(record: Any, where: str) -> dict[str, Any]:
     if not isinstance(record, dict) or not {"config", "status"} <= set(record):
         raise UsageError(f"{where}: not a cpbench record (no config / status); give a "
                          f"results file written by cpbench run, sweep or simulate")
@@ -211,13 +218,13 @@ def _checked(record, where: str) -> dict:
 
 # -- derived figures -------------------------------------------------------------------------
 
-def problem_flops(attention: dict, mode: str) -> float:
+def problem_flops(attention: dict[str, Any], mode: str) -> float:
     """FLOPs of the whole attention problem (global S, query heads) in ``mode``: the area
     its mask attends (``metrics.problem_flops``)."""
     return _flops(attention, mode)[0]
 
 
-def _flops(attention: dict, mode: str) -> tuple[float, str]:
+def _flops(attention: dict[str, Any], mode: str) -> tuple[float, str]:
     docs, window = attention.get("documents"), attention.get("window_size")
     return metrics.problem_flops(
         batch=attention["batch"], seqlen=attention["seqlen"], heads=attention["heads"],
@@ -226,7 +233,7 @@ def _flops(attention: dict, mode: str) -> tuple[float, str]:
         mode=mode)
 
 
-def _fractions(ideal: dict | None, d: dict) -> dict:
+def _fractions(ideal: dict[str, Any] | None, d: dict[str, Any]) -> dict[str, Any]:
     """The ideal step (its kernel blocks alone) over the measured step, per phase."""
     if not ideal or ideal.get("fwd_ms") is None:
         return {}
@@ -238,7 +245,7 @@ def _fractions(ideal: dict | None, d: dict) -> dict:
     return out
 
 
-def derive(record: dict) -> dict:
+def derive(record: dict[str, Any]) -> dict[str, Any]:
     """Every figure a report prints, from the record's raw measurements and config, and
     the physics guards' flags on them (``cpbench.guards``)."""
     out = _figures(record)
@@ -246,9 +253,9 @@ def derive(record: dict) -> dict:
     return out
 
 
-def _figures(record: dict) -> dict:
+def _figures(record: dict[str, Any]) -> dict[str, Any]:
     attention = record["config"]["attention"]
-    out: dict = {"flops_fwd": problem_flops(attention, "fwd"),
+    out: dict[str, Any] = {"flops_fwd": problem_flops(attention, "fwd"),
                  "flops_fwd_bwd": problem_flops(attention, "fwd_bwd"),
                  "flops_counted": _flops(attention, "fwd")[1]}
     if record.get("balance"):

@@ -8,7 +8,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from cpbench.config import (
     ATTENTION_HELP,
@@ -21,12 +21,16 @@ from cpbench.config import (
 )
 from cpbench.errors import UsageError
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
-def base_type(annotation) -> type:
+
+def base_type(annotation: Any) -> type:
     """int for ``int | None``; the annotation itself otherwise."""
+    base: type = annotation
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return next(a for a in typing.get_args(annotation) if a is not type(None))
-    return annotation
+        base = next(a for a in typing.get_args(annotation) if a is not type(None))
+    return base
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class Setting:
     name: str
     type: type
     help: str = ""
-    choices: tuple | None = None
+    choices: tuple[Any, ...] | None = None
     parse: Callable[[str], Any] | None = None
     metavar: str | None = None
     default: Any = None
@@ -48,8 +52,8 @@ class Setting:
     @property
     def what(self) -> str:
         """What a value is, for messages: "an integer", "a number", or the type's name."""
-        return {int: "an integer", float: "a number"}.get(self.parse or self.type,
-                                                          self.type.__name__)
+        names: dict[object, str] = {int: "an integer", float: "a number"}
+        return names.get(self.parse or self.type, self.type.__name__)
 
     def from_text(self, text: str) -> Any:
         """The value of ``text`` as given on the command line; UsageError when unreadable."""
@@ -84,8 +88,9 @@ class Setting:
                              f"{self.type.__name__}") from None
 
 
-def settings_of(cls, *, help_map: dict | None = None, parse_map: dict | None = None,
-                choices_map: dict | None = None) -> list[Setting]:
+def settings_of(cls: type[DataclassInstance], *, help_map: Mapping[str, str] | None = None,
+                parse_map: Mapping[str, Callable[[str], Any]] | None = None,
+                choices_map: Mapping[str, tuple[Any, ...]] | None = None) -> list[Setting]:
     """The settings of a dataclass's fields; field metadata (``config.arg``,
     ``strategies.base.option``) first, then the maps given."""
     hints = typing.get_type_hints(cls)
@@ -111,7 +116,8 @@ def run_settings() -> list[Setting]:
     return settings_of(RunConfig)
 
 
-def split(given: dict) -> tuple[dict, dict, dict]:
+def split(given: dict[str, Any]
+          ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Settings by name → (RunConfig fields, AttentionConfig fields, strategy options)."""
     run_names = {f.name for f in dataclasses.fields(RunConfig)}
     attn_names = {f.name for f in dataclasses.fields(AttentionConfig)}

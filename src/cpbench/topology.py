@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from cpbench.errors import UsageError
 
@@ -38,7 +38,7 @@ class Topology:
     # group's: unset, it falls back to torch's defaults (30 min on gloo, 10 min on NCCL).
     group_timeout_s: float | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.world_size < 1:
             raise UsageError(f"world size must be >= 1, got {self.world_size}")
         if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
@@ -201,7 +201,8 @@ def new_groups(topo: Topology, name: str, rank: int, rank_lists: Sequence[Sequen
     return mine
 
 
-def cached_group(name: str, ranks: Sequence[int], timeout_s: float | None, create):
+def cached_group(name: str, ranks: Sequence[int], timeout_s: float | None,
+                 create: Callable[..., Any]) -> Any:
     """The ProcessGroup of role ``name`` over ``ranks`` under the current world: made once
     with ``create(ranks, timeout=...)`` (``dist.new_group``; a collective), then reused, and
     under ``set_timeout`` like every group here. Also how a library that makes its own groups

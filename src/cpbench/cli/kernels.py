@@ -5,8 +5,9 @@ from __future__ import annotations
 import sys
 
 from cpbench.cli import args as cli_args
-from cpbench.config import CPU_ATTENTION, DTYPES, FORMATS, parse_size
+from cpbench.config import CPU_ATTENTION, DTYPES, FORMATS
 from cpbench.errors import UsageError
+from cpbench.mask import parse_size
 
 PROG = "cpbench kernels"
 

@@ -11,9 +11,9 @@ from cpbench.config import (
     AttentionConfig,
     packed_problems,
     parse_names,
-    parse_size,
 )
 from cpbench.errors import UsageError
+from cpbench.mask import parse_size
 from cpbench.settings import attention_settings
 
 PROG = "cpbench simulate"

@@ -12,8 +12,9 @@ import yaml
 
 from cpbench import strategies
 from cpbench.bench import plan as planning
-from cpbench.config import GPU_ATTENTION, GPU_ITERS, RunConfig, parse_size
+from cpbench.config import GPU_ATTENTION, GPU_ITERS, RunConfig
 from cpbench.errors import UsageError
+from cpbench.mask import parse_size
 from cpbench.settings import Setting, attention_settings, run_settings, split
 
 TOP_KEYS = ("topology", "timeout", "base", "sweep", "cases", "description")
