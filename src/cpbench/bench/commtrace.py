@@ -21,6 +21,8 @@ one step.
 from __future__ import annotations
 
 import contextlib
+import functools
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +85,7 @@ def _first_tensor(name: str, args, kwargs) -> torch.Tensor:
 
 
 def _wrap(rec: _Recorder, name: str, original):
+    @functools.wraps(original)
     def traced_call(*args, **kwargs):
         group = kwargs.get("group")
         if group is None and name in ("all_to_all_single", "all_gather", "all_reduce",
@@ -92,7 +95,6 @@ def _wrap(rec: _Recorder, name: str, original):
         rec.add(name, _first_tensor(name, args, kwargs), _members(group))
         return original(*args, **kwargs)
 
-    traced_call.__wrapped__ = original
     return traced_call
 
 
@@ -130,7 +132,8 @@ class _Functional(TorchDispatchMode):
 def _group_by_name(group_name: str):
     from torch.distributed import distributed_c10d as c10d
 
-    return c10d._resolve_process_group(group_name)
+    # GroupName: a NewType of str in the torch mypy reads; a cast, as older torch lacks it
+    return c10d._resolve_process_group(typing.cast("c10d.GroupName", group_name))
 
 
 _PATCHED = ("isend", "send", "all_to_all_single", "all_gather", "all_gather_into_tensor",
@@ -144,13 +147,13 @@ _FUNCOL = {"all_gather_single": "all_gather_into_tensor",
 
 
 def _wrap_funcol(rec: _Recorder, name: str, original):
+    @functools.wraps(original)
     def traced_call(t, *args, **kwargs):
         group = kwargs.get("group", args[-1] if args else None)
         group = _group_by_name(group) if isinstance(group, str) else group
         rec.add(_FUNCOL[name], t, _members(group))
         return original(t, *args, **kwargs)
 
-    traced_call.__wrapped__ = original
     return traced_call
 
 

@@ -116,7 +116,8 @@ def timing_findings(cmp: Comparison, bold: bool = True) -> list[str]:
             f"{percent(cmp.level)} CI {interval(t)}), Holm-corrected {p_is(t.p_adjusted)}.")
     unclear = [t for t in cmp.tests if t.verdict == stats.UNCLEAR]
     if unclear:
-        need = max(t.iters_to_resolve for t in unclear)
+        need = max((t.iters_to_resolve for t in unclear if t.iters_to_resolve is not None),
+                   default=math.inf)
         lines.append(f"- {len(unclear)} tests are unclear: their intervals straddle the edge of "
                      f"1 ± {cmp.min_effect:g}, neither a change nor its absence shown; "
                      + (f"about --iters {int(need)} would resolve them all at this spread."

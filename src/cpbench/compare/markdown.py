@@ -47,11 +47,11 @@ def _distribution(t: PhaseTest) -> list[str]:
     rows = []
     for i in range(max(len(a), len(b))):
         x, y = (a[i] if i < len(a) else None), (b[i] if i < len(b) else None)
-        both = x is not None and y is not None
         rows.append({"Time Rank": str(i + 1), "A Time (ms)": cells.ms(x),
                      "B Time (ms)": cells.ms(y),
-                     "Δ (ms)": cells.signed(y - x) if both else "-",
-                     "Δ (%)": f"{(y / x - 1) * 100:+.2f}%" if both else "-"})
+                     "Δ (ms)": cells.signed(y - x) if x is not None and y is not None else "-",
+                     "Δ (%)": (f"{(y / x - 1) * 100:+.2f}%" if x is not None and y is not None
+                               else "-")})
     return [f"### {t.case} — {PHASES[t.phase]} ({t.verdict})", ""] + \
         render(None, rows, "markdown") + [""]
 

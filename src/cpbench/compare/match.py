@@ -88,7 +88,8 @@ def labels(records: list[dict]) -> list[str]:
     names = [name for name, _ in facets[0]] if facets else []
     varying = {"seqlen"} | {name for i, name in enumerate(names)
                             if len({f[i][1] for f in facets}) > 1}
-    out, seen = [], {}
+    out: list[str] = []
+    seen: dict[str, int] = {}
     for r, f in zip(records, facets):
         text = f"{row_label(r)} [{' '.join(t for n, t in f if n in varying)}]"
         seen[text] = seen.get(text, 0) + 1

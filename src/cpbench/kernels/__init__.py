@@ -10,6 +10,8 @@ reason. On CPU it picks the CPU flash kernel
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from cpbench.errors import UsageError
@@ -65,8 +67,9 @@ def resolve(
     Raises ValueError naming the backends that would work. ``notes``: where ``auto`` passed
     over a backend that is installed (FA3 on a non-Hopper GPU), a line saying why.
     """
-    request = dict(device=device, dtype=dtype, head_dim=head_dim, heads=heads, kv_heads=kv_heads,
-                   seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=causal)
+    request: dict[str, Any] = dict(device=device, dtype=dtype, head_dim=head_dim, heads=heads,
+                                   kv_heads=kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                   causal=causal)
     if name == AUTO:
         return _auto(device, request, [] if notes is None else notes)
     backend = get(name)
@@ -82,7 +85,7 @@ def resolve(
 AUTO_ORDER = {"cuda": ("flash-attn3", "flash-attn", "sdpa"), "cpu": ("sdpa-cpu", "torch")}
 
 
-def _auto(device: str, request: dict, notes: list[str]) -> KernelBackend:
+def _auto(device: str, request: dict[str, Any], notes: list[str]) -> KernelBackend:
     order = [n for n in AUTO_ORDER.get(device, ()) if n in _BACKENDS]
     reasons = {n: _BACKENDS[n].unsupported_reason(**request) for n in order}
     for i, n in enumerate(order):
@@ -90,7 +93,7 @@ def _auto(device: str, request: dict, notes: list[str]) -> KernelBackend:
             notes += [f"{m} ({reasons[m]}): using {n}" for m in order[:i]
                       if _BACKENDS[m].is_importable()]
             return _BACKENDS[n]
-    why = "; ".join(reasons.values()) or f"no kernel backend for {device}"
+    why = "; ".join(r for r in reasons.values() if r) or f"no kernel backend for {device}"
     if device == "cuda":
         raise UsageError(
             f"--kernel auto found no flash kernel that runs this on CUDA: {why}; fix that "

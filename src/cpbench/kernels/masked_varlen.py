@@ -192,10 +192,13 @@ def forward(kernel: KernelBackend, vplan: VarlenPlan, q, k, v, *, softmax_scale:
     """(out (b, sq, h, d) fp32, lse (b, h, sq) fp32), as ``masked.forward``: rows that see
     nothing have out 0 and lse -inf."""
     b, s, h, d = q.shape
+    varlen_forward = kernel.varlen_forward
+    if varlen_forward is None:  # callers check device_refusal first
+        raise UsageError(no_varlen(kernel, q.device.type))
     parts = []
     for g in vplan.groups:
         dev = g.on(q.device, b)
-        o, lse = kernel.varlen_forward(
+        o, lse = varlen_forward(
             _take(q, dev["rows"]), _take(k, dev["cols"]), _take(v, dev["cols"]), dev["cu_q"],
             dev["cu_k"], g.max_q, g.max_k, causal=g.causal, softmax_scale=softmax_scale,
             window=g.window)
@@ -226,6 +229,9 @@ def backward(kernel: KernelBackend, vplan: VarlenPlan, dout, q, k, v, out, lse, 
              softmax_scale: float):
     """(dq, dk, dv) in fp32 at the sizes of q, k, v, against the final (merged) out/lse."""
     b, _, h, d = q.shape
+    varlen_backward = kernel.varlen_backward
+    if varlen_backward is None:  # callers check device_refusal first
+        raise UsageError(no_varlen(kernel, q.device.type))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros_like(dk)
@@ -234,7 +240,7 @@ def backward(kernel: KernelBackend, vplan: VarlenPlan, dout, q, k, v, out, lse, 
         dev = g.on(q.device, b)
         rows, cols = dev["rows"], dev["cols"]
         lse_t = lse.float().index_select(2, rows).transpose(0, 1).reshape(h, -1)
-        gq, gk, gv = kernel.varlen_backward(
+        gq, gk, gv = varlen_backward(
             _take(dout, rows), _take(q, rows), _take(k, cols), _take(v, cols),
             _take(out, rows), lse_t, dev["cu_q"], dev["cu_k"], g.max_q, g.max_k,
             causal=g.causal, softmax_scale=softmax_scale, window=g.window)

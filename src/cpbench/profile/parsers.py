@@ -21,6 +21,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 from cpbench.errors import UsageError
 
@@ -77,6 +78,10 @@ def read(path: str) -> KernelTable | Trace:
 
 # -- Chrome traces -----------------------------------------------------------------------------
 
+def _number(v: object) -> TypeGuard[float]:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def read_trace(data: bytes | str, where: str) -> Trace:
     try:
         doc = json.loads(data)
@@ -89,18 +94,17 @@ def read_trace(data: bytes | str, where: str) -> Trace:
     if not isinstance(events, list):
         raise UsageError(f"{where}:1: no `traceEvents` list: not a Chrome trace")
     out = []
-    for i, e in enumerate(events):
-        if not isinstance(e, dict):
+    for i, ev in enumerate(events):
+        if not isinstance(ev, dict):
             raise UsageError(f"{where}: traceEvents[{i}] is not an object")
-        if e.get("ph") != "X":  # metadata, instants, flows: no duration to count
+        if ev.get("ph") != "X":  # metadata, instants, flows: no duration to count
             continue
-        ts, dur = e.get("ts"), e.get("dur")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ts, dur)) \
-                or dur < 0:
-            raise UsageError(f"{where}: traceEvents[{i}] ({e.get('name')!r}): `ts` and `dur` "
+        ts, dur = ev.get("ts"), ev.get("dur")
+        if not (_number(ts) and _number(dur)) or dur < 0:
+            raise UsageError(f"{where}: traceEvents[{i}] ({ev.get('name')!r}): `ts` and `dur` "
                              f"must be numbers (µs, dur >= 0), got {ts!r} and {dur!r}")
-        out.append(Event(str(e.get("name", "")), str(e.get("cat", "")), float(ts),
-                         float(ts) + float(dur), e.get("pid"), e.get("tid")))
+        out.append(Event(str(ev.get("name", "")), str(ev.get("cat", "")), float(ts),
+                         float(ts) + float(dur), ev.get("pid"), ev.get("tid")))
     return Trace(tuple(out))
 
 
@@ -162,6 +166,7 @@ def _ruled(lines: list[str], i: int, where: str) -> _Cells:
     runs to the end of the line: nsys's Name). torch.profiler puts a rule above and below
     its header; nsys one below."""
     m = _RULE.match(lines[i])
+    assert m is not None, "called on a line the rule matched"
     prefix = m["prefix"]
     starts = [len(prefix) + d.start() for d in re.finditer(r"-+", m["rule"])]
 
@@ -178,7 +183,7 @@ def _ruled(lines: list[str], i: int, where: str) -> _Cells:
     below = near(i + 1, 1)
     rule2 = near(below + 1, 1) if below is not None else None
     above = near(i - 1, -1)
-    if rule2 is not None and "Name" in lines[below] and _RULE.match(lines[rule2]):
+    if below is not None and rule2 is not None and "Name" in lines[below] and _RULE.match(lines[rule2]):
         header_i, j = below, rule2 + 1  # torch: rule, header, rule
     elif above is not None and lines[above][len(prefix):].strip():
         header_i, j = above, i + 1
@@ -266,6 +271,7 @@ def _cell(text: str, column: str, where: str, line: int | None, unit: str | None
     value = float(m[1].replace(",", ""))
     if counting:
         return int(value)
-    if (m[2] or unit) is None:
+    unit = m[2] or unit
+    if unit is None:
         raise UsageError(f"{at}: {text.strip()!r} has no unit ({column} column)")
-    return value * _UNIT_MS[m[2] or unit]
+    return value * _UNIT_MS[unit]

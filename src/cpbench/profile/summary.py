@@ -150,7 +150,7 @@ def summarize(path: str, profile: KernelTable | Trace, rules: Rules) -> tuple[st
     """(the text, the JSON objects) of one input: its grouped table and, for a trace, its
     step breakdown."""
     trace = profile if isinstance(profile, Trace) else None
-    table = kernel_table(trace, rules) if trace else profile
+    table = kernel_table(profile, rules) if isinstance(profile, Trace) else profile
     rows = group_rows(table, rules)
     lines, objects = table_lines(path, table, rows), json_rows(path, rows)
     if trace is not None:

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from cpbench.errors import Skipped, UsageError
+
+if TYPE_CHECKING:
+    # the mixin below reads a Strategy's fields and calls its validate(); to mypy it is one
+    from cpbench.strategies.base import Strategy as _MixinBase
+else:
+    _MixinBase = object
 
 
 def contiguous_index(seqlen: int, n: int, r: int) -> torch.Tensor:
@@ -93,7 +100,7 @@ def check_divisible(seqlen: int, multiple: int, why: str) -> None:
         )
 
 
-class ZigzagLayout:
+class ZigzagLayout(_MixinBase):
     """Mixin for a strategy on the zigzag layout over its CP ring (put it before
     ``Strategy`` in the bases): the layout, and the sequence-length check it needs."""
 
