@@ -86,7 +86,7 @@ def problem_flops(*, batch: int, seqlen: int, heads: int, head_dim: int, causal:
                        mode=mode), "exact pairs"
 
 
-def pairs_flops(pairs: int, *, batch: int, heads: int, head_dim: int, mode: str = "fwd"
+def pairs_flops(pairs: float, *, batch: int, heads: int, head_dim: int, mode: str = "fwd"
                 ) -> float:
     """FLOPs of ``pairs`` attended (query, key) pairs (every query head)."""
     factor = {"fwd": 1.0, "bwd": BWD_FACTOR, "fwd_bwd": 1.0 + BWD_FACTOR}[mode]

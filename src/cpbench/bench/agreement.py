@@ -101,13 +101,16 @@ class Agreement:
         self.dist, self.store, self.key, self.grace_s = dist, store, key, grace_s
         self.case = case  # (label, record key): what failures.leave names
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)  # allocated before any OOM
-        self.status, self.error, self.traceback = results.OK, None, None
+        self.status: str = results.OK
+        self.error: str | None = None
+        self.traceback: str | None = None
         self.broken = self.sticky = False
 
     def __call__(self, fn: Callable[[], Any]) -> Any:
         if self.status != results.OK or self.broken:
             return None
-        mine, msg, tb, value, collective = results.OK, None, None, None, False
+        # msg, tb: set with a failure (mine not OK), the only case that reads them
+        mine, msg, tb, value, collective = results.OK, "", "", None, False
         try:
             value = fn()
         except (KeyboardInterrupt, SystemExit):
@@ -135,7 +138,7 @@ class Agreement:
             agreed = int(self.flag.item())
             if not agreed:
                 return value
-            reports = [None] * self.dist.get_world_size()
+            reports: list[Any] = [None] * self.dist.get_world_size()
             self.dist.all_gather_object(reports, (mine, msg, tb))
         except Exception as e:  # the agreement is a collective too
             self._break((mine, msg, tb) if mine != results.OK else None, one_line(e))

@@ -144,5 +144,6 @@ def compare_parts(case: str, a: dict, b: dict) -> tuple[list[PartChange], str | 
 
 def ranked(changes: list[PartChange]) -> list[PartChange]:
     """Tested parts by suspicion score, then untested ones by |Δβ|, largest first."""
-    return sorted(changes, key=lambda c: (not c.tested, -(c.score if c.tested and c.score is not None
-                                                          else abs(c.delta_pp))))
+    return sorted(changes, key=lambda c: (not c.tested,
+                                          -(c.score if c.tested and c.score is not None
+                                            else abs(c.delta_pp))))

@@ -151,7 +151,8 @@ def signature_params(fn) -> tuple[tuple[str, ...], frozenset[str]]:
     """(parameter names, those without a default) of a function or torch custom op."""
     fn = getattr(fn, "_init_fn", fn)  # torch.library.custom_op's CustomOpDef wraps the function
     schema = getattr(fn, "_schema", None) or getattr(getattr(fn, "default", None), "_schema", None)
-    if schema is not None and hasattr(schema, "arguments"):  # OpOverload / OpOverloadPacket (torch.ops.flash_attn...)
+    # OpOverload / OpOverloadPacket (torch.ops.flash_attn...)
+    if schema is not None and hasattr(schema, "arguments"):
         args = schema.arguments
         return tuple(a.name for a in args), frozenset(a.name for a in args
                                                      if not a.has_default_value())

@@ -183,7 +183,8 @@ def _ruled(lines: list[str], i: int, where: str) -> _Cells:
     below = near(i + 1, 1)
     rule2 = near(below + 1, 1) if below is not None else None
     above = near(i - 1, -1)
-    if below is not None and rule2 is not None and "Name" in lines[below] and _RULE.match(lines[rule2]):
+    if below is not None and rule2 is not None and "Name" in lines[below] \
+            and _RULE.match(lines[rule2]):
         header_i, j = below, rule2 + 1  # torch: rule, header, rule
     elif above is not None and lines[above][len(prefix):].strip():
         header_i, j = above, i + 1

@@ -6,6 +6,8 @@ report`` renders a kernels file the same way; cases that were skipped are rows w
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from cpbench.report.rows import data_text
 from cpbench.report.tables import render
 
@@ -30,7 +32,7 @@ def _values(record: dict) -> dict:
             "status": record["status"], "note": record.get("error") if oom else None}
 
 
-def values(records: list[dict], skipped: list[dict] = (), baseline: str | None = None
+def values(records: list[dict], skipped: Sequence[dict] = (), baseline: str | None = None
            ) -> list[dict]:
     """Every row's numbers (None where not measured), with speedups over ``baseline``'s row
     of the same shape (its time / this time: > 1 is faster)."""
@@ -73,7 +75,7 @@ def _speed(x) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def render_kernels(records: list[dict], fmt: str, *, skipped: list[dict] = (),
+def render_kernels(records: list[dict], fmt: str, *, skipped: Sequence[dict] = (),
                    baseline: str | None = None) -> str:
     """The kernels table in ``fmt`` (table, markdown: seed layouts; csv, json: numbers)."""
     rows = values(records, skipped, baseline)

@@ -76,7 +76,7 @@ def compare_upstream(records: list[dict], fmt: str = "table") -> str:
     if not found:
         return ("no strategy ran beside its upstream twin on the same problem and topology "
                 "(e.g. --strategy zigzag,rfa-zigzag)\n")
-    groups: dict[tuple, list] = {}
+    groups: dict[str, list] = {}
     for own, up in found:
         a, topo = own["config"]["attention"], own["topology"]
         title = (f"cpbench vs upstream on {topo['num_nodes']}×{topo['ranks_per_node']} "

@@ -14,6 +14,7 @@ import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Sequence
 
 from cpbench import metrics, results, strategies
 from cpbench.bench import entry
@@ -112,7 +113,7 @@ def _spread(samples_by_rank) -> float:
     return (max(per_iter) - min(per_iter)) / statistics.median(per_iter)
 
 
-def render(rows: list[Row], hw: Hardware, nproc: int, skipped: list[str] = ()) -> str:
+def render(rows: list[Row], hw: Hardware, nproc: int, skipped: Sequence[str] = ()) -> str:
     if not rows:
         raise UsageError("no case ran to completion: nothing to compare")
     width = max(len(r.label) for r in rows)

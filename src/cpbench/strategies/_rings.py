@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from cpbench.comm import RingComm
+from cpbench.kernels import masked
 from cpbench.merge import OutLseAccumulator
 from cpbench.strategies.base import FWD, Message, Step, Strategy, save_for_backward
 from cpbench.strategies.layout import Block, slice_len, zigzag_block
@@ -89,9 +90,11 @@ class Rings:
         """What ``circulate`` sends at (j, t): one message per tensor of the block."""
         msgs = []
         if t == 0 and j + 1 < self.windows:  # awaited after the window's last kernel
+            assert self.outer is not None, "more than one window has an outer ring"
             msgs += [Message("p2p", self.outer.name, n, self.outer.crosses_nodes,
                              overlap_steps=self.window) for n in sizes]
         if t + 1 < self.window:
+            assert self.inner is not None, "a window of more than one rank has an inner ring"
             msgs += [Message("p2p", self.inner.name, n, self.inner.crosses_nodes)
                      for n in sizes]
         return msgs
@@ -115,18 +118,23 @@ def circulate(rings: Rings, block: tuple[torch.Tensor, ...], *, queue_behind: bo
     inner = RingComm(rings.inner, queue_behind=queue_behind) if rings.inner else None
     outer = RingComm(rings.outer) if rings.outer else None
     base = next_base = block
+    # a ring of more than one window has an outer comm, a window of more than one an inner
     for j in range(rings.windows):
         if j > 0:
+            assert outer is not None
             outer.wait()
             base = next_base
         if j + 1 < rings.windows:
+            assert outer is not None
             next_base = send_block(outer, base)
         held = base
         for t in range(rings.window):
             if t + 1 < rings.window:
+                assert inner is not None
                 nxt = send_block(inner, held)
             yield j, t, held
             if t + 1 < rings.window:
+                assert inner is not None
                 inner.wait()
                 held = nxt
 
@@ -142,7 +150,7 @@ def fresh_sum(part: torch.Tensor, rows: slice, like: torch.Tensor, dtype: torch.
     return out
 
 
-def mask_tiles(strat: Strategy, src: int) -> list:
+def mask_tiles(strat: Strategy, src: int) -> masked.Block:
     """The masked kernel's tiles of the local queries against ring position ``src``'s block."""
     return strat.tiles(("ring", src), strat.seq_index(strat.rank),
                        strat.seq_index(strat.ring_rank(src)))

@@ -114,6 +114,7 @@ def import_algorithms(package: str, module: str):
         if e.name != "transformers":
             raise
     spec = importlib.util.find_spec(package)
+    assert spec is not None and spec.submodule_search_locations is not None, "a package"
     shell = importlib.util.module_from_spec(importlib.machinery.ModuleSpec(
         package, None, is_package=True))
     shell.__path__ = list(spec.submodule_search_locations)

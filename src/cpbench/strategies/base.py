@@ -375,7 +375,7 @@ class Strategy(ABC):
         return masked.block_backward(self.kernel, tiles, dout, q, k, v, out, lse,
                                      softmax_scale=self.attn.softmax_scale)
 
-    def pairs_step(self, phase: str, index: int, pairs: int, shape: tuple[int, int],
+    def pairs_step(self, phase: str, index: int, pairs: float, shape: tuple[int, int],
                    messages=(), positions: tuple[torch.Tensor, torch.Tensor] | None = None
                    ) -> Step:
         """A step computing ``pairs`` attended pairs (a masked block) of ``shape``; with the

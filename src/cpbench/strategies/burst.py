@@ -77,11 +77,16 @@ class _DqHome:
         self.inner = (RingComm(self.rings.inner, queue_behind=strat.dq_shares_ring)
                       if self.rings.inner else None)
         self.outer = RingComm(self.rings.outer) if self.rings.outer else None
-        self.acc = self.from_inner = self.from_outer = None
+        # the running sum and what arrived from each ring: set as the steps go (asserted
+        # where a step needs one: a hop on a ring of one rank is never asked for)
+        self.acc: torch.Tensor | None = None
+        self.from_inner: torch.Tensor | None = None
+        self.from_outer: torch.Tensor | None = None
 
     def post(self, j: int, t: int) -> None:
         """Before (j, t)'s kernel: the sum of the queries held at the step before moves on."""
         if t > 0:
+            assert self.inner is not None and self.acc is not None
             self.from_inner = send_block(self.inner, (self.acc,))[0]
         elif j > 0:  # a window boundary
             self._cross(j)
@@ -90,6 +95,7 @@ class _DqHome:
     def add(self, t: int, rows: slice, bq: torch.Tensor) -> None:
         """After the kernel: this rank's part of the held queries' dQ joins their sum."""
         if t > 0:
+            assert self.inner is not None and self.from_inner is not None
             self.inner.wait()
             self.acc = self.from_inner
             self.acc[:, rows] += bq
@@ -98,7 +104,9 @@ class _DqHome:
 
     def _cross(self, j: int) -> None:
         """The sum goes onto the outer ring, with what crossed at the boundary before added."""
+        assert self.outer is not None and self.acc is not None
         if j > 1:
+            assert self.from_outer is not None
             self.outer.wait()
             self.acc += self.from_outer
         self.from_outer = send_block(self.outer, (self.acc,))[0]
@@ -112,8 +120,10 @@ class _DqHome:
             self.outer.wait()
             total = self.from_outer
         if self.inner:
+            assert total is not None
             total = send_block(self.inner, (total,))[0]
             self.inner.wait()
+        assert total is not None
         return total
 
 
@@ -254,8 +264,10 @@ class Burst(ZigzagLayout, Strategy):
         n = self.q_bytes(self.local_seqlen, 4 if self.opts.dq_dtype == "fp32" else None)
         msgs = []
         if t > 0:
+            assert home.inner is not None
             msgs.append(Message("p2p", home.inner.name, n, home.inner.crosses_nodes))
         elif j > 0:  # awaited at the next boundary, or at the end: a window later
+            assert home.outer is not None
             msgs.append(Message("p2p", home.outer.name, n, home.outer.crosses_nodes,
                                 overlap_steps=home.window))
         if (j, t) == home.last:

@@ -64,12 +64,17 @@ class _DkvHome:
         self.inner = RingComm(self.rings.inner) if self.rings.inner else None
         self.outer = RingComm(self.rings.outer) if self.rings.outer else None
         self.late = strat.opts.dkv_await == "window-end"
-        self.acc = self.from_inner = self.from_outer = self.total = None
+        # (dK, dV) sums: the running one, what arrived from each ring, the final one
+        self.acc: tuple[torch.Tensor, ...] | None = None
+        self.from_inner: tuple[torch.Tensor, ...] | None = None
+        self.from_outer: tuple[torch.Tensor, ...] | None = None
+        self.total: tuple[torch.Tensor, ...] | None = None
 
     def add(self, j: int, t: int, rows: slice, bk: torch.Tensor, bv: torch.Tensor) -> None:
         """Add this rank's block gradients to the sums of the block it holds at (j, t) and
         pass them on."""
         if t > 0:
+            assert self.inner is not None, "a window of more than one rank has an inner ring"
             self.inner.wait()
             self.acc = self.from_inner
         else:
@@ -86,7 +91,8 @@ class _DkvHome:
         if t + 1 == self.rings.window:
             self._window_done(j)
 
-    def _wait_outer(self):
+    def _wait_outer(self) -> tuple[torch.Tensor, ...]:
+        assert self.outer is not None and self.from_outer is not None, "a hop was sent"
         self.outer.wait()
         return self.from_outer
 
@@ -94,6 +100,7 @@ class _DkvHome:
         if self.inner:  # the last inner hop: nothing left to hide it behind
             self.inner.wait()
             self.acc = self.from_inner
+        assert self.acc is not None, "add() ran at this window's steps"
         if self.late and j > 0:
             self.acc = tuple(a + b for a, b in zip(self.acc, self._wait_outer()))
         crossing = self.strat.dkv_dtype(j + 1)  # upstream: the window's result, cast
@@ -103,8 +110,10 @@ class _DkvHome:
         else:
             self.total = self.acc
 
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._wait_outer() if self.outer else self.total
+    def result(self) -> tuple[torch.Tensor, ...]:
+        total = self._wait_outer() if self.outer else self.total
+        assert total is not None, "the last window is done"
+        return total
 
 
 def _block_grads(strat, src: int, s: int, dout, q, k, v, out, lse):

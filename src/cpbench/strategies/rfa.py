@@ -27,7 +27,7 @@ into its own buffer and runs in fp32.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -64,7 +64,9 @@ class _RingFlashAttn(Strategy):
 
     def __init__(self, *args, create_groups: bool = True, **kwargs):
         super().__init__(*args, create_groups=create_groups, **kwargs)
-        self.beneath = self.varlen_args = None
+        self.beneath: str | None = None
+        # what the varlen call takes beside q, k, v (prepare(), under --documents)
+        self.varlen_args: tuple[Any, ...] | None = None
         if create_groups:  # about to run: the library and the flash-attn under it
             self.beneath = flash_attn_beneath(device_of(self.kernel))
             module, function = (self.varlen if self.attn.documents and self.varlen
@@ -84,6 +86,7 @@ class _RingFlashAttn(Strategy):
         """``varlen_args`` with its tensors on ``device``, moved at the first call (a real
         run's warm-up) and kept: no copy in the timed steps."""
         moved = self.__dict__.setdefault("_moved", {})
+        assert self.varlen_args is not None, "prepare() ran: the case has documents"
         if device not in moved:
             moved[device] = tuple(a.to(device) if isinstance(a, torch.Tensor) else a
                                   for a in self.varlen_args)
@@ -99,7 +102,7 @@ class _RingFlashAttn(Strategy):
 
     def local_cu_seqlens(self, device) -> torch.Tensor:
         """cu_seqlens of this rank's tokens: every document holds 1/N of its length here."""
-        lengths = torch.tensor([0, *self.attn.documents], dtype=torch.int32, device=device)
+        lengths = torch.tensor([0, *(self.attn.documents or ())], dtype=torch.int32, device=device)
         return (lengths.cumsum(0) // self.cp_size).to(torch.int32)
 
     def varlen_attention(self, q, k, v):
@@ -123,7 +126,7 @@ class _RingFlashAttn(Strategy):
         return out, lse
 
     def provenance(self) -> dict:
-        return {**super().provenance(), "flash_attn": self.beneath}
+        return {**(super().provenance() or {}), "flash_attn": self.beneath}
 
     def schedule(self):
         no_schedule(self)

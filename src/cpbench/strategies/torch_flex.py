@@ -187,6 +187,7 @@ class TorchFlex(Strategy):
                 mask_mod, 1, 1, a.seqlen, a.seqlen, device=device)
         lb = self.balancer(device, whole)
         if lb is not None:  # the layout planned on the host is the one torch shards by
+            assert self._order is not None
             assert torch.equal(lb._generate_indices()[0].long().cpu(), self._order)
         # without a balancer torch falls back to head-tail unless its global option says no
         # (as _context_parallel_shard sets it): set for the call, restored after
@@ -213,6 +214,7 @@ class TorchFlex(Strategy):
 
     def provenance(self) -> dict:
         found = super().provenance()
+        assert found is not None, "an adapter: upstream is set"
         if not self.twin_options():  # per-document, PTRR: no layout of llama3's is theirs
             found.update(twin=None)
         return {**found, "kernel": "FlexAttention (torch.compile on CUDA), not --kernel"}

@@ -138,7 +138,7 @@ class TorchRing(Strategy):
                 "load_balance": "head-tail" if self.balanced else "none"}
 
     def provenance(self) -> dict:
-        return {**super().provenance(), "timed": "_templated_ring_attention (+ backward), "
+        return {**(super().provenance() or {}), "timed": "_templated_ring_attention (+ backward), "
                 f"{'CPU' if self.device == 'cpu' else 'CUDA'} SDPA flash op"}
 
     def schedule(self):

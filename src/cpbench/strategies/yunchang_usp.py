@@ -167,7 +167,7 @@ class YunchangUsp(Strategy):
                 "ring_impl": "ring" if self.opts.ring_impl == "basic" else "zigzag"}
 
     def provenance(self) -> dict:
-        return {**super().provenance(), "flash_attn": self.beneath}
+        return {**(super().provenance() or {}), "flash_attn": self.beneath}
 
     def schedule(self):
         no_schedule(self)
