@@ -203,10 +203,11 @@ ATTENTION_PARSE = {"seqlen": parse_size, "documents": parse_documents,
 # Defaults per device. GPU: seed 001's setting (its 128K row). CPU: small and fp32 (bf16 is
 # 2-3x slower on CPUs without native bf16), sized so `make bench` runs every strategy in well
 # under a minute on 2 cores.
-GPU_ATTENTION = {"batch": 1, "seqlen": 131072, "heads": 40, "head_dim": 128, "dtype": "bf16",
-                 "causal": True}
-CPU_ATTENTION = {"batch": 1, "seqlen": 1024, "heads": 8, "head_dim": 64, "dtype": "fp32",
-                 "causal": True}
+# AttentionConfig fields by name (values of several types: Any to a reader)
+GPU_ATTENTION: dict[str, Any] = {"batch": 1, "seqlen": 131072, "heads": 40, "head_dim": 128,
+                                 "dtype": "bf16", "causal": True}
+CPU_ATTENTION: dict[str, Any] = {"batch": 1, "seqlen": 1024, "heads": 8, "head_dim": 64,
+                                 "dtype": "fp32", "causal": True}
 GPU_ITERS = {"warmup": 5, "iters": 20}
 CPU_ITERS = {"warmup": 2, "iters": 5}
 

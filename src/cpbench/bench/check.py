@@ -46,8 +46,12 @@ def run_local(strategy: Strategy, inputs: dict[str, torch.Tensor]) -> dict[str, 
     finally:
         strategy.need_lse = False
     out.backward(strategy.shard(inputs["dout"]))
-    got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    got = {"out": out.detach()}
+    for name, x in (("dq", q), ("dk", k), ("dv", v)):
+        assert x.grad is not None, "the backward reaches every input"
+        got[name] = x.grad
     if strategy.returns_lse:
+        assert lse is not None, "a strategy that returns lse"
         got["lse"] = lse.detach()
     return got
 

@@ -10,6 +10,7 @@ its error; the others still run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 
 from cpbench import kernels, strategies
@@ -25,6 +26,11 @@ def _label(strat, case) -> str:
     return row_label({"config": {"strategy": case.strategy, "options": dataclasses.asdict(opts),
                                  "option_defaults": dataclasses.asdict(type(opts)())},
                       "resolved": strat.resolved_options()})
+
+
+def _build(cls, case, p: Plan, rank: int):
+    return cls(p.attn_of(case), p.topo, rank, kernel=kernels.get(p.kernel_of(case)),
+               options=case.options)
 
 
 def _trace_case(strat, p: Plan, rank: int) -> dict[str, list[Event]]:
@@ -49,11 +55,9 @@ def rank_comm(rank: int, world: int, p: Plan) -> list[dict]:
     for i, case in enumerate(p.cases):
         phase = agreement.Agreement(p.run.device, agreement.store(), f"comm{i}")
         cls = strategies.get(case.strategy)
-        strat = phase(lambda cls=cls, case=case: cls(
-            p.attn_of(case), p.topo, rank, kernel=kernels.get(p.kernel_of(case)),
-            options=case.options))
-        events = phase(lambda strat=strat: _trace_case(strat, p, rank))
-        everyone = [None] * world
+        strat = phase(functools.partial(_build, cls, case, p, rank))
+        events = phase(functools.partial(_trace_case, strat, p, rank))
+        everyone: list[object] = [None] * world
         if not phase.broken:
             dist.all_gather_object(everyone, events)
         label = _label(strat, case) if strat is not None else case.label

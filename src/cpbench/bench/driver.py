@@ -50,7 +50,7 @@ import dataclasses
 import logging
 import socket
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -59,6 +59,7 @@ from cpbench.bench import agreement, ideal, memory, profiling, sentcount, timer
 from cpbench.bench import env as env_mod
 from cpbench.bench.check import check_strategy
 from cpbench.bench.plan import Case, Plan
+from cpbench.config import RunConfig
 from cpbench.reference import Comparison
 from cpbench.report import console
 from cpbench.strategies.base import Strategy
@@ -101,6 +102,12 @@ def _closures(strat, x: dict) -> tuple[Callable[[], None], Callable[[], None]]:
     return fwd, fwd_bwd
 
 
+def _counts(run: RunConfig) -> tuple[int, int]:
+    """(warmup, iters) of the plan's run, which RunConfig.resolved filled."""
+    assert run.warmup is not None and run.iters is not None, "a resolved RunConfig"
+    return run.warmup, run.iters
+
+
 def _barrier(device: str) -> Callable[[], None]:
     import torch.distributed as dist
 
@@ -124,6 +131,12 @@ class _CaseRun:
     inputs: dict | None = None
     sent: dict = dataclasses.field(default_factory=dict)  # phase -> sentcount.StepBytes
 
+    @property
+    def built(self) -> Strategy:
+        """The strategy build() made: a phase after it runs only once it has."""
+        assert self.strat is not None, "built: the phases after build() run only then"
+        return self.strat
+
     def build(self) -> tuple[dict | None, dict | None]:
         """(the options as resolved, the library that runs: see Strategy.provenance)."""
         def build():
@@ -141,7 +154,7 @@ class _CaseRun:
         self.status("checking against the float64 reference")
         run = self.p.run
         return self.phase(lambda: [dataclasses.asdict(c) for c in check_strategy(
-            self.strat, run.seed, device=run.device, cache=ref_cache)])
+            self.built, run.seed, device=run.device, cache=ref_cache)])
 
     def time(self) -> tuple[dict, Callable[[], None] | None]:
         """Samples per phase, each gathered as soon as it is timed (a later failure keeps
@@ -150,11 +163,12 @@ class _CaseRun:
         self.inputs = self.phase(lambda: rank_inputs(self.strat, self.p, self.rank))
         fwd, fwd_bwd = _closures(self.strat, self.inputs) if self.inputs else (None, None)
         tm = timer.Timer(run.device, _barrier(run.device))
-        self.sent = {"fwd": sentcount.StepBytes(self.strat, run.warmup)} if fwd else {}
+        warmup, _ = _counts(run)
+        self.sent = {"fwd": sentcount.StepBytes(self.built, warmup)} if fwd else {}
         samples = {"fwd": self._timed(tm, "FWD", fwd and self.sent["fwd"].wrap(fwd)),
                    "fwd_bwd": None}
         if not run.fwd_only:
-            self.sent["fwd_bwd"] = sentcount.StepBytes(self.strat, run.warmup)
+            self.sent["fwd_bwd"] = sentcount.StepBytes(self.built, warmup)
             samples["fwd_bwd"] = self._timed(tm, "FWD+BWD", fwd_bwd and
                                              self.sent["fwd_bwd"].wrap(fwd_bwd))
         return samples, fwd if run.fwd_only else fwd_bwd
@@ -165,14 +179,13 @@ class _CaseRun:
         ran in, its CP ring's size and the tokens of its shard."""
         import torch.distributed as dist
 
-        s = self.strat
         everyone = self.phase(lambda: timer.gather_samples(
-            sentcount.figures(self.sent, s) + [dist.get_world_size(), s.cp_size,
-                                               s.local_seqlen], self.p.run.device)) \
-            if self.sent else None
+            sentcount.figures(self.sent, self.built) + [
+                dist.get_world_size(), self.built.cp_size, self.built.local_seqlen],
+            self.p.run.device)) if self.sent else None
         if everyone is None:
             return None, None
-        how = sentcount.how_counted(s, self.p.run.warmup)
+        how = sentcount.how_counted(self.built, _counts(self.p.run)[0])
         return (results.comm_section([r[:6] for r in everyone], how),
                 {k: [int(r[i]) for r in everyone]
                  for i, k in enumerate(("world", "cp", "local_seqlen"), 6)})
@@ -180,16 +193,19 @@ class _CaseRun:
     def _timed(self, tm: timer.Timer, what: str, fn) -> list[list[float]] | None:
         run = self.p.run
         self.status(f"timing {what}")
-        mine = self.phase(lambda: tm.measure(fn, warmup=run.warmup, iters=run.iters))
+        warmup, iters = _counts(run)
+        mine = self.phase(lambda: tm.measure(fn, warmup=warmup, iters=iters))
         return self.phase(lambda: timer.gather_samples(mine, run.device))
 
-    def memory(self, step: Callable[[], None], store, key: str
+    def memory(self, step: Callable[[], None] | None, store, key: str
                ) -> tuple[agreement.Agreement, list[int] | None]:
         """Peak memory per rank as its own phase (its own status: the timings stay)."""
+        inputs = self.inputs
+        assert step is not None and inputs is not None, "after time() succeeded"
         self.status("measuring memory")
         dev = self.p.run.device
         mem = agreement.Agreement(dev, store, f"{key}/memory", self.grace_s, self.phase.case)
-        peak = mem(lambda: memory.peak_bytes(step, device=dev, inputs=self.inputs.values()))
+        peak = mem(lambda: memory.peak_bytes(step, device=dev, inputs=inputs.values()))
         return mem, mem(lambda: [int(v[0]) for v in timer.gather_samples([peak], dev)])
 
     def ideal(self, store, key: str) -> tuple[agreement.Agreement, dict]:
@@ -199,18 +215,20 @@ class _CaseRun:
         self.status("timing the kernel blocks alone")
         p, run, case = self.p, self.p.run, self.case
         ph = agreement.Agreement(run.device, store, f"{key}/ideal", self.grace_s, self.phase.case)
+        warmup, iters = _counts(run)
         section = ph(lambda: ideal.measure(
             case.strategy, case.options, p.attn_of(case), p.topo, p.kernel_of(case),
-            device=run.device, warmup=run.warmup, iters=run.iters, fwd_only=run.fwd_only)
+            device=run.device, warmup=warmup, iters=iters, fwd_only=run.fwd_only)
             if self.rank == 0 else None)
         return ph, section if ph.status == results.OK else {"none": f"{ph.status}: {ph.error}"}
 
-    def profile(self, step: Callable[[], None], store, key: str, index: int
+    def profile(self, step: Callable[[], None] | None, store, key: str, index: int
                 ) -> tuple[agreement.Agreement, dict]:
         """A few profiled steps as their own phase (a failure leaves the timings): the
         record's ``profile`` section, or its error."""
         self.status("profiling")
         run = self.p.run
+        assert step is not None and run.profile is not None, "after time(), under --profile"
         prof = agreement.Agreement(run.device, store, f"{key}/profile", self.grace_s,
                                    self.phase.case)
         paths = profiling.trace_paths(run.profile, index, self.case.strategy,
@@ -242,6 +260,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     def status(text):
         log.info("%s: %s", prefix or case.label, text, extra={"transient": True})
 
+    grace_s: float | None  # None: no grace (below)
     timeout_s, grace_s = p.waits[index - 1]
     # NCCL: closing a communicator does not free the peers blocked on it; they wait out the
     # timeout, so a failing rank waits for them as long (no grace)
@@ -330,7 +349,8 @@ def _stop_reason(p: Plan, broken: str) -> str:
 
 def _run_cases(p: Plan, rank: int, env: dict) -> tuple[list[dict], bool, bool]:
     """(rank 0's records, whether any failed, whether the process group broke for good)."""
-    records, ref_cache, failed = [], {}, False
+    ref_cache: dict = {}  # check_strategy's: the last problem's reference
+    records, failed = [], False
     for i, case in enumerate(p.cases, 1):
         prefix = f"[{i}/{len(p.cases)}] {case.label}"
         log.info("%s", prefix, extra={"transient": "plain"})
@@ -388,7 +408,7 @@ def _rank_main(rank: int, world: int, p: Plan) -> tuple[int, bool]:
     import torch.distributed as dist
 
     console.setup(rank, p.run.format)
-    where = [None] * world
+    where: list[Any] = [None] * world  # each rank's (hostname, cpus), all-gathered
     dist.all_gather_object(where, (socket.gethostname(), env_mod.cpus_usable()))
     hostnames, cpus = [h for h, _ in where], [c for _, c in where]
     env = env_mod.capture(device=p.run.device, launcher=p.launcher, hostnames=hostnames,

@@ -34,6 +34,7 @@ import functools
 import os
 import traceback
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
@@ -151,8 +152,10 @@ def _host_planning(strat: Strategy):
     planned parts)."""
     for part in _parts(strat):  # a composite's inner strategies (usp's ring) plan alike
         index = {r: part.seq_index(r) for r in range(part.world_size)}
-        part.seq_index = index.__getitem__  # the instance's own: every strategy object
-    saved = {(Strategy, n): Strategy.__dict__[n] for n in ("positions", "tiles")}
+        # the instance's own (its __dict__ shadows the method): every strategy object
+        part.__dict__["seq_index"] = index.__getitem__
+    saved: dict[tuple[type, str], Any] = {(Strategy, n): Strategy.__dict__[n]
+                                          for n in ("positions", "tiles")}
     saved.update({(masked.Block, n): masked.Block.__dict__[n] for n in _BLOCK_PLANS})
     for (cls, name), attr in saved.items():
         if isinstance(attr, functools.cached_property):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -206,7 +206,12 @@ def measure(name: str, case: Case, *, device: str, warmup: int, iters: int,
     if capacity_bytes is not None and need > capacity_bytes:
         return Measured(status="skipped", reason=f"needs ~{need / 2**30:.1f} GiB by estimate, "
                                                  f"the cap is {capacity_bytes / 2**30:.1f} GiB")
-    timer, got = Timer(device), {}
+    timer = Timer(device)
+    got: dict[str, Any] = {}  # Measured's fields, as far as they were reached
+    # Optional: dropped on an OOM, before the next case allocates its own
+    fwd: Callable[[], object] | None
+    fwd_bwd: Callable[[], object] | None
+    x: dict | None
     try:
         (fwd, fwd_bwd), x = closures(name, case, device, seed)
         got["fwd_ms"] = timer.measure(fwd, warmup=warmup, iters=iters)

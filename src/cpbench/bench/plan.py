@@ -289,6 +289,7 @@ def runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
     strategy merely suggests (and, under ``all``, whole strategies) that cannot run this
     config or cannot fit are skipped; a strategy asked for by name with no runnable variant
     is an error, and so is nothing runnable but a no-CP baseline."""
+    first_error: dict[str, UsageError]  # strategy name -> why its first variant cannot run
     built, skipped, first_error, first_skip = [], [], {}, None
     for case in cases:
         mine, note = case_kernel(strategies.get(case.strategy), backend,
@@ -417,6 +418,7 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     backend = _kernel(run, device, attn, kernel_notes, elsewhere=job is not None)
     local_ranks = topo.ranks_per_node if launcher == "torchrun" else world
     capacity = memory.capacity_bytes(device, local_ranks) if job is None else None
+    strat_of: dict[Case, Any]  # case -> rank 0's strategy of it (runnable's pairs)
     cases, skipped, strat_of = [], [], {}
     for i, problem in enumerate(problems):
         built, notes = runnable(expand_cases(run.strategy, options, topo), run.strategy,
@@ -437,9 +439,10 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
         open_out(out)
     if run.profile is not None:
         # absolute, so the record's trace paths still lead to the traces from elsewhere
-        run = dataclasses.replace(run, profile=str(Path(run.profile).resolve()))
+        profile = str(Path(run.profile).resolve())
+        run = dataclasses.replace(run, profile=profile)
         if writer:
-            open_profile_dir(run.profile)
+            open_profile_dir(profile)
     return Plan(attn=attn, run=run, world_size=world, ranks_per_node=topo.ranks_per_node,
                 kernel=backend.name, cases=tuple(cases), out=out, launcher=launcher,
                 skipped=(*kernel_notes, *skipped),

@@ -63,7 +63,7 @@ def upstream_import(package: str, classes: list, device: str) -> str:
     beneath = ""
     if package != "transformer-engine":  # ring-flash-attn and yunchang call flash-attn
         beneath = f" over {flash_attn_beneath(device)}"
-    modules = sorted({getattr(c, "module", None) for c in classes} - {None})
+    modules = sorted({c.module for c in classes if getattr(c, "module", None) is not None})
     if package == "ring-flash-attn" and modules:
         for name in modules:  # the algorithm files, as the adapters import them
             import_algorithms(module, name)

@@ -77,6 +77,7 @@ def main(args) -> int:
     measured = _measure(spec, torchrun, args.nproc)
     if rank != 0:
         return 0
+    assert measured is not None, "rank 0 holds the measurements"
     from cpbench.sim import hardware, preset_file
 
     cap = memory.capacity_bytes(device, rpn)

@@ -264,7 +264,7 @@ def node_checks(where: tuple[int, int, str, int], device: str) -> list[Check]:
     if where[0] != 0:
         return []
     how = f"{where[1]} nodes, {'nccl on cuda' if device == 'cuda' else 'gloo on cpu'}"
-    if status != "ok":
+    if status != "ok" or isinstance(got, str):  # ("error", why)
         return [(ERROR, "nodes", f"{how}: the nodes could not exchange data ({got}); "
                                  f"{doctor_nodes.ADVICE}")]
     mib = got["large_bytes"] // 2 ** 20

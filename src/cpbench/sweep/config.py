@@ -85,8 +85,8 @@ def _label(settings: dict, base: dict) -> str:
 
 
 def _plan(settings: dict, topology: tuple | None) -> planning.Plan:
-    run, attention, options = split(settings)
-    run = RunConfig(**run, out="none")
+    fields, attention, options = split(settings)
+    run = RunConfig(**fields, out="none")
     if topology is None:
         return planning.plan(run, attention, options, launcher="self")
     # planned as its torchrun job would be; what fits is decided where it runs (each launch
@@ -176,7 +176,8 @@ def _typed(raw: dict, spec: dict, where: str, default_timeout, gpu: bool,
 
 def _cases(raw_cases: list[dict], base: dict, spec: dict, doc: dict,
            topology: tuple | None, errors: list[str]) -> list[SweepCase]:
-    cases, seen = [], {}
+    cases: list[SweepCase] = []
+    seen: dict[str, int] = {}  # a case's record key -> the first case that has it
     for i, raw in enumerate(raw_cases, 1):
         where = f"case {i} ({_label(raw, base)})"
         world = topology[0] * topology[1] if topology else None

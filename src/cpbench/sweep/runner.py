@@ -90,7 +90,8 @@ def _repair_tail(path: Path) -> None:
         f.seek(-1, os.SEEK_END)
         if f.read(1) == b"\n":
             return
-        data = f.seek(0) or f.read()
+        f.seek(0)
+        data = f.read()
         f.truncate(data.rfind(b"\n") + 1)
         f.flush()
         os.fsync(f.fileno())
@@ -203,7 +204,7 @@ class _Runner:
             if all(s == results.OK for s in statuses):
                 self.say(f"[{case.index}/{n}] {case.label}: done earlier, skipped")
             elif not self.rerun_failed and None not in statuses:
-                bad = sorted({s for s in statuses if s != results.OK})
+                bad = sorted({s for s in statuses if s is not None and s != results.OK})
                 self.say(f"[{case.index}/{n}] {case.label}: recorded {'/'.join(bad)} earlier, "
                          f"skipped (--rerun-failed retries it)")
             else:
