@@ -140,7 +140,7 @@ def link_times(spec: Spec, timer: Timer, rank: int, world: int) -> dict[str, lis
     """Per link kind, [(bytes, median ms)]; a kind with no pair on this topology is absent."""
     inside, across = _partners(rank, world, spec.ranks_per_node)
     nodes = world // spec.ranks_per_node
-    kinds = {"all_to_all": None}
+    kinds: dict[str, int | None] = {"all_to_all": None}  # kind -> partner rank
     if spec.ranks_per_node >= 2:
         kinds["intra"] = inside
     if nodes >= 2:

@@ -135,7 +135,7 @@ def compare_placements(records: list[dict]) -> list[list[dict]]:
     seen: set[tuple] = set()
     for r in records:
         seqlen, name, d = r["config"]["attention"]["seqlen"], r["config"]["strategy"], r["derived"]
-        keys = {(seqlen, name, labels.options_label(r))}
+        keys: set[tuple] = {(seqlen, name, labels.options_label(r))}
         if r["status"] == results.OK:
             keys.add((seqlen, name, d["fwd_ms"], d["fwd_bwd_ms"], tuple(r["memory_bytes"])))
         if keys & seen:

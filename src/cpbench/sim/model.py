@@ -215,9 +215,9 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
         for strat, sched, rank_loads in zip(ranks, schedules, loads):
             step = sched[i]
             side = math.sqrt(step.block[0] * step.block[1]) if step.block else 0.0
-            views.add(RankStep(step.flops, side, *rank_loads.moved[i],
-                               *node_out[topo.node_of(strat.rank)],
-                               causal=bool(step.block and step.block[2])))
+            moved, node = rank_loads.moved[i], node_out[topo.node_of(strat.rank)]
+            views.add(RankStep(step.flops, side, moved[0], moved[1], moved[2], moved[3],
+                               node[0], node[1], causal=bool(step.block and step.block[2])))
         steps.append(StepLoad(first.phase, tuple(sorted(views, key=dataclasses.astuple))))
     rank0 = ranks[0]
     return Compiled(attn.seqlen, attn.batch, tuple(steps),

@@ -13,7 +13,8 @@ def curves(kernel_ms: dict[int, tuple[float, float]], spec: Spec, overhead_ms: f
     """(fwd points, bwd points): each block's FLOPs over its time less the per-step overhead
     (never less than half its time: a noisy tiny block must not make a rate out of
     nothing)."""
-    fwd, bwd = [], []
+    fwd: list[list[float]] = []
+    bwd: list[list[float]] = []
     for side in spec.sides:
         t_fwd, t_bwd = kernel_ms[side]
         flops = metrics.attention_flops(batch=1, seqlen_q=side, seqlen_k=side,
@@ -69,7 +70,7 @@ def render(measured: dict, spec: Spec, memory_gib: float) -> str:
 
 
 def _link_lines(links: dict, when: str) -> list[str]:
-    intra = links.get("intra") or links.get("all_to_all")
+    intra = links.get("intra") or links["all_to_all"]  # all_to_all: measured on any topology
     lat, bw = fit_line(intra)
     where = "a partner in the node" if "intra" in links else "all_to_all (one rank a node)"
     out = ["intra_node:",

@@ -21,6 +21,7 @@ import csv
 import dataclasses
 import statistics
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cpbench import strategies
 from cpbench.config import AttentionConfig
@@ -28,6 +29,9 @@ from cpbench.errors import UsageError
 from cpbench.metrics import attention_flops, tflops_per_gpu
 from cpbench.report import tables
 from cpbench.sim import model
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 from cpbench.sim.hardware import Hardware
 from cpbench.topology import Topology
 
@@ -42,7 +46,7 @@ _FLAG = {**_BOOL, "1": True, "0": False}
 class Row:
     implementation: str
     strategy: str
-    options: object
+    options: DataclassInstance  # the strategy's Options
     attn: AttentionConfig
     topo: Topology
     published: float  # TFLOP/s per GPU, FWD+BWD
@@ -79,6 +83,7 @@ def parse_options(name: str, text: str):
         if not sep:
             raise UsageError(f"option {item!r} is not key=value")
         value = value.strip()
+        parsed: bool | int | str
         if value.lower() in _BOOL:
             parsed = _BOOL[value.lower()]
         elif value.lstrip("-").isdigit():
@@ -172,6 +177,7 @@ def report(results: list[Result], hw: Hardware, tolerance: float = 0.15) -> str:
     lines = [f"Validation against published rows — simulated on {hw.name}",
              *tables.render(None, rows, "table")]
     if scored:
+        assert worst is not None, "there are scored rows"
         within = sum(e <= tolerance for e in scored)
         lines += [f"scored rows: {len(scored)}; within {100 * tolerance:.0f} %: {within}; "
                   f"median |error| {100 * statistics.median(scored):.1f} %; worst "
