@@ -11,6 +11,7 @@ import contextvars
 import warnings
 import weakref
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ _TRACE: contextvars.ContextVar[list[Sent] | None] = contextvars.ContextVar("trac
 
 
 @contextlib.contextmanager
-def trace():
+def trace() -> Iterator[list[Sent]]:
     """Record every message sent inside the block: ``with trace() as sent: ...``."""
     sent: list[Sent] = []
     token = _TRACE.set(sent)

@@ -65,7 +65,7 @@ def _members(group) -> tuple[int, ...]:
 
 
 class _Recorder:
-    def __init__(self):
+    def __init__(self) -> None:
         self.events: list[Event] = []
         self.kernels = 0
 

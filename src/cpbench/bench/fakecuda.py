@@ -6,6 +6,7 @@ asked of them (``calls``), so a test can hold the ordering a strategy declares a
 from __future__ import annotations
 
 import contextlib
+from typing import Iterator
 
 import torch
 
@@ -53,7 +54,7 @@ class FakeEvent:
 
 
 @contextlib.contextmanager
-def streams():
+def streams() -> Iterator[list]:
     """Within the block, torch.cuda's Stream, Event, current_stream and stream() are the
     stand-ins; yields the list of streams made current, in order."""
     default = FakeStream(name="default")

@@ -31,7 +31,7 @@ from cpbench.bench.env import meminfo_bytes
 
 
 class StorageMeter(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.live: dict[int, int] = {}
         self.current = 0

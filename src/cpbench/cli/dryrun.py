@@ -4,11 +4,15 @@ distinct rank in turn, in this process: memory, bytes, host syncs and errors, no
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from cpbench.cli import args as cli_args
 from cpbench.config import FORMATS, AttentionConfig, default_attention, parse_names
 from cpbench.errors import UsageError
 from cpbench.settings import attention_settings
+
+if TYPE_CHECKING:
+    from cpbench.sim.dryrun import Request
 
 PROG = "cpbench dryrun"
 
@@ -84,7 +88,7 @@ def _capacity(args, device: str, gpn: int, hw) -> int | None:
     return int(hw.memory_gib * 2**30)
 
 
-def request(args):
+def request(args) -> Request:
     """The validated request; UsageError (one line, the fix) before anything runs."""
     from cpbench import kernels
     from cpbench.config import resolved_documents
