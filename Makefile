@@ -1,7 +1,7 @@
 # Two entry points a new user needs: `make bench` (the main job) and `make test`.
 # Both create .venv and install what is missing on first use. `make lint` runs ruff, the
-# import-layer contracts and shellcheck (CI runs it before the tests); `make test-fast` the
-# unit layer alone.
+# import-layer contracts, mypy over src/ and shellcheck (CI runs it before the tests);
+# `make test-fast` the unit layer alone.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -50,6 +50,7 @@ test-fake-gpu: $(FG_STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 	$(VENV)/bin/shellcheck src/cpbench/slurm/cpbench.sbatch scripts/ensure_torch.sh \
 		scripts/fake_gpu_venv.sh .ci/run
 
