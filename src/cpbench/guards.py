@@ -17,6 +17,8 @@ A flag keeps the row in every table (its text beside it) and in the record
 
 from __future__ import annotations
 
+from typing import Any
+
 # Dense tensor-core TFLOP/s per device, datasheet (no sparsity), by a name fragment of
 # torch.cuda.get_device_name, most specific first. fp32 is the TF32 figure: a kernel may use
 # TF32 where torch allows it, so that is the most an fp32 row can honestly reach. A family
@@ -40,11 +42,11 @@ def peak_tflops(device_name: str | None, dtype: str) -> float | None:
     return None
 
 
-def _measured(record: dict) -> bool:
+def _measured(record: dict[str, Any]) -> bool:
     return not (record.get("env") or {}).get("simulated")  # a prediction is no measurement
 
 
-def peak_flags(record: dict, derived: dict) -> list[str]:
+def peak_flags(record: dict[str, Any], derived: dict[str, Any]) -> list[str]:
     """"impossible: above peak" where a measured phase's TFLOP/s per device exceeds it. BWD
     is a difference of two medians (FWD+BWD − FWD), noisy by construction: not judged."""
     if not _measured(record):
@@ -59,7 +61,7 @@ def peak_flags(record: dict, derived: dict) -> list[str]:
             if rate is not None and rate > peak]
 
 
-def unguarded(records: list[dict]) -> list[str]:
+def unguarded(records: list[dict[str, Any]]) -> list[str]:
     """The measured devices with no known peak, each once: their rows have no peak guard."""
     names = {(r.get("env") or {}).get("device_name") or (r.get("env") or {}).get("device")
              for r in records if _measured(r) and r.get("samples_ms")}
@@ -73,7 +75,7 @@ def _size(nbytes: float) -> str:
     return f"{int(nbytes)} B"
 
 
-def comm_flags(comm: dict | None) -> list[str]:
+def comm_flags(comm: dict[str, Any] | None) -> list[str]:
     """"sent X, schedule says Y" for the first rank and step whose bytes differ from the
     schedule's; a step whose timed iterations sent different amounts is flagged too."""
     if not comm:
@@ -97,7 +99,7 @@ def comm_flags(comm: dict | None) -> list[str]:
     return flags
 
 
-def size_flags(record: dict) -> list[str]:
+def size_flags(record: dict[str, Any]) -> list[str]:
     """Where the ranks ran other than the row was asked to (see the module docstring)."""
     sizes = record.get("sizes")
     if not sizes:
@@ -118,7 +120,7 @@ def size_flags(record: dict) -> list[str]:
     return found
 
 
-def flags(record: dict, derived: dict) -> list[str]:
+def flags(record: dict[str, Any], derived: dict[str, Any]) -> list[str]:
     """Every flag of a record, given its derived figures (old records without the measured
     sections: only what their figures show)."""
     return peak_flags(record, derived) + comm_flags(record.get("comm")) + size_flags(record)

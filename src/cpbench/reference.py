@@ -19,7 +19,8 @@ TOLERANCES = {
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 
 
-def reference_attention(q_bshd, k_bshd, v_bshd, dout_bshd, *, causal: bool,
+def reference_attention(q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor,
+                        dout_bshd: torch.Tensor, *, causal: bool,
                         softmax_scale: float, visible: torch.Tensor | None = None
                         ) -> dict[str, torch.Tensor]:
     """out, lse (b, h, s), dq, dk, dv in float64. k/v may have fewer heads (GQA).
@@ -44,13 +45,13 @@ def reference_attention(q_bshd, k_bshd, v_bshd, dout_bshd, *, causal: bool,
     return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
 
 
-def reference_by_head(inputs: dict, *, heads: int, kv_heads: int, causal: bool,
+def reference_by_head(inputs: dict[str, torch.Tensor], *, heads: int, kv_heads: int, causal: bool,
                       softmax_scale: float, visible: torch.Tensor | None = None
                       ) -> dict[str, torch.Tensor]:
     """The float64 reference one query head at a time (heads are independent), so its S×S
     matrices exist for one head only; dK/dV of a shared KV head sum over its query heads."""
     group = heads // kv_heads
-    parts: dict[str, list] = {"out": [], "lse": [], "dq": []}
+    parts: dict[str, list[torch.Tensor]] = {"out": [], "lse": [], "dq": []}
     b, s, _, d = inputs["k"].shape
     dk = torch.zeros(b, s, kv_heads, d, dtype=torch.float64,
                      device=inputs["k"].device)

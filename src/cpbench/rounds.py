@@ -16,20 +16,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import Any
 
 from cpbench import metrics
 from cpbench.results import OK, derive, record_key
 
 
-def _run_of(record: dict) -> str | None:
+def _run_of(record: dict[str, Any]) -> str | None:
     return (record.get("env") or {}).get("utc")  # a run's records share its start time
 
 
-def _group_key(record: dict) -> str:
+def _group_key(record: dict[str, Any]) -> str:
     return json.dumps([record_key(record), _run_of(record)])
 
 
-def _pooled_samples(rounds: list[dict]) -> dict | None:
+def _pooled_samples(rounds: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Each phase's per-rank samples of every round joined; None when the rounds' shapes
     differ (another world size cannot happen within a run: then nothing is pooled)."""
     first = rounds[0]["samples_ms"]
@@ -45,15 +46,15 @@ def _pooled_samples(rounds: list[dict]) -> dict | None:
     return merged
 
 
-def _poolable(record: dict) -> bool:
+def _poolable(record: dict[str, Any]) -> bool:
     return bool(record.get("round")) and record["status"] == OK and bool(record.get("samples_ms"))
 
 
-def pool(records: list[dict]) -> list[dict]:
+def pool(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records with each case's rounds of one run pooled into one record, placed where
     the case's first round was. Only rounds that ran (status ok, with samples) are pooled; a
     round that failed stays a record of its own, so its failure still shows."""
-    groups: dict[str, list[dict]] = {}
+    groups: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         if _poolable(r):
             groups.setdefault(_group_key(r), []).append(r)
@@ -68,7 +69,7 @@ def pool(records: list[dict]) -> list[dict]:
     return out
 
 
-def _merge(rounds: list[dict]) -> dict:
+def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     rounds = sorted(rounds, key=lambda r: r["round"]["index"])
     samples = _pooled_samples(rounds)
     if samples is None:
@@ -84,12 +85,12 @@ def _merge(rounds: list[dict]) -> dict:
     return merged
 
 
-def _median(record: dict, phase: str) -> float | None:
+def _median(record: dict[str, Any], phase: str) -> float | None:
     by_rank = (record.get("samples_ms") or {}).get(phase)
     return metrics.step_time(by_rank) if by_rank else None
 
 
-def drift(record: dict) -> tuple[str, list[float]] | None:
+def drift(record: dict[str, Any]) -> tuple[str, list[float]] | None:
     """A pooled record's (phase, median of each round): FWD+BWD where timed, else FWD; None
     for a record that pooled no rounds."""
     medians = ((record.get("round") or {}).get("medians_ms")) or {}
@@ -99,7 +100,8 @@ def drift(record: dict) -> tuple[str, list[float]] | None:
     return None
 
 
-def drift_lines(records: list[dict], label: Callable[[dict], str]) -> list[str]:
+def drift_lines(records: list[dict[str, Any]], label: Callable[[dict[str, Any]], str]
+                ) -> list[str]:
     """One line per pooled case: each round's median and the spread between them, largest
     first ((max − min) / min)."""
     rows = []
