@@ -36,6 +36,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any, Iterable
 
 from cpbench.errors import UsageError
 from cpbench.profile import parsers
@@ -61,7 +62,7 @@ def priority_of(name: str) -> tuple[int, str]:
     return PRIORITY.index(top(name)), name
 
 
-def ordered(parts) -> list[str]:
+def ordered(parts: Iterable[str]) -> list[str]:
     """Parts in priority order, idle last (a record's JSON keeps them sorted by name)."""
     return sorted(parts, key=lambda p: (p == IDLE, priority_of(p) if p != IDLE else ()))
 
@@ -93,7 +94,7 @@ def windows(trace: Trace, events: list[Event], kind: str) -> list[tuple[float, f
     return found
 
 
-def attribute_span(intervals: list[tuple[float, float, str, tuple]], w0: float, w1: float
+def attribute_span(intervals: list[tuple[float, float, str, tuple[Any, ...]]], w0: float, w1: float
                    ) -> tuple[dict[str, float], float]:
     """Each instant of the span [w0, w1) to the active interval of the smallest key: (µs per
     label, idle µs). ``intervals``: (start, end, label, key), clipped to the span (a step owns
@@ -106,7 +107,7 @@ def attribute_span(intervals: list[tuple[float, float, str, tuple]], w0: float, 
         if e > s:
             edges += [(s, 1, i), (e, -1, i)]
     edges.sort()  # at equal times, ends before starts
-    heap: list[tuple[tuple, int]] = []
+    heap: list[tuple[tuple[Any, ...], int]] = []
     live: set[int] = set()
     at = w0
     for t, delta, i in edges:
@@ -126,7 +127,7 @@ def attribute_span(intervals: list[tuple[float, float, str, tuple]], w0: float, 
     return dict(totals), idle + (w1 - at)
 
 
-def attribute(intervals: list[tuple[float, float, str, tuple]],
+def attribute(intervals: list[tuple[float, float, str, tuple[Any, ...]]],
               spans: list[tuple[float, float]]) -> tuple[dict[str, float], float, float]:
     """``attribute_span`` summed over ``spans``: (µs per label, idle µs, wall µs)."""
     totals: dict[str, float] = defaultdict(float)
@@ -158,7 +159,7 @@ class Breakdown:
     def exposed_comm_us(self) -> float:
         return sum(v for k, v in self.part_us.items() if top(k) == COMMUNICATION)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """The figures a record keeps (see ``cpbench.bench.profiling``): per step, and as %
         of the step's wall time (parts + idle sum to 100) and of its busy time."""
         wall, busy = self.wall_us or 1.0, self.busy_us or 1.0

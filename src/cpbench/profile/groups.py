@@ -33,7 +33,7 @@ def top(group: str) -> str:
 @dataclass(frozen=True)
 class Rule:
     group: str
-    pattern: re.Pattern
+    pattern: re.Pattern[str]
     where: str  # file:line, for messages
 
 
@@ -101,7 +101,7 @@ def parse(text: str, where: str) -> tuple[Rule, ...]:
     return tuple(_rule(node, where) for node in root.value)
 
 
-def _rule(node, where: str) -> Rule:
+def _rule(node: yaml.MappingNode, where: str) -> Rule:
     at = f"{where}:{node.start_mark.line + 1}"
     fields = {k.value: v.value for k, v in node.value} \
         if isinstance(node, yaml.MappingNode) else {}

@@ -21,7 +21,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeGuard
+from typing import Callable, TypeGuard
 
 from cpbench.errors import UsageError
 
@@ -148,7 +148,8 @@ def read_table(text: str, where: str) -> KernelTable:
                      f"(tab-separated, CSV or columns) or a Chrome trace (.json, .json.gz)")
 
 
-def _delimited(lines: list[str], i: int, where: str, split, what: str) -> _Cells:
+def _delimited(lines: list[str], i: int, where: str, split: Callable[[str], list[str]],
+               what: str) -> _Cells:
     header = [h.strip() for h in split(lines[i])]
     rows, j = [], i + 1
     while j < len(lines) and lines[j].strip():
@@ -233,7 +234,7 @@ def _interpret(c: _Cells, where: str) -> KernelTable:
         if time_ms == 0 and time_col != "Self CPU":
             host_only += 1  # a host-side row (cudaLaunchKernel…): no device time to group
             continue
-        rows.append(KernelRow(cells[col["Name"]], time_ms, calls))
+        rows.append(KernelRow(cells[col["Name"]], time_ms, int(calls)))  # an int already
     if not rows:
         raise UsageError(f"{where}:{c.header_line}: a table with no rows of {time_col} time")
     return _with_total(rows, c, time_col, source, host_only, where)
@@ -260,7 +261,8 @@ _UNIT_MS = {"ns": 1e-6, "us": 1e-3, "µs": 1e-3, "μs": 1e-3, "ms": 1.0, "s": 1e
 _NUMBER = re.compile(r"^([0-9][0-9,]*(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)\s*(ns|us|µs|μs|ms|s)?$")
 
 
-def _cell(text: str, column: str, where: str, line: int | None, unit: str | None):
+def _cell(text: str, column: str, where: str, line: int | None, unit: str | None
+          ) -> float:
     """A time in ms (``column`` a time column: the value's unit, else the header's) or a
     count (a calls column)."""
     m = _NUMBER.match(text.strip())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 from cpbench.profile import breakdown as bd
 from cpbench.profile.groups import OTHER, TOP_GROUPS, Rules, top
@@ -66,7 +67,7 @@ def group_rows(table: KernelTable, rules: Rules) -> list[GroupRow]:
             members[g].append(r)
     total = table.total_ms or 1.0
 
-    def row(group):
+    def row(group: str) -> GroupRow:
         kernels = sorted(members[group], key=lambda r: -r.time_ms)
         time_ms = sum(r.time_ms for r in kernels)
         return GroupRow(group, time_ms, 100 * time_ms / total, sum(r.calls for r in kernels),
@@ -111,7 +112,7 @@ def table_lines(path: str, table: KernelTable, rows: list[GroupRow], top_n: int 
     return lines
 
 
-def json_rows(path: str, rows: list[GroupRow], top_n: int = 5) -> list[dict]:
+def json_rows(path: str, rows: list[GroupRow], top_n: int = 5) -> list[dict[str, Any]]:
     """One object per group row; ``kernels``: the top ``top_n`` (every one for other)."""
     return [{"file": path, "group": r.group, "level": 2 if "/" in r.group else 1,
              "time_ms": round(r.time_ms, 6), "percent": round(r.percent, 4), "calls": r.calls,
@@ -121,7 +122,7 @@ def json_rows(path: str, rows: list[GroupRow], top_n: int = 5) -> list[dict]:
             for r in rows]
 
 
-def breakdown_lines(d: dict) -> list[str]:
+def breakdown_lines(d: dict[str, Any]) -> list[str]:
     """A breakdown (``Breakdown.to_dict()`` or a record's ``profile``): each part as % of
     the step's wall time and of busy time, then the exposed communication."""
     lines = [f"  {'part':<34}{'% of step wall time':>21}{'% of busy time':>17}"]
@@ -134,7 +135,7 @@ def breakdown_lines(d: dict) -> list[str]:
     return lines
 
 
-def detail_lines(profile: dict) -> list[str]:
+def detail_lines(profile: dict[str, Any]) -> list[str]:
     """The lines a run's detail block prints for a record's ``profile`` section."""
     if profile.get("error"):
         return [f"Where the time goes: not profiled ({profile['error']})"]
@@ -146,7 +147,8 @@ def detail_lines(profile: dict) -> list[str]:
             f"{profile['timeline']}):", *breakdown_lines(profile), f"  - Traces: {where}"]
 
 
-def summarize(path: str, profile: KernelTable | Trace, rules: Rules) -> tuple[str, list]:
+def summarize(path: str, profile: KernelTable | Trace, rules: Rules
+              ) -> tuple[str, list[dict[str, Any]]]:
     """(the text, the JSON objects) of one input: its grouped table and, for a trace, its
     step breakdown."""
     trace = profile if isinstance(profile, Trace) else None
