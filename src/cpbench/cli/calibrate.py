@@ -9,7 +9,8 @@ from cpbench.config import CPU_ATTENTION, DTYPES, GPU_ATTENTION, parse_size
 from cpbench.errors import UsageError
 
 PROG = "cpbench calibrate"
-CPU_SIDES = (256, 512, 1024, 2048, 4096)
+CPU_SIDES = (256, 512, 1024, 2048, 4096, 8192)
+CPU_HEADS = 2  # the self-check's problem (cpbench simulate --self-check)
 GPU_SIDES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -32,7 +33,8 @@ def add_parser(sub) -> None:
                    help=f"block sides of the kernel curve (default {','.join(map(str, CPU_SIDES))}"
                         f" on CPU, up to 32k on GPU)")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="default fp32 on CPU, bf16 on GPU")
-    p.add_argument("--heads", type=integer, help="default 8 on CPU, 40 on GPU")
+    p.add_argument("--heads", type=integer,
+                   help=f"default {CPU_HEADS} on CPU (the self-check's), 40 on GPU")
     p.add_argument("--head-dim", type=integer, help="default 64 on CPU, 128 on GPU")
     p.add_argument("--iters", type=integer, default=5,
                    help="timed passes over the kernel points, iterations a link size (default 5)")
@@ -43,8 +45,9 @@ def _spec(args, device: str, ranks_per_node: int):
     from cpbench.sim.calibrate import Spec
 
     base = GPU_ATTENTION if device == "cuda" else CPU_ATTENTION
+    heads = args.heads or (base["heads"] if device == "cuda" else CPU_HEADS)
     spec = Spec(device=device, dtype=args.dtype or base["dtype"],
-                heads=args.heads or base["heads"], head_dim=args.head_dim or base["head_dim"],
+                heads=heads, head_dim=args.head_dim or base["head_dim"],
                 sides=tuple(sorted(set(args.sides or (GPU_SIDES if device == "cuda"
                                                       else CPU_SIDES)))),
                 ranks_per_node=ranks_per_node, iters=args.iters)

@@ -71,6 +71,16 @@ def add_parser(sub) -> None:
                    help="--self-check: local ranks (default 2)")
     s.add_argument("--iters", type=integer, default=3,
                    help="--self-check: timed iterations a case (default 3, after 1 warm-up)")
+    s.add_argument("--rounds", type=integer, default=2,
+                   help="--self-check: times each length is measured, the order reversed "
+                        "each round (default 2)")
+    fraction = cli_args.converter(cli_args.read_number(float), "a number")
+    s.add_argument("--load-limit", type=fraction, default=0.1, metavar="FRACTION",
+                   help="--self-check: refuse to score when other processes used more than "
+                        "this share of the cores while it measured (default 0.1)")
+    s.add_argument("--drift-limit", type=fraction, default=0.1, metavar="FRACTION",
+                   help="--self-check: measure a length again when the machine probe around "
+                        "it is further than this from the preset (default 0.1)")
     s.add_argument("--plot", metavar="OUT.png",
                    help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib)")
     s.add_argument("--format", choices=FORMATS, default="table")
@@ -168,11 +178,12 @@ def _simulate(args) -> int:
 
 
 SELF_CHECK_SEQLENS = (2048, 4096, 8192)
+SELF_CHECK_HEADS = 2  # cpbench calibrate's CPU default: the preset's own problem
 
 
 def _self_check(args, hw) -> int:
     from cpbench import results
-    from cpbench.sim import selfcheck
+    from cpbench.sim import selfcheck, selfcheck_report
 
     if args.validate or args.plot or args.compare_placements:
         raise UsageError("--self-check prints its own table; drop --validate, --plot and "
@@ -180,25 +191,31 @@ def _self_check(args, hw) -> int:
     if args.nodes is not None or args.gpus_per_node is not None:
         raise UsageError("--self-check predicts the topology cpbench run --nproc uses; drop "
                          "--nodes and --gpus-per-node")
+    limits = selfcheck.Limits(load=args.load_limit, drift=args.drift_limit)
     if args.measured:  # an earlier self-check's measurements, predicted again
         records = selfcheck.ok_records(results.read(args.measured))
         nproc = max((r["topology"]["world_size"] for r in records), default=0)
+        measured = None
     else:
-        records, nproc = _self_check_measure(args, hw), args.nproc
+        measured, nproc = _self_check_measure(args, hw, limits), args.nproc
+        records = measured.records
     rows, skipped = selfcheck.compare(records, hw)
-    sys.stdout.write(selfcheck.render(rows, hw, nproc, skipped))
-    return 0
+    text, scored = selfcheck_report.render(rows, hw, nproc, skipped, measured, limits)
+    sys.stdout.write(text)
+    return 0 if scored else 1
 
 
-def _self_check_measure(args, hw) -> list[dict]:
+def _self_check_measure(args, hw, limits):
     from cpbench.config import CPU_ATTENTION
     from cpbench.sim import selfcheck
 
-    if args.nproc < 2 or args.iters < 1:
-        raise UsageError("--self-check needs --nproc >= 2 and --iters >= 1")
+    if args.nproc < 2 or args.iters < 1 or args.rounds < 1:
+        raise UsageError("--self-check needs --nproc >= 2, --iters >= 1 and --rounds >= 1")
+    if not (limits.load > 0 and limits.drift > 0):
+        raise UsageError("--load-limit and --drift-limit must be positive")
     given, options = cli_args.problem(args)
     given.pop("seqlen", None)
-    attention = {**CPU_ATTENTION, **given}
+    attention = {**CPU_ATTENTION, "heads": SELF_CHECK_HEADS, **given}
     AttentionConfig(**attention)
     if attention["dtype"] not in hw.dtypes:
         raise UsageError(f"the {hw.name} preset models {'/'.join(hw.dtypes)} kernels; give "
@@ -209,4 +226,5 @@ def _self_check_measure(args, hw) -> list[dict]:
         open_out(args.out)
     return selfcheck.measure(args.strategy, attention, options,
                              list(args.seqlen or SELF_CHECK_SEQLENS), nproc=args.nproc,
-                             warmup=1, iters=args.iters, out=args.out)
+                             warmup=1, iters=args.iters, rounds=args.rounds, hw=hw,
+                             limits=limits, out=args.out)

@@ -55,6 +55,17 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Pass:
+    """A memory-bound pass over a block's elements: fixed + elements x per element."""
+
+    fixed_us: float = 0.0
+    ns_per_element: float = 0.0
+
+    def seconds(self, elements: float) -> float:
+        return (self.fixed_us * 1e3 + self.ns_per_element * elements) * 1e-9 if elements else 0.0
+
+
+@dataclass(frozen=True)
 class Hardware:
     name: str
     description: str
@@ -73,6 +84,18 @@ class Hardware:
     # tiles are masked, so it attains less per FLOP than a full block of the same side
     kernel_fwd_causal: KernelCurve | None = None
     kernel_bwd_causal: KernelCurve | None = None
+    # the share of an overlapped message's time that hides behind the kernel it was posted
+    # around: 1 on GPUs (a copy engine / NCCL's own SMs move it); measured on CPUs, where the
+    # transport's thread takes the core the kernel runs on (``cpbench calibrate``)
+    overlap: float = 1.0
+    # a kernel's speed-up when the other ranks of its node wait instead of computing: 1 on
+    # GPUs (a device each); measured on CPUs, which share memory bandwidth and caches
+    idle_speedup: float = 1.0
+    # what a step does around its kernel call, where measured (``cpbench calibrate``): the
+    # forward's merge of a block into the rank's (out, lse), the backward's gradient sums.
+    # The GPU presets' curves are fitted per step end to end, so they include them.
+    merge: Pass = Pass()
+    accumulate: Pass = Pass()
 
     def kernel(self, phase: str, causal: bool = False) -> KernelCurve:
         if causal:
@@ -116,6 +139,16 @@ def _dtypes(value, source: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _pass(d: dict, key: str, source: str) -> Pass:
+    if d.get(key) is None:
+        return Pass()
+    where = f"{source}: {key}"
+    p = Pass(_number(d[key], "fixed_us", where), _number(d[key], "ns_per_element", where))
+    if p.fixed_us < 0 or p.ns_per_element < 0:
+        raise UsageError(f"{where}: fixed_us and ns_per_element must be >= 0")
+    return p
+
+
 def from_dict(d: dict, source: str = "preset") -> Hardware:
     if not isinstance(d, dict):
         raise UsageError(f"{source}: a preset is a YAML mapping (see configs/hardware/"
@@ -143,6 +176,10 @@ def from_dict(d: dict, source: str = "preset") -> Hardware:
             kernel_fwd_causal=_optional_curve(k, "fwd_causal", source),
             kernel_bwd_causal=_optional_curve(k, "bwd_causal", source),
             dtypes=_dtypes(d.get("dtypes", ["bf16", "fp16"]), source),
+            overlap=_number(d, "overlap", source, default=1.0),
+            idle_speedup=_number(d, "idle_speedup", source, default=1.0),
+            merge=_pass(d, "merge", source),
+            accumulate=_pass(d, "accumulate", source),
         )
     except KeyError as e:
         raise UsageError(f"{source}: missing field {e.args[0]!r} (see configs/hardware/"
@@ -158,6 +195,9 @@ def from_dict(d: dict, source: str = "preset") -> Hardware:
     not_negative = {"kernel.step_overhead_us": hw.step_overhead_us,
                     "intra_node.latency_us": hw.intra.latency_us,
                     "inter_node.latency_us": hw.inter.latency_us}
+    if not (0 <= hw.overlap <= 1 and hw.idle_speedup >= 1):
+        raise UsageError(f"{source}: overlap must be within 0..1 and idle_speedup >= 1, got "
+                         f"{hw.overlap:g} and {hw.idle_speedup:g}")
     for name, value in positive.items():
         if not value > 0:
             raise UsageError(f"{source}: {name} must be positive, got {value:g}")

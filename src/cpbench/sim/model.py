@@ -82,14 +82,18 @@ class RankStep:
     node_ov: float = 0.0
     node_exp: float = 0.0
     causal: bool = False  # a diagonal block: priced on the preset's causal curve if it has one
+    q_elements: float = 0.0  # the kernel call's query rows x heads x head dim (its merge)
+    kv_elements: float = 0.0  # its key rows x kv heads x head dim (dk, dv sums)
 
 
 @dataclass(frozen=True)
 class StepLoad:
-    """Every distinct rank view of one step."""
+    """Every distinct rank view of one step, and how many ranks of each node share it (one
+    tuple per distinct node, counts parallel to ``ranks``)."""
 
     phase: str
     ranks: tuple[RankStep, ...]
+    nodes: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -211,18 +215,41 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
             acc = node_out.setdefault(topo.node_of(strat.rank), [0.0, 0.0])
             acc[0] += rank_loads.leaving[i][0]
             acc[1] += rank_loads.leaving[i][1]
-        views = set()
+        views: dict[int, list[RankStep]] = {}
         for strat, sched, rank_loads in zip(ranks, schedules, loads):
             step = sched[i]
             side = math.sqrt(step.block[0] * step.block[1]) if step.block else 0.0
-            views.add(RankStep(step.flops, side, *rank_loads.moved[i],
-                               *node_out[topo.node_of(strat.rank)],
-                               causal=bool(step.block and step.block[2])))
-        steps.append(StepLoad(first.phase, tuple(sorted(views, key=dataclasses.astuple))))
+            node = topo.node_of(strat.rank)
+            views.setdefault(node, []).append(RankStep(
+                step.flops, side, *rank_loads.moved[i], *node_out[node],
+                causal=bool(step.block and step.block[2]),
+                **_elements(strat, attn, step.block)))
+        steps.append(_step_load(first.phase, list(views.values())))
     rank0 = ranks[0]
     return Compiled(attn.seqlen, attn.batch, tuple(steps),
                     max(memory.peak_bytes(s, sched) for s, sched in zip(ranks, schedules)),
                     rank0.ranks_per_problem, rank0.resolved_options())
+
+
+def _elements(strat: Strategy, attn: AttentionConfig, block) -> dict[str, float]:
+    if not block:
+        return {}
+    per_row = attn.batch * attn.head_dim * strat.kernel_head_share()
+    return {"q_elements": block[0] * attn.heads * per_row,
+            "kv_elements": block[1] * attn.num_kv_heads * per_row}
+
+
+def _step_load(phase: str, by_node: list[list[RankStep]]) -> StepLoad:
+    """The distinct views of a step and, per distinct node, how many of its ranks have each."""
+    distinct = tuple(sorted({v for views in by_node for v in views}, key=dataclasses.astuple))
+    index = {v: i for i, v in enumerate(distinct)}
+    nodes = set()
+    for views in by_node:
+        counts = [0] * len(distinct)
+        for v in views:
+            counts[index[v]] += 1
+        nodes.add(tuple(counts))
+    return StepLoad(phase, distinct, tuple(sorted(nodes)))
 
 
 def _resident_bytes(strat: Strategy) -> float:
@@ -306,23 +333,57 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
     compute_total = {FWD: 0.0, BWD: 0.0}
     overhead = hw.step_overhead_us * 1e-6
     for step in c.steps:
-        worst = worst_compute = 0.0
+        computes = []
         for r in step.ranks:
             compute = 0.0
             if r.flops:
                 rate = hw.kernel(step.phase, r.causal).tflops(r.side * length)
-                compute = r.flops * square / (rate * 1e12) + overhead
+                compute = r.flops * square / (rate * 1e12) + overhead + _passes_s(
+                    hw, step.phase, r.q_elements * linear, r.kv_elements * linear)
+            computes.append(compute)
+        worst = 0.0
+        for finish, r in zip(_shared_compute(computes, step.nodes, hw.idle_speedup),
+                             step.ranks):
             ov = _comm_s(hw, r.intra_ov * linear, r.inter_ov * linear, r.node_ov * linear)
             exp = _comm_s(hw, r.intra_exp * linear, r.inter_exp * linear, r.node_exp * linear)
-            worst = max(worst, max(compute, ov) + exp)
-            worst_compute = max(worst_compute, compute)
+            # the part of the overlapped messages that does not hide behind the kernel
+            worst = max(worst, finish + ov - hw.overlap * min(finish, ov) + exp)
         total[step.phase] += worst
-        compute_total[step.phase] += worst_compute
+        compute_total[step.phase] += max(computes)
     memory = c.memory_bytes * linear
     return Prediction(fwd_s=total[FWD], bwd_s=total[BWD], fwd_compute_s=compute_total[FWD],
                       bwd_compute_s=compute_total[BWD], memory_bytes=memory,
                       capacity_bytes=hw.memory_gib * GIB,
                       ranks_per_problem=c.ranks_per_problem, resolved=c.resolved)
+
+
+def _passes_s(hw: Hardware, phase: str, q: float, kv: float) -> float:
+    """The step's memory passes around its kernel: the forward merges the block into the
+    rows' (out, lse); the backward adds its dq, dk and dv into the partial sums."""
+    if phase == FWD:
+        return hw.merge.seconds(q)
+    return hw.accumulate.seconds(q) + 2 * hw.accumulate.seconds(kv)
+
+
+def _shared_compute(computes: list[float], nodes, speedup: float) -> list[float]:
+    """Each view's kernel time when the ranks of a node that finish first leave it to the
+    others: processor sharing, ``speedup`` with one rank busy, linear down to 1 with all of
+    them; the slowest node pattern a view occurs in counts. ``computes`` are all-busy times."""
+    if speedup == 1 or not nodes:
+        return computes
+    finish = [0.0] * len(computes)
+    for counts in nodes:
+        n = sum(counts)
+        members = sorted((computes[i], i) for i, k in enumerate(counts) if k)
+        t = done = 0.0
+        busy = n
+        for work, i in members:
+            rate = 1 + (speedup - 1) * (n - busy) / max(n - 1, 1)
+            t += (work - done) / rate
+            done = work
+            finish[i] = max(finish[i], t)
+            busy -= counts[i]
+    return finish
 
 
 def clear_cache() -> None:

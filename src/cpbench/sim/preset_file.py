@@ -64,8 +64,32 @@ def render(measured: dict, spec: Spec, memory_gib: float) -> str:
         f"  step_overhead_us: {overhead_ms * 1e3:.1f}  # measured {when}: a {TINY}-token "
         "block's forward",
     ]
+    shared = measured["sharing"]
+    lines += [
+        f"# how the ranks share the machine, measured {when} (the median over the larger "
+        "blocks):",
+        f"overlap: {shared['overlap']:.3g}  # share of a partner exchange hidden behind the "
+        "forward it was posted around",
+        f"idle_speedup: {shared['idle_speedup']:.3g}  # the forward alone vs with every rank "
+        "busy",
+    ]
+    for what, points in measured["passes_ms"].items():
+        fixed_us, per_element_ns = _per_element(points)
+        lines += [f"{what}:  # measured {when}: " + PASSES[what],
+                  f"  fixed_us: {fixed_us:.1f}",
+                  f"  ns_per_element: {per_element_ns:.4g}"]
     lines += _link_lines(links, when)
     return "\n".join(lines) + "\n"
+
+
+PASSES = {"merge": "a block's log-sum-exp merge into the fp32 (out, lse) of its rows",
+          "accumulate": "an fp32 += of a block's gradient (dq, dk, dv partial sums)"}
+
+
+def _per_element(points: list) -> tuple[float, float]:
+    """(fixed µs, ns per element) of the least-squares line through (elements, ms)."""
+    lat_us, rate = fit_line(points)  # the same fit as a link's: latency, "GB/s" of elements
+    return lat_us, 1.0 / rate
 
 
 def _link_lines(links: dict, when: str) -> list[str]:
