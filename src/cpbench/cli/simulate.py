@@ -69,11 +69,12 @@ def add_parser(sub) -> None:
                         "instead of measuring again")
     s.add_argument("--nproc", type=integer, default=2,
                    help="--self-check: local ranks (default 2)")
-    s.add_argument("--iters", type=integer, default=3,
-                   help="--self-check: timed iterations a case (default 3, after 1 warm-up)")
-    s.add_argument("--rounds", type=integer, default=2,
+    s.add_argument("--iters", type=integer,
+                   help="--self-check: timed iterations a case, after 1 warm-up (default: "
+                        "about a second of the baseline's work a case, 3 at least)")
+    s.add_argument("--rounds", type=integer, default=3,
                    help="--self-check: times each length is measured, the order reversed "
-                        "each round (default 2)")
+                        "each round (default 3)")
     fraction = cli_args.converter(cli_args.read_number(float), "a number")
     s.add_argument("--load-limit", type=fraction, default=0.1, metavar="FRACTION",
                    help="--self-check: refuse to score when other processes used more than "
@@ -209,7 +210,7 @@ def _self_check_measure(args, hw, limits):
     from cpbench.config import CPU_ATTENTION
     from cpbench.sim import selfcheck
 
-    if args.nproc < 2 or args.iters < 1 or args.rounds < 1:
+    if args.nproc < 2 or (args.iters is not None and args.iters < 1) or args.rounds < 1:
         raise UsageError("--self-check needs --nproc >= 2, --iters >= 1 and --rounds >= 1")
     if not (limits.load > 0 and limits.drift > 0):
         raise UsageError("--load-limit and --drift-limit must be positive")

@@ -344,10 +344,12 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
         worst = 0.0
         for finish, r in zip(_shared_compute(computes, step.nodes, hw.idle_speedup),
                              step.ranks):
-            ov = _comm_s(hw, r.intra_ov * linear, r.inter_ov * linear, r.node_ov * linear)
             exp = _comm_s(hw, r.intra_exp * linear, r.inter_exp * linear, r.node_exp * linear)
-            # the part of the overlapped messages that does not hide behind the kernel
-            worst = max(worst, finish + ov - hw.overlap * min(finish, ov) + exp)
+            ov = _comm_s(hw, r.intra_ov * linear, r.inter_ov * linear, r.node_ov * linear)
+            if hw.overlapped is not None:  # measured in situ: it adds, nothing hides
+                worst = max(worst, finish + hw.overlapped * ov + exp)
+            else:
+                worst = max(worst, max(finish, ov) + exp)
         total[step.phase] += worst
         compute_total[step.phase] += max(computes)
     memory = c.memory_bytes * linear

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 import tempfile
@@ -107,17 +108,25 @@ def _probe(attention: dict, nproc: int) -> tuple[float, float]:
 
 
 def drift(hw: Hardware, attention: dict, busy_ms: float, alone_ms: float) -> float:
-    """The probe's largest relative gap to the preset: its busy forward's rate against the
-    curve, and its idle speed-up against the preset's."""
+    """The probe's largest relative gap to the preset's own probe (``cpbench calibrate``):
+    its busy forward, per FLOP, and its idle speed-up. A preset without one (a GPU's) is
+    compared on its kernel curve and idle speed-up."""
     from cpbench.sim.calibrate import PROBE_SIDE
 
     flops = metrics.attention_flops(batch=1, seqlen_q=PROBE_SIDE, seqlen_k=PROBE_SIDE,
                                     heads=attention["heads"], head_dim=attention["head_dim"],
                                     causal=False)
-    net_ms = max(busy_ms - hw.step_overhead_us / 1e3, busy_ms / 2)
-    rate = flops / (net_ms / 1e3) / 1e12
-    return max(abs(rate / hw.kernel_fwd.tflops(PROBE_SIDE) - 1),
-               abs((busy_ms / alone_ms) / hw.idle_speedup - 1))
+    if hw.probe is not None:
+        ref_flops = metrics.attention_flops(batch=1, seqlen_q=hw.probe.side,
+                                            seqlen_k=hw.probe.side, heads=hw.probe.heads,
+                                            head_dim=hw.probe.head_dim, causal=False)
+        ref_ms, ref_ratio = hw.probe.busy_ms * flops / ref_flops, \
+            hw.probe.busy_ms / hw.probe.alone_ms
+    else:
+        ref_ms = flops / (hw.kernel_fwd.tflops(PROBE_SIDE) * 1e12) * 1e3 + \
+            hw.step_overhead_us / 1e3
+        ref_ratio = hw.idle_speedup
+    return max(abs(busy_ms / ref_ms - 1), abs((busy_ms / alone_ms) / ref_ratio - 1))
 
 
 def _one_length(run: RunConfig, attention: dict, options: dict, hw: Hardware,
@@ -138,6 +147,7 @@ def _one_length(run: RunConfig, attention: dict, options: dict, hw: Hardware,
         got.probes.append(f"{seqlen}: probe {before[0]:.1f}/{before[1]:.1f} ms before, "
                           f"{after[0]:.1f}/{after[1]:.1f} ms after (busy/alone), "
                           f"{moved * 100:.0f} % off the preset, try {attempt}")
+        print(f"self-check: {got.probes[-1]}", file=sys.stderr, flush=True)
         if moved <= limits.drift:
             return records
     got.dropped.append(f"{seqlen}: the machine's probe stayed more than "
@@ -146,22 +156,36 @@ def _one_length(run: RunConfig, attention: dict, options: dict, hw: Hardware,
 
 
 def measure(names: tuple[str, ...], attention: dict, options: dict, seqlens: list[int], *,
-            nproc: int, warmup: int, iters: int, rounds: int, hw: Hardware,
+            nproc: int, warmup: int, iters: int | None, rounds: int, hw: Hardware,
             limits: Limits = DEFAULT_LIMITS, out: str | None = None) -> Measured:
-    """``cpbench run --nproc`` at each length, ``rounds`` times; the records that ran (also
-    appended to ``out`` when given, so a later check can re-read them)."""
+    """``cpbench run --nproc`` at each length, ``rounds`` times (``iters`` None: per length,
+    ``auto_iters``); the records that ran (also appended to ``out`` when given, so a later
+    check can re-read them)."""
     got = Measured()
-    run = RunConfig(strategy=names, nproc=nproc, warmup=warmup, iters=iters)
     with Meter() as meter:
         for r in range(rounds):
             for seqlen in (seqlens if r % 2 == 0 else seqlens[::-1]):
-                records = _one_length(run, {**attention, "seqlen": seqlen}, options, hw,
-                                      limits, got)
+                problem = {**attention, "seqlen": seqlen}
+                run = RunConfig(strategy=names, nproc=nproc, warmup=warmup,
+                                iters=iters or auto_iters(problem, nproc, hw))
+                records = _one_length(run, problem, options, hw, limits, got)
                 got.records += records
                 for record in records if out else ():
                     results.append(out, record)
     got.load = meter.load
     return got
+
+
+AUTO_SECONDS = 1.0  # timed work a case gets with iters=None
+
+
+def auto_iters(attention: dict, nproc: int, hw: Hardware) -> int:
+    """Enough iterations that a case times about ``AUTO_SECONDS`` of the baseline's work (3 at
+    least): a short case gets more draws at the machine's undisturbed speed."""
+    local = model.predict("local", strategies.get("local").Options(),
+                          AttentionConfig(**attention),
+                          Topology(world_size=nproc, ranks_per_node=1), hw)
+    return max(3, min(30, math.ceil(AUTO_SECONDS / local.fwd_bwd_s)))
 
 
 def ok_records(records: list[dict]) -> list[dict]:
