@@ -24,13 +24,16 @@ def curves(kernel_ms: dict[int, tuple[float, float]], spec: Spec, overhead_ms: f
     return fwd, bwd
 
 
-def _num(x: float) -> str:
-    """Three significant digits YAML reads as a number (it reads "1e+09" as text)."""
-    return repr(float(f"{x:.3g}"))
+def _num(x: float, digits: int = 3) -> str:
+    """``digits`` significant digits that YAML reads as a number: it reads 1e-09 as text,
+    1.0e-09 as a number."""
+    text = f"{x:.{digits}g}"
+    mantissa, e, exponent = text.partition("e")
+    return f"{mantissa}.0e{exponent}" if e and "." not in mantissa else text
 
 
 def _flow(points) -> str:
-    return "[" + ", ".join(f"[{int(s)}, {t:g}]" for s, t in points) + "]"
+    return "[" + ", ".join(f"[{int(s)}, {_num(t, 4)}]" for s, t in points) + "]"
 
 
 def render(measured: dict, spec: Spec, memory_gib: float) -> str:
@@ -57,7 +60,7 @@ def render(measured: dict, spec: Spec, memory_gib: float) -> str:
         f"gpus_per_node: {spec.ranks_per_node}  # ranks per node when measured",
         f"nodes: {measured['world'] // spec.ranks_per_node}  # nodes when measured",
         f"memory_gib: {memory_gib:.1f}  # total memory per rank ({spec.device}), read {when}",
-        f"peak_tflops_bf16: {peak:g}  # no datasheet figure: the highest rate measured",
+        f"peak_tflops_bf16: {_num(peak, 4)}  # no datasheet figure: the highest rate measured",
         f"dtypes: [{spec.dtype}]  # the dtype the kernel was measured in",
         "kernel:",
         f"  # measured {when}: TFLOP/s of the rest of each call (its time less the overhead)",
@@ -80,17 +83,17 @@ def render(measured: dict, spec: Spec, memory_gib: float) -> str:
               f"busy_ms: {_num(probe['after'][0])}, alone_ms: {_num(probe['after'][1])}}}"
               f"{state}"]
     shared = measured["sharing"]
-    lines += [f"idle_speedup: {shared['idle_speedup']:.3g}  # measured {when}: a forward "
+    lines += [f"idle_speedup: {_num(shared['idle_speedup'])}  # measured {when}: a forward "
               "alone vs with every rank busy (the median over the larger blocks)"]
     if shared["overlapped"] is not None:
-        lines += [f"overlapped: {shared['overlapped']:.3g}  # measured {when}: what an "
+        lines += [f"overlapped: {_num(shared['overlapped'])}  # measured {when}: what an "
                   "exchange posted before a forward and awaited after adds to it, over its "
                   "time alone (the median over the larger blocks)"]
     for what, points in measured["passes_ms"].items():
         fixed_us, per_element_ns = _per_element(points)
         lines += [f"{what}:  # measured {when}: " + PASSES[what],
                   f"  fixed_us: {fixed_us:.1f}",
-                  f"  ns_per_element: {per_element_ns:.4g}"]
+                  f"  ns_per_element: {_num(per_element_ns)}"]
     lines += _link_lines(links, when)
     return "\n".join(lines) + "\n"
 
