@@ -146,7 +146,6 @@ def runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
     return built, skipped
 
 
-
 def request(attn: AttentionConfig, device: str) -> dict:
     """What a kernel backend is asked to run (KernelBackend.unsupported_reason's fields)."""
     return dict(device=device, dtype=attn.torch_dtype, head_dim=attn.head_dim,
