@@ -1,4 +1,10 @@
-"""``cpbench calibrate``: measure this machine, write a hardware preset for ``simulate``."""
+"""``cpbench calibrate``: measure this machine's kernel curve, step overhead and links; write a
+simulator hardware preset.
+
+Measure the attention kernel's attained TFLOP/s against block size (forward, backward), the
+per-step overhead, and p2p / all-to-all latency and bandwidth on local ranks (--nproc) or under
+torchrun; write them as a preset `cpbench simulate --hardware FILE` reads.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +21,7 @@ GPU_SIDES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("calibrate", help="measure this machine's kernel curve, step overhead "
-                                         "and links; write a simulator hardware preset",
-                       description="Measure the attention kernel's attained TFLOP/s against "
-                                   "block size (forward, backward), the per-step overhead, "
-                                   "and p2p / all-to-all latency and bandwidth on local ranks "
-                                   "(--nproc) or under torchrun; write them as a preset "
-                                   "`cpbench simulate --hardware FILE` reads.")
+    p = cli_args.command(sub, "calibrate", __doc__, main)
     integer = cli_args.converter(cli_args.read_number(int), "an integer")
     p.add_argument("--out", required=True, metavar="FILE.yaml", help="the preset to write")
     p.add_argument("--nproc", type=integer, default=2,
@@ -38,7 +38,6 @@ def add_parser(sub) -> None:
     p.add_argument("--head-dim", type=integer, help="default 64 on CPU, 128 on GPU")
     p.add_argument("--iters", type=integer, default=5,
                    help="timed passes over the kernel points, iterations a link size (default 5)")
-    p.set_defaults(func=main)
 
 
 def _spec(args, device: str, ranks_per_node: int):

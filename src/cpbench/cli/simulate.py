@@ -1,4 +1,8 @@
-"""``cpbench simulate``: the run tables predicted for a GPU cluster, no GPU needed."""
+"""``cpbench simulate``: predict the run tables for a GPU cluster (no GPU needed).
+
+Predict FWD / FWD+BWD time, memory and TFLOPs per GPU of each strategy on a cluster from the
+strategies' own schedules and a hardware preset.
+"""
 
 from __future__ import annotations
 
@@ -24,10 +28,7 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("simulate", help="predict the run tables for a GPU cluster (no GPU needed)",
-                       description="Predict FWD / FWD+BWD time, memory and TFLOPs per GPU of "
-                                   "each strategy on a cluster from the strategies' own "
-                                   "schedules and a hardware preset.")
+    p = cli_args.command(sub, "simulate", __doc__, main)
     attention = p.add_argument_group("attention problem (default: seed 001's)")
     for s in attention_settings():
         if s.name == "seqlen":
@@ -90,7 +91,6 @@ def add_parser(sub) -> None:
                         "`cpbench report` re-renders them, beside measured ones); with "
                         "--self-check, the measured records (re-check them with --measured)")
     cli_args.add_strategy_options(p, {s.name for s in attention_settings()})
-    p.set_defaults(func=main)
 
 
 def main(args) -> int:

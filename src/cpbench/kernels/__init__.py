@@ -10,7 +10,7 @@ reason. On CPU it picks the CPU flash kernel
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
 from cpbench.errors import UsageError
 from cpbench.kernels import flash_attn_cpu, sdpa, sdpa_cpu, torch_ref
@@ -47,28 +47,16 @@ def available(device: str | None = None) -> list[str]:
     return [n for n, b in _BACKENDS.items() if b.is_available(device)]
 
 
-def resolve(
-    name: str,
-    *,
-    device: str,
-    dtype: torch.dtype,
-    head_dim: int,
-    heads: int,
-    kv_heads: int,
-    seqlen_q: int | None = None,
-    seqlen_k: int | None = None,
-    causal: bool = False,
-    notes: list[str] | None = None,
-) -> KernelBackend:
-    """The backend for ``name`` (``auto`` allowed) that can run this request.
+def resolve(name: str, *, notes: list[str] | None = None, **request: Any) -> KernelBackend:
+    """The backend for ``name`` (``auto`` allowed) that can run ``request``: the keyword
+    arguments of ``KernelBackend.unsupported_reason`` (device, dtype, head_dim, heads,
+    kv_heads; the sequence lengths and causal where they matter).
 
     Raises ValueError naming the backends that would work. ``notes``: where ``auto`` passed
     over a backend that is installed (FA3 on a non-Hopper GPU), a line saying why.
     """
-    request = dict(device=device, dtype=dtype, head_dim=head_dim, heads=heads, kv_heads=kv_heads,
-                   seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=causal)
     if name == AUTO:
-        return _auto(device, request, [] if notes is None else notes)
+        return _auto(request["device"], request, [] if notes is None else notes)
     backend = get(name)
     reason = backend.unsupported_reason(**request)
     if reason is not None:
