@@ -176,6 +176,19 @@ def test_the_a800_preset_keeps_its_standing_on_seed_001():
     assert sum(abs(e) <= 0.15 for e in scored.values()) >= 11
 
 
+def test_burstengine_runs_the_preset_was_not_fitted_to_hold_across_nodes():
+    """BurstEngine's other published runs on the same 4 x 8 A800 (kernel_perf.csv; not used by
+    the fit): BurstAttention 128K-1M and USP head-first 128K-1M within 15 %. Its one-node
+    BurstAttention rows at 4K and 8K tokens a GPU are over-predicted (+77 %, +23 % on
+    2026-11-25): the small-block gap of issue 27, left to the compute pricing."""
+    rows = validate.load(ROOT / "configs" / "validation" / "burstengine_runs_a800.csv")
+    results = validate.run(rows, hardware.load("a800-sxm"))
+    across = [r for r in results if r.row.scored and r.row.topo.world_size == 32]
+    assert len(across) == 8
+    assert all(abs(r.error) <= 0.15 for r in across), [
+        (r.row.implementation, r.row.attn.seqlen, round(r.error, 3)) for r in across]
+
+
 def test_a_validation_csv_without_a_column_says_which(tmp_path):
     bad = tmp_path / "rows.csv"
     bad.write_text("implementation,strategy,seqlen\nx,zigzag,4096\n")
