@@ -65,6 +65,10 @@ def add_parser(sub) -> None:
                         "predicted vs measured with the relative error, and the worst; CPU "
                         "problem defaults, --seqlen default 2k,4k,8k; give --hardware a preset "
                         "from cpbench calibrate")
+    s.add_argument("--memory-from", metavar="DRYRUN.jsonl",
+                   help="take each row's memory from a `cpbench dryrun --out` record of the "
+                        "same case where there is one (the model's estimate and its error "
+                        "beside it), the model's estimate elsewhere")
     s.add_argument("--measured", metavar="FILE.jsonl",
                    help="--self-check: predict the rows of an earlier self-check's --out "
                         "instead of measuring again")
@@ -139,26 +143,31 @@ def _checked(args, hw):
 
 def _simulate(args) -> int:
     from cpbench.report import console
-    from cpbench.sim import command, hardware, validate
+    from cpbench.sim import command, hardware, measured_memory, validate
 
     hw = hardware.load(args.hardware)
     if args.self_check:
         return _self_check(args, hw)
     if args.validate:
-        if args.out or args.plot or args.compare_placements:
-            raise UsageError("--validate prints its own table; drop --out, --plot and "
-                             "--compare-placements, or run them separately")
+        if args.out or args.plot or args.compare_placements or args.memory_from:
+            raise UsageError("--validate prints its own table; drop --out, --plot, "
+                             "--compare-placements and --memory-from, or run them separately")
         sys.stdout.write(validate.report(validate.run(validate.load(args.validate), hw), hw))
         return 0
     topo, attention, options, seqlens = _checked(args, hw)
+    peaks = measured_memory.load(args.memory_from) if args.memory_from else None
     cases = command.placement_cases(args.strategy, topo) if args.compare_placements else None
     records, skipped = command.simulate(args.strategy, options, attention, seqlens, topo, hw,
                                         cases=cases, seed=args.seed, packings=args.packings)
+    if peaks is not None:
+        measured_memory.apply(records, peaks)
     if args.compare_placements:
         text = command.render_comparison(command.compare_placements(records), hw, topo,
                                          args.format)
     else:
         text = command.render(records, hw, topo, args.format)
+        if peaks is not None and args.format in ("table", "markdown"):
+            text += measured_memory.summary(records, args.memory_from)
         if skipped and args.format in ("table", "markdown"):
             text += "not simulated (the configuration does not allow them):\n" + \
                 "".join(f"  {why}\n" for why in skipped)
@@ -186,9 +195,9 @@ def _self_check(args, hw) -> int:
     from cpbench import results
     from cpbench.sim import selfcheck, selfcheck_report
 
-    if args.validate or args.plot or args.compare_placements:
-        raise UsageError("--self-check prints its own table; drop --validate, --plot and "
-                         "--compare-placements")
+    if args.validate or args.plot or args.compare_placements or args.memory_from:
+        raise UsageError("--self-check prints its own table; drop --validate, --plot, "
+                         "--compare-placements and --memory-from")
     if args.nodes is not None or args.gpus_per_node is not None:
         raise UsageError("--self-check predicts the topology cpbench run --nproc uses; drop "
                          "--nodes and --gpus-per-node")
