@@ -15,8 +15,7 @@ from cpbench.config import CPU_ATTENTION, DTYPES, GPU_ATTENTION, parse_size
 from cpbench.errors import UsageError
 
 PROG = "cpbench calibrate"
-CPU_SIDES = (256, 512, 1024, 2048, 4096, 8192)
-CPU_HEADS = 2  # the self-check's problem (cpbench simulate --self-check)
+CPU_SIDES = (256, 512, 1024, 2048, 4096, 8192)  # and the self-check's blocks: _cpu_sides
 GPU_SIDES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -30,31 +29,42 @@ def add_parser(sub) -> None:
                    type=cli_args.converter(
                        lambda t: tuple(parse_size(x) for x in t.split(",") if x.strip()),
                        "sizes"),
-                   help=f"block sides of the kernel curve (default {','.join(map(str, CPU_SIDES))}"
-                        f" on CPU, up to 32k on GPU)")
+                   help=f"block sides of the kernel curve (default on CPU: "
+                        f"{','.join(map(str, CPU_SIDES))} and the side of every block the "
+                        f"strategies' schedules hold in the self-check's problem; on GPU up "
+                        f"to 32k)")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="default fp32 on CPU, bf16 on GPU")
     p.add_argument("--heads", type=integer,
-                   help=f"default {CPU_HEADS} on CPU (the self-check's), 40 on GPU")
+                   help="default 2 on CPU (the self-check's), 40 on GPU")
     p.add_argument("--head-dim", type=integer, help="default 64 on CPU, 128 on GPU")
     p.add_argument("--iters", type=integer, default=5,
                    help="timed passes over the kernel points, iterations a link size (default 5)")
 
 
 def _spec(args, device: str, ranks_per_node: int):
+    from cpbench.sim import selfcheck
     from cpbench.sim.calibrate import Spec
 
     base = GPU_ATTENTION if device == "cuda" else CPU_ATTENTION
-    heads = args.heads or (base["heads"] if device == "cuda" else CPU_HEADS)
+    heads = args.heads or (base["heads"] if device == "cuda" else selfcheck.HEADS)
     spec = Spec(device=device, dtype=args.dtype or base["dtype"],
                 heads=heads, head_dim=args.head_dim or base["head_dim"],
                 sides=tuple(sorted(set(args.sides or (GPU_SIDES if device == "cuda"
-                                                      else CPU_SIDES)))),
+                                                      else _cpu_sides(args.nproc))))),
                 ranks_per_node=ranks_per_node, iters=args.iters)
     if min(spec.heads, spec.head_dim, spec.iters, *spec.sides) < 1:
         raise UsageError("--heads, --head-dim, --iters and --sides must be positive")
     if not args.out.endswith((".yaml", ".yml")):
         raise UsageError(f"--out {args.out}: a preset is a .yaml file")
     return spec
+
+
+def _cpu_sides(nproc: int) -> tuple[int, ...]:
+    """The grid and the blocks of the self-check's default problem on ``nproc`` ranks."""
+    from cpbench.sim import selfcheck
+
+    problem = {**CPU_ATTENTION, "heads": selfcheck.HEADS}
+    return CPU_SIDES + selfcheck.block_sides(problem, selfcheck.SEQLENS, nproc)
 
 
 def main(args) -> int:

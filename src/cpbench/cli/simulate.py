@@ -187,8 +187,6 @@ def _simulate(args) -> int:
     return 0
 
 
-SELF_CHECK_SEQLENS = (2048, 4096, 8192)
-SELF_CHECK_HEADS = 2  # cpbench calibrate's CPU default: the preset's own problem
 
 
 def _self_check(args, hw) -> int:
@@ -225,7 +223,7 @@ def _self_check_measure(args, hw, limits):
         raise UsageError("--load-limit and --drift-limit must be positive")
     given, options = cli_args.problem(args)
     given.pop("seqlen", None)
-    attention = {**CPU_ATTENTION, "heads": SELF_CHECK_HEADS, **given}
+    attention = {**CPU_ATTENTION, "heads": selfcheck.HEADS, **given}
     AttentionConfig(**attention)
     if attention["dtype"] not in hw.dtypes:
         raise UsageError(f"the {hw.name} preset models {'/'.join(hw.dtypes)} kernels; give "
@@ -235,6 +233,6 @@ def _self_check_measure(args, hw, limits):
 
         open_out(args.out)
     return selfcheck.measure(args.strategy, attention, options,
-                             list(args.seqlen or SELF_CHECK_SEQLENS), nproc=args.nproc,
+                             list(args.seqlen or selfcheck.SEQLENS), nproc=args.nproc,
                              warmup=1, iters=args.iters, rounds=args.rounds, hw=hw,
                              limits=limits, out=args.out)

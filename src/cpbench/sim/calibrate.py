@@ -164,9 +164,11 @@ def link_times(spec: Spec, timer: Timer, rank: int, world: int) -> dict[str, lis
 
 
 def _probe_sides(spec: Spec) -> tuple[int, ...]:
-    """The curve's sides from 512 up: blocks whose kernels are long enough to time an
-    exchange or an idle neighbour against."""
-    return tuple(s for s in sorted(spec.sides) if s >= 512) or tuple(spec.sides)
+    """The curve's powers of two from 512 to 4096: blocks whose kernels are long enough to
+    time an exchange or an idle neighbour against, and a few of them (the curve may hold the
+    odd sides of every schedule)."""
+    return tuple(s for s in sorted(spec.sides) if 512 <= s <= 4096 and s & (s - 1) == 0) \
+        or tuple(spec.sides)
 
 
 def sharing(spec: Spec, timer: Timer, rank: int, world: int) -> dict:
@@ -218,11 +220,11 @@ def memory_passes(spec: Spec, timer: Timer) -> dict[str, list[tuple[int, float]]
     """What a CP step does around its kernel call, per size: ``merge``, the log-sum-exp merge
     of a block's (out, lse) into the rank's fp32 accumulator (every ring step's forward), and
     ``accumulate``, an fp32 ``+=`` (the backward's dq, dk, dv partial sums); as
-    [(elements, fastest ms)] on blocks of ``spec.sides`` rows, all heads."""
+    [(elements, fastest ms)] on blocks of ``_probe_sides`` rows, all heads."""
     from cpbench.merge import OutLseAccumulator
 
     out: dict[str, list[tuple[int, float]]] = {"merge": [], "accumulate": []}
-    for rows in spec.sides:
+    for rows in _probe_sides(spec):
         acc = OutLseAccumulator(1, rows, spec.heads, spec.head_dim, spec.device)
         block = torch.randn(1, rows, spec.heads, spec.head_dim, device=spec.device,
                             dtype=_torch_dtype(spec.dtype))

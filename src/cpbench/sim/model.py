@@ -36,7 +36,21 @@ hardware preset (``cpbench.sim.hardware``). Modelling assumptions, and where the
    ring's outer hop has a whole inner window) is spread evenly over the kernels it overlaps:
    its own step's and the next ones, or only the next ones when it is posted after its
    step's kernel (``after_compute``: a partial sum moving on).
-6. Memory per rank (``sim.memory``): inputs, the strategy's accumulators, the buffers of
+6. What a CPU shares (only presets ``cpbench calibrate`` measured on a CPU carry these;
+   GPU presets have none, and their curves, fitted per step end to end, already hold the
+   rest):
+   - around each kernel call, its memory passes: the forward's log-sum-exp merge of the
+     block into the rank's fp32 (out, lse) rows, the backward's dq, dk, dv sums, priced
+     from their measured cost per element (``merge``, ``accumulate``);
+   - an overlapped message does not hide: the transport's thread needs the core the kernel
+     holds. It adds ``overlapped`` times its time alone on the link (measured: the same
+     exchange posted before a kernel and awaited after it, against its time alone);
+   - a rank waiting in a collective leaves the node's shared caches and memory bandwidth to
+     those still computing: processor sharing within a step, ``idle_speedup`` with one rank
+     busy, linear down to 1 with all busy (measured: a kernel alone against all at once;
+     about 1.0 on this 2-core VM while its two vCPUs sit on separate cores, 1.6-1.9 while
+     the host puts them on one core's hyperthreads, which the self-check's probes detect).
+7. Memory per rank (``sim.memory``): inputs, the strategy's accumulators, the buffers of
    the messages in flight at each step, two kernel calls' results, what it keeps beyond a
    step, at the worst moment of either phase; held within 10 % of the real code's
    allocations (the dry run) for every own strategy and variant by a test. OOM when over

@@ -40,6 +40,8 @@ from cpbench.sim.load import Load, Meter
 from cpbench.topology import Topology
 
 TRIES = 3
+SEQLENS = (2048, 4096, 8192)  # the check's default lengths
+HEADS = 2  # and heads (``cpbench calibrate``'s CPU default: the preset's own problem)
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,30 @@ def measure(names: tuple[str, ...], attention: dict, options: dict, seqlens: lis
                     results.append(out, record)
     got.load = meter.load
     return got
+
+
+def block_sides(attention: dict, seqlens, nproc: int) -> tuple[int, ...]:
+    """The kernel blocks' sides sqrt(seqlen_q · seqlen_k) that every own strategy's schedule
+    (each variant) declares at these lengths on ``nproc`` local ranks: where ``cpbench
+    calibrate`` measures the curve for a self-check, so no block is priced between points."""
+    from cpbench.bench.cases import expand_cases
+    from cpbench.errors import Skipped
+
+    topo = Topology(world_size=nproc, ranks_per_node=1)
+    sides = set()
+    for case in expand_cases(("all",), {}, topo):
+        if strategies.get(case.strategy).upstream is not None:
+            continue
+        for seqlen in seqlens:
+            try:
+                c = model.compiled_for(case.strategy, case.options,
+                                       AttentionConfig(**{**attention, "seqlen": seqlen}),
+                                       topo)
+            except (Skipped, UsageError):
+                continue
+            scale = seqlen / c.seqlen
+            sides |= {round(r.side * scale) for step in c.steps for r in step.ranks if r.side}
+    return tuple(sorted(sides))
 
 
 AUTO_SECONDS = 1.0  # timed work a case gets with iters=None
