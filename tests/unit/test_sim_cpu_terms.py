@@ -11,7 +11,7 @@ from cpbench import strategies
 from cpbench.config import AttentionConfig
 from cpbench.errors import UsageError
 from cpbench.metrics import attention_flops
-from cpbench.sim import hardware, model
+from cpbench.sim import hardware, model, sharing
 from cpbench.topology import Topology
 
 FAST = 1e15
@@ -75,10 +75,10 @@ def test_an_overlapped_message_adds_its_measured_multiple_instead_of_hiding():
 def test_processor_sharing_speeds_up_the_rank_left_alone():
     """Two ranks of one node, works 1 and 3 (all-busy seconds), 2x alone: both run at 1x
     until the first ends at 1, the second does its last 2 at 2x: ends at 2."""
-    assert model._shared_compute([1.0, 3.0], ((1, 1),), 2.0) == pytest.approx([1.0, 2.0])
+    assert sharing.shared_compute([1.0, 3.0], ((1, 1),), 2.0) == pytest.approx([1.0, 2.0])
     # three ranks, the first two alike: the third is alone after t=1 (speed 2 with 1 of 3)
-    assert model._shared_compute([1.0, 3.0], ((2, 1),), 2.0) == pytest.approx([1.0, 2.0])
-    assert model._shared_compute([1.0, 3.0], ((1, 1),), 1.0) == [1.0, 3.0]
+    assert sharing.shared_compute([1.0, 3.0], ((2, 1),), 2.0) == pytest.approx([1.0, 2.0])
+    assert sharing.shared_compute([1.0, 3.0], ((1, 1),), 1.0) == [1.0, 3.0]
 
 
 def test_ring_on_a_cpu_whose_idle_rank_frees_the_busy_one_gets_faster():

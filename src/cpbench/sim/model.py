@@ -73,7 +73,7 @@ from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
 from cpbench.errors import Skipped, UsageError
 from cpbench.mask import mask_of
-from cpbench.sim import memory
+from cpbench.sim import memory, sharing
 from cpbench.sim.hardware import GB, Hardware
 from cpbench.strategies.base import BWD, FWD, Strategy
 from cpbench.topology import Topology
@@ -237,20 +237,12 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
             views.setdefault(node, []).append(RankStep(
                 step.flops, side, *rank_loads.moved[i], *node_out[node],
                 causal=bool(step.block and step.block[2]),
-                **_elements(strat, attn, step.block)))
+                **sharing.elements(strat, attn, step.block)))
         steps.append(_step_load(first.phase, list(views.values())))
     rank0 = ranks[0]
     return Compiled(attn.seqlen, attn.batch, tuple(steps),
                     max(memory.peak_bytes(s, sched) for s, sched in zip(ranks, schedules)),
                     rank0.ranks_per_problem, rank0.resolved_options())
-
-
-def _elements(strat: Strategy, attn: AttentionConfig, block) -> dict[str, float]:
-    if not block:
-        return {}
-    per_row = attn.batch * attn.head_dim * strat.kernel_head_share()
-    return {"q_elements": block[0] * attn.heads * per_row,
-            "kv_elements": block[1] * attn.num_kv_heads * per_row}
 
 
 def _step_load(phase: str, by_node: list[list[RankStep]]) -> StepLoad:
@@ -352,11 +344,11 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
             compute = 0.0
             if r.flops:
                 rate = hw.kernel(step.phase, r.causal).tflops(r.side * length)
-                compute = r.flops * square / (rate * 1e12) + overhead + _passes_s(
+                compute = r.flops * square / (rate * 1e12) + overhead + sharing.passes_s(
                     hw, step.phase, r.q_elements * linear, r.kv_elements * linear)
             computes.append(compute)
         worst = 0.0
-        for finish, r in zip(_shared_compute(computes, step.nodes, hw.idle_speedup),
+        for finish, r in zip(sharing.shared_compute(computes, step.nodes, hw.idle_speedup),
                              step.ranks):
             exp = _comm_s(hw, r.intra_exp * linear, r.inter_exp * linear, r.node_exp * linear)
             ov = _comm_s(hw, r.intra_ov * linear, r.inter_ov * linear, r.node_ov * linear)
@@ -371,35 +363,6 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
                       bwd_compute_s=compute_total[BWD], memory_bytes=memory,
                       capacity_bytes=hw.memory_gib * GIB,
                       ranks_per_problem=c.ranks_per_problem, resolved=c.resolved)
-
-
-def _passes_s(hw: Hardware, phase: str, q: float, kv: float) -> float:
-    """The step's memory passes around its kernel: the forward merges the block into the
-    rows' (out, lse); the backward adds its dq, dk and dv into the partial sums."""
-    if phase == FWD:
-        return hw.merge.seconds(q)
-    return hw.accumulate.seconds(q) + 2 * hw.accumulate.seconds(kv)
-
-
-def _shared_compute(computes: list[float], nodes, speedup: float) -> list[float]:
-    """Each view's kernel time when the ranks of a node that finish first leave it to the
-    others: processor sharing, ``speedup`` with one rank busy, linear down to 1 with all of
-    them; the slowest node pattern a view occurs in counts. ``computes`` are all-busy times."""
-    if speedup == 1 or not nodes:
-        return computes
-    finish = [0.0] * len(computes)
-    for counts in nodes:
-        n = sum(counts)
-        members = sorted((computes[i], i) for i, k in enumerate(counts) if k)
-        t = done = 0.0
-        busy = n
-        for work, i in members:
-            rate = 1 + (speedup - 1) * (n - busy) / max(n - 1, 1)
-            t += (work - done) / rate
-            done = work
-            finish[i] = max(finish[i], t)
-            busy -= counts[i]
-    return finish
 
 
 def clear_cache() -> None:
