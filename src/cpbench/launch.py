@@ -8,7 +8,7 @@ will never answer is bounded by the process groups' (collective) timeout.
 
 ``reform_world`` forms the process group again after a collective failed (the processes
 stay; gloo only: on NCCL the driver isolates cases in launches instead, see
-``cpbench.bench.driver``); when a rank has died, the launcher tells the survivors through the
+``cpbench.bench.recovery``); when a rank has died, the launcher tells the survivors through the
 rendezvous store (``DEAD_KEY``), so they stop waiting for it there.
 """
 

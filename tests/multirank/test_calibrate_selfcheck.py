@@ -23,12 +23,25 @@ def test_calibrate_then_self_check(tmp_path, capsys):
                  "--head-dim", "16", "--strategy", "zigzag,local"]) == 0  # plain simulate too
     capsys.readouterr()
 
+    # scored whatever else this machine runs (limits no load can pass), 2 rounds
     assert main(["simulate", "--self-check", "--hardware", str(preset), "--seqlen", "256",
                  "--heads", "2", "--head-dim", "16", "--strategy", "zigzag,ulysses",
-                 "--iters", "1"]) == 0
+                 "--iters", "1", "--rounds", "2", "--load-limit", "1.01",
+                 "--drift-limit", "1000"]) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if re.search(r"[+-]\d+\.\d%$", line)]
+    rows = [line for line in out.splitlines() if re.search(r"[+-]\d+\.\d%\s+\S+ %$", line)]
     assert len(rows) == 4  # two strategies x FWD, FWD+BWD
-    errors = [abs(float(line.split()[-1].rstrip("%"))) for line in rows]
+    assert all(line.split()[-4] == "2" for line in rows)  # both rounds counted
+    errors = [abs(float(line.split()[-3].rstrip("%"))) for line in rows]
     worst = float(re.search(r"worst \|error\| ([\d.]+) %", out).group(1))
     assert worst == max(errors)
+    assert len(re.findall(r"^  256: probe ", out, re.M)) == 2  # a probe around each length
+    assert re.search(r"^median \|error\| [\d.]+ %, \d of 4 within 15 %$", out, re.M)
+
+    # the same with a limit any measurement breaks: the table, no verdict, exit 1
+    assert main(["simulate", "--self-check", "--hardware", str(preset), "--seqlen", "256",
+                 "--heads", "2", "--head-dim", "16", "--strategy", "zigzag",
+                 "--iters", "1", "--rounds", "1", "--load-limit", "1e-9",
+                 "--drift-limit", "1000"]) == 1
+    out = capsys.readouterr().out
+    assert "not scored: other processes used" in out and "median |error|" not in out

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from cpbench import results
-from cpbench.bench import agreement, driver
+from cpbench.bench import agreement, recovery
 from cpbench.bench import plan as planning
 from cpbench.config import RunConfig
 from cpbench.launch import free_port
@@ -70,8 +70,8 @@ def test_only_a_gloo_group_is_formed_again_in_process():
     p = planning.plan(RunConfig(strategy=("ring",), nproc=2, out="none"),
                       {"seqlen": 256, "heads": 2, "head_dim": 16}, {}, launcher="self")
     cuda = dataclasses.replace(p, run=dataclasses.replace(p.run, device="cuda"))
-    assert driver._reformable(p, "group")
-    assert not driver._reformable(p, "device")
-    assert not driver._reformable(cuda, "group")
-    assert "NCCL" in driver._stop_reason(cuda, "group")
-    assert "sticky CUDA error" in driver._stop_reason(p, "device")
+    assert recovery.reformable(p, "group")
+    assert not recovery.reformable(p, "device")
+    assert not recovery.reformable(cuda, "group")
+    assert "NCCL" in recovery.stop_reason(cuda, "group")
+    assert "sticky CUDA error" in recovery.stop_reason(p, "device")

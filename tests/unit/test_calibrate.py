@@ -47,6 +47,10 @@ def _measured(overhead_ms=0.1, fwd_rate=50e9):
            "device_name": "test cpu"}
     return {"kernel_ms": {False: times(False), True: times(True)},
             "links_ms": {"intra": link, "all_to_all": link}, "env": env, "world": 2,
+            "probe_ms": {"before": (20.0, 19.0), "after": (21.0, 20.0), "tries": 1,
+                         "steady": True},
+            "sharing": {"overlapped": 1.3, "idle_speedup": 1.1},
+            "passes_ms": {"merge": link, "accumulate": link},
             "threads_per_rank": 1}
 
 

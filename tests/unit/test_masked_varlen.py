@@ -206,7 +206,7 @@ def test_varlen_path_matches_the_float64_reference(backend, seed):
 
 def test_a_cuda_kernel_without_varlen_is_skipped_before_the_run():
     from cpbench import strategies
-    from cpbench.bench.plan import _no_masked_kernel
+    from cpbench.bench.cases import _no_masked_kernel
     from cpbench.config import AttentionConfig
 
     docs = AttentionConfig(seqlen=4096, documents=(2048, 2048))

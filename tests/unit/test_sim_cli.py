@@ -143,19 +143,50 @@ def test_ranking_check_counts_only_pairs_published_clearly_apart():
     assert validate.rank_violations([a, result(90.0, 70.0), c]) == []
 
 
+# Seed 001's errors on the A800 preset (relative, TFLOP/s simulated over published - 1) as
+# measured on 2026-11-25: the standing a change to the model or the preset must not lose.
+SEED_001_ERRORS = {
+    ("DoubleRing (LoongTrain)", 131072): -0.007, ("DoubleRing (LoongTrain)", 262144): -0.078,
+    ("DoubleRing (LoongTrain)", 524288): 0.118,
+    ("BurstAttention (double_ring opt_bwd)", 131072): 0.055,
+    ("BurstAttention (double_ring opt_bwd)", 262144): 0.028,
+    ("BurstAttention (double_ring opt_bwd)", 524288): -0.013,
+    ("USP (Ring First Placement)", 131072): 1.223, ("USP (Ring First Placement)", 262144): 0.853,
+    ("USP (Ring First Placement)", 524288): 0.886,
+    ("USP (Head First Placement)", 131072): -0.108, ("USP (Head First Placement)", 262144): -0.022,
+    ("USP (Head First Placement)", 524288): 0.152,
+    ("ZigZag ring (ring-flash-attn)", 524288): -0.048,
+    ('"Megatron CP RingAttn" = DeepSpeed-Ulysses SP 32', 262144): -0.082,
+    ('"Megatron CP RingAttn" = DeepSpeed-Ulysses SP 32', 524288): -0.069,
+}
+
+
 def test_the_a800_preset_keeps_its_standing_on_seed_001():
-    """The calibrated preset's standing (README, Simulator): 11 of the 15 scored rows within
-    15 %, USP head-first at 512K just over (+15.2 %), USP ring-first's three far off (their
-    published penalty no bandwidth explains). A change to the model or the preset that loses
-    a row fails here."""
+    """No scored row of seed 001 gets worse than its error above (half a point of slack for
+    rounding), and at least 11 of the 15 stay within 15 %. USP ring-first's three are far
+    off (a penalty that grows with S², as compute does, which no link parameter explains:
+    README, Simulator); when the model learns it, lower their entries here."""
     results = validate.run(validate.load(SEED_CSV), hardware.load("a800-sxm"))
-    scored = [r for r in results if r.row.scored]
-    ring_first = [r for r in scored if r.row.implementation == "USP (Ring First Placement)"]
-    rest = [r for r in scored if r not in ring_first]
-    assert len(scored) == 15 and len(ring_first) == 3
-    assert sum(abs(r.error) <= 0.15 for r in rest) >= 11
-    assert all(abs(r.error) <= 0.16 for r in rest), [(r.row.implementation, r.error)
-                                                     for r in rest if abs(r.error) > 0.16]
+    scored = {(r.row.implementation, r.row.attn.seqlen): r.error
+              for r in results if r.row.scored}
+    assert scored.keys() == SEED_001_ERRORS.keys()
+    worse = {k: (round(e, 3), SEED_001_ERRORS[k]) for k, e in scored.items()
+             if abs(e) > abs(SEED_001_ERRORS[k]) + 0.005}
+    assert not worse, f"rows worse than their recorded error (now, recorded): {worse}"
+    assert sum(abs(e) <= 0.15 for e in scored.values()) >= 11
+
+
+def test_burstengine_runs_the_preset_was_not_fitted_to_hold_across_nodes():
+    """BurstEngine's other published runs on the same 4 x 8 A800 (kernel_perf.csv; not used by
+    the fit): BurstAttention 128K-1M and USP head-first 128K-1M within 15 %. Its one-node
+    BurstAttention rows at 4K and 8K tokens a GPU are over-predicted (+77 %, +23 % on
+    2026-11-25): the small-block gap of issue 27, left to the compute pricing."""
+    rows = validate.load(ROOT / "configs" / "validation" / "burstengine_runs_a800.csv")
+    results = validate.run(rows, hardware.load("a800-sxm"))
+    across = [r for r in results if r.row.scored and r.row.topo.world_size == 32]
+    assert len(across) == 8
+    assert all(abs(r.error) <= 0.15 for r in across), [
+        (r.row.implementation, r.row.attn.seqlen, round(r.error, 3)) for r in across]
 
 
 def test_a_validation_csv_without_a_column_says_which(tmp_path):

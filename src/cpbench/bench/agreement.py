@@ -7,7 +7,7 @@ a strategy's communication, while its peers wait on it, cannot be agreed on: the
 fails (gloo) or the watchdog aborts (NCCL). A rank that sees a collective fail does not enter
 the agreement; it leaves its own error in the rendezvous store, where rank 0 reads the likely
 cause, and the phase is marked ``broken``: no further collective is attempted in the case,
-and the driver forms the process group again (see ``cpbench.bench.driver``).
+and the driver forms the process group again (see ``cpbench.bench.recovery``).
 
 A rank that failed by itself waits for its peers in the agreement only ``grace_s`` (gloo):
 past that they are blocked inside the strategy's communication, waiting on it, and would

@@ -109,13 +109,12 @@ class _Functional(TorchDispatchMode):
         self.rec = rec
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         name = func.__name__.split(".")[0]
         if func.namespace == "_c10d_functional" and name in self.OPS:
             self._record(name, args)
         elif name.startswith("_scaled_dot_product_flash_attention"):  # an attention kernel
             self.rec.kernels += 1
-        return func(*args, **kwargs)
+        return func(*args, **(kwargs or {}))
 
     def _record(self, name: str, args) -> None:
         t, group_name = args[0], args[-1]

@@ -17,28 +17,8 @@
 Every phase ends with all ranks agreeing on its outcome (``bench.agreement``), so an OOM or
 an exception in one case becomes that row's status on every rank and the run goes on.
 
-A rank failing *inside* a strategy's communication, while its peers wait on it, cannot be
-agreed on: its peers are blocked in the collective. The failing rank says so first (stderr and
-the launcher's store: ``bench.failures``), then:
-
-- gloo (CPU): it waits for its peers in the agreement for a short grace (one estimated step,
-  at least 5 s), then destroys its groups; the closed connections fail its peers' waits at
-  once. Rank 0 records the case with the failing rank's error (left in the rendezvous store),
-  every rank forms the process group again under a fresh store prefix
-  (``launch.reform_world``; the processes stay) and the run goes on with the next case. A rank
-  that dies under ``--nproc``: the launching process tells the survivors
-  (``launch.DEAD_KEY``), records the case as failed and lists the cases not run.
-- NCCL (GPU): in-process recovery is not safe (after the watchdog aborts a communicator,
-  blocked host syncs return garbage; torch's ``_set_pg_timeout`` says as much), so cases are
-  isolated in processes instead: the sweep and the sbatch script launch one strategy per
-  torchrun. The peers block until the case's collective timeout; the watchdog then ends the
-  processes (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, which every cpbench launch path sets and
-  torchrun gives by default) and the launcher records the case from the store or the log.
-  A group that breaks without ending the process (other values) stops the run: the groups
-  are aborted, never destroyed (a flush on a communicator in error can hang).
-- A sticky CUDA error (illegal or misaligned address) stops the run too: the context is dead.
-- A rank stuck outside any collective (a kernel that never returns) is stopped only by
-  ``--deadline`` (``--nproc``), the sweep's per-case timeout or the scheduler's time limit.
+A rank failing inside a strategy's communication breaks the group instead; what follows
+(formed again on gloo, the run stopped on NCCL) is ``bench.recovery``'s.
 
 The driver never names a strategy: names, options, variants, ``ranks_per_problem`` and the
 resolved options (``resolved_options()``) come from the registry and the strategy objects.
@@ -55,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from cpbench import kernels, results, strategies, topology
-from cpbench.bench import agreement, ideal, memory, profiling, sentcount, timer
+from cpbench.bench import agreement, ideal, memory, profiling, recovery, sentcount, timer
 from cpbench.bench import env as env_mod
 from cpbench.bench.check import check_strategy
 from cpbench.bench.plan import Case, Plan
@@ -301,13 +281,6 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     return record, ("device" if any(ph.sticky for ph in broke) else "group") if broke else None
 
 
-def _not_run_note(broke_in: Case, rest: tuple[Case, ...], why: str) -> str:
-    names = ",".join(dict.fromkeys(c.strategy for c in rest))
-    return (f"not run: {', '.join(c.label for c in rest)} — a collective failed in "
-            f"{broke_in.label} and the process group could not be formed again ({why}); "
-            f"re-run them with --strategy {names}")
-
-
 def _say_record(p: Plan, record: dict, prefix: str, seconds: float) -> None:
     """Rank 0: append the record and print its detail block (or its checks)."""
     from cpbench import report
@@ -321,30 +294,6 @@ def _say_record(p: Plan, record: dict, prefix: str, seconds: float) -> None:
     elif record.get("check"):
         for c in record["check"]:
             log.info("  %s", Comparison(**c).line())
-
-
-def _reform(p: Plan, i: int) -> str | None:
-    """After case ``i`` broke the group: form it again for case i + 1; why not, or None."""
-    from cpbench.launch import reform_world
-
-    log.info("a collective failed: forming the process group again")
-    try:
-        reform_world(i, p.waits[i][0])
-    except Exception as e:  # a rank died or cannot come: stop here
-        return agreement.one_line(e)
-    return None
-
-
-def _reformable(p: Plan, broken: str) -> bool:
-    """In-process re-forming is proven on gloo only; NCCL cases are isolated by the launcher."""
-    return broken == "group" and p.run.device == "cpu"
-
-
-def _stop_reason(p: Plan, broken: str) -> str:
-    if broken == "device":
-        return "a sticky CUDA error left this device's context unusable"
-    return f"on {'NCCL' if p.run.device == 'cuda' else p.run.device} the group is not formed " \
-           f"again in-process (launch one strategy per torchrun: cpbench sweep, the sbatch script)"
 
 
 def _run_cases(p: Plan, rank: int, env: dict) -> tuple[list[dict], bool, bool]:
@@ -363,13 +312,8 @@ def _run_cases(p: Plan, rank: int, env: dict) -> tuple[list[dict], bool, bool]:
         if rank == 0:
             _say_record(p, record, prefix, time.perf_counter() - t0)
             records.append(record)
-        if broken:
-            why = _reform(p, i) if p.cases[i:] and _reformable(p, broken) else \
-                _stop_reason(p, broken) if p.cases[i:] else "no case left"
-            if why is not None:
-                if p.cases[i:]:
-                    log.info("%s", _not_run_note(case, p.cases[i:], why))
-                return records, failed, True
+        if broken and not recovery.go_on_after(p, i, broken):
+            return records, failed, True
     return records, failed, False
 
 

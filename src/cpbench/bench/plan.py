@@ -4,7 +4,7 @@ Strategy names, options, topology, kernel and dtype, each strategy's own ``valid
 with ``create_groups=False`` for every rank), sizes that obviously cannot fit, and the
 ``--out`` file. A bad request is one ValueError whose message says the fix. Variants a
 strategy suggests (and, under ``all``, whole strategies) that the config does not allow or
-that cannot fit are skipped with a note.
+that cannot fit are skipped with a note (which cases run: ``bench.cases``).
 
 Under torchrun every rank plans on its own, so every verdict must come out the same on every
 rank: each is computed from the request and fixed facts of the machine (total memory, not
@@ -25,17 +25,14 @@ import torch
 from cpbench import kernels, metrics, results, strategies
 from cpbench.bench import env as env_mod
 from cpbench.bench import memory, order
+from cpbench.bench.cases import Case, expand_cases, request, runnable, shape
 from cpbench.config import (
     AttentionConfig,
     RunConfig,
     default_attention,
-    flag,
     packed_problems,
 )
-from cpbench.errors import Skipped, UsageError
-from cpbench.kernels import masked_varlen
-from cpbench.mask import mask_of
-from cpbench.strategies._upstream import case_kernel
+from cpbench.errors import UsageError
 from cpbench.topology import Topology, divisors
 
 DEFAULT_NPROC = 4
@@ -49,25 +46,6 @@ PESSIMISTIC_FLOPS = {"cuda": 20e12, "cpu": 1e9}  # per rank and second
 REFERENCE_FLOPS = {"cuda": 1e12, "cpu": 0.5e9}  # float64, on rank 0
 STEPS_BEHIND = 10
 MIN_GRACE_S = 5.0
-
-
-@dataclass(frozen=True)
-class Case:
-    """One row: a strategy and one set of its options."""
-
-    strategy: str
-    options: Any
-    kernel: str | None = None  # None: the plan's (else see strategies._upstream.case_kernel)
-    packing: int | None = None  # under --packings K: which packing (Plan.packed) it runs
-    round: int | None = None  # under --rounds K: which round (0-based) times it
-
-    @property
-    def label(self) -> str:
-        fields = dataclasses.asdict(self.options)
-        text = f"{self.strategy} ({', '.join(f'{k}={v}' for k, v in fields.items())})" \
-            if fields else self.strategy
-        text = text if self.packing is None else f"{text} [packing {self.packing}]"
-        return text if self.round is None else f"{text} [round {self.round}]"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,117 +190,12 @@ def _world(run: RunConfig, launcher: str) -> tuple[int, int]:
     return nproc, max([d for d in divisors(nproc) if nproc // d >= 2] or [nproc])
 
 
-def expand_cases(names: tuple[str, ...], given: dict, topo: Topology) -> list[Case]:
-    if "all" in names:
-        names = tuple(sorted(strategies.names()))
-    classes = [strategies.get(n) for n in dict.fromkeys(names)]  # unknown → lists the names
-    takes = {cls.name: {f.name for f in dataclasses.fields(cls.Options)} for cls in classes}
-    for opt in given:
-        if not any(opt in t for t in takes.values()):
-            if len(classes) == 1:
-                strategies.make_options(classes[0], given)  # raises, naming what it takes
-            owners = [n for n in strategies.names()
-                      if opt in {f.name for f in dataclasses.fields(strategies.get(n).Options)}]
-            raise UsageError(f"no selected strategy takes {flag(opt)} (it is an option of "
-                             f"{', '.join(owners) or 'no strategy'}); drop it or add one "
-                             f"of those to --strategy")
-    cases = []
-    for cls in classes:
-        mine = {k: v for k, v in given.items() if k in takes[cls.name]}
-        strategies.make_options(cls, mine)  # checks choices
-        variants = [dataclasses.replace(v, **mine) for v in cls.variants(topo)]
-        cases += [Case(cls.name, v) for v in dict.fromkeys(variants)]
-    return cases
-
-
-def _no_masked_kernel(cls, attn: AttentionConfig, backend, device: str) -> str | None:
-    """Why cpbench's own strategies cannot run this mask with ``backend`` on ``device``
-    (masked blocks off the CPU run as varlen calls; adapters bring their own kernels)."""
-    if cls.upstream is not None or mask_of(attn).plain:
-        return None
-    return masked_varlen.device_refusal(backend, device)
-
-
-def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend, device: str,
-                   capacity: int | None) -> Any:
-    """Build the strategy on every rank without groups (pure) and check that a rank's shard
-    can fit in ``capacity`` bytes; returns rank 0's instance."""
-    cls = strategies.get(case.strategy)
-    why = cls.unavailable(device)
-    if why:
-        raise UsageError(f"{case.strategy} cannot run here: {why}")
-    if cls.causal_only and not attn.causal:
-        raise UsageError(f"{case.strategy} only runs causal attention; drop --no-causal")
-    why = cls.unsupported_mask(mask_of(attn)) or _no_masked_kernel(cls, attn, backend, device)
-    if why:
-        raise Skipped(f"{case.label}: {why}")
-    try:
-        built = [cls(attn, topo, r, kernel=backend, options=case.options, create_groups=False)
-                 for r in range(topo.world_size)]
-    except UsageError as e:
-        raise type(e)(f"{case.label}: {e}") from None
-    strat = built[0]
-    need = memory.step_lower_bound(local_seqlen=max(b.local_seqlen for b in built),
-                                   **_shape(attn))
-    if capacity is not None and need > capacity:
-        fix = "use a smaller --seqlen or --batch" + (
-            ", or more ranks" if strat.ranks_per_problem > 1
-            else f" ({case.strategy} holds the whole sequence on every rank)")
-        raise UsageError(
-            f"{case.label}: seqlen {attn.seqlen} needs at least {metrics.gib(need)} per rank "
-            f"for q, k, v, out and their gradients alone (an estimate), more than the "
-            f"{metrics.gib(capacity)} a rank has here; {fix}")
-    return strat
-
-
-def _shape(attn: AttentionConfig) -> dict:
-    return dict(batch=attn.batch, heads=attn.heads, kv_heads=attn.num_kv_heads,
-                head_dim=attn.head_dim, element_size=attn.element_size)
-
-
-def runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
-             topo: Topology, backend, device: str, capacity: int | None, *,
-             auto: bool = False, elsewhere: bool = False) -> tuple[list, list[str]]:
-    """The cases the config allows, each with rank 0's strategy, and why the others are left
-    out. ``auto``: the kernel was auto's pick, which a library's strategy may run on its own
-    kernel instead (see ``case_kernel``; ``elsewhere`` as for ``_kernel``). Variants a
-    strategy merely suggests (and, under ``all``, whole strategies) that cannot run this
-    config or cannot fit are skipped; a strategy asked for by name with no runnable variant
-    is an error, and so is nothing runnable but a no-CP baseline."""
-    first_error: dict[str, UsageError]  # strategy name -> why its first variant cannot run
-    built, skipped, first_error, first_skip = [], [], {}, None
-    for case in cases:
-        mine, note = case_kernel(strategies.get(case.strategy), backend,
-                                 _request(attn, device), auto=auto, elsewhere=elsewhere)
-        if mine is not backend:
-            case = dataclasses.replace(case, kernel=mine.name)
-        try:
-            built.append((case, _validate_case(case, attn, topo, mine, device, capacity)))
-            skipped += [note] if note and note not in skipped else []
-        except Skipped as e:  # skipped even when named: the others still answer
-            skipped.append(str(e))
-            first_skip = first_skip or e
-        except UsageError as e:
-            if str(e) not in skipped:  # once per strategy, not per variant (a missing library)
-                skipped.append(str(e))
-            first_error.setdefault(case.strategy, e)
-    ran = {case.strategy for case, _ in built}
-    for name in names:
-        if name != "all" and name not in ran and name in first_error:
-            raise first_error[name]
-    if first_error and not any(strat.ranks_per_problem > 1 for _, strat in built):
-        raise next(iter(first_error.values()))  # a baseline alone compares with nothing
-    if first_skip and not built:
-        raise first_skip
-    return built, skipped
-
-
 def _reference_fits(attn: AttentionConfig, device: str, local_ranks: int,
                     capacity: int | None) -> None:
     """``--check``'s global tensors and rank 0's float64 reference must fit too."""
     if capacity is None:
         return
-    per_rank, reference = memory.check_bytes(seqlen=attn.seqlen, **_shape(attn))
+    per_rank, reference = memory.check_bytes(seqlen=attn.seqlen, **shape(attn))
     sharing = local_ranks if device == "cpu" else 1  # ranks sharing rank 0's memory
     if per_rank * sharing + reference > capacity * sharing:
         raise UsageError(
@@ -373,18 +246,12 @@ def _default_out(run: RunConfig, attn: AttentionConfig) -> str:
     return str(Path("runs") / f"{utc}_{names}_{attn.seqlen}" / "results.jsonl")
 
 
-def _request(attn: AttentionConfig, device: str) -> dict:
-    """What a kernel backend is asked to run (KernelBackend.unsupported_reason's fields)."""
-    return dict(device=device, dtype=attn.torch_dtype, head_dim=attn.head_dim,
-                heads=attn.heads, kv_heads=attn.num_kv_heads)
-
-
 def _kernel(run: RunConfig, device: str, attn: AttentionConfig, notes: list[str], *,
             elsewhere: bool):
     """The kernel backend. ``elsewhere``: a GPU job planned off its nodes (a sweep checked
     on a login node), where ``auto`` is decided by the job itself: validate as flash-attn 2."""
     try:
-        return kernels.resolve(run.kernel, **_request(attn, device), notes=notes)
+        return kernels.resolve(run.kernel, **request(attn, device), notes=notes)
     except UsageError:
         if not (elsewhere and device == "cuda" and run.kernel == kernels.AUTO):
             raise

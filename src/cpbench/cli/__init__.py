@@ -8,12 +8,12 @@
     cpbench dryrun --nodes 4 --seqlen 512K --device cpu             # every rank, fake tensors
     cpbench doctor                                                  # preflight a node
 
-One module per command (``cli.run``, ``cli.sweep``, …), each with ``add_parser`` and
-``main``. The ``run`` flags are generated from the settings schema (``cpbench.settings``: the
-config dataclasses and every registered strategy's ``Options``); values are validated by those
-dataclasses, the registry and the strategies themselves. Bad input (a ``UsageError``) is one
-line on stderr saying the fix, exit status 2, before any process starts or any collective
-runs.
+One module per command (``cli.run``, ``cli.sweep``, …), each with ``add_parser`` and ``main``;
+its docstring is its help (``args.command``). The ``run`` flags are generated from the settings
+schema (``cpbench.settings``: the config dataclasses and every registered strategy's
+``Options``); values are validated by those dataclasses, the registry and the strategies
+themselves. Bad input (a ``UsageError``) is one line on stderr saying the fix, exit status 2,
+before any process starts or any collective runs.
 """
 
 from __future__ import annotations

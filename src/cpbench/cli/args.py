@@ -28,6 +28,19 @@ class Parser(argparse.ArgumentParser):
         self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def command(sub, name: str, doc: str, main, **kwargs) -> argparse.ArgumentParser:
+    """Command ``name``'s parser, running ``main(args)``. Its help and description are its
+    module's docstring ``doc``: the first paragraph, after "``cpbench NAME``: " and without
+    the full stop, is the one line ``cpbench --help`` lists; the second (if any) is what
+    ``cpbench NAME --help`` says first. ``kwargs``: more for ``add_parser``."""
+    paras = [" ".join(p.split()) for p in doc.split("\n\n")]
+    first, second = paras[0], (paras[1] if len(paras) > 1 else None)
+    help = first.removeprefix(f"``cpbench {name}``: ").removesuffix(".")
+    p = sub.add_parser(name, help=help, description=second, **kwargs)
+    p.set_defaults(func=main)
+    return p
+
+
 def read_number(kind: type):
     """A reader of ``kind`` (int or float) from text, UsageError on bad text."""
     def read(text: str):

@@ -1,4 +1,10 @@
-"""``cpbench calibrate``: measure this machine, write a hardware preset for ``simulate``."""
+"""``cpbench calibrate``: measure this machine's kernel curve, step overhead and links; write a
+simulator hardware preset.
+
+Measure the attention kernel's attained TFLOP/s against block size (forward, backward), the
+per-step overhead, and p2p / all-to-all latency and bandwidth on local ranks (--nproc) or under
+torchrun; write them as a preset `cpbench simulate --hardware FILE` reads.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +16,12 @@ from cpbench.errors import UsageError
 from cpbench.mask import parse_size
 
 PROG = "cpbench calibrate"
-CPU_SIDES = (256, 512, 1024, 2048, 4096)
+CPU_SIDES = (256, 512, 1024, 2048, 4096, 8192)  # and the self-check's blocks: _cpu_sides
 GPU_SIDES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("calibrate", help="measure this machine's kernel curve, step overhead "
-                                         "and links; write a simulator hardware preset",
-                       description="Measure the attention kernel's attained TFLOP/s against "
-                                   "block size (forward, backward), the per-step overhead, "
-                                   "and p2p / all-to-all latency and bandwidth on local ranks "
-                                   "(--nproc) or under torchrun; write them as a preset "
-                                   "`cpbench simulate --hardware FILE` reads.")
+    p = cli_args.command(sub, "calibrate", __doc__, main)
     integer = cli_args.converter(cli_args.read_number(int), "an integer")
     p.add_argument("--out", required=True, metavar="FILE.yaml", help="the preset to write")
     p.add_argument("--nproc", type=integer, default=2,
@@ -30,30 +30,42 @@ def add_parser(sub) -> None:
                    type=cli_args.converter(
                        lambda t: tuple(parse_size(x) for x in t.split(",") if x.strip()),
                        "sizes"),
-                   help=f"block sides of the kernel curve (default {','.join(map(str, CPU_SIDES))}"
-                        f" on CPU, up to 32k on GPU)")
+                   help=f"block sides of the kernel curve (default on CPU: "
+                        f"{','.join(map(str, CPU_SIDES))} and the side of every block the "
+                        f"strategies' schedules hold in the self-check's problem; on GPU up "
+                        f"to 32k)")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="default fp32 on CPU, bf16 on GPU")
-    p.add_argument("--heads", type=integer, help="default 8 on CPU, 40 on GPU")
+    p.add_argument("--heads", type=integer,
+                   help="default 2 on CPU (the self-check's), 40 on GPU")
     p.add_argument("--head-dim", type=integer, help="default 64 on CPU, 128 on GPU")
     p.add_argument("--iters", type=integer, default=5,
                    help="timed passes over the kernel points, iterations a link size (default 5)")
-    p.set_defaults(func=main)
 
 
 def _spec(args, device: str, ranks_per_node: int):
+    from cpbench.sim import selfcheck
     from cpbench.sim.calibrate import Spec
 
     base = GPU_ATTENTION if device == "cuda" else CPU_ATTENTION
+    heads = args.heads or (base["heads"] if device == "cuda" else selfcheck.HEADS)
     spec = Spec(device=device, dtype=args.dtype or base["dtype"],
-                heads=args.heads or base["heads"], head_dim=args.head_dim or base["head_dim"],
+                heads=heads, head_dim=args.head_dim or base["head_dim"],
                 sides=tuple(sorted(set(args.sides or (GPU_SIDES if device == "cuda"
-                                                      else CPU_SIDES)))),
+                                                      else _cpu_sides(args.nproc))))),
                 ranks_per_node=ranks_per_node, iters=args.iters)
     if min(spec.heads, spec.head_dim, spec.iters, *spec.sides) < 1:
         raise UsageError("--heads, --head-dim, --iters and --sides must be positive")
     if not args.out.endswith((".yaml", ".yml")):
         raise UsageError(f"--out {args.out}: a preset is a .yaml file")
     return spec
+
+
+def _cpu_sides(nproc: int) -> tuple[int, ...]:
+    """The grid and the blocks of the self-check's default problem on ``nproc`` ranks."""
+    from cpbench.sim import selfcheck
+
+    problem = {**CPU_ATTENTION, "heads": selfcheck.HEADS}
+    return CPU_SIDES + selfcheck.block_sides(problem, selfcheck.SEQLENS, nproc)
 
 
 def main(args) -> int:

@@ -1,4 +1,10 @@
-"""``cpbench comm``: what each strategy sends, traced at torch.distributed, summed over ranks."""
+"""``cpbench comm``: trace every torch.distributed call of one forward + backward, per strategy,
+phase, op and dtype.
+
+Run one forward + backward of each strategy on local ranks with every torch.distributed call
+traced; print calls and bytes per phase, op and dtype, summed over ranks (cpbench's strategies
+and the upstream ones alike).
+"""
 
 from __future__ import annotations
 
@@ -16,12 +22,7 @@ RUN_FLAGS = ("strategy", "kernel", "nproc", "ranks_per_node", "seed", "collectiv
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("comm", help="trace every torch.distributed call of one forward + "
-                                    "backward, per strategy, phase, op and dtype",
-                       description="Run one forward + backward of each strategy on local "
-                                   "ranks with every torch.distributed call traced; print "
-                                   "calls and bytes per phase, op and dtype, summed over "
-                                   "ranks (cpbench's strategies and the upstream ones alike).")
+    p = cli_args.command(sub, "comm", __doc__, main)
     cli_args.add_settings(p.add_argument_group("attention problem"), attention_settings(),
                           cli_args.attention_default)
     cli_args.add_settings(p.add_argument_group("run"),
@@ -32,7 +33,6 @@ def add_parser(sub) -> None:
                    help="per rank, phase and kernel step, each call (one strategy only)")
     cli_args.add_strategy_options(p, {s.name for s in attention_settings()} |
                                   {s.name for s in run_settings()})
-    p.set_defaults(func=main)
 
 
 def _plan(args):

@@ -1,4 +1,10 @@
-"""``cpbench compare``: two runs' records, case by case: slower, faster or the same?
+"""``cpbench compare``: is run B really slower than run A? case by case, with statistics.
+
+Match the cases of two runs (strategy, resolved options, problem, topology, kernel) and, per
+case and phase, compare the per-iteration step times: ratio of medians B/A with a bootstrap
+interval, Mann-Whitney U test, Holm-corrected p-values, a verdict (slower / faster / same /
+insufficient); what else changed between the runs; and, where both runs were profiled, which
+parts of the step changed.
 
     cpbench compare A.jsonl B.jsonl                        # one results file per run
     cpbench compare --a a1.jsonl a2.jsonl --b b.jsonl      # a run in several files
@@ -9,7 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from cpbench.cli.args import converter, fail, read_number
+from cpbench.cli.args import command, converter, fail, read_number
 from cpbench.errors import UsageError
 
 PROG = "cpbench compare"
@@ -17,14 +23,7 @@ FORMATS = ("table", "markdown", "json")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "compare", help="is run B really slower than run A? case by case, with statistics",
-        description="Match the cases of two runs (strategy, resolved options, problem, "
-                    "topology, kernel) and, per case and phase, compare the per-iteration "
-                    "step times: ratio of medians B/A with a bootstrap interval, Mann-Whitney "
-                    "U test, Holm-corrected p-values, a verdict (slower / faster / same / "
-                    "insufficient); what else changed between the runs; and, where both "
-                    "runs were profiled, which parts of the step changed.")
+    p = command(sub, "compare", __doc__, main)
     p.add_argument("files", nargs="*", metavar="FILE.jsonl",
                    help="run A's results file, then run B's (or use --a / --b)")
     p.add_argument("--a", nargs="+", dest="a_files", metavar="FILE",
@@ -45,7 +44,6 @@ def add_parser(sub) -> None:
                    help="bootstrap seed: the same seed gives the same intervals (default 0)")
     p.add_argument("--resamples", type=converter(read_number(int), "resamples"),
                    default=10_000, help="bootstrap resamples per test (default 10000)")
-    p.set_defaults(func=main)
 
 
 def _runs(args) -> tuple[list[str], list[str]]:

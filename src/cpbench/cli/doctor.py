@@ -1,16 +1,18 @@
-"""``cpbench doctor``: the preflight to run on a node (or under srun on every node) before
-spending cluster hours. One line per check, ``ok`` / ``warn`` / ``error``; exit 1 on an error.
+"""``cpbench doctor``: preflight a node: GPUs, kernels, versions, environment, cores, a
+communication probe.
 
-It checks the GPUs visible against the ranks a node will start, their compute capability,
-every kernel backend (a tiny forward and backward on each device it claims, with its version,
-or the real reason not), the upstream libraries (imported as their strategies import them,
-and which strategies each can run), torch / CUDA / NCCL versions, the NCCL and CUDA variables
-in force (with what ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` does), the cores each rank may use,
-and probes point-to-point and all-to-all between local ranks with the strategies' own calls.
-Under srun with one task per node it also probes between the nodes (all-reduce, p2p,
-all-to-all; NCCL on GPUs), and says what to set when they cannot reach each other. On a
-machine without GPUs it runs too (gloo, CPU kernels) and says why each GPU piece is
-unavailable.
+Check this node before a run: one line per check (ok / warn / error), exit 1 on an error.
+
+Run it on a node (or under srun on every node) before spending cluster hours. It checks the
+GPUs visible against the ranks a node will start, their compute capability, every kernel
+backend (a tiny forward and backward on each device it claims, with its version, or the real
+reason not), the upstream libraries (imported as their strategies import them, and which
+strategies each can run), torch / CUDA / NCCL versions, the NCCL and CUDA variables in force
+(with what ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` does), the cores each rank may use, and probes
+point-to-point and all-to-all between local ranks with the strategies' own calls. Under srun
+with one task per node it also probes between the nodes (all-reduce, p2p, all-to-all; NCCL on
+GPUs), and says what to set when they cannot reach each other. On a machine without GPUs it
+runs too (gloo, CPU kernels) and says why each GPU piece is unavailable.
 """
 
 from __future__ import annotations
@@ -34,10 +36,7 @@ Check = tuple[str, str, str]  # (level, what, detail)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("doctor", help="preflight a node: GPUs, kernels, versions, "
-                                      "environment, cores, a communication probe",
-                       description="Check this node before a run: one line per check "
-                                   "(ok / warn / error), exit 1 on an error.")
+    p = cli_args.command(sub, "doctor", __doc__, main)
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="ranks this node will run (default: LOCAL_WORLD_SIZE under "
                         "torchrun, else CPBENCH_GPUS_PER_NODE / SLURM_GPUS_ON_NODE, else the "
@@ -45,7 +44,6 @@ def add_parser(sub) -> None:
     p.add_argument("--no-probe", action="store_true",
                    help="skip the probe between local ranks (under srun with several tasks, "
                         "one per node, the probe between the nodes still runs)")
-    p.set_defaults(func=main)
 
 
 def local_ranks(given: int | None, environ=os.environ, gpus: int = 0) -> int:

@@ -1,5 +1,10 @@
-"""``cpbench dryrun``: a run's real code on fake tensors and a fake process group, every
-distinct rank in turn, in this process: memory, bytes, host syncs and errors, no GPU needed."""
+"""``cpbench dryrun``: run every rank's real code on fake tensors: memory, bytes, host syncs,
+errors (no GPU needed).
+
+Execute a cpbench run case's real code path rank by rank on fake tensors with a fake process
+group: peak memory of FWD and FWD+BWD, bytes per collective, host syncs and errors with their
+file and line. No timing.
+"""
 
 from __future__ import annotations
 
@@ -18,12 +23,7 @@ PROG = "cpbench dryrun"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("dryrun", help="run every rank's real code on fake tensors: memory, "
-                                      "bytes, host syncs, errors (no GPU needed)",
-                       description="Execute a cpbench run case's real code path rank by rank "
-                                   "on fake tensors with a fake process group: peak memory of "
-                                   "FWD and FWD+BWD, bytes per collective, host syncs and "
-                                   "errors with their file and line. No timing.")
+    p = cli_args.command(sub, "dryrun", __doc__, main)
     attention = p.add_argument_group("attention problem (defaults: run's, per device)")
     cli_args.add_settings(attention, attention_settings(), cli_args.attention_default)
     g = p.add_argument_group("where")
@@ -50,7 +50,6 @@ def add_parser(sub) -> None:
     s.add_argument("--format", choices=FORMATS, default="table")
     s.add_argument("--out", metavar="FILE.jsonl", help="append one record per case")
     cli_args.add_strategy_options(p, {x.name for x in attention_settings()})
-    p.set_defaults(func=main)
 
 
 def _read_ranks(text: str) -> tuple[int, ...]:

@@ -1,4 +1,9 @@
-"""``cpbench kernels``: single-device attention kernels over a grid of shapes (seed 003)."""
+"""``cpbench kernels``: time single-device attention kernels over a grid of shapes (seed 003).
+
+Time every attention kernel cpbench has, and PyTorch's own SDPA backends / flex_attention, over
+sequence length x heads x head dim x dtype x mask: FWD, BWD, FWD+BWD (median ms), peak memory,
+TFLOPs/s, speedup.
+"""
 
 from __future__ import annotations
 
@@ -35,12 +40,7 @@ def _causal(text: str) -> tuple[bool, ...]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("kernels", help="time single-device attention kernels over a grid "
-                                       "of shapes (seed 003)",
-                       description="Time every attention kernel cpbench has, and PyTorch's "
-                                   "own SDPA backends / flex_attention, over sequence length "
-                                   "x heads x head dim x dtype x mask: FWD, BWD, FWD+BWD "
-                                   "(median ms), peak memory, TFLOPs/s, speedup.")
+    p = cli_args.command(sub, "kernels", __doc__, main)
     integer = cli_args.read_number(int)
     p.add_argument("--kernel", type=_list(str, "--kernel"), default=("all",),
                    metavar="NAME[,NAME...]|all",
@@ -72,7 +72,6 @@ def add_parser(sub) -> None:
     p.add_argument("--out", metavar="FILE.jsonl",
                    help="append one result record per measured case (`cpbench report` "
                         "renders them)")
-    p.set_defaults(func=main)
 
 
 def _grid(args, device: str):

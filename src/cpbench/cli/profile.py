@@ -1,22 +1,23 @@
-"""``cpbench profile summarize``: where the time goes, in profiles people already have."""
+"""``cpbench profile``: group a profile's kernels; break a trace's steps down.
+
+Where the time goes in a profile: kernels grouped by ordered regex rules (attention,
+communication, gemm, elementwise, memory, other), and for a Chrome trace the step breakdown
+with the exposed communication.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from cpbench.cli.args import fail
+from cpbench.cli.args import command, fail
 from cpbench.errors import UsageError
 
 PROG = "cpbench profile"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("profile", help="group a profile's kernels; break a trace's steps down",
-                       description="Where the time goes in a profile: kernels grouped by "
-                                   "ordered regex rules (attention, communication, gemm, "
-                                   "elementwise, memory, other), and for a Chrome trace the "
-                                   "step breakdown with the exposed communication.")
+    p = command(sub, "profile", __doc__, main)
     own = p.add_subparsers(dest="profile_command", required=True, parser_class=type(p))
     s = own.add_parser("summarize", help="the grouped table of one or more profiles",
                        description="Read a torch.profiler key_averages().table() text "

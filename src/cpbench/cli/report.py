@@ -1,11 +1,11 @@
-"""``cpbench report``: re-render the tables (and a plot) from JSONL records."""
+"""``cpbench report``: re-render the tables from JSONL records."""
 
 from __future__ import annotations
 
 import logging
 import sys
 
-from cpbench.cli.args import fail
+from cpbench.cli.args import command, fail
 from cpbench.config import FORMATS
 from cpbench.errors import UsageError
 
@@ -13,7 +13,7 @@ PROG = "cpbench report"
 
 
 def add_parser(sub) -> None:
-    r = sub.add_parser("report", help="re-render the tables from JSONL records")
+    r = command(sub, "report", __doc__, main)
     r.add_argument("files", nargs="+", metavar="FILE.jsonl")
     r.add_argument("--format", choices=FORMATS, default="table")
     r.add_argument("--view", choices=("auto", "run", "sweep"), default="auto",
@@ -40,7 +40,6 @@ def add_parser(sub) -> None:
     r.add_argument("--plot", metavar="OUT.png",
                    help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib); "
                         "with --best the winner map (problem × topology)")
-    r.set_defaults(func=main)
 
 
 def _records(args) -> list[dict]:

@@ -1,4 +1,8 @@
-"""``cpbench run``: check, time and measure strategies on local CPU ranks or under torchrun."""
+"""``cpbench run``: run strategies and print the seed-format tables.
+
+Run context-parallel attention strategies: check, time, measure memory; print seed-format
+tables; append JSONL.
+"""
 
 from __future__ import annotations
 
@@ -14,21 +18,18 @@ from cpbench.settings import attention_settings, run_settings
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("run", help="run strategies and print the seed-format tables",
-                       description="Run context-parallel attention strategies: check, time, "
-                                   "measure memory; print seed-format tables; append JSONL.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="length traces for --documents trace:NAME (sources and "
-                              "licences: src/cpbench/traces/README.md):\n"
-                              + "\n".join(f"  {name:<14} {line}"
-                                          for name, line in traces.lines()))
+    p = cli_args.command(sub, "run", __doc__, main,
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog="length traces for --documents trace:NAME (sources and "
+                                "licences: src/cpbench/traces/README.md):\n"
+                                + "\n".join(f"  {name:<14} {line}"
+                                            for name, line in traces.lines()))
     cli_args.add_settings(p.add_argument_group("attention problem"), attention_settings(),
                           cli_args.attention_default)
     cli_args.add_settings(p.add_argument_group("run"), run_settings(), cli_args.run_default)
     reserved = {f.name for f in dataclasses.fields(AttentionConfig)} | \
         {f.name for f in dataclasses.fields(RunConfig)}
     cli_args.add_strategy_options(p, reserved)
-    p.set_defaults(func=main)
 
 
 def main(args) -> int:

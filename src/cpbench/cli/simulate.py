@@ -1,4 +1,8 @@
-"""``cpbench simulate``: the run tables predicted for a GPU cluster, no GPU needed."""
+"""``cpbench simulate``: predict the run tables for a GPU cluster (no GPU needed).
+
+Predict FWD / FWD+BWD time, memory and TFLOPs per GPU of each strategy on a cluster from the
+strategies' own schedules and a hardware preset.
+"""
 
 from __future__ import annotations
 
@@ -24,18 +28,15 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("simulate", help="predict the run tables for a GPU cluster (no GPU needed)",
-                       description="Predict FWD / FWD+BWD time, memory and TFLOPs per GPU of "
-                                   "each strategy on a cluster from the strategies' own "
-                                   "schedules and a hardware preset.")
+    p = cli_args.command(sub, "simulate", __doc__, main)
     attention = p.add_argument_group("attention problem (default: seed 001's)")
-    for s in attention_settings():
-        if s.name == "seqlen":
+    for setting in attention_settings():
+        if setting.name == "seqlen":
             attention.add_argument("--seqlen", type=cli_args.converter(_parse_sizes, "sizes"),
                                    metavar="S[,S...]", help="global sequence length(s), e.g. "
                                    f"128K,256K,512K (default {GPU_ATTENTION['seqlen']})")
         else:
-            cli_args.add_setting(attention, s, help=s.help)
+            cli_args.add_setting(attention, setting, help=setting.help)
     g = p.add_argument_group("cluster")
     g.add_argument("--hardware", default="a800-sxm", metavar="PRESET|FILE.yaml",
                    help="hardware preset (`cpbench simulate --help` lists the shipped ones) "
@@ -64,13 +65,28 @@ def add_parser(sub) -> None:
                         "predicted vs measured with the relative error, and the worst; CPU "
                         "problem defaults, --seqlen default 2k,4k,8k; give --hardware a preset "
                         "from cpbench calibrate")
+    s.add_argument("--memory-from", metavar="DRYRUN.jsonl",
+                   help="take each row's memory from a `cpbench dryrun --out` record of the "
+                        "same case where there is one (the model's estimate and its error "
+                        "beside it), the model's estimate elsewhere")
     s.add_argument("--measured", metavar="FILE.jsonl",
                    help="--self-check: predict the rows of an earlier self-check's --out "
                         "instead of measuring again")
     s.add_argument("--nproc", type=integer, default=2,
                    help="--self-check: local ranks (default 2)")
-    s.add_argument("--iters", type=integer, default=3,
-                   help="--self-check: timed iterations a case (default 3, after 1 warm-up)")
+    s.add_argument("--iters", type=integer,
+                   help="--self-check: timed iterations a case, after 1 warm-up (default: "
+                        "about a second of the baseline's work a case, 3 at least)")
+    s.add_argument("--rounds", type=integer, default=3,
+                   help="--self-check: times each length is measured, the order reversed "
+                        "each round (default 3)")
+    fraction = cli_args.converter(cli_args.read_number(float), "a number")
+    s.add_argument("--load-limit", type=fraction, default=0.1, metavar="FRACTION",
+                   help="--self-check: refuse to score when other processes used more than "
+                        "this share of the cores while it measured (default 0.1)")
+    s.add_argument("--drift-limit", type=fraction, default=0.1, metavar="FRACTION",
+                   help="--self-check: measure a length again when the machine probe around "
+                        "it is further than this from the preset (default 0.1)")
     s.add_argument("--plot", metavar="OUT.png",
                    help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib)")
     s.add_argument("--format", choices=FORMATS, default="table")
@@ -79,7 +95,6 @@ def add_parser(sub) -> None:
                         "`cpbench report` re-renders them, beside measured ones); with "
                         "--self-check, the measured records (re-check them with --measured)")
     cli_args.add_strategy_options(p, {s.name for s in attention_settings()})
-    p.set_defaults(func=main)
 
 
 def main(args) -> int:
@@ -128,26 +143,31 @@ def _checked(args, hw):
 
 def _simulate(args) -> int:
     from cpbench.report import console
-    from cpbench.sim import command, hardware, validate
+    from cpbench.sim import command, hardware, measured_memory, validate
 
     hw = hardware.load(args.hardware)
     if args.self_check:
         return _self_check(args, hw)
     if args.validate:
-        if args.out or args.plot or args.compare_placements:
-            raise UsageError("--validate prints its own table; drop --out, --plot and "
-                             "--compare-placements, or run them separately")
+        if args.out or args.plot or args.compare_placements or args.memory_from:
+            raise UsageError("--validate prints its own table; drop --out, --plot, "
+                             "--compare-placements and --memory-from, or run them separately")
         sys.stdout.write(validate.report(validate.run(validate.load(args.validate), hw), hw))
         return 0
     topo, attention, options, seqlens = _checked(args, hw)
+    peaks = measured_memory.load(args.memory_from) if args.memory_from else None
     cases = command.placement_cases(args.strategy, topo) if args.compare_placements else None
     records, skipped = command.simulate(args.strategy, options, attention, seqlens, topo, hw,
                                         cases=cases, seed=args.seed, packings=args.packings)
+    if peaks is not None:
+        measured_memory.apply(records, peaks)
     if args.compare_placements:
         text = command.render_comparison(command.compare_placements(records), hw, topo,
                                          args.format)
     else:
         text = command.render(records, hw, topo, args.format)
+        if peaks is not None and args.format in ("table", "markdown"):
+            text += measured_memory.summary(records, args.memory_from)
         if skipped and args.format in ("table", "markdown"):
             text += "not simulated (the configuration does not allow them):\n" + \
                 "".join(f"  {why}\n" for why in skipped)
@@ -167,38 +187,43 @@ def _simulate(args) -> int:
     return 0
 
 
-SELF_CHECK_SEQLENS = (2048, 4096, 8192)
 
 
 def _self_check(args, hw) -> int:
     from cpbench import results
-    from cpbench.sim import selfcheck
+    from cpbench.sim import selfcheck, selfcheck_report
 
-    if args.validate or args.plot or args.compare_placements:
-        raise UsageError("--self-check prints its own table; drop --validate, --plot and "
-                         "--compare-placements")
+    if args.validate or args.plot or args.compare_placements or args.memory_from:
+        raise UsageError("--self-check prints its own table; drop --validate, --plot, "
+                         "--compare-placements and --memory-from")
     if args.nodes is not None or args.gpus_per_node is not None:
         raise UsageError("--self-check predicts the topology cpbench run --nproc uses; drop "
                          "--nodes and --gpus-per-node")
+    limits = selfcheck.Limits(load=args.load_limit, drift=args.drift_limit)
     if args.measured:  # an earlier self-check's measurements, predicted again
         records = selfcheck.ok_records(results.read(args.measured))
         nproc = max((r["topology"]["world_size"] for r in records), default=0)
+        measured = None
     else:
-        records, nproc = _self_check_measure(args, hw), args.nproc
+        measured, nproc = _self_check_measure(args, hw, limits), args.nproc
+        records = measured.records
     rows, skipped = selfcheck.compare(records, hw)
-    sys.stdout.write(selfcheck.render(rows, hw, nproc, skipped))
-    return 0
+    text, scored = selfcheck_report.render(rows, hw, nproc, skipped, measured, limits)
+    sys.stdout.write(text)
+    return 0 if scored else 1
 
 
-def _self_check_measure(args, hw) -> list[dict]:
+def _self_check_measure(args, hw, limits):
     from cpbench.config import CPU_ATTENTION
     from cpbench.sim import selfcheck
 
-    if args.nproc < 2 or args.iters < 1:
-        raise UsageError("--self-check needs --nproc >= 2 and --iters >= 1")
+    if args.nproc < 2 or (args.iters is not None and args.iters < 1) or args.rounds < 1:
+        raise UsageError("--self-check needs --nproc >= 2, --iters >= 1 and --rounds >= 1")
+    if not (limits.load > 0 and limits.drift > 0):
+        raise UsageError("--load-limit and --drift-limit must be positive")
     given, options = cli_args.problem(args)
     given.pop("seqlen", None)
-    attention = {**CPU_ATTENTION, **given}
+    attention = {**CPU_ATTENTION, "heads": selfcheck.HEADS, **given}
     AttentionConfig(**attention)
     if attention["dtype"] not in hw.dtypes:
         raise UsageError(f"the {hw.name} preset models {'/'.join(hw.dtypes)} kernels; give "
@@ -208,5 +233,6 @@ def _self_check_measure(args, hw) -> list[dict]:
 
         open_out(args.out)
     return selfcheck.measure(args.strategy, attention, options,
-                             list(args.seqlen or SELF_CHECK_SEQLENS), nproc=args.nproc,
-                             warmup=1, iters=args.iters, out=args.out)
+                             list(args.seqlen or selfcheck.SEQLENS), nproc=args.nproc,
+                             warmup=1, iters=args.iters, rounds=args.rounds, hw=hw,
+                             limits=limits, out=args.out)

@@ -1,17 +1,16 @@
-"""``cpbench strategies``: every registered strategy, its description and options."""
+"""``cpbench strategies``: list every strategy, its description and options."""
 
 from __future__ import annotations
 
 import sys
 
 from cpbench import strategies
-from cpbench.cli.args import option_usage
+from cpbench.cli.args import command, option_usage
 from cpbench.settings import settings_of
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("strategies", help="list every strategy, its description and options")
-    s.set_defaults(func=main)
+    command(sub, "strategies", __doc__, main)
 
 
 def _upstream_line(cls, device: str) -> str:

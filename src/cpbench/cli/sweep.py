@@ -1,5 +1,9 @@
-"""``cpbench sweep``: run a YAML sweep, or ``cpbench run`` flags one strategy per launch;
-resumable."""
+"""``cpbench sweep``: run a YAML sweep, one launch per case, resumable.
+
+Run every case of a sweep config (configs/*.yaml) in its own launch, appending to one JSONL
+file; cases already recorded ok are skipped. With --run, `cpbench run` flags instead, one
+launch per strategy.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,14 @@ import argparse
 import shlex
 import sys
 
-from cpbench.cli.args import USAGE_ERROR, Parser, converter, fail, given, read_number
+from cpbench.cli.args import USAGE_ERROR, Parser, command, converter, fail, given, read_number
 from cpbench.errors import UsageError
 
 PROG = "cpbench sweep"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("sweep", help="run a YAML sweep, one launch per case, resumable",
-                       description="Run every case of a sweep config (configs/*.yaml) in its "
-                                   "own launch, appending to one JSONL file; cases already "
-                                   "recorded ok are skipped. With --run, `cpbench run` flags "
-                                   "instead, one launch per strategy.")
+    p = command(sub, "sweep", __doc__, main)
     p.add_argument("config", metavar="CONFIG.yaml", nargs="?")
     p.add_argument("--out", metavar="FILE.jsonl",
                    help="results file (appended to; read first to skip finished cases); "
@@ -41,7 +41,6 @@ def add_parser(sub) -> None:
     p.add_argument("--run", nargs=argparse.REMAINDER, metavar="RUN_FLAGS",
                    help="last: `cpbench run` flags, run as one case per strategy (what "
                         "scripts/slurm/cpbench.sbatch does)")
-    p.set_defaults(func=main)
 
 
 def _run_request(flags: list[str]) -> tuple[dict, str | None]:

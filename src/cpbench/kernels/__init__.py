@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from cpbench.errors import UsageError
 from cpbench.kernels import flash_attn_cpu, sdpa, sdpa_cpu, torch_ref
 from cpbench.kernels.base import KernelBackend
@@ -49,29 +47,16 @@ def available(device: str | None = None) -> list[str]:
     return [n for n, b in _BACKENDS.items() if b.is_available(device)]
 
 
-def resolve(
-    name: str,
-    *,
-    device: str,
-    dtype: torch.dtype,
-    head_dim: int,
-    heads: int,
-    kv_heads: int,
-    seqlen_q: int | None = None,
-    seqlen_k: int | None = None,
-    causal: bool = False,
-    notes: list[str] | None = None,
-) -> KernelBackend:
-    """The backend for ``name`` (``auto`` allowed) that can run this request.
+def resolve(name: str, *, notes: list[str] | None = None, **request: Any) -> KernelBackend:
+    """The backend for ``name`` (``auto`` allowed) that can run ``request``: the keyword
+    arguments of ``KernelBackend.unsupported_reason`` (device, dtype, head_dim, heads,
+    kv_heads; the sequence lengths and causal where they matter).
 
     Raises ValueError naming the backends that would work. ``notes``: where ``auto`` passed
     over a backend that is installed (FA3 on a non-Hopper GPU), a line saying why.
     """
-    request: dict[str, Any] = dict(device=device, dtype=dtype, head_dim=head_dim, heads=heads,
-                                   kv_heads=kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                                   causal=causal)
     if name == AUTO:
-        return _auto(device, request, [] if notes is None else notes)
+        return _auto(request["device"], request, [] if notes is None else notes)
     backend = get(name)
     reason = backend.unsupported_reason(**request)
     if reason is not None:
@@ -85,7 +70,7 @@ def resolve(
 AUTO_ORDER = {"cuda": ("flash-attn3", "flash-attn", "sdpa"), "cpu": ("sdpa-cpu", "torch")}
 
 
-def _auto(device: str, request: dict[str, Any], notes: list[str]) -> KernelBackend:
+def _auto(device: str, request: dict, notes: list[str]) -> KernelBackend:
     order = [n for n in AUTO_ORDER.get(device, ()) if n in _BACKENDS]
     reasons = {n: _BACKENDS[n].unsupported_reason(**request) for n in order}
     for i, n in enumerate(order):

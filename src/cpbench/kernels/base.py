@@ -19,7 +19,7 @@ Conventions shared by all backends:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -108,6 +108,16 @@ class KernelBackend:
             return (f"{self.name} does not support causal attention with seqlen_q "
                     f"{seqlen_q} != seqlen_k {seqlen_k}")
         return None
+
+
+def cuda_flash(**fields: Any) -> KernelBackend:
+    """A CUDA flash kernel (flash-attn 2 and 3, torch's flash op), with what all of them
+    support: bf16 and fp16 (FA3's fp8 is forward-only), head dims up to 256 in multiples of 8
+    (the internal functions do not pad; flash_attn_func does), causal bottom-right aligned
+    (FlashAttention-2's convention, see ``causal_unequal``)."""
+    return KernelBackend(devices=frozenset({"cuda"}),
+                         dtypes=frozenset({torch.bfloat16, torch.float16}),
+                         max_head_dim=256, head_dim_multiple=8, causal_unequal=False, **fields)
 
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",

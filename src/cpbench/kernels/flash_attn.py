@@ -32,7 +32,7 @@ from typing import Any, Collection, Sequence
 
 import torch
 
-from cpbench.kernels.base import KernelBackend, check_shapes
+from cpbench.kernels.base import KernelBackend, check_shapes, cuda_flash
 
 NO_WINDOW = (-1, -1)  # flash-attn's "no sliding window"
 
@@ -345,40 +345,24 @@ def _make_varlen_fns(module: str, loader=None):
 FA2_MODULE = "flash_attn.flash_attn_interface"
 FA3_MODULE = "flash_attn_interface"  # hopper/setup.py installs it as a top-level module
 
-_fa2_fwd, _fa2_bwd = _make_fns(FA2_MODULE, functools.partial(fa2_forward_kwargs, dropout_p=0.0),
-                               functools.partial(fa2_backward_kwargs, dropout_p=0.0))
-_fa3_fwd, _fa3_bwd = _make_fns(FA3_MODULE, fa3_forward_kwargs, fa3_backward_kwargs)
+
+def _backend(module: str, name: str, description: str, fwd_map, bwd_map,
+             **fields: Any) -> KernelBackend:
+    """The CUDA flash kernel behind ``module``'s internal functions (``fwd_map`` and
+    ``bwd_map``: its API's keyword arguments)."""
+    forward, backward = _make_fns(module, fwd_map, bwd_map)
+    return cuda_flash(name=name, description=description, forward=forward, backward=backward,
+                      is_importable=lambda: _importable(module),
+                      import_error=lambda: import_error(module),
+                      provenance=lambda: provenance(module), **fields)
+
+
 _fa2_varlen_fwd, _fa2_varlen_bwd = _make_varlen_fns(FA2_MODULE)
-
-FLASH_ATTN = KernelBackend(
-    name="flash-attn",
-    description="flash-attn 2 (_flash_attn_forward/_flash_attn_backward), CUDA",
-    forward=_fa2_fwd,
-    backward=_fa2_bwd,
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({torch.bfloat16, torch.float16}),
-    max_head_dim=256,
-    head_dim_multiple=8,  # the internal functions do not pad; flash_attn_func does
-    causal_unequal=False,
-    is_importable=lambda: _importable(FA2_MODULE),
-    import_error=lambda: import_error(FA2_MODULE),
-    provenance=lambda: provenance(FA2_MODULE),
-    varlen_forward=_fa2_varlen_fwd,
-    varlen_backward=_fa2_varlen_bwd,
-)
-
-FLASH_ATTN3 = KernelBackend(
-    name="flash-attn3",
-    description="FlashAttention-3 for Hopper (flash_attn_interface), CUDA sm90",
-    forward=_fa3_fwd,
-    backward=_fa3_bwd,
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({torch.bfloat16, torch.float16}),  # fp8 is forward-only
-    max_head_dim=256,
-    head_dim_multiple=8,
-    causal_unequal=False,
-    is_importable=lambda: _importable(FA3_MODULE),
-    import_error=lambda: import_error(FA3_MODULE),
-    limits=_fa3_limits,
-    provenance=lambda: provenance(FA3_MODULE),
-)
+FLASH_ATTN = _backend(FA2_MODULE, "flash-attn",
+                      "flash-attn 2 (_flash_attn_forward/_flash_attn_backward), CUDA",
+                      functools.partial(fa2_forward_kwargs, dropout_p=0.0),
+                      functools.partial(fa2_backward_kwargs, dropout_p=0.0),
+                      varlen_forward=_fa2_varlen_fwd, varlen_backward=_fa2_varlen_bwd)
+FLASH_ATTN3 = _backend(FA3_MODULE, "flash-attn3",
+                       "FlashAttention-3 for Hopper (flash_attn_interface), CUDA sm90",
+                       fa3_forward_kwargs, fa3_backward_kwargs, limits=_fa3_limits)

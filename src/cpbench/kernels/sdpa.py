@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from cpbench.kernels.base import KernelBackend, check_shapes
+from cpbench.kernels.base import check_shapes, cuda_flash
 
 _OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
         "_flash_attention_forward", "_flash_attention_backward")
@@ -120,16 +120,11 @@ def _limits(device: str, dtype: torch.dtype, head_dim: int) -> str | None:
     return limits_for(torch.cuda.get_device_capability() if cuda else None)
 
 
-BACKEND = KernelBackend(
+BACKEND = cuda_flash(  # FlashAttention-2's limits and bottom-right alignment (see above)
     name="sdpa",
     description="torch's CUDA flash kernel (aten._scaled_dot_product_flash_attention)",
     forward=forward,
     backward=backward,
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({torch.bfloat16, torch.float16}),
-    max_head_dim=256,
-    head_dim_multiple=8,
-    causal_unequal=False,  # FlashAttention-2's bottom-right alignment (see above)
     is_importable=lambda: import_error() is None,
     import_error=import_error,
     limits=_limits,

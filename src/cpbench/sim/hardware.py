@@ -55,6 +55,26 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Pass:
+    """A memory-bound pass over a block's elements: fixed + elements x per element."""
+
+    fixed_us: float = 0.0
+    ns_per_element: float = 0.0
+
+    def seconds(self, elements: float) -> float:
+        return (self.fixed_us * 1e3 + self.ns_per_element * elements) * 1e-9 if elements else 0.0
+
+
+@dataclass(frozen=True)
+class Probe:
+    side: int
+    heads: int
+    head_dim: int
+    busy_ms: float
+    alone_ms: float
+
+
+@dataclass(frozen=True)
 class Hardware:
     name: str
     description: str
@@ -73,6 +93,22 @@ class Hardware:
     # tiles are masked, so it attains less per FLOP than a full block of the same side
     kernel_fwd_causal: KernelCurve | None = None
     kernel_bwd_causal: KernelCurve | None = None
+    # what a message posted before a kernel and awaited after it adds to the step, as a
+    # multiple of its time alone on the link, where measured (``cpbench calibrate`` on CPUs,
+    # where the transport's thread shares the kernel's core and nothing hides); None on
+    # GPUs: it moves while the kernel runs
+    overlapped: float | None = None
+    # a kernel's speed-up when the other ranks of its node wait instead of computing: 1 on
+    # GPUs (a device each); measured on CPUs, which share memory bandwidth and caches
+    idle_speedup: float = 1.0
+    # what a step does around its kernel call, where measured (``cpbench calibrate``): the
+    # forward's merge of a block into the rank's (out, lse), the backward's gradient sums.
+    # The GPU presets' curves are fitted per step end to end, so they include them.
+    merge: Pass = Pass()
+    accumulate: Pass = Pass()
+    # a measured preset's reading of the machine (``cpbench calibrate``): a full forward of
+    # ``side`` tokens with every rank busy and with one alone, ms; the self-check's yardstick
+    probe: Probe | None = None
 
     def kernel(self, phase: str, causal: bool = False) -> KernelCurve:
         if causal:
@@ -116,6 +152,28 @@ def _dtypes(value, source: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _probe(d, where: str) -> Probe | None:
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        raise UsageError(f"{where}: a mapping of side, heads, head_dim, busy_ms, alone_ms")
+    probe = Probe(*(_number(d, k, where, int) for k in ("side", "heads", "head_dim")),
+                  *(_number(d, k, where) for k in ("busy_ms", "alone_ms")))
+    if min(probe.side, probe.heads, probe.head_dim, probe.busy_ms, probe.alone_ms) <= 0:
+        raise UsageError(f"{where}: every value must be positive")
+    return probe
+
+
+def _pass(d: dict, key: str, source: str) -> Pass:
+    if d.get(key) is None:
+        return Pass()
+    where = f"{source}: {key}"
+    p = Pass(_number(d[key], "fixed_us", where), _number(d[key], "ns_per_element", where))
+    if p.fixed_us < 0 or p.ns_per_element < 0:
+        raise UsageError(f"{where}: fixed_us and ns_per_element must be >= 0")
+    return p
+
+
 def from_dict(d: dict, source: str = "preset") -> Hardware:
     if not isinstance(d, dict):
         raise UsageError(f"{source}: a preset is a YAML mapping (see configs/hardware/"
@@ -143,6 +201,12 @@ def from_dict(d: dict, source: str = "preset") -> Hardware:
             kernel_fwd_causal=_optional_curve(k, "fwd_causal", source),
             kernel_bwd_causal=_optional_curve(k, "bwd_causal", source),
             dtypes=_dtypes(d.get("dtypes", ["bf16", "fp16"]), source),
+            overlapped=(None if d.get("overlapped") is None
+                        else _number(d, "overlapped", source)),
+            idle_speedup=_number(d, "idle_speedup", source, default=1.0),
+            merge=_pass(d, "merge", source),
+            accumulate=_pass(d, "accumulate", source),
+            probe=_probe(d.get("probe"), f"{source}: probe"),
         )
     except KeyError as e:
         raise UsageError(f"{source}: missing field {e.args[0]!r} (see configs/hardware/"
@@ -150,6 +214,12 @@ def from_dict(d: dict, source: str = "preset") -> Hardware:
     except (TypeError, AttributeError) as e:
         raise UsageError(f"{source}: malformed preset ({e}); see configs/hardware/"
                          f"a800-sxm.yaml") from None
+    _check(hw, source)
+    return hw
+
+
+def _check(hw: Hardware, source: str) -> None:
+    """The ranges a preset's values must lie in."""
     positive = {"memory_gib": hw.memory_gib, "peak_tflops_bf16": hw.peak_tflops,
                 "gpus_per_node": hw.gpus_per_node, "nodes": hw.nodes,
                 "intra_node.bandwidth_gbs": hw.intra.bandwidth_gbs,
@@ -158,6 +228,10 @@ def from_dict(d: dict, source: str = "preset") -> Hardware:
     not_negative = {"kernel.step_overhead_us": hw.step_overhead_us,
                     "intra_node.latency_us": hw.intra.latency_us,
                     "inter_node.latency_us": hw.inter.latency_us}
+    if not hw.idle_speedup >= 1:
+        raise UsageError(f"{source}: idle_speedup must be >= 1, got {hw.idle_speedup:g}")
+    if hw.overlapped is not None and not hw.overlapped >= 0:
+        raise UsageError(f"{source}: overlapped must be >= 0, got {hw.overlapped:g}")
     for name, value in positive.items():
         if not value > 0:
             raise UsageError(f"{source}: {name} must be positive, got {value:g}")
@@ -168,7 +242,6 @@ def from_dict(d: dict, source: str = "preset") -> Hardware:
     if top > hw.peak_tflops:
         raise UsageError(f"{source}: a kernel curve reaches {top:g} TFLOP/s, above the "
                          f"peak {hw.peak_tflops:g}")
-    return hw
 
 
 def names() -> list[str]:

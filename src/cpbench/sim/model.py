@@ -36,7 +36,21 @@ hardware preset (``cpbench.sim.hardware``). Modelling assumptions, and where the
    ring's outer hop has a whole inner window) is spread evenly over the kernels it overlaps:
    its own step's and the next ones, or only the next ones when it is posted after its
    step's kernel (``after_compute``: a partial sum moving on).
-6. Memory per rank (``sim.memory``): inputs, the strategy's accumulators, the buffers of
+6. What a CPU shares (only presets ``cpbench calibrate`` measured on a CPU carry these;
+   GPU presets have none, and their curves, fitted per step end to end, already hold the
+   rest):
+   - around each kernel call, its memory passes: the forward's log-sum-exp merge of the
+     block into the rank's fp32 (out, lse) rows, the backward's dq, dk, dv sums, priced
+     from their measured cost per element (``merge``, ``accumulate``);
+   - an overlapped message does not hide: the transport's thread needs the core the kernel
+     holds. It adds ``overlapped`` times its time alone on the link (measured: the same
+     exchange posted before a kernel and awaited after it, against its time alone);
+   - a rank waiting in a collective leaves the node's shared caches and memory bandwidth to
+     those still computing: processor sharing within a step, ``idle_speedup`` with one rank
+     busy, linear down to 1 with all busy (measured: a kernel alone against all at once;
+     about 1.0 on this 2-core VM while its two vCPUs sit on separate cores, 1.6-1.9 while
+     the host puts them on one core's hyperthreads, which the self-check's probes detect).
+7. Memory per rank (``sim.memory``): inputs, the strategy's accumulators, the buffers of
    the messages in flight at each step, two kernel calls' results, what it keeps beyond a
    step, at the worst moment of either phase; held within 10 % of the real code's
    allocations (the dry run) for every own strategy and variant by a test. OOM when over
@@ -59,7 +73,7 @@ from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
 from cpbench.errors import Skipped, UsageError
 from cpbench.mask import mask_of
-from cpbench.sim import memory
+from cpbench.sim import memory, sharing
 from cpbench.sim.hardware import GB, Hardware
 from cpbench.strategies.base import BWD, FWD, Strategy
 from cpbench.topology import Topology
@@ -82,14 +96,18 @@ class RankStep:
     node_ov: float = 0.0
     node_exp: float = 0.0
     causal: bool = False  # a diagonal block: priced on the preset's causal curve if it has one
+    q_elements: float = 0.0  # the kernel call's query rows x heads x head dim (its merge)
+    kv_elements: float = 0.0  # its key rows x kv heads x head dim (dk, dv sums)
 
 
 @dataclass(frozen=True)
 class StepLoad:
-    """Every distinct rank view of one step."""
+    """Every distinct rank view of one step, and how many ranks of each node share it (one
+    tuple per distinct node, counts parallel to ``ranks``)."""
 
     phase: str
     ranks: tuple[RankStep, ...]
+    nodes: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -211,18 +229,35 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
             acc = node_out.setdefault(topo.node_of(strat.rank), [0.0, 0.0])
             acc[0] += rank_loads.leaving[i][0]
             acc[1] += rank_loads.leaving[i][1]
-        views = set()
+        views: dict[int, list[RankStep]] = {}
         for strat, sched, rank_loads in zip(ranks, schedules, loads):
             step = sched[i]
             side = math.sqrt(step.block[0] * step.block[1]) if step.block else 0.0
-            moved, node = rank_loads.moved[i], node_out[topo.node_of(strat.rank)]
-            views.add(RankStep(step.flops, side, moved[0], moved[1], moved[2], moved[3],
-                               node[0], node[1], causal=bool(step.block and step.block[2])))
-        steps.append(StepLoad(first.phase, tuple(sorted(views, key=dataclasses.astuple))))
+            node = topo.node_of(strat.rank)
+            moved, out = rank_loads.moved[i], node_out[node]
+            el = sharing.elements(strat, attn, step.block)
+            views.setdefault(node, []).append(RankStep(
+                step.flops, side, moved[0], moved[1], moved[2], moved[3], out[0], out[1],
+                causal=bool(step.block and step.block[2]),
+                q_elements=el.get("q_elements", 0.0), kv_elements=el.get("kv_elements", 0.0)))
+        steps.append(_step_load(first.phase, list(views.values())))
     rank0 = ranks[0]
     return Compiled(attn.seqlen, attn.batch, tuple(steps),
                     max(memory.peak_bytes(s, sched) for s, sched in zip(ranks, schedules)),
                     rank0.ranks_per_problem, rank0.resolved_options())
+
+
+def _step_load(phase: str, by_node: list[list[RankStep]]) -> StepLoad:
+    """The distinct views of a step and, per distinct node, how many of its ranks have each."""
+    distinct = tuple(sorted({v for views in by_node for v in views}, key=dataclasses.astuple))
+    index = {v: i for i, v in enumerate(distinct)}
+    nodes = set()
+    for views in by_node:
+        counts = [0] * len(distinct)
+        for v in views:
+            counts[index[v]] += 1
+        nodes.add(tuple(counts))
+    return StepLoad(phase, distinct, tuple(sorted(nodes)))
 
 
 def _resident_bytes(strat: Strategy) -> float:
@@ -306,18 +341,25 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
     compute_total = {FWD: 0.0, BWD: 0.0}
     overhead = hw.step_overhead_us * 1e-6
     for step in c.steps:
-        worst = worst_compute = 0.0
+        computes = []
         for r in step.ranks:
             compute = 0.0
             if r.flops:
                 rate = hw.kernel(step.phase, r.causal).tflops(r.side * length)
-                compute = r.flops * square / (rate * 1e12) + overhead
-            ov = _comm_s(hw, r.intra_ov * linear, r.inter_ov * linear, r.node_ov * linear)
+                compute = r.flops * square / (rate * 1e12) + overhead + sharing.passes_s(
+                    hw, step.phase, r.q_elements * linear, r.kv_elements * linear)
+            computes.append(compute)
+        worst = 0.0
+        for finish, r in zip(sharing.shared_compute(computes, step.nodes, hw.idle_speedup),
+                             step.ranks):
             exp = _comm_s(hw, r.intra_exp * linear, r.inter_exp * linear, r.node_exp * linear)
-            worst = max(worst, max(compute, ov) + exp)
-            worst_compute = max(worst_compute, compute)
+            ov = _comm_s(hw, r.intra_ov * linear, r.inter_ov * linear, r.node_ov * linear)
+            if hw.overlapped is not None:  # measured in situ: it adds, nothing hides
+                worst = max(worst, finish + hw.overlapped * ov + exp)
+            else:
+                worst = max(worst, max(finish, ov) + exp)
         total[step.phase] += worst
-        compute_total[step.phase] += worst_compute
+        compute_total[step.phase] += max(computes)
     memory = c.memory_bytes * linear
     return Prediction(fwd_s=total[FWD], bwd_s=total[BWD], fwd_compute_s=compute_total[FWD],
                       bwd_compute_s=compute_total[BWD], memory_bytes=memory,

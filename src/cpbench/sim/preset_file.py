@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from cpbench import metrics
-from cpbench.sim.calibrate import TINY, Spec, fit_line
+from cpbench.sim.calibrate import PROBE_SIDE, STEADY, TINY, Spec, fit_line
 
 
 def curves(kernel_ms: dict[int, tuple[float, float]], spec: Spec, overhead_ms: float,
@@ -25,8 +25,16 @@ def curves(kernel_ms: dict[int, tuple[float, float]], spec: Spec, overhead_ms: f
     return fwd, bwd
 
 
+def _num(x: float, digits: int = 3) -> str:
+    """``digits`` significant digits that YAML reads as a number: it reads 1e-09 as text,
+    1.0e-09 as a number."""
+    text = f"{x:.{digits}g}"
+    mantissa, e, exponent = text.partition("e")
+    return f"{mantissa}.0e{exponent}" if e and "." not in mantissa else text
+
+
 def _flow(points) -> str:
-    return "[" + ", ".join(f"[{int(s)}, {t:g}]" for s, t in points) + "]"
+    return "[" + ", ".join(f"[{int(s)}, {_num(t, 4)}]" for s, t in points) + "]"
 
 
 def render(measured: dict, spec: Spec, memory_gib: float) -> str:
@@ -53,7 +61,7 @@ def render(measured: dict, spec: Spec, memory_gib: float) -> str:
         f"gpus_per_node: {spec.ranks_per_node}  # ranks per node when measured",
         f"nodes: {measured['world'] // spec.ranks_per_node}  # nodes when measured",
         f"memory_gib: {memory_gib:.1f}  # total memory per rank ({spec.device}), read {when}",
-        f"peak_tflops_bf16: {peak:g}  # no datasheet figure: the highest rate measured",
+        f"peak_tflops_bf16: {_num(peak, 4)}  # no datasheet figure: the highest rate measured",
         f"dtypes: [{spec.dtype}]  # the dtype the kernel was measured in",
         "kernel:",
         f"  # measured {when}: TFLOP/s of the rest of each call (its time less the overhead)",
@@ -65,8 +73,40 @@ def render(measured: dict, spec: Spec, memory_gib: float) -> str:
         f"  step_overhead_us: {overhead_ms * 1e3:.1f}  # measured {when}: a {TINY}-token "
         "block's forward",
     ]
+    probe = measured["probe_ms"]
+    state = "" if probe["steady"] else (
+        f"  # NOT STEADY: the probes moved more than {STEADY:.0%} in each of {probe['tries']} "
+        "tries; the machine changed while it was measured")
+    lines += [f"# the machine's state, read before and after (cpbench simulate --self-check "
+              f"compares its own probes with it): a {PROBE_SIDE}-token full forward, H="
+              f"{spec.heads}, D={spec.head_dim}, with every rank busy / rank 0 alone",
+              f"probe: {{side: {PROBE_SIDE}, heads: {spec.heads}, head_dim: {spec.head_dim}, "
+              f"busy_ms: {_num(probe['after'][0])}, alone_ms: {_num(probe['after'][1])}}}"
+              f"{state}"]
+    shared = measured["sharing"]
+    lines += [f"idle_speedup: {_num(shared['idle_speedup'])}  # measured {when}: a forward "
+              "alone vs with every rank busy (the median over the larger blocks)"]
+    if shared["overlapped"] is not None:
+        lines += [f"overlapped: {_num(shared['overlapped'])}  # measured {when}: what an "
+                  "exchange posted before a forward and awaited after adds to it, over its "
+                  "time alone (the median over the larger blocks)"]
+    for what, points in measured["passes_ms"].items():
+        fixed_us, per_element_ns = _per_element(points)
+        lines += [f"{what}:  # measured {when}: " + PASSES[what],
+                  f"  fixed_us: {fixed_us:.1f}",
+                  f"  ns_per_element: {_num(per_element_ns)}"]
     lines += _link_lines(links, when)
     return "\n".join(lines) + "\n"
+
+
+PASSES = {"merge": "a block's log-sum-exp merge into the fp32 (out, lse) of its rows",
+          "accumulate": "an fp32 += of a block's gradient (dq, dk, dv partial sums)"}
+
+
+def _per_element(points: list) -> tuple[float, float]:
+    """(fixed µs, ns per element) of the least-squares line through (elements, ms)."""
+    lat_us, rate = fit_line(points)  # the same fit as a link's: latency, "GB/s" of elements
+    return lat_us, 1.0 / rate
 
 
 def _link_lines(links: dict, when: str) -> list[str]:
@@ -74,22 +114,22 @@ def _link_lines(links: dict, when: str) -> list[str]:
     lat, bw = fit_line(intra)
     where = "a partner in the node" if "intra" in links else "all_to_all (one rank a node)"
     out = ["intra_node:",
-           f"  bandwidth_gbs: {bw:.3g}  # measured {when}: batch_isend_irecv with {where}",
+           f"  bandwidth_gbs: {_num(bw)}  # measured {when}: batch_isend_irecv with {where}",
            f"  latency_us: {lat:.1f}  # measured {when}: the fit's intercept"]
     if "inter" in links:
         ilat, ibw = fit_line(links["inter"])
         out += ["inter_node:",
-                f"  bandwidth_gbs_per_gpu: {ibw:.3g}  # measured {when}: batch_isend_irecv "
+                f"  bandwidth_gbs_per_gpu: {_num(ibw)}  # measured {when}: batch_isend_irecv "
                 "with the same slot on the next node",
-                f"  node_bandwidth_gbs: {ibw:.3g}  # not measured on its own: one pair's",
+                f"  node_bandwidth_gbs: {_num(ibw)}  # not measured on its own: one pair's",
                 f"  latency_us: {ilat:.1f}  # measured {when}: the fit's intercept"]
     else:
         out += ["inter_node:  # not measured (one node): the intra-node figures",
-                f"  bandwidth_gbs_per_gpu: {bw:.3g}",
-                f"  node_bandwidth_gbs: {bw:.3g}",
+                f"  bandwidth_gbs_per_gpu: {_num(bw)}",
+                f"  node_bandwidth_gbs: {_num(bw)}",
                 f"  latency_us: {lat:.1f}"]
     alat, abw = fit_line(links["all_to_all"])
     out += ["all_to_all:  # measured, for reference (the model prices all-to-alls on the links)",
-            f"  bandwidth_gbs: {abw:.3g}  # all_to_all_single over the world, {when}",
+            f"  bandwidth_gbs: {_num(abw)}  # all_to_all_single over the world, {when}",
             f"  latency_us: {alat:.1f}"]
     return out

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "cpbench.strategies"
 _REGISTRY: dict[str, type[Strategy]] = {}
-_SUPPORT_MODULES = {"base", "layout"}
+_SUPPORT_MODULES = {"base", "layout", "schedule"}
 _loaded = False
 
 

@@ -22,11 +22,14 @@ its K/V still travel (the ring's schedule does not change with the mask).
 
 from __future__ import annotations
 
+from abc import abstractmethod
+from dataclasses import dataclass
+
 import torch
 
 from cpbench.comm import RingComm
 from cpbench.merge import OutLseAccumulator
-from cpbench.strategies.base import BWD, FWD, Message, Step, option, save_for_backward
+from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, option, save_for_backward
 from cpbench.strategies.layout import Block, slice_len
 
 DKV_GROUPS = ("shared", "separate")
@@ -199,3 +202,30 @@ def kv_ring_schedule(strat) -> list[Step]:
                          strat.kernel_step(phase, step, slice_len(blk.q, s),
                                            slice_len(blk.kv, s), blk.causal, msgs))
     return steps
+
+
+class KVRing(Strategy):
+    """A strategy on this ring (``ring``, ``zigzag``): its options, groups, pass, schedule and
+    per-step areas. A subclass gives its layout (``seq_index``) and ``block``."""
+
+    masks = frozenset({"documents", "window"})
+
+    @dataclass(frozen=True, kw_only=True)
+    class Options:
+        dkv_group: str = dkv_group_option()
+
+    def group_lists(self):
+        return kv_ring_lists(self.cp_lists, self.opts.dkv_group)
+
+    @abstractmethod
+    def block(self, me: int, src: int, local_len: int) -> Block | None:
+        """What ``me``'s queries compute of ring position ``src``'s K/V (None: nothing)."""
+
+    def attention(self, q, k, v):
+        return KVRingAttention.apply(self, q, k, v)
+
+    def schedule(self) -> list[Step]:
+        return kv_ring_schedule(self)
+
+    def area_per_step(self) -> list[list[int]]:
+        return kv_ring_areas(self)

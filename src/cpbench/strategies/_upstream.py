@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import sys
+from dataclasses import dataclass
 
 from cpbench.errors import Skipped, UsageError
 
@@ -20,6 +22,34 @@ from cpbench.errors import Skipped, UsageError
 # CPU flash kernel that `sdpa-cpu` is, so an adapter and cpbench's own strategies share it.
 # Not flash-attn3: the libraries call flash_attn's (FA2) interface, never FA3's.
 FLASH_KERNELS = {"cpu": ("sdpa-cpu", "flash-attn-cpu"), "cuda": ("flash-attn",)}
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """The published library an adapter strategy runs: its distribution (for the version),
+    the module to import, cpbench's own strategy of the same algorithm (``twin``, for
+    ``cpbench report --compare upstream``), and whether it runs on CUDA only."""
+
+    package: str
+    module: str
+    twin: str | None = None
+    cuda_only: bool = False
+
+    def version(self) -> str | None:
+        try:
+            return importlib.metadata.version(self.package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def unavailable(self, device: str) -> str | None:
+        """Why it cannot run on ``device`` here (None: it can)."""
+        if self.cuda_only and device != "cuda":
+            return f"{self.package} runs on CUDA GPUs only (this run is on {device})"
+        try:
+            found = importlib.util.find_spec(self.module) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else f"{self.package} is not installed"
 
 
 def device_of(kernel) -> str:

@@ -7,15 +7,14 @@ A strategy is one file in this package defining a ``Strategy`` subclass decorate
 - its process groups: ``group_lists()`` names rank lists taken from ``cpbench.topology``;
 - ``attention(q, k, v) -> (out, lse)``: an autograd function doing communication and kernels;
 - ``schedule()``: its communication and compute as data (``Step``s), read by the profiler
-  breakdown and the simulator; tests hold it equal to the bytes the code really sends.
+  breakdown and the simulator (``strategies.schedule``); tests hold it equal to the bytes the
+  code really sends.
 Options are a frozen dataclass (``Options``); the CLI is generated from its fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
-import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -29,75 +28,19 @@ from cpbench.kernels import masked, masked_varlen
 from cpbench.kernels.base import KernelBackend
 from cpbench.mask import Mask, mask_of
 from cpbench.metrics import attention_flops, pairs_flops
+from cpbench.strategies._upstream import Upstream
+from cpbench.strategies.schedule import BWD, FWD, Message, Step
 from cpbench.topology import Group, Topology, new_groups, plan_group
 
-FWD, BWD = "fwd", "bwd"
-
-
-@dataclass(frozen=True)
-class Message:
-    """Bytes this rank sends in one step over one group. ``op``: "p2p" or "a2a".
-    ``overlapped``: in flight during compute (False: exposed, nothing hides it);
-    ``overlap_steps``: how many steps' kernels it has to arrive in (a double ring's outer hop
-    has a whole inner window); ``after_compute``: posted after this step's kernel (a partial
-    sum moving on), so those are the next steps' kernels, not this one's."""
-
-    op: str
-    group: str
-    nbytes: int
-    crosses_nodes: bool
-    overlapped: bool = True
-    overlap_steps: int = 1
-    after_compute: bool = False
-
-
-@dataclass(frozen=True)
-class Step:
-    """One step of a rank's schedule: the kernel FLOPs it computes, the shape of that kernel
-    call (``block``: seqlen_q, seqlen_k, causal; None when the step computes nothing) and what
-    it sends. The simulator prices the FLOPs at the kernel's speed for that shape."""
-
-    phase: str
-    index: int
-    flops: float
-    messages: tuple[Message, ...] = ()
-    block: tuple[int, int, bool] | None = None
-    # under a mask, the (rows, keys) its largest varlen call packs and how many calls it
-    # makes (the simulator's memory model; None: the block's, one call)
-    packed: tuple[int, int, int] | None = None
+# the schedule's data and an adapter's library are part of the contract: strategies import
+# them from here with the rest
+__all__ = ["BWD", "FWD", "Message", "NoOptions", "Step", "Strategy", "Upstream", "option",
+           "save_for_backward"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class NoOptions:
     pass
-
-
-@dataclass(frozen=True)
-class Upstream:
-    """The published library an adapter strategy runs: its distribution (for the version),
-    the module to import, cpbench's own strategy of the same algorithm (``twin``, for
-    ``cpbench report --compare upstream``), and whether it runs on CUDA only."""
-
-    package: str
-    module: str
-    twin: str | None = None
-    cuda_only: bool = False
-
-    def version(self) -> str | None:
-        try:
-            return importlib.metadata.version(self.package)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    def unavailable(self, device: str) -> str | None:
-        """Why it cannot run on ``device`` here (None: it can)."""
-        if self.cuda_only and device != "cuda":
-            return f"{self.package} runs on CUDA GPUs only (this run is on {device})"
-        try:
-            found = importlib.util.find_spec(self.module) is not None
-        except (ImportError, ValueError):
-            found = False
-        return None if found else f"{self.package} is not installed"
 
 
 def option(default, help: str, choices: tuple | None = None):

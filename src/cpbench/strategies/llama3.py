@@ -78,10 +78,10 @@ class _Llama3Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        dout = dout.contiguous()
         strat = ctx.strat
         q, k, v, out, lse = ctx.saved_tensors
         g = strat.groups["cp"]
-        dout = dout.contiguous()
         dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
         for qh, kh, k_all, v_all in _gathered(strat, k, v):
             dq_c, dk_all, dv_all = _attend_grads(strat, dout[:, :, qh], q[:, :, qh], k_all,

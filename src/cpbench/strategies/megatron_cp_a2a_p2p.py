@@ -100,6 +100,18 @@ class _ToSequence(torch.autograd.Function):
         return None, None, reorder(full, 1, ctx.order[0])
 
 
+def a2a_degree_option():
+    return option(0, "level-1 (all-to-all) group size; 0: the largest divisor of the heads "
+                  "and kv heads whose groups stay in a node")
+
+
+def default_a2a_degree(strat) -> int:
+    """The all-to-all size unless given (here and in te-a2a+p2p): TE does not replicate K/V
+    heads, so it divides them too."""
+    heads = math.gcd(strat.attn.heads, strat.attn.num_kv_heads)
+    return node_local_block(strat.topo, strat.cp_lists, also_divides=heads)
+
+
 @register
 class MegatronCPA2AP2P(Usp):
     name = "megatron-cp-a2a+p2p"
@@ -111,18 +123,14 @@ class MegatronCPA2AP2P(Usp):
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
-        a2a_degree: int = option(0, "level-1 (all-to-all) group size; 0: the largest divisor "
-                                 "of the heads and kv heads whose groups stay in a node")
+        a2a_degree: int = a2a_degree_option()
 
     @classmethod
     def variants(cls, topo):
         return [cls.Options()]
 
     def _plan(self) -> tuple[int, str, str]:
-        # TE does not replicate K/V heads: the default A divides them (as te-a2a+p2p's)
-        heads = math.gcd(self.attn.heads, self.attn.num_kv_heads)
-        default = node_local_block(self.topo, self.cp_lists, also_divides=heads)
-        return self.opts.a2a_degree or default, HEAD_FIRST, "megatron-cp"
+        return self.opts.a2a_degree or default_a2a_degree(self), HEAD_FIRST, "megatron-cp"
 
     def validate(self) -> None:
         super().validate()

@@ -8,37 +8,20 @@ as position 0: the imbalance zigzag fixes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from cpbench.strategies import register
-from cpbench.strategies._kv_ring import (
-    KVRingAttention,
-    dkv_group_option,
-    kv_ring_areas,
-    kv_ring_lists,
-    kv_ring_schedule,
-)
-from cpbench.strategies.base import Step, Strategy
+from cpbench.strategies._kv_ring import KVRing
 from cpbench.strategies.layout import Block, check_divisible, contiguous_index
 
 
 @register
-class Ring(Strategy):
+class Ring(KVRing):
     name = "ring"
-    masks = frozenset({"documents", "window"})
     description = "contiguous shards, K/V ring; causal skips future blocks (imbalanced baseline)"
 
     def validate(self) -> None:
         check_divisible(self.attn.seqlen, self.cp_size, f"ring over {self.cp_size} ranks")
-
-    @dataclass(frozen=True, kw_only=True)
-    class Options:
-        dkv_group: str = dkv_group_option()
-
-    def group_lists(self):
-        return kv_ring_lists(self.cp_lists, self.opts.dkv_group)
 
     def seq_index(self, rank: int) -> torch.Tensor:
         return contiguous_index(self.attn.seqlen, self.cp_size, self.cp_index(rank))
@@ -48,12 +31,3 @@ class Ring(Strategy):
         if self.attn.causal and src > me:
             return None  # all of src's tokens come after all of ours
         return Block(every, every, self.attn.causal and src == me)
-
-    def attention(self, q, k, v):
-        return KVRingAttention.apply(self, q, k, v)
-
-    def schedule(self) -> list[Step]:
-        return kv_ring_schedule(self)
-
-    def area_per_step(self) -> list[list[int]]:
-        return kv_ring_areas(self)

@@ -25,7 +25,6 @@ argument is passed by keyword (2.12 inserted ``bottom_right_diagonal`` mid-signa
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -34,9 +33,9 @@ import torch
 from cpbench.errors import Skipped, UsageError
 from cpbench.strategies import register
 from cpbench.strategies._upstream import no_schedule
-from cpbench.strategies.base import Strategy, Upstream, option
+from cpbench.strategies.base import Strategy, Upstream
 from cpbench.strategies.layout import ZigzagLayout
-from cpbench.topology import node_local_block
+from cpbench.strategies.megatron_cp_a2a_p2p import a2a_degree_option, default_a2a_degree
 
 PACKAGE, MODULE = "transformer-engine", "transformer_engine"
 
@@ -139,6 +138,16 @@ class _TransformerEngine(ZigzagLayout, Strategy):
     returns_lse = False
     masks = frozenset({"documents", "window"})
 
+    def __init_subclass__(cls, *, comm_type: str, twin: str, note: str = "", **kwargs):
+        """A variant: TE's DotProductAttention with one ``cp_comm_type``, its row compared
+        with cpbench's ``twin`` (``note``: what the comm type does, where its name does not
+        say)."""
+        super().__init_subclass__(**kwargs)
+        cls.comm_type = comm_type
+        cls.description = (f"TransformerEngine DotProductAttention, cp_comm_type "
+                           f"{comm_type}{note} (GPU only)")
+        cls.upstream = Upstream(PACKAGE, MODULE, twin=twin, cuda_only=True)
+
     def __init__(self, *args, create_groups: bool = True, **kwargs):
         super().__init__(*args, create_groups=create_groups, **kwargs)
         self.module = self._module() if create_groups else None
@@ -219,20 +228,14 @@ def _for(fn, candidates: dict) -> dict:
 
 
 @register
-class TeP2P(_TransformerEngine):
+class TeP2P(_TransformerEngine, comm_type="p2p", twin="megatron-cp"):
     name = "te-p2p"
-    description = "TransformerEngine DotProductAttention, cp_comm_type p2p (GPU only)"
-    upstream = Upstream(PACKAGE, MODULE, twin="megatron-cp", cuda_only=True)
-    comm_type = "p2p"
     masks = frozenset({"documents"})
 
 
 @register
-class TeAllGather(_TransformerEngine):
+class TeAllGather(_TransformerEngine, comm_type="all_gather", twin="llama3"):
     name = "te-all-gather"
-    description = "TransformerEngine DotProductAttention, cp_comm_type all_gather (GPU only)"
-    upstream = Upstream(PACKAGE, MODULE, twin="llama3", cuda_only=True)
-    comm_type = "all_gather"
 
     def twin_options(self) -> dict:
         # TE's all_gather: chunks r and 2N-1-r, every head gathered at once, dK/dV in the
@@ -242,35 +245,25 @@ class TeAllGather(_TransformerEngine):
 
 
 @register
-class TeA2A(_TransformerEngine):
+class TeA2A(_TransformerEngine, comm_type="a2a", twin="ulysses"):
     name = "te-a2a"
-    description = "TransformerEngine DotProductAttention, cp_comm_type a2a (GPU only)"
-    upstream = Upstream(PACKAGE, MODULE, twin="ulysses", cuda_only=True)
-    comm_type = "a2a"
 
     def a2a_size(self) -> int:
         return self.cp_size
 
 
 @register
-class TeA2AP2P(_TransformerEngine):
+class TeA2AP2P(_TransformerEngine, comm_type="a2a+p2p", twin="megatron-cp-a2a+p2p",
+               note=": all-to-all inside a node, p2p ring across"):
     name = "te-a2a+p2p"
-    description = ("TransformerEngine DotProductAttention, cp_comm_type a2a+p2p: all-to-all "
-                   "inside a node, p2p ring across (GPU only)")
-    upstream = Upstream(PACKAGE, MODULE, twin="megatron-cp-a2a+p2p", cuda_only=True)
-    comm_type = "a2a+p2p"
     masks = frozenset()
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
-        a2a_degree: int = option(0, "level-1 (all-to-all) group size; 0: the largest divisor "
-                                 "of the heads and kv heads whose groups stay in a node")
+        a2a_degree: int = a2a_degree_option()
 
     def a2a_size(self) -> int:
-        # the default divides the K/V heads too: TE does not replicate them
-        heads = math.gcd(self.attn.heads, self.attn.num_kv_heads)
-        return self.opts.a2a_degree or node_local_block(self.topo, self.cp_lists,
-                                                        also_divides=heads)
+        return self.opts.a2a_degree or default_a2a_degree(self)
 
     def group_lists(self):
         level1, level2 = hierarchical_lists(self.cp_lists[0], self.a2a_size())

@@ -81,8 +81,8 @@ class YunchangUsp(Strategy):
     name = "yunchang-usp"
     description = ("yunchang's LongContextAttention: Ulysses all-to-all x its ring "
                    "(the library's own code)")
-    upstream = Upstream("yunchang", "yunchang", twin="usp")
     returns_lse = False
+    upstream = Upstream("yunchang", "yunchang", twin="usp")
     accepted_kernels = FLASH_KERNELS
 
     @dataclass(frozen=True, kw_only=True)

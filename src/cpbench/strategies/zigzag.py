@@ -14,41 +14,15 @@ one process group, as ring-flash-attn; dQ local) is shared with ``ring`` in ``_k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from cpbench.strategies import register
-from cpbench.strategies._kv_ring import (
-    KVRingAttention,
-    dkv_group_option,
-    kv_ring_areas,
-    kv_ring_lists,
-    kv_ring_schedule,
-)
-from cpbench.strategies.base import Step, Strategy
+from cpbench.strategies._kv_ring import KVRing
 from cpbench.strategies.layout import Block, ZigzagLayout, zigzag_block
 
 
 @register
-class Zigzag(ZigzagLayout, Strategy):
+class Zigzag(ZigzagLayout, KVRing):
     name = "zigzag"
-    masks = frozenset({"documents", "window"})
     description = "zigzag layout (chunks r and 2N-1-r), K/V ring: causal work balanced over ranks"
-
-    @dataclass(frozen=True, kw_only=True)
-    class Options:
-        dkv_group: str = dkv_group_option()
-
-    def group_lists(self):
-        return kv_ring_lists(self.cp_lists, self.opts.dkv_group)
 
     def block(self, me: int, src: int, local_len: int) -> Block:
         return zigzag_block(me, src, local_len, self.attn.causal)
-
-    def attention(self, q, k, v):
-        return KVRingAttention.apply(self, q, k, v)
-
-    def schedule(self) -> list[Step]:
-        return kv_ring_schedule(self)
-
-    def area_per_step(self) -> list[list[int]]:
-        return kv_ring_areas(self)

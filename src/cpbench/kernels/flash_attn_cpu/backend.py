@@ -31,10 +31,10 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
 FLASH_ATTN_CPU = KernelBackend(
     name="flash-attn-cpu",
     description="flash-attn 2.8.3's internal interface on CPU (aten's CPU flash kernel)",
-    forward=forward,
-    backward=backward,
     devices=frozenset({"cpu"}),
     dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
+    forward=forward,
+    backward=backward,
     causal_unequal=False,  # bottom-right aligned, unlike the float64 reference
     is_importable=_kernel.importable,
 )
