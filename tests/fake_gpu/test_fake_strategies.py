@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
+from schedule_helpers import volume
 
 from cpbench import comm, kernels, strategies
 from cpbench.bench.commtrace import traced
@@ -23,16 +24,6 @@ ATTN = AttentionConfig(batch=1, seqlen=S, heads=H, kv_heads=H, head_dim=D, dtype
 # commtrace's op names → the schedule's
 _OPS = {"p2p": "p2p", "all_to_all_single": "a2a", "all_gather": "ag",
         "reduce_scatter_tensor": "rs"}
-
-
-def declared(st, phase) -> dict:
-    """Bytes ``st``'s schedule declares in ``phase``, per (op, group name)."""
-    out = Counter()
-    for step in st.schedule():
-        if step.phase == phase:
-            for m in step.messages:
-                out[(m.op, m.group)] += m.nbytes
-    return dict(out)
 
 
 def run_forward(name, options, world, rpn, rank):
@@ -58,7 +49,7 @@ def test_zigzag_forward_at_512k_on_8_ranks(flash_attn, fake_pg):
     assert q.shape == (1, S // 8, H, D)
     assert lse.shape == (1, H, S // 8) and lse.dtype == torch.float32
     kv = 2 * (S // 8) * H * D * 2  # K and V of one rank, bf16
-    assert declared(st, FWD) == {("p2p", "ring"): 7 * kv}  # N-1 hops
+    assert volume(st, FWD) == {("p2p", "ring"): 7 * kv}  # N-1 hops
     check_traffic(st, sent, events)
     # each of the 8 steps calls the kernel once (zigzag's causal halves: one call a step)
     assert sum(s.op == comm.KERNEL for s in sent) == 8
@@ -70,7 +61,7 @@ def check_traffic(st, sent, events):
     for s in sent:
         if s.op != comm.KERNEL:
             got[(s.op, s.group)] += s.nbytes
-    want = declared(st, FWD)
+    want = volume(st, FWD)
     assert dict(got) == want
     # at torch.distributed: the same bytes per op, each on the members of a group of ours
     at_dist = Counter()

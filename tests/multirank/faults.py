@@ -1,6 +1,7 @@
 """The tests' fault injection for whole launches (torchrun jobs, the sweep, the sbatch
-script): ``test-oom-in-ring`` is zigzag, except that rank 1 runs out of memory at its third
-attention call while its peers wait for it in the ring.
+script) and for the driver's ranks in test_driver.py (imported there): ``test-oom-in-ring`` is
+zigzag, except that rank 1 runs out of memory at its third attention call while its peers wait
+for it in the ring.
 
 With ``CPBENCH_TEST_WATCHDOG_S`` set, it ends as a NCCL job does under
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (what every cpbench launch path sets): the peers stay

@@ -21,7 +21,6 @@ from cpbench.bench.agreement import is_collective_error
 from cpbench.config import RunConfig
 from cpbench.launch import run_ranks
 from cpbench.strategies.ring import Ring
-from cpbench.strategies.zigzag import Zigzag
 
 SMALL = {"seqlen": 128, "heads": 2, "head_dim": 16}
 
@@ -68,27 +67,13 @@ class InjectedMemoryOom(Ring):
         return super().attention(q, k, v)
 
 
-class InjectedOomInRing(Zigzag):
-    """zigzag, except that rank 1 runs out of memory at its third attention call (a rank near
-    capacity), while rank 0 waits for it in the ring."""
-
-    name = "test-oom-in-ring"
-    description = "rank 1 raises torch.OutOfMemoryError at its third call (test)"
-
-    def attention(self, q, k, v):
-        self.calls = getattr(self, "calls", 0) + 1
-        if self.rank == 1 and self.calls == 3:
-            raise torch.OutOfMemoryError("CUDA out of memory (injected on rank 1, call 3)")
-        return super().attention(q, k, v)
-
-
 def run_driver(rank, world, names, out, check, inject, flags=None, attention=None):
     """A rank of ``cpbench run``: returns (exit status, what rank 0 printed). ``flags``:
     RunConfig fields (default: warm-up 1, 2 iterations); ``attention``: the shape (SMALL)."""
     if inject:  # registered in the rank processes only, never in pytest's own registry
-        for cls in (InjectedOom, InjectedFailure, InjectedError, InjectedMemoryOom,
-                    InjectedOomInRing):
+        for cls in (InjectedOom, InjectedFailure, InjectedError, InjectedMemoryOom):
             strategies.register(cls)
+        import faults  # noqa: F401 - registers test-oom-in-ring, as the GPU and sbatch jobs do
     flags = {"warmup": 1, "iters": 2} if flags is None else flags
     plan = planning.plan(RunConfig(strategy=names, nproc=world, check=check, out=out, **flags),
                          dict(SMALL if attention is None else attention), {}, launcher="self")

@@ -1,13 +1,13 @@
 """Packed documents and sliding windows on real gloo ranks, and the new ``llama3``: every
 strategy that declares a mask, gathered into global order and compared with the float64
 reference under the same mask (out, lse, dq, dk, dv), cpbench's own also held to their
-declared schedules. Two launches in all (CI time): 2 ranks for the mask matrix — random
-document lengths, lengths no zigzag layout splits (padded: ``--document-padding pad``), a
-document shorter than a rank's shard, one spanning every rank, a window smaller than a shard
-and one larger — and 4 ranks for llama3 without a mask (causal and full, GQA, fp16, head
-chunks; rfa-llama3 causal and full), llama3's two layouts and two dK/dV dtypes plain, under
-documents and under a window, beside ring / zigzag / llama3 / usp on documents and a window
-over 4 shards."""
+declared schedules. The mask matrix on 2 ranks and on 4 (2 nodes × 2: more ring steps, the
+window of 40 over three shards) — random document lengths, lengths no zigzag layout splits
+(padded: ``--document-padding pad``), a document shorter than a rank's shard, one spanning
+every rank, a window smaller than a shard and one larger — and 4 ranks for llama3 without a
+mask (causal and full, GQA, fp16, head chunks; rfa-llama3 causal and full), llama3's two
+layouts and two dK/dV dtypes plain, under documents and under a window, beside ring / zigzag
+/ llama3 / usp on documents and a window over 4 shards."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from cpbench.launch import run_ranks
 
 pytestmark = pytest.mark.multirank
 
-S = 64  # 2 ranks: shards of 32 (zigzag chunks of 16); 4 ranks: shards of 16
+S = 64  # 2 ranks: shards of 32 (zigzag chunks of 16); 4 ranks: shards of 16 (chunks of 8)
 MASKS = [
     dict(documents=(24, 8, 32)),  # random-ish; 8 is shorter than a shard
     dict(documents=(23, 9, 32)),  # zigzag layouts pad 23 and 9 to 4 (2N)
@@ -84,8 +84,9 @@ def _four_rank_cases():
     return cases
 
 
-def test_masks_match_the_reference_and_the_schedule():
-    failures = run_ranks(check_named_cases, 2, 1, _mask_cases(), timeout=300)[0]
+@pytest.mark.parametrize("world,rpn", [(2, 1), (4, 2)], ids=str)
+def test_masks_match_the_reference_and_the_schedule(world, rpn):
+    failures = run_ranks(check_named_cases, world, rpn, _mask_cases(), timeout=300)[0]
     assert not failures, "\n".join(failures)
 
 

@@ -46,13 +46,11 @@ def _node_blind(cls, world, rpn) -> bool:
 
 def _cases(cls, topo):
     cases, traffic = [], []
-    # at 8 ranks, two of the dtype cases (GQA fp32 and MHA bf16): the launch's time is cases
-    dtype_cases = DTYPE_CASES[1:3] if topo.world_size == 8 else DTYPE_CASES
     for opts in cls.variants(topo):
         for causal in (True, False):
             if cls.causal_only and not causal:
                 continue
-            for kv_heads, dtype in dtype_cases:
+            for kv_heads, dtype in DTYPE_CASES:  # every one at 8 ranks too (fp16 GQA there)
                 attn = AttentionConfig(batch=2, seqlen=SEQLEN, heads=HEADS, kv_heads=kv_heads,
                                        head_dim=16, dtype=dtype, causal=causal)
                 cases.append((attn, opts))

@@ -50,3 +50,9 @@ def totals(st, keys=("phase", "group")) -> Counter:
 def step_bytes(st, phase) -> list[int]:
     """Bytes declared per step of ``phase``."""
     return [sum(m.nbytes for m in s.messages) for s in st.schedule() if s.phase == phase]
+
+
+def volume(st, phase) -> dict[tuple[str, str], int]:
+    """Bytes ``st``'s schedule declares in ``phase``, summed per (op, group)."""
+    return {(op, group): n for (p, op, group), n in totals(st, ("phase", "op", "group")).items()
+            if p == phase}

@@ -15,6 +15,7 @@ import math
 from collections import Counter
 
 import pytest
+from schedule_helpers import volume
 
 from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
@@ -43,16 +44,6 @@ def every_rank(name, world, rpn, attn, **opts):
     topo = Topology(world_size=world, ranks_per_node=rpn)
     return [cls(attn, topo, r, kernel=kernels.get("torch"), options=cls.Options(**opts),
                 create_groups=False) for r in range(world)]
-
-
-def volume(st, phase) -> dict[tuple[str, str], int]:
-    """Bytes ``st``'s schedule sends in ``phase``, summed per (op, group)."""
-    out = Counter()
-    for step in st.schedule():
-        if step.phase == phase:
-            for m in step.messages:
-                out[(m.op, m.group)] += m.nbytes
-    return dict(out)
 
 
 def crossing(st) -> dict[str, bool]:

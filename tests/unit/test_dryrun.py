@@ -170,13 +170,16 @@ def test_the_upstream_adapters_run_every_rank_without_a_host_sync(name, own_modu
         assert r.sent_bytes("fwd") > 0 and r.sent_bytes("bwd") > 0
 
 
+# the cases taking seconds of CPU each: in CI (make test), not in make test-fast
+SLOW = pytest.mark.slow
 MASKED = AttentionConfig(seqlen=4096, heads=8, head_dim=64, dtype="bf16", causal=True,
                          documents=(2048, 1024, 512, 512), window_size=(256, 0))
 
 
-@pytest.mark.parametrize("name,opts", [("usp", {"ulysses_degree": 1}),
-                                       ("usp", {"ulysses_degree": 2}), ("llama3", {}),
-                                       ("ulysses", {}), ("megatron-cp", {})])
+@pytest.mark.parametrize("name,opts", [
+    pytest.param("usp", {"ulysses_degree": 1}, marks=SLOW),
+    pytest.param("usp", {"ulysses_degree": 2}, marks=SLOW), ("llama3", {}), ("ulysses", {}),
+    pytest.param("megatron-cp", {}, marks=SLOW)])
 def test_masked_cases_plan_on_the_host(name, opts):
     """Documents and a window: the layouts and tiles are planned on real CPU tensors, inner
     strategies' included (usp's ring once read a fake position on the host). The first and
@@ -194,7 +197,9 @@ PADDED = AttentionConfig(seqlen=4000, heads=6, head_dim=64, dtype="bf16", causal
                          documents=(1999, 1001, 513, 487))
 
 
-@pytest.mark.parametrize("name", ["zigzag", "megatron-cp", "double-ring", "ring", "llama3"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=SLOW)
+                                  for n in ("zigzag", "megatron-cp", "double-ring")]
+                         + ["ring", "llama3"])
 def test_padded_documents_run_on_the_host_at_any_n(name):
     """Lengths no layout splits over 3 ranks: each pads (zigzag layouts every document to 6,
     contiguous ones the tail) and its real code sends what its schedule declares."""

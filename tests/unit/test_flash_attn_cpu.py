@@ -1,7 +1,7 @@
 """cpbench's CPU implementation of flash-attn 2.8.3's interface against the float64 reference.
 
 ``cpbench.reference`` aligns causal masks top-left; flash-attn aligns causal masks and windows
-bottom-right, so those cases build the float64 reference from an explicit mask written here
+bottom-right, so those cases build the float64 reference from an explicit mask (mask_helpers)
 from flash-attn's documented rule (flash_attn_func's docstring, flash_attn_interface.py v2.8.3
 lines 1154-1172): query i sees keys [i + sk - sq - left, i + sk - sq + right], -1 unbounded.
 """
@@ -17,6 +17,7 @@ import textwrap
 
 import pytest
 import torch
+from mask_helpers import fa_visible
 
 from cpbench.kernels import flash_attn_cpu as fac
 from cpbench.kernels.flash_attn_cpu import flash_attn_interface as fai
@@ -33,20 +34,6 @@ def _inputs(shape_q, shape_kv, dtype, seed):
     v = torch.randn(*shape_kv, generator=g).to(dtype)
     dout = torch.randn(*shape_q, generator=g).to(dtype)
     return q, k, v, dout
-
-
-def _visible(sq, sk, left=-1, right=-1, causal=False):
-    """The documented bottom-right rule, as a (sq, sk) bool mask."""
-    if causal:
-        right = 0
-    i = torch.arange(sq).unsqueeze(1) + sk - sq
-    j = torch.arange(sk)
-    ok = torch.ones(sq, sk, dtype=torch.bool)
-    if right >= 0:
-        ok &= j <= i + right
-    if left >= 0:
-        ok &= j >= i - left
-    return ok
 
 
 def _masked_reference(q, k, v, dout, visible, scale):
@@ -106,7 +93,7 @@ def test_square_gqa_matches_reference(causal, dtype_name):
 @pytest.mark.parametrize("causal", [True, False])
 def test_unequal_lengths_are_bottom_right(sq, sk, causal, dtype_name):
     q, k, v, dout = _inputs((2, sq, 4, 16), (2, sk, 1, 16), DTYPES[dtype_name], seed=sq * 31 + sk)
-    visible = _visible(sq, sk, causal=causal)
+    visible = fa_visible(sq, sk, causal=causal)
     ref = _masked_reference(q, k, v, dout, visible, 0.3)
     _assert_close(_run(q, k, v, dout, causal), ref, dtype_name, ~visible.any(1))
 
@@ -120,7 +107,7 @@ def test_unequal_lengths_are_bottom_right(sq, sk, causal, dtype_name):
 def test_sliding_windows(sq, sk, left, right, causal, dtype_name):
     # Windows of a few keys are far smaller than the CPU kernel's blocks (tens of rows).
     q, k, v, dout = _inputs((1, sq, 2, 16), (1, sk, 2, 16), DTYPES[dtype_name], seed=left + 7)
-    visible = _visible(sq, sk, left, right, causal)
+    visible = fa_visible(sq, sk, left, right, causal)
     ref = _masked_reference(q, k, v, dout, visible, 0.3)
     _assert_close(_run(q, k, v, dout, causal, left, right), ref, dtype_name, ~visible.any(1))
 
@@ -130,7 +117,7 @@ def test_left_window_alone_bounds_the_right_by_seqlen_k():
     # seqlen_k, not infinity. With sq > sk + 1 that hides every key from the first rows.
     sq, sk = 12, 4
     q, k, v, dout = _inputs((1, sq, 2, 8), (1, sk, 2, 8), torch.float32, seed=3)
-    visible = _visible(sq, sk, left=1, right=sk)
+    visible = fa_visible(sq, sk, left=1, right=sk)
     assert not visible[:4].any() and visible[4:].any(1).all()
     ref = _masked_reference(q, k, v, dout, visible, 0.3)
     _assert_close(_run(q, k, v, dout, False, 1, -1), ref, "fp32", ~visible.any(1))
@@ -225,7 +212,7 @@ def test_varlen_matches_each_sequence(causal, window, dtype_name):
     for i, (sq, sk) in enumerate(zip(lens_q, lens_k)):
         qs, ks = int(cu_q[i]), int(cu_k[i])
         seg = [t[None, qs:qs + sq] for t in (q, dout)] + [t[None, ks:ks + sk] for t in (k, v)]
-        visible = _visible(sq, sk, *window, causal=causal)
+        visible = fa_visible(sq, sk, *window, causal=causal)
         ref = _masked_reference(seg[0], seg[2], seg[3], seg[1], visible, 0.3)
         got = {"out": out[None, qs:qs + sq], "lse": lse[None, :, qs:qs + sq],
                "dq": grads[0][None, qs:qs + sq], "dk": grads[1][None, ks:ks + sk],
@@ -269,7 +256,7 @@ def test_flash_attn_func_autograd(dtype_name):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse, s_dmask = fac.flash_attn_func(*leaves, causal=True, return_attn_probs=True)
     out.backward(dout)
-    ref = _masked_reference(q, k, v, dout, _visible(8, 11, causal=True), 16 ** -0.5)
+    ref = _masked_reference(q, k, v, dout, fa_visible(8, 11, causal=True), 16 ** -0.5)
     got = {"out": out.detach(), "lse": lse.detach(), "dq": leaves[0].grad,
            "dk": leaves[1].grad, "dv": leaves[2].grad}
     _assert_close(got, ref, dtype_name)
@@ -283,7 +270,7 @@ def test_flash_attn_varlen_func_autograd():
     out.backward(dout)
     for i in range(3):
         qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
-        visible = _visible(qe - qs, ke - ks, causal=True)
+        visible = fa_visible(qe - qs, ke - ks, causal=True)
         ref = _masked_reference(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke],
                                 dout[None, qs:qe], visible, 16 ** -0.5)
         for name, got in (("out", out.detach()[qs:qe]), ("dq", leaves[0].grad[qs:qe]),

@@ -62,6 +62,7 @@ def test_best_over_packings_needs_a_win_in_every_packing():
     assert "Over the packings" in text and "1.50 - 1.70" in text and "trace:pile" in text
 
 
+@pytest.mark.slow  # seconds of CPU (make test-fast leaves it out; CI runs it)
 def test_simulate_predicts_every_packing():
     from cpbench.sim import command, hardware
     from cpbench.topology import Topology

@@ -233,7 +233,8 @@ def _traced_posts(events) -> Counter:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world,rpn", [(4, 2)])  # every topology: by schedule, above
+# 4 nodes x 2 as well: outer rings of 4 (more than one outer hop), 8-rank messages
+@pytest.mark.parametrize("world,rpn", [(4, 2), (8, 2)])
 def test_traced_runs_send_what_upstream_sends(world, rpn):
     """burst (double ring with opt_bwd, flat without: its two variants) and double-ring,
     traced at torch.distributed: every message each rank posts, with its dtype, bytes, group

@@ -73,6 +73,7 @@ def test_bad_input_is_one_line_exit_2(capsys, args, needle):
     assert err.count("\n") == 1 and needle in err, err
 
 
+@pytest.mark.slow  # seconds of CPU (make test-fast leaves it out; CI runs it)
 def test_compare_placements_fastest_first(capsys):
     code, out, _ = run(capsys, "--compare-placements", "--strategy", "usp,double-ring")
     assert code == 0
@@ -105,6 +106,7 @@ def test_validate_prints_every_published_row_with_its_error(capsys):
     assert "ranking at each sequence length" in out
 
 
+@pytest.mark.slow  # seconds of CPU (make test-fast leaves it out; CI runs it)
 def test_a_thousand_configs():
     """Every strategy and variant × 8 sequence lengths × batch 1/2 × bf16/fp16 on 1, 2, 4 and
     8 nodes of 8 GPUs, from a cold cache, each a finite prediction. (How fast: the benchmark
