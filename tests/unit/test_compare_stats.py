@@ -102,6 +102,7 @@ def test_no_difference_is_rarely_called_slower_or_faster(sigma):
     assert ((v == stats.SLOWER) | (v == stats.FASTER)).mean() <= ALPHA
 
 
+@pytest.mark.slow
 def test_iterations_to_resolve_do_resolve():
     """An unclear 10 % change at 10 iterations: rerun with the estimated iterations, most
     pairs resolve (here: slower); the estimate is not just "more"."""

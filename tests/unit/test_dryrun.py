@@ -13,6 +13,7 @@ from cpbench.cli import main
 from cpbench.config import AttentionConfig
 from cpbench.topology import Topology
 
+SLOW = pytest.mark.slow  # seconds of CPU: CI runs them, make test-fast leaves them out
 OWN = ("ring", "zigzag", "megatron-cp", "megatron-cp-a2a+p2p", "double-ring", "burst",
        "ulysses", "usp", "llama3")
 
@@ -79,7 +80,8 @@ ATTN = AttentionConfig(seqlen=32768, heads=8, head_dim=64, dtype="bf16", causal=
 TOPO = Topology(world_size=8, ranks_per_node=4)
 
 
-@pytest.mark.parametrize("name", OWN)
+@pytest.mark.parametrize("name", [n if n == "zigzag" else pytest.param(n, marks=SLOW)
+                                  for n in OWN])
 def test_every_own_strategy_sends_its_schedule_on_every_distinct_rank(name):
     opts = strategies.get(name).Options()
     alike = dryrun.distinct_ranks(name, opts, ATTN, TOPO, kernel_name="sdpa-cpu")
@@ -95,6 +97,7 @@ def test_every_own_strategy_sends_its_schedule_on_every_distinct_rank(name):
         assert r.peak_fwd_bwd_bytes >= 7 * shard and r.peak_fwd_bytes >= 5 * shard
 
 
+@SLOW
 def test_ranks_called_alike_measure_alike():
     name, opts = "usp", strategies.get("usp").Options(ulysses_degree=2)
     alike = dryrun.distinct_ranks(name, opts, ATTN, TOPO, kernel_name="sdpa-cpu")
@@ -159,7 +162,8 @@ def test_cli_says_oom_and_by_how_much(capsys):
     assert "OOM: needs" in out and "over)" in out
 
 
-@pytest.mark.parametrize("name", ["rfa-llama3", "rfa-zigzag", "torch-ring", "yunchang-usp"])
+@pytest.mark.parametrize("name", ["yunchang-usp", *(pytest.param(n, marks=SLOW) for n in
+                                                   ("rfa-llama3", "rfa-zigzag", "torch-ring"))])
 def test_the_upstream_adapters_run_every_rank_without_a_host_sync(name, own_modules):
     """Their libraries' code on fake tensors: rfa-llama3's CPU flash-attn interface once read
     a mask back to the host on every rank but the first (found at 512K)."""
@@ -171,7 +175,6 @@ def test_the_upstream_adapters_run_every_rank_without_a_host_sync(name, own_modu
 
 
 # the cases taking seconds of CPU each: in CI (make test), not in make test-fast
-SLOW = pytest.mark.slow
 MASKED = AttentionConfig(seqlen=4096, heads=8, head_dim=64, dtype="bf16", causal=True,
                          documents=(2048, 1024, 512, 512), window_size=(256, 0))
 

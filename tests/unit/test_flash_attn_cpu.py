@@ -384,6 +384,7 @@ def _python(code: str, *, path_extra: str | None = None) -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_install_never_shadows_a_real_flash_attn(tmp_path):
     fake = tmp_path / "flash_attn"
     fake.mkdir()
@@ -398,6 +399,7 @@ def test_install_never_shadows_a_real_flash_attn(tmp_path):
     assert out == "False False real True"
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_install_gives_the_cpu_interface_where_none_exists():
     out = _python("""
         import importlib.util

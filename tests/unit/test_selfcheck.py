@@ -54,6 +54,7 @@ def _machine_busy_s() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / load._TICK  # all but idle, iowait
 
 
+@pytest.mark.slow  # two seconds of busy processes
 @pytest.mark.skipif(not load.Meter.available(), reason="needs Linux's /proc")
 def test_the_meter_counts_an_orphans_cpu_and_not_our_childs(tmp_path):
     """An orphan's CPU is in the foreign time; a child's is not: the foreign time is at most

@@ -91,7 +91,7 @@ cases: [{strategy: ring, seqlen: 256}]
 
 
 @pytest.mark.parametrize("name", ["cpu_smoke.yaml", "node8_sweep.yaml",
-                                  "seed001_32gpu.yaml"])
+                                  pytest.param("seed001_32gpu.yaml", marks=pytest.mark.slow)])
 def test_shipped_configs_validate(name):
     cfg = sweep.load(REPO / "configs" / name)
     assert cfg.cases
