@@ -64,6 +64,6 @@ def test_runnable_block(block: Block, tmp_path: Path):
     for command in block.commands:
         where = f"{block.page}:{command.line}: {command.text}"
         code, out = _run(command.text, tmp_path, env)
-        assert code == block.exit, f"{where}\nexit {code}, the page says {block.exit}\n{out[-4000:]}"
+        assert code == block.exit, f"{where}\nexit {code}, not {block.exit}\n{out[-4000:]}"
         missing = missing_lines(command.expect, out)
         assert not missing, f"{where}\nnot in its output: {missing}\n{out[-4000:]}"
