@@ -39,7 +39,7 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -x -m gpu
 
 # cpbench's CUDA paths (flash-attn, strategies on the fake process group) on fake CUDA
-# tensors: shapes, dtypes, bytes sent; no numbers. See README, Tests.
+# tensors: shapes, dtypes, bytes sent; no numbers. See docs/testing.md.
 $(FG_STAMP): pyproject.toml scripts/fake_gpu_venv.sh tests/fake_gpu/stub/flash_attn_2_cuda.py
 	scripts/fake_gpu_venv.sh $(PYTHON) $(FG_VENV)
 	touch $(FG_STAMP)

@@ -1,6 +1,6 @@
 """cpbench calibrate on 2 local ranks writes a preset that cpbench simulate accepts, and
 ``simulate --self-check`` with it prints predicted vs measured and the worst error (tiny
-sizes: this checks the chain, not the model's accuracy, which the README states)."""
+sizes: this checks the chain, not the model's accuracy, which docs/simulator.md states)."""
 
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ print("value:", os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
 
 
 def test_torchrun_gives_its_workers_error_handling_1(tmp_path):
-    """The fact the README and the doctor state: with the variable unset, torch's elastic
+    """The fact docs/failures.md and the doctor state: with the variable unset, torch's elastic
     agent gives every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (not 3). No GPU needed: the
     agent sets it whatever the backend."""
     script = tmp_path / "show.py"

@@ -167,7 +167,7 @@ def test_the_a800_preset_keeps_its_standing_on_seed_001():
     """No scored row of seed 001 gets worse than its error above (half a point of slack for
     rounding), and at least 11 of the 15 stay within 15 %. USP ring-first's three are far
     off (a penalty that grows with S², as compute does, which no link parameter explains:
-    README, Simulator); when the model learns it, lower their entries here."""
+    docs/simulator.md, Measured error); when the model learns it, lower their entries here."""
     results = validate.run(validate.load(SEED_CSV), hardware.load("a800-sxm"))
     scored = {(r.row.implementation, r.row.attn.seqlen): r.error
               for r in results if r.row.scored}

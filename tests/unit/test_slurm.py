@@ -305,7 +305,8 @@ def test_every_launch_path_sets_error_handling_and_no_text_says_torchrun_gives_3
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     assert "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in SCRIPT.read_text()
     wrong = re.compile(r"(default|PyTorch's)[^.]{0,60}\b3\b|\b3\b[^.]{0,20}default", re.I)
-    for path in [SCRIPT, *(REPO / "src").rglob("*.py"), REPO / "README.md"]:
+    for path in [SCRIPT, *(REPO / "src").rglob("*.py"), REPO / "README.md",
+                 *(REPO / "docs").glob("*.md")]:
         lines = path.read_text().splitlines()
         for i, line in enumerate(lines):
             if "TORCH_NCCL_ASYNC_ERROR_HANDLING" in line:

@@ -81,7 +81,8 @@ def cpu_warnings(hostnames: list[str], cpus: list[int]) -> list[str]:
         if fewest < len(ranks):
             lines.append(f"warning: {host}: {len(ranks)} ranks share {fewest} usable "
                          f"core(s) (less than one each: timings will be slow); give the job "
-                         f"step the node's cores (srun --cpus-per-task, see README 'Slurm')")
+                         f"step the node's cores (srun --cpus-per-task, see "
+                         f"docs/gpus-and-slurm.md)")
     return lines
 
 

@@ -13,7 +13,7 @@ TOP_FINDINGS = 3
 
 
 def percent(fraction: float) -> str:
-    """0.95 → "95 %", 0.02 → "2 %" (the README's spacing)."""
+    """0.95 → "95 %", 0.02 → "2 %" (the docs' spacing)."""
     return f"{fraction * 100:g} %"
 
 

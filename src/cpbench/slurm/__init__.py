@@ -15,7 +15,7 @@ a case its launch left unwritten from what its failing rank left:
 - a YAML sweep in one allocation: ``cpbench sweep CONFIG``.
 
 Cases are lines of ``cpbench run`` flags, whitespace-separated.
-Nothing here has been run on a real Slurm cluster (see README, "Slurm").
+Nothing here has been run on a real Slurm cluster (see docs/gpus-and-slurm.md, "Slurm").
 """
 
 from __future__ import annotations

@@ -1,0 +1,69 @@
+"""The doc test: every ``console runnable`` block of README.md and docs/*.md runs as shown.
+
+Each block runs in its own temporary directory, its commands in order through bash, with
+``cpbench`` the cpbench of this checkout under this interpreter; each must exit as the block
+declares and print the excerpt lines shown under it (docs/testing.md states the convention)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from doc_blocks import REPO, Block, all_blocks, missing_lines
+
+BLOCKS = all_blocks()
+TIMEOUT = 600  # seconds one command may take: a guard against a hang; blocks take seconds
+# repository folders the commands name by relative path (configs/cpu_smoke.yaml, ...)
+LINKED = ("configs", "scripts")
+
+
+def _workdir(tmp_path: Path) -> dict[str, str]:
+    """Link the repository folders in, put a ``cpbench`` for this checkout first on PATH."""
+    for name in LINKED:
+        (tmp_path / name).symlink_to(REPO / name)
+    bin_dir = tmp_path / ".bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "cpbench"
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m cpbench.cli "$@"\n')
+    shim.chmod(0o755)
+    env = dict(os.environ)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH"))
+                                        if p)
+    return env
+
+
+def _run(text: str, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    """One command through bash in its own session: on timeout the whole group (the ranks it
+    started included) is killed, not only bash."""
+    proc = subprocess.Popen(["bash", "-c", text], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {TIMEOUT} s: {text}\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def test_the_pages_have_runnable_blocks():
+    """The parametrized test below would pass vacuously if the convention stopped matching."""
+    assert len(BLOCKS) >= 10
+    assert any(b.page == "README.md" for b in BLOCKS)
+
+
+@pytest.mark.timeout(1800)  # a whole block; each command has TIMEOUT
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_runnable_block(block: Block, tmp_path: Path):
+    env = _workdir(tmp_path)
+    for command in block.commands:
+        where = f"{block.page}:{command.line}: {command.text}"
+        code, out = _run(command.text, tmp_path, env)
+        assert code == block.exit, f"{where}\nexit {code}, not {block.exit}\n{out[-4000:]}"
+        missing = missing_lines(command.expect, out)
+        assert not missing, f"{where}\nnot in its output: {missing}\n{out[-4000:]}"
