@@ -153,12 +153,16 @@ def usp_default_degree(topo: Topology, rings: Sequence[Sequence[int]], heads: in
     """The default Ulysses degree of a USP mesh over ``rings`` (each a CP list): the dimension
     placed first fills a node. Head-first: the largest degree dividing ``heads`` whose
     consecutive Ulysses groups stay in a node. Ring-first: the largest ring whose consecutive
-    groups stay in a node, among those leaving a Ulysses degree that divides ``heads``."""
+    groups stay in a node, among those leaving a Ulysses degree that divides ``heads`` (where
+    none stays in a node, the largest of those rings)."""
     if placement == HEAD_FIRST:
         return node_local_block(topo, rings, also_divides=heads)
     n = len(rings[0])
-    fits = [r for r in divisors(n) if heads % (n // r) == 0 and not any(
-        topo.crosses_nodes(ring[s:s + r]) for ring in rings for s in range(0, n, r))]
+    valid = [r for r in divisors(n) if heads % (n // r) == 0]  # r = n: Ulysses degree 1
+    # no ring that divides the heads fits in a node (16 nodes of 8, 40 heads): the largest
+    # ring, which crosses nodes least often
+    fits = [r for r in valid if not any(
+        topo.crosses_nodes(ring[s:s + r]) for ring in rings for s in range(0, n, r))] or valid
     return n // max(fits)
 
 

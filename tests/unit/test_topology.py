@@ -15,6 +15,7 @@ from cpbench.topology import (
     node_local_block,
     plan_group,
     strided_groups,
+    usp_default_degree,
     usp_mesh,
 )
 
@@ -130,3 +131,13 @@ def test_groups_do_not_outlive_their_world(tmp_path):
         pgs.append(new_groups(Topology(world_size=1, ranks_per_node=1), "ring", 0, [[0]]).pg)
         dist.destroy_process_group()
     assert pgs[0] is not pgs[1]
+
+
+def test_ring_first_default_when_no_ring_dividing_the_heads_fits_a_node():
+    """16 nodes of 8, 40 heads: rings of 16, 32, 64 or 128 leave a Ulysses degree dividing
+    40, and every one crosses nodes: the largest ring (degree 1) rather than no answer."""
+    topo = Topology(world_size=128, ranks_per_node=8)
+    rings = [list(range(128))]
+    assert usp_default_degree(topo, rings, heads=40, placement="ring-first") == 1
+    # one that fits is still preferred: with 16 heads a ring of 8 (Ulysses 16) stays in a node
+    assert usp_default_degree(topo, rings, heads=16, placement="ring-first") == 16

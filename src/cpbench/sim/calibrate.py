@@ -146,6 +146,9 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """(latency µs, bandwidth GB/s) of the line ms = a + bytes · b through (bytes, ms) points,
     least squares in relative error (weights 1/ms²), so the small messages that set the
     latency count as much as the large ones that set the bandwidth; a clipped at 0."""
+    if len({x for x, _ in points}) < 2:  # one size: no latency to tell from the rate
+        x, y = points[0]
+        return 0.0, x / max(y, 1e-12) / 1e9 * 1e3
     w = [1.0 / max(y, 1e-9) ** 2 for _, y in points]
     sw = sum(w)
     mx = sum(wi * x for wi, (x, _) in zip(w, points)) / sw
