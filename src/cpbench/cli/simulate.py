@@ -60,33 +60,11 @@ def add_parser(sub) -> None:
     s.add_argument("--validate", metavar="FILE.csv",
                    help="predict published rows (configs/validation/*.csv) and print the "
                         "relative errors; ignores the other flags but --hardware")
-    s.add_argument("--self-check", action="store_true",
-                   help="run the cases on local CPU ranks (cpbench run --nproc) and print "
-                        "predicted vs measured with the relative error, and the worst; CPU "
-                        "problem defaults, --seqlen default 2k,4k,8k; give --hardware a preset "
-                        "from cpbench calibrate")
     s.add_argument("--memory-from", metavar="DRYRUN.jsonl",
                    help="take each row's memory from a `cpbench dryrun --out` record of the "
                         "same case where there is one (the model's estimate and its error "
                         "beside it), the model's estimate elsewhere")
-    s.add_argument("--measured", metavar="FILE.jsonl",
-                   help="--self-check: predict the rows of an earlier self-check's --out "
-                        "instead of measuring again")
-    s.add_argument("--nproc", type=integer, default=2,
-                   help="--self-check: local ranks (default 2)")
-    s.add_argument("--iters", type=integer,
-                   help="--self-check: timed iterations a case, after 1 warm-up (default: "
-                        "about a second of the baseline's work a case, 3 at least)")
-    s.add_argument("--rounds", type=integer, default=3,
-                   help="--self-check: times each length is measured, the order reversed "
-                        "each round (default 3)")
-    fraction = cli_args.converter(cli_args.read_number(float), "a number")
-    s.add_argument("--load-limit", type=fraction, default=0.1, metavar="FRACTION",
-                   help="--self-check: refuse to score when other processes used more than "
-                        "this share of the cores while it measured (default 0.1)")
-    s.add_argument("--drift-limit", type=fraction, default=0.1, metavar="FRACTION",
-                   help="--self-check: measure a length again when the machine probe around "
-                        "it is further than this from the preset (default 0.1)")
+    _add_self_check(p, integer)
     s.add_argument("--plot", metavar="OUT.png",
                    help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib)")
     s.add_argument("--format", choices=FORMATS, default="table")
@@ -95,6 +73,34 @@ def add_parser(sub) -> None:
                         "`cpbench report` re-renders them, beside measured ones); with "
                         "--self-check, the measured records (re-check them with --measured)")
     cli_args.add_strategy_options(p, {s.name for s in attention_settings()})
+
+
+def _add_self_check(p, integer) -> None:
+    c = p.add_argument_group(
+        "self-check", "the model against cpbench run on this machine's CPU ranks (CPU "
+        "problem defaults with 2 heads, --seqlen default 2k,4k,8k; --hardware: a preset "
+        "from cpbench calibrate)")
+    c.add_argument("--self-check", action="store_true",
+                   help="run the cases (cpbench run --nproc) and print predicted vs measured, "
+                        "the error of each row, per strategy, per length and overall")
+    fraction = cli_args.converter(cli_args.read_number(float), "a number")
+    for flag, kind, default, text in (
+            ("--measured", None, None, "predict the rows of an earlier self-check's --out "
+                                       "instead of measuring again"),
+            ("--nproc", integer, 2, "local ranks (default 2)"),
+            ("--iters", integer, None, "timed iterations a case, after 1 warm-up (default: "
+                                       "about a second of the baseline's work a case, 3 at "
+                                       "least)"),
+            ("--rounds", integer, 3, "times each length is measured, the order reversed each "
+                                     "round (default 3)"),
+            ("--load-limit", fraction, 0.1, "refuse to score when other processes used more "
+                                            "than this share of the cores while it measured "
+                                            "(default 0.1)"),
+            ("--drift-limit", fraction, 0.1, "measure a length again when the machine probe "
+                                             "around it is further than this from the "
+                                             "preset's (default 0.1)")):
+        metavar = {None: "FILE.jsonl", fraction: "FRACTION"}.get(kind)
+        c.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
 
 
 def main(args) -> int:
