@@ -227,7 +227,7 @@ def sharing(spec: Spec, timer: Timer, rank: int, world: int) -> dict:
                 fwd()
         t_busy, t_alone, t_both, t_x = _interleaved((fwd, alone, both, exchange), spec, timer)
         speedups.append(t_busy / t_alone)
-        exposed.append((t_both - t_busy) / t_x)
+        exposed.append((t_both - t_busy) / max(t_x, 1e-9))
     return {"idle_speedup": max(1.0, statistics.median(speedups)),
             "overlapped": max(0.0, statistics.median(exposed)) if inside is not None else None}
 
