@@ -169,12 +169,10 @@ def _shares(g, op: str, me: int, topo: Topology) -> tuple[float, float]:
 @dataclass
 class _Loads:
     """One rank's schedule as the model reads it, per step: bytes by link and kind
-    (intra_ov, inter_ov, intra_exp, inter_exp), bytes leaving the node (ov, exp), and bytes
-    of messages in flight (posted, not yet awaited)."""
+    (intra_ov, inter_ov, intra_exp, inter_exp) and bytes leaving the node (ov, exp)."""
 
     moved: list[list[float]]
     leaving: list[list[float]]
-    in_flight: list[float]
 
 
 def _span(schedule, i: int, m) -> list[int]:
@@ -193,8 +191,7 @@ def _rank_loads(strat: Strategy, schedule, topo: Topology) -> _Loads:
     """A message spread over k steps moves 1/k of its bytes at each (the link carries it
     while they compute)."""
     me = topo.node_of(strat.rank)
-    loads = _Loads([[0.0] * 4 for _ in schedule], [[0.0, 0.0] for _ in schedule],
-                   [0.0] * len(schedule))
+    loads = _Loads([[0.0] * 4 for _ in schedule], [[0.0, 0.0] for _ in schedule])
     shares: dict[tuple[str, str], tuple[float, float]] = {}
     for i, step in enumerate(schedule):
         for m in step.messages:
@@ -209,8 +206,6 @@ def _rank_loads(strat: Strategy, schedule, topo: Topology) -> _Loads:
                 loads.moved[j][kind] += share * (1 - remote)
                 loads.moved[j][kind + 1] += share * remote
                 loads.leaving[j][kind // 2] += share * out
-            for j in range(i, span[-1] + 1):
-                loads.in_flight[j] += m.nbytes
     return loads
 
 
@@ -258,13 +253,6 @@ def _step_load(phase: str, by_node: list[list[RankStep]]) -> StepLoad:
             counts[index[v]] += 1
         nodes.add(tuple(counts))
     return StepLoad(phase, distinct, tuple(sorted(nodes)))
-
-
-def _resident_bytes(strat: Strategy) -> float:
-    """q, k, v, out, dout, dq, dk, dv in the activation dtype, lse, one fp32 accumulator."""
-    s = strat.local_seqlen
-    q, kv = strat.q_bytes(s), strat.kv_bytes(s)
-    return 4 * q + 4 * kv + strat.lse_bytes(s) + strat.q_bytes(s, element_size=4)
 
 
 @lru_cache(maxsize=4096)
@@ -350,8 +338,8 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
                     hw, step.phase, r.q_elements * linear, r.kv_elements * linear)
             computes.append(compute)
         worst = 0.0
-        for finish, r in zip(sharing.shared_compute(computes, step.nodes, hw.idle_speedup),
-                             step.ranks):
+        finishes = sharing.shared_compute(computes, step.nodes, hw.idle_speedup)
+        for finish, r in zip(finishes, step.ranks):
             exp = _comm_s(hw, r.intra_exp * linear, r.inter_exp * linear, r.node_exp * linear)
             ov = _comm_s(hw, r.intra_ov * linear, r.inter_ov * linear, r.node_ov * linear)
             if hw.overlapped is not None:  # measured in situ: it adds, nothing hides
@@ -359,7 +347,8 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
             else:
                 worst = max(worst, max(finish, ov) + exp)
         total[step.phase] += worst
-        compute_total[step.phase] += max(computes)
+        # the slowest rank's kernel time as the step runs it (shared, where a CPU shares)
+        compute_total[step.phase] += max(finishes)
     memory = c.memory_bytes * linear
     return Prediction(fwd_s=total[FWD], bwd_s=total[BWD], fwd_compute_s=compute_total[FWD],
                       bwd_compute_s=compute_total[BWD], memory_bytes=memory,
