@@ -13,11 +13,16 @@ from cpbench.sim.selfcheck import DEFAULT_LIMITS, Limits, Measured, Row
 WITHIN = 0.15
 
 
-def _summary(rows: Sequence[Row]) -> str:
+def _scores(rows: Sequence[Row]) -> tuple[float, int, float]:
+    """(median |error|, rows within WITHIN, worst |error|)."""
     errors = sorted(abs(r.error) for r in rows)
-    within = sum(e <= WITHIN for e in errors)
-    return (f"median {statistics.median(errors) * 100:5.1f} %, {within:>3} of {len(rows):>3} "
-            f"within 15 %, worst {errors[-1] * 100:5.1f} %")
+    return statistics.median(errors), sum(e <= WITHIN for e in errors), errors[-1]
+
+
+def _summary(rows: Sequence[Row]) -> str:
+    median, within, worst = _scores(rows)
+    return (f"median {median * 100:5.1f} %, {within:>3} of {len(rows):>3} within "
+            f"{WITHIN * 100:.0f} %, worst {worst * 100:5.1f} %")
 
 
 def _grouped(rows: Sequence[Row], key: Callable[[Row], object]) -> list[str]:
@@ -75,10 +80,9 @@ def render(rows: list[Row], hw: Hardware, nproc: int, skipped: Sequence[str] = (
     lines += ["", "per strategy:", *_grouped(rows, lambda r: r.strategy),
               "per length:", *_grouped(rows, lambda r: r.seqlen)]
     worst = max(rows, key=lambda r: abs(r.error))
-    errors = sorted(abs(r.error) for r in rows)
-    within = sum(e <= WITHIN for e in errors)
-    lines += ["", refusal or f"median |error| {statistics.median(errors) * 100:.1f} %, "
-                             f"{within} of {len(rows)} within 15 %",
+    median, within, _ = _scores(rows)
+    lines += ["", refusal or f"median |error| {median * 100:.1f} %, "
+                             f"{within} of {len(rows)} within {WITHIN * 100:.0f} %",
               f"worst |error| {abs(worst.error) * 100:.1f} % ({worst.label}, {worst.seqlen}, "
               f"{worst.phase})"]
     return "\n".join(lines) + "\n", refusal is None
