@@ -32,6 +32,7 @@ As ring-flash-attn (llama3_flash_attn_varlen.py, 0.1.8) by default:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -238,17 +239,21 @@ class Llama3(Strategy):
 
     # -- the gathered sequence ----------------------------------------------------------------
 
-    def _chunks_held(self) -> list[int]:
+    @functools.cached_property
+    def _chunks_held(self) -> list[int] | None:
         """The sequence chunks (S/N contiguous, S/2N zigzag) in the order an all-gather lays
-        them: group members in global rank order, each member's chunks in its local order."""
+        them: group members in global rank order, each member's chunks in its local order;
+        None when that is sequence order (contiguous on a ring in rank order: nothing to
+        move). Once per strategy: the reorders run inside the timed step."""
         n, zigzag = self.cp_size, self.opts.layout == "zigzag"
         ring = next(lst for lst in self.cp_lists if self.rank in lst)
         positions = [self.cp_index(r) for r in sorted(ring)]
-        return [c for p in positions for c in ((p, 2 * n - 1 - p) if zigzag else (p,))]
+        held = [c for p in positions for c in ((p, 2 * n - 1 - p) if zigzag else (p,))]
+        return None if held == sorted(held) else held
 
     def _reorder(self, x_bs: torch.Tensor, to_sequence: bool) -> torch.Tensor:
-        held = self._chunks_held()
-        if held == sorted(held):  # contiguous on a ring in rank order: nothing to move
+        held = self._chunks_held
+        if held is None:
             return x_bs
         cache = self.__dict__.setdefault("_orders", {})
         if x_bs.device not in cache:
