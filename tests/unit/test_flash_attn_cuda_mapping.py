@@ -314,3 +314,26 @@ def test_the_libraries_discard_softmax_d(package):
                     getattr(node.value.func, "id", None) in names:
                 statements += 1
     assert calls > 0 and statements == calls, (package, calls, statements)
+
+
+def test_yunchang_imported_before_the_interface_is_refused(own_modules, monkeypatch):
+    """yunchang decides at its first import whether flash-attn exists (HAS_FLASH_ATTN): one
+    imported before the interface was installed would fail at its first call."""
+    import sys
+
+    from cpbench import kernels, strategies
+    from cpbench.config import AttentionConfig
+    from cpbench.topology import Topology
+
+    for name in [n for n in sys.modules if n.split(".")[0] in ("yunchang", "flash_attn")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # absent at yunchang's import
+    yunchang_globals = pytest.importorskip("yunchang.globals")
+    assert not yunchang_globals.HAS_FLASH_ATTN
+    attn = AttentionConfig(batch=1, seqlen=64, heads=4, kv_heads=4, head_dim=16, dtype="bf16",
+                           causal=True)
+    cls = strategies.get("yunchang-usp")
+    st = cls(attn, Topology(world_size=2, ranks_per_node=2), 0, kernel=kernels.get("sdpa-cpu"),
+             options=cls.Options(ulysses_degree=1), create_groups=False)
+    with pytest.raises(UsageError, match="yunchang was imported in this process before"):
+        st._layer()

@@ -141,7 +141,13 @@ class YunchangUsp(Strategy):
 
     def _layer(self):
         import yunchang
+        from yunchang import globals as yunchang_globals
 
+        if not yunchang_globals.HAS_FLASH_ATTN:  # decided once, at its first import
+            raise UsageError("yunchang was imported in this process before flash-attn's "
+                             "interface was installed, so it runs without flash-attn; start "
+                             "cpbench afresh (the strategy installs it before importing "
+                             "yunchang)")
         with _cached_groups(self.topo.group_timeout_s):
             yunchang.set_seq_parallel_pg(self.ulysses_degree, self.ring_degree, self.rank,
                                          self.world_size,

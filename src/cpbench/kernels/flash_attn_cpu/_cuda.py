@@ -12,7 +12,8 @@ torch 2.13 and 2.14 (identical); ``import_error`` names what an older torch lack
 
 What torch's op cannot do is refused by the caller (``_internal``): dropout, ALiBi (its
 backward takes none), softcap, paged KV, ``leftpad_k``; ``deterministic=True`` only under
-``torch.use_deterministic_algorithms(True)`` (the op reads that global switch). fp16 / bf16
+``torch.use_deterministic_algorithms(True)`` (the op reads that global switch, and under it
+is deterministic whatever ``deterministic`` says). fp16 / bf16
 and head_dim a multiple of 8 up to 256, as flash-attn's C++ requires (its public
 ``flash_attn_func`` pads the head dim; the internal functions do not).
 
