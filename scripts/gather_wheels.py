@@ -85,8 +85,9 @@ def install_line(dest: Path) -> str:
     """The offline install, into DEST/site (nothing else on the machine changes), run from
     the repository."""
     d = shlex.quote(shown(dest))
+    site = f"{d}/site" if Path(shown(dest)).is_absolute() else f"$PWD/{d}/site"
     return (f"python3 -m pip install --no-index --no-deps --target {d}/site {d}/*.whl && "
-            f"export PYTHONPATH={d}/site:$PWD/src")
+            f"export PYTHONPATH={site}:$PWD/src")
 
 
 def gather(dest: Path, python_version: str, python: str = sys.executable, run=subprocess.run):

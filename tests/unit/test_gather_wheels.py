@@ -107,3 +107,11 @@ def test_the_offline_install_line_installs_with_no_index(tmp_path):
     assert done.returncode == 0, done.stderr
     where, version = done.stdout.splitlines()[-1].split()
     assert where.startswith(str(dest / "site")) and version == "0.1.8"
+
+
+def test_the_install_line_names_the_folder_as_the_offline_machine_sees_it():
+    # inside the repository: relative (the copy's absolute path differs), PYTHONPATH absolute
+    assert gw.install_line(REPO / "wheels") == (
+        "python3 -m pip install --no-index --no-deps --target wheels/site wheels/*.whl && "
+        "export PYTHONPATH=$PWD/wheels/site:$PWD/src")
+    assert gw.install_line(Path("/data/w")).endswith("PYTHONPATH=/data/w/site:$PWD/src")
