@@ -255,7 +255,7 @@ def test_what_torchs_op_cannot_do_is_refused(torch_op):
     with pytest.raises(NotImplementedError, match="leftpad_k"):
         fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 4, 4, 0.0, 0.3, False,
                                        leftpad_k=torch.zeros(1, dtype=torch.int32))
-    with pytest.raises(ValueError, match="cu_seqlens_q must be int32"):
+    with pytest.raises(ValueError, match="cu_seqlens_q must be contiguous int32"):
         fai._flash_attn_varlen_forward(q, k, v, cu_q.long(), cu_k, 4, 4, 0.0, 0.3, False)
     out, lse, _, _ = fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 4, 4, 0.0, 0.3, False)
     args = (cu_q, cu_k, 4, 4, 0.0, 0.3, False, -1, -1, 0.0, None)

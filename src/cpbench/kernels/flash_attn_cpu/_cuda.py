@@ -95,9 +95,9 @@ def _check_lse(lse: Tensor, shape: tuple[int, ...], layout: str) -> None:
 
 
 def _check_cu(cu: Tensor, name: str, q: Tensor) -> None:
-    if cu.dtype != torch.int32 or cu.device != q.device:
-        raise ValueError(f"{name} must be int32 on {q.device}, as flash-attn's; got {cu.dtype} "
-                         f"on {cu.device}")
+    if cu.dtype != torch.int32 or cu.device != q.device or not cu.is_contiguous():
+        raise ValueError(f"{name} must be contiguous int32 on {q.device}, as flash-attn's; got "
+                         f"{cu.dtype} on {cu.device}")
 
 
 def _extras(q: Tensor) -> tuple[Tensor, Tensor]:
