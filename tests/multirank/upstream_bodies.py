@@ -13,12 +13,12 @@ def yunchang_layout_matches_its_helpers(rank, world, rpn, options):
     """yunchang's own EXTRACT_FUNC_DICT helper on a tensor of positions, with the groups
     yunchang-usp set up (set_seq_parallel_pg), against the strategy's seq_index: the indices
     a rank holds, or the helper's when they differ."""
-    import yunchang
-
     attn = AttentionConfig(batch=1, seqlen=96, heads=8, head_dim=16, dtype="bf16")
     cls = strategies.get("yunchang-usp")
     st = cls(attn, Topology(world_size=world, ranks_per_node=rpn), rank,
              kernel=kernels.get("sdpa-cpu"), options=cls.Options(**options))
+    import yunchang  # after the strategy: it installs flash-attn's interface first, as a run
+
     positions = torch.arange(attn.seqlen).view(1, -1, 1)
     helper = yunchang.EXTRACT_FUNC_DICT[options["ring_impl"]]
     got = helper(positions, rank, world, st.ring_degree, st.ulysses_degree).flatten()
@@ -30,7 +30,6 @@ def yunchang_groups_across_builds(rank, world):
     each build, whether yunchang got the same groups each time, whether they are the groups
     cpbench's cache holds, under which the per-case timeout is set)."""
     import torch.distributed as dist
-    from yunchang.globals import PROCESS_GROUP
 
     from cpbench import topology
 
@@ -43,6 +42,9 @@ def yunchang_groups_across_builds(rank, world):
         cls(attn, topo, rank, kernel=kernels.get("sdpa-cpu"),
             options=cls.Options(ulysses_degree=2, ring_impl="zigzag"))
         counts.append(dist.get_pg_count())
+        # imported after the first build, which installs flash-attn's interface first
+        from yunchang.globals import PROCESS_GROUP
+
         pgs.append((PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG))
     cached = {id(pg) for _, pg in topology._PG_CACHE.values()}
     return counts, all(p == pgs[0] for p in pgs), all(id(pg) in cached for pg in pgs[0])

@@ -278,6 +278,25 @@ def test_auto_fa3_keeps_the_adapters_on_flash_attn_2(fake_flash, name):
                                                                  None)  # cpbench's own: any
 
 
+@pytest.mark.parametrize("name", ["rfa-zigzag", "rfa-llama3", "yunchang-usp"])
+def test_without_flash_attn_auto_runs_the_adapters_on_torchs_fa2(name, monkeypatch):
+    """No flash-attn on a CUDA build: the libraries run on cpbench's interface over torch's
+    FA2 ops, so auto gives them sdpa, and sdpa asked for by name is accepted."""
+    from cpbench import strategies
+    from cpbench.config import AttentionConfig
+    from cpbench.kernels import flash_attn as fa
+    from cpbench.topology import Topology
+
+    monkeypatch.setattr(fa, "_load", lambda module: (_ for _ in ()).throw(ImportError(module)))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    backend, note = _adapter_kernel(name, "flash-attn3", auto=True)
+    assert backend.name == "sdpa" and "using sdpa" in note
+    attn = AttentionConfig(batch=1, seqlen=64, heads=4, kv_heads=4, head_dim=16, dtype="bf16",
+                           causal=True)
+    strategies.get(name)(attn, Topology(world_size=2, ranks_per_node=2), 0,
+                         kernel=kernels.get("sdpa"), create_groups=False)  # validates
+
+
 def test_auto_gives_torch_ring_torchs_flash_op_on_cuda(fake_flash, monkeypatch):
     assert _adapter_kernel("torch-ring", "flash-attn3", auto=True)[0].name == "flash-attn3"
     monkeypatch.setattr(torch.version, "cuda", "12.4")  # now sdpa can run
@@ -293,10 +312,9 @@ def test_auto_gives_torch_ring_torchs_flash_op_on_cuda(fake_flash, monkeypatch):
     ("torch-ring", "flash-attn", "use --kernel sdpa (or auto), not flash-attn"),
     ("torch-ring", "torch", "use --kernel sdpa on CUDA, sdpa-cpu on CPU (or auto)"),
     ("torch-ring", "flash-attn-cpu", "use --kernel sdpa-cpu (or auto)"),
-    ("rfa-ring", "flash-attn3", "use --kernel flash-attn (or auto), not flash-attn3"),
-    ("rfa-ring", "sdpa", "use --kernel flash-attn (or auto), not sdpa"),
-    ("yunchang-usp", "torch", "use --kernel flash-attn on CUDA, sdpa-cpu or flash-attn-cpu on "
-                              "CPU (or auto)"),
+    ("rfa-ring", "flash-attn3", "use --kernel flash-attn or sdpa (or auto), not flash-attn3"),
+    ("yunchang-usp", "torch", "use --kernel flash-attn or sdpa on CUDA, sdpa-cpu or "
+                              "flash-attn-cpu on CPU (or auto)"),
 ])
 def test_each_refusal_names_kernels_of_the_device(name, kernel, hint):
     """A hint names only kernels that run where the refused one runs (torch-ring said sdpa-cpu

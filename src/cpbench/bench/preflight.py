@@ -57,12 +57,17 @@ def kernel_smoke(backend: KernelBackend, device: str) -> str:
 def upstream_import(package: str, classes: list, device: str) -> str:
     """Import ``package`` as its strategies do (``classes``) on ``device``; what it runs on
     (raises what the import raised)."""
+    from cpbench import kernels
     from cpbench.strategies._upstream import flash_attn_beneath, import_algorithms
 
     module = UPSTREAM_MODULES[package]
     beneath = ""
     if package != "transformer-engine":  # ring-flash-attn and yunchang call flash-attn
-        beneath = f" over {flash_attn_beneath(device)}"
+        # on CUDA flash-attn where it imports, else its interface on torch's ops (sdpa)
+        kernel = kernels.get("sdpa-cpu" if device == "cpu" else "flash-attn")
+        if device != "cpu" and not kernel.is_importable():
+            kernel = kernels.get("sdpa")
+        beneath = f" over {flash_attn_beneath(kernel)}"
     modules = sorted({c.module for c in classes if getattr(c, "module", None) is not None})
     if package == "ring-flash-attn" and modules:
         for name in modules:  # the algorithm files, as the adapters import them

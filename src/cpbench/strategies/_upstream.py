@@ -1,6 +1,7 @@
-"""What the adapter strategies share: the flash-attn beneath a library (on CPU, cpbench's CPU
-implementation of flash-attn's interface, installed only where no flash-attn exists), the
-kernel check that keeps "same kernels" true, and the schedule an adapter does not declare.
+"""What the adapter strategies share: the flash-attn beneath a library (on CPU, and on CUDA
+under ``--kernel sdpa``, cpbench's implementation of flash-attn's interface, installed only
+where no flash-attn exists), the kernel check that keeps "same kernels" true, and the
+schedule an adapter does not declare.
 
 An adapter runs a library's own code; it declares no communication schedule (its traffic is
 what ``cpbench comm`` measures from its torch.distributed calls), so the simulator, which
@@ -19,9 +20,11 @@ from dataclasses import dataclass
 from cpbench.errors import Skipped, UsageError
 
 # the kernels beneath flash-attn's interface, per device: on CPU the interface runs the aten
-# CPU flash kernel that `sdpa-cpu` is, so an adapter and cpbench's own strategies share it.
+# CPU flash kernel that `sdpa-cpu` is, so an adapter and cpbench's own strategies share it; on
+# CUDA flash-attn 2 itself, or where it is absent torch's FA2 ops, which `sdpa` runs.
 # Not flash-attn3: the libraries call flash_attn's (FA2) interface, never FA3's.
-FLASH_KERNELS = {"cpu": ("sdpa-cpu", "flash-attn-cpu"), "cuda": ("flash-attn",)}
+FLASH_KERNELS: dict[str, tuple[str, ...]] = {"cpu": ("sdpa-cpu", "flash-attn-cpu"),
+                                              "cuda": ("flash-attn", "sdpa")}
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,8 @@ def check_kernel(strat, what: str) -> None:
 def check_flash_kernel(strat) -> None:
     """The library calls flash-attn's interface: the run's kernel must be what is beneath it."""
     check_kernel(strat, f"{strat.upstream.package}'s code, which calls flash-attn's interface "
-                        f"(on CUDA flash-attn 2, on CPU cpbench's on the sdpa-cpu kernel)")
+                        f"(on CUDA flash-attn 2, or cpbench's on torch's FA2 ops under sdpa; "
+                        f"on CPU cpbench's on the sdpa-cpu kernel)")
 
 
 def case_kernel(cls, backend, request: dict, *, auto: bool, elsewhere: bool = False):
@@ -103,20 +107,34 @@ def case_kernel(cls, backend, request: dict, *, auto: bool, elsewhere: bool = Fa
     return backend, None
 
 
-def flash_attn_beneath(device: str) -> str:
+def flash_attn_beneath(kernel) -> str:
     """Make ``import flash_attn`` work in this process for the library, before it is
-    imported, and say what it is: a real flash-attn, or cpbench's CPU interface."""
-    if device == "cpu":
-        from cpbench.kernels import flash_attn_cpu
+    imported, and say what it is: a real flash-attn, or cpbench's interface (on CPU; on CUDA
+    under ``sdpa``, on torch's FA2 ops). Never both in one process: cpbench's is installed only
+    where no flash-attn exists."""
+    from cpbench.kernels import flash_attn_cpu as fac
 
-        if flash_attn_cpu.install():
-            return (f"cpbench CPU interface of flash-attn {flash_attn_cpu.__version__} "
-                    f"(aten CPU flash kernel)")
-        raise UsageError("a flash-attn is installed here, and it does not run on CPU: the "
-                         "upstream strategies cannot use cpbench's CPU interface beside it; "
-                         "run them on GPUs, or in an environment without flash-attn")
+    device = device_of(kernel)
+    if device == "cpu" or kernel.name == "sdpa":
+        beneath = "the aten CPU flash kernel" if device == "cpu" else \
+            "torch's FA2 ops, aten._flash_attention_forward/_backward"
+        why = fac.cuda_import_error() if device == "cuda" else None
+        if why is not None:
+            raise UsageError(f"cpbench's flash-attn interface cannot run on CUDA here: {why}")
+        if fac.install():
+            return f"cpbench interface of flash-attn {fac.__version__} ({beneath})"
+        if device == "cpu":
+            raise UsageError("a flash-attn is installed here, and it does not run on CPU: the "
+                             "upstream strategies cannot use cpbench's CPU interface beside "
+                             "it; run them on GPUs, or in an environment without flash-attn")
+        raise UsageError("a flash-attn is installed here: the upstream library would call it, "
+                         "not torch's FA2 kernel; use --kernel flash-attn (sdpa runs them only "
+                         "where flash-attn is absent)")
     import flash_attn
 
+    if fac.is_cpu_interface(flash_attn):  # installed earlier in this process: no flash-attn
+        raise UsageError("flash-attn is not installed here; use --kernel sdpa (torch's FA2 ops "
+                         "beneath flash-attn's interface)")
     return f"flash-attn {flash_attn.__version__}"
 
 

@@ -5,8 +5,9 @@ Each calls ``zigzag_ring_flash_attn_func`` / ``ring_flash_attn_func`` /
 ``stripe_flash_attn_func`` with the CP process group and ``return_attn_probs=True`` (which
 hands back the lse for ``--check``); the library does its own ring (K and V as two messages,
 a dK/dV ring in fp32 behind it) and calls flash-attn's interface for every block: on GPU
-flash-attn itself, on CPU cpbench's CPU implementation of that interface
-(``kernels.flash_attn_cpu``, the aten CPU flash kernel ``sdpa-cpu`` uses).
+flash-attn itself (``--kernel flash-attn``) or, where it is absent, cpbench's implementation
+of that interface on torch's FA2 ops (``--kernel sdpa``); on CPU cpbench's on the aten CPU
+flash kernel ``sdpa-cpu`` uses (``kernels.flash_attn_cpu``).
 
 Layouts, as the library's own tests shard inputs: zigzag, chunks r and 2N-1-r of 2N (its
 twin ``zigzag``); ring, contiguous shards (``ring``); stripe, token i on rank i mod N. Zigzag
@@ -36,7 +37,6 @@ from cpbench.strategies import register
 from cpbench.strategies._upstream import (
     FLASH_KERNELS,
     check_flash_kernel,
-    device_of,
     flash_attn_beneath,
     import_algorithms,
     no_schedule,
@@ -68,7 +68,7 @@ class _RingFlashAttn(Strategy):
         # what the varlen call takes beside q, k, v (prepare(), under --documents)
         self.varlen_args: tuple[Any, ...] | None = None
         if create_groups:  # about to run: the library and the flash-attn under it
-            self.beneath = flash_attn_beneath(device_of(self.kernel))
+            self.beneath = flash_attn_beneath(self.kernel)
             module, function = (self.varlen if self.attn.documents and self.varlen
                                 else (self.module, self.function))
             self.fn = getattr(import_algorithms(MODULE, module), function)

@@ -1,8 +1,11 @@
 """yunchang-usp: yunchang's own ``LongContextAttention`` (feifeibear/long-context-attention,
 the ``yunchang`` package), run as it is: its process groups (``set_seq_parallel_pg``), its
 Ulysses all-to-alls (q, k, v separately, then out; no lse), its ring implementations
-(``RING_IMPL_DICT``: ``basic`` and ``zigzag``), flash-attn's interface beneath (on CPU
-cpbench's implementation of it, on the aten CPU flash kernel of ``sdpa-cpu``).
+(``RING_IMPL_DICT``: ``basic`` and ``zigzag``), flash-attn's interface beneath (on GPU
+flash-attn, or where it is absent cpbench's implementation of it on torch's FA2 ops under
+``--kernel sdpa``; on CPU cpbench's on the aten CPU flash kernel of ``sdpa-cpu``). yunchang
+decides at import whether flash-attn exists (``yunchang.globals.HAS_FLASH_ATTN``), so the
+interface is installed before yunchang is imported.
 
 Options carry ``usp``'s names where the meaning is the same, so one command line sets both:
 ``--ulysses-degree`` (0: usp's default for this topology), ``--placement`` (head-first is
@@ -104,7 +107,7 @@ class YunchangUsp(Strategy):
         super().__init__(*args, create_groups=create_groups, **kwargs)
         self.beneath = self.layer = None
         if create_groups:
-            self.beneath = flash_attn_beneath(device_of(self.kernel))
+            self.beneath = flash_attn_beneath(self.kernel)
             self.layer = self._layer()
 
     def validate(self) -> None:
@@ -138,7 +141,13 @@ class YunchangUsp(Strategy):
 
     def _layer(self):
         import yunchang
+        from yunchang import globals as yunchang_globals
 
+        if not yunchang_globals.HAS_FLASH_ATTN:  # decided once, at its first import
+            raise UsageError("yunchang was imported in this process before flash-attn's "
+                             "interface was installed, so it runs without flash-attn; start "
+                             "cpbench afresh (the strategy installs it before importing "
+                             "yunchang)")
         with _cached_groups(self.topo.group_timeout_s):
             yunchang.set_seq_parallel_pg(self.ulysses_degree, self.ring_degree, self.rank,
                                          self.world_size,

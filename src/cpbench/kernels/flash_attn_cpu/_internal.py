@@ -1,14 +1,17 @@
-"""flash-attn 2.8.3's four internal functions, on CPU.
+"""flash-attn 2.8.3's four internal functions, on CPU and, without flash-attn, on CUDA.
 
-Names, parameter names, order and defaults, return values and lse layouts are those of
+On CPU they run aten's CPU flash kernel (``_kernel``); on CUDA, torch's own FlashAttention-2
+ops (``_cuda``: its docstring lists where those differ from flash-attn). Names, parameter
+names, order and defaults, return values and lse layouts are those of
 flash_attn/flash_attn_interface.py at tag v2.8.3 (``_flash_attn_forward`` line 77,
 ``_flash_attn_varlen_forward`` 143, ``_flash_attn_backward`` 238, ``_flash_attn_varlen_backward``
 330), so callers that build keyword arguments with ``inspect.getfullargspec`` (ring-flash-attn's
 ``get_default_args``) work unchanged. They are plain functions, not torch custom ops.
 
 Not implemented, and refused loudly rather than ignored: dropout, ALiBi, softcap, paged KV
-(``block_table``). Wider than CUDA flash-attn: fp32/fp64 inputs and any head_dim are accepted.
-``deterministic`` is accepted and changes nothing; ``rng_state`` is returned as zeros.
+(``block_table``), and on CUDA ``leftpad_k``. On CPU wider than flash-attn: fp32/fp64 inputs
+and any head_dim are accepted, ``deterministic`` changes nothing, ``rng_state`` is zeros. On
+CUDA as narrow as flash-attn: fp16/bf16, head_dim a multiple of 8 up to 256.
 """
 
 from __future__ import annotations
@@ -17,21 +20,24 @@ from typing import Optional, Tuple
 
 import torch
 
-from cpbench.kernels.flash_attn_cpu import _kernel
+from cpbench.kernels.flash_attn_cpu import _cuda, _kernel
 
 Tensor = torch.Tensor
 LSE_ROWS_PAD = 128  # flash-attn pads softmax_d's rows (and varlen segments) to 128
 
 
 def _refuse_unsupported(dropout_p, softcap, alibi_slopes, block_table=None) -> None:
-    where = "cpbench's CPU flash-attn interface"
+    where = "cpbench's flash-attn interface"
     if dropout_p > 0:
         raise NotImplementedError(f"{where}: dropout_p={dropout_p} > 0 is not implemented "
-                                  "(aten's CPU kernel has no dropout); pass dropout_p=0.0")
+                                  "(aten's CPU kernel has no dropout; torch's CUDA op keeps "
+                                  "its own rng state, not flash-attn's); pass dropout_p=0.0")
     if alibi_slopes is not None:
-        raise NotImplementedError(f"{where}: alibi_slopes is not implemented; pass None")
+        raise NotImplementedError(f"{where}: alibi_slopes is not implemented (torch's FA2 "
+                                  "backward takes none); pass None")
     if softcap > 0:  # flash-attn treats softcap <= 0 as off
-        raise NotImplementedError(f"{where}: softcap={softcap} > 0 is not implemented; pass 0.0")
+        raise NotImplementedError(f"{where}: softcap={softcap} > 0 is not implemented (no "
+                                  "aten flash op takes one); pass 0.0")
     if block_table is not None:
         raise NotImplementedError(f"{where}: paged KV (block_table) is not implemented")
 
@@ -55,16 +61,25 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, token_dims: int) -> None:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def _grad_buffers(q: Tensor, k: Tensor, v: Tensor, dq, dk, dv, zero: bool = False):
-    """The given dq/dk/dv, checked like mha_bwd does, or new ones where None (written in place:
-    a caller that passes None gets nothing back, as with flash-attn)."""
-    bufs = []
+def _check_grad_buffers(q: Tensor, k: Tensor, v: Tensor, dq, dk, dv) -> None:
+    """The given dq/dk/dv checked as mha_bwd does: q/k/v's shape and dtype, last dim
+    contiguous (any other strides: ring-flash-attn passes views of longer buffers)."""
     for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if buf is not None and (buf.shape != like.shape or buf.dtype != like.dtype
+                                or buf.stride(-1) != 1):
+            raise ValueError(f"{name} must have shape {tuple(like.shape)} and dtype {like.dtype} "
+                             f"with a contiguous last dim, got {tuple(buf.shape)} {buf.dtype} "
+                             f"strides {buf.stride()}")
+
+
+def _grad_buffers(q: Tensor, k: Tensor, v: Tensor, dq, dk, dv, zero: bool = False):
+    """The given dq/dk/dv, checked, or new ones where None (written in place: a caller that
+    passes None gets nothing back, as with flash-attn)."""
+    _check_grad_buffers(q, k, v, dq, dk, dv)
+    bufs = []
+    for buf, like in ((dq, q), (dk, k), (dv, v)):
         if buf is None:
             buf = torch.zeros_like(like)
-        elif buf.shape != like.shape or buf.dtype != like.dtype:
-            raise ValueError(f"{name} must have shape {tuple(like.shape)} and dtype {like.dtype}, "
-                             f"got {tuple(buf.shape)} {buf.dtype}")
         elif zero:
             buf.zero_()
         bufs.append(buf)
@@ -94,6 +109,8 @@ def _flash_attn_forward(
     _refuse_unsupported(dropout_p, softcap, alibi_slopes)
     _check_return_softmax(return_softmax)
     _check_qkv(q, k, v, token_dims=2)
+    if _cuda.runs(q):
+        return _cuda.forward(q, k, v, softmax_scale, causal, window_size_left, window_size_right)
     window = _kernel.key_window(causal, window_size_left, window_size_right, k.shape[1])
     out, lse = _kernel.forward(q, k, v, float(softmax_scale), *window)
     return (out, lse, *_no_softmax(q))
@@ -123,6 +140,11 @@ def _flash_attn_backward(
     (b, h, round_up(sq, 128)) fp32."""
     _refuse_unsupported(dropout_p, softcap, alibi_slopes)
     _check_qkv(q, k, v, token_dims=2)
+    if _cuda.runs(q):
+        _cuda.check_deterministic(deterministic)
+        _check_grad_buffers(q, k, v, dq, dk, dv)
+        return _cuda.backward(dout, q, k, v, out, softmax_lse, (dq, dk, dv), softmax_scale,
+                              causal, window_size_left, window_size_right)
     bufs = _grad_buffers(q, k, v, dq, dk, dv)
     window = _kernel.key_window(causal, window_size_left, window_size_right, k.shape[1])
     grads = _kernel.backward(dout, q, k, v, out, softmax_lse, float(softmax_scale), *window)
@@ -170,6 +192,13 @@ def _flash_attn_varlen_forward(
     _refuse_unsupported(dropout_p, softcap, alibi_slopes, block_table)
     _check_return_softmax(return_softmax)
     _check_qkv(q, k, v, token_dims=1)
+    if _cuda.runs(q):
+        if leftpad_k is not None:
+            raise NotImplementedError("cpbench's flash-attn interface: leftpad_k is not "
+                                      "implemented on CUDA (torch's FA2 op takes none)")
+        return _cuda.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, softmax_scale, causal, window_size_left,
+                                    window_size_right, seqused_k, zero_tensors)
     window = _kernel.key_window(causal, window_size_left, window_size_right, int(max_seqlen_k))
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     lse = torch.full((q.shape[1], q.shape[0]), -_kernel.INF, dtype=torch.float32)
@@ -211,6 +240,13 @@ def _flash_attn_varlen_backward(
     sequence i's rows starting at cu_seqlens_q[i] + 128 * i (flash_bwd_preprocess_kernel.h)."""
     _refuse_unsupported(dropout_p, softcap, alibi_slopes)
     _check_qkv(q, k, v, token_dims=1)
+    if _cuda.runs(q):
+        _cuda.check_deterministic(deterministic)
+        _check_grad_buffers(q, k, v, dq, dk, dv)
+        return _cuda.varlen_backward(dout, q, k, v, out, softmax_lse, (dq, dk, dv),
+                                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     softmax_scale, causal, window_size_left,
+                                     window_size_right, zero_tensors)
     dq, dk, dv = _grad_buffers(q, k, v, dq, dk, dv, zero=zero_tensors)
     window = _kernel.key_window(causal, window_size_left, window_size_right, int(max_seqlen_k))
     segments = list(_segments(cu_seqlens_q, cu_seqlens_k))

@@ -1,5 +1,6 @@
 """What ``install()`` maps to ``flash_attn.flash_attn_interface``: flash-attn 2.8.3's internal
-and public functions, on CPU (see ``_internal`` and ``_autograd``)."""
+and public functions, on CPU and on CUDA without flash-attn (see ``_internal`` and
+``_autograd``)."""
 
 from __future__ import annotations
 
