@@ -160,14 +160,15 @@ def run_step(step: steps.Step, index: int, ctx: Context, deadline: float, say) -
     with open(ctx.logs / log_name, "w") as log:
         log.write(f"# {step.title}\n")
         for cmd in planned:
-            left = min(cmd.timeout_s, step_end - time.monotonic())
+            remaining = step_end - time.monotonic()
             refused = [r for r in result["commands"] if r["rc"] == 2]
-            if left < 5 or refused:
-                why = "out of time" if left < 5 else (
+            if remaining < 5 or refused:
+                why = "out of time" if remaining < 5 else (
                     f"'{refused[0]['label']}' was refused (exit 2: bad usage), see the log")
                 result["commands"].append({"label": cmd.label, "command": shlex.join(cmd.argv),
                                            "rc": None, "status": "skipped", "reason": why})
                 continue
+            left = min(cmd.timeout_s, remaining)
             say(f"    $ {cmd.label} (limit {left:.0f} s)")
             result["commands"].append(run_command(cmd, log, left, say))
     result["seconds"] = round(time.monotonic() - t0, 1)

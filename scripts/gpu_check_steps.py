@@ -229,7 +229,8 @@ def read_memory(ctx, results) -> dict:
         r = run[-1]
         found["run_bytes"] = max(r["memory_bytes"]) if r.get("memory_bytes") else None
         passed = (r.get("derived") or {}).get("check_passed")
-        found["run_note"] = (f"{r['status']}, check {'PASS' if passed else 'not passed'}, "
+        check = {True: "PASS", False: "FAIL", None: "not run"}[passed]
+        found["run_note"] = (f"{r['status']}, check {check}, "
                              f"{r['env'].get('device_name', r['env'].get('device'))}")
     else:
         found["run_note"] = ctx.why_not if ctx.mode == "fake" else "no record (see the log)"
