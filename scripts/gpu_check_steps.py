@@ -334,8 +334,8 @@ def read_calibrate(ctx, results) -> dict:
                 found = json.loads(line.split(" ", 1)[1])
                 fwd = [x for x in found["rows"] if x["curve"] == "fwd"]
                 found["headline"] = (f"fwd at {report._size(int(fwd[-1]['side']))}: measured "
-                                     f"{fwd[-1]['measured']:.0f}, {found['published']} "
-                                     f"{fwd[-1]['published']:.0f} TFLOP/s" if fwd else "")
+                                     f"{fwd[-1]['measured']:.0f} TFLOP/s, {found['published']} "
+                                     f"{fwd[-1]['published']:.0f}" if fwd else "")
                 return found
     return {"headline": "no preset to compare (see the log)"}
 
