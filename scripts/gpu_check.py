@@ -323,18 +323,29 @@ def _say(line: str) -> None:
 
 
 def run_all(ctx: Context, chosen: set[str], args, utc: str) -> int:
-    t0 = time.monotonic()
-    deadline = t0 + args.budget
+    """Every step in order; SIGTERM (a command limit above this run's) ends it as Ctrl-C does,
+    with what was measured written."""
     summary = {"utc": utc, "where": "?", "command": shlex.join(["python3", *sys.argv]),
                "budget_s": args.budget, "seconds": 0.0, "logs": "logs/", "env": {},
                "steps": [{"key": s.key, "title": s.title, "status": "not run", "seconds": 0.0,
                           "reason": "the run ended before this step"} for s in steps.STEPS]}
-    signal.signal(signal.SIGTERM, _interrupt)
-    i = 0
     _say(f"gpu-check: {len(steps.STEPS)} steps, budget {args.budget:.0f} s, results in {ctx.out}")
+    before = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        rc = _run_steps(ctx, chosen, args.budget, summary)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    _finish(ctx, summary, args.compact)
+    bad = [s for s in summary["steps"] if s["status"] in ("failed", "timeout")]
+    return rc if rc else 1 if bad else 0
+
+
+def _run_steps(ctx: Context, chosen: set[str], budget: float, summary: dict) -> int:
+    t0 = time.monotonic()
+    i = 0
     try:
         for i, step in enumerate(steps.STEPS):
-            summary["steps"][i] = _one(step, i, ctx, chosen, deadline)
+            summary["steps"][i] = _one(step, i, ctx, chosen, t0 + budget)
             if step.key == "env":
                 ctx.adopt(summary["steps"][i].get("findings") or {})
                 summary["env"] = ctx.env
@@ -345,11 +356,8 @@ def run_all(ctx: Context, chosen: set[str], args, utc: str) -> int:
         _say("gpu-check: interrupted; writing what was measured")
         summary["steps"][i].update(status="interrupted", reason="the run was stopped")
         summary["seconds"] = round(time.monotonic() - t0, 1)
-        _finish(ctx, summary, args.compact)
         return 130
-    _finish(ctx, summary, args.compact)
-    bad = [s for s in summary["steps"] if s["status"] in ("failed", "timeout")]
-    return 1 if bad else 0
+    return 0
 
 
 def _interrupt(signum, frame):

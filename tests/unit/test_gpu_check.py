@@ -220,3 +220,34 @@ def test_pytest_output_is_read_per_test_and_when_unfinished():
     assert found["failed"] == {"test_b": "AssertionError: dq: max abs 1.0e-01  FAIL"}
     cut = steps.read_pytest(None, [{"text": done.split("FAILED tests")[0] + "tests/u.py::c "}])
     assert cut["headline"] == "pytest did not finish; so far 1 failed, 1 passed"
+
+
+def test_sigterm_ends_the_run_with_its_child_and_keeps_what_was_measured(tmp_path):
+    """A command limit above the run's (a lent machine's) stops it: the running command's
+    group goes, the steps done stay in summary.json, the one running says interrupted."""
+    import signal
+    import subprocess
+
+    out = tmp_path / "results"
+    env_code = 'print("GPU_CHECK_ENV " + __import__("json").dumps(%r))' % CPU_ENV
+    driver = f"""
+import sys; sys.path.insert(0, {str(SCRIPTS)!r})
+import gpu_check, gpu_check_steps as steps
+versions = steps.Command("v", [sys.executable, "-c", {env_code!r}], 30)
+hang = steps.Command("sleep", ["sleep", "300"], 300)
+steps.STEPS = [steps.Step("env", "env", 30, lambda c: [versions], steps.read_env),
+               steps.Step("hang", "hangs", 300, lambda c: [hang])]
+sys.exit(gpu_check.main(["--out", {str(out)!r}]))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if "$ sleep" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 130
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(s["key"], s["status"]) for s in summary["steps"]] == [("env", "ok"),
+                                                                  ("hang", "interrupted")]
+    assert "interrupted" in (out / "summary.md").read_text()
+    left = subprocess.run(["pgrep", "-f", "^sleep 300$"], capture_output=True, text=True)
+    assert left.stdout == ""  # the command's group was killed, not left behind
