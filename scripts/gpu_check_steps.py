@@ -243,9 +243,13 @@ def read_memory(ctx, results) -> dict:
         found["difference_mib"] = (found["dryrun_bytes"] - found["run_bytes"]) / 2 ** 20
     if ctx.mode != "none":
         found["fa2_workspace_bytes"] = fa2_workspace_bytes(1, 16384, 16, 128)
-    found["headline"] = (f"dry run / run = {found['ratio']:.3f}" if "ratio" in found else
-                         f"run {report._mib(found.get('run_bytes'))} MiB, dry run "
-                         f"{report._mib(found.get('dryrun_bytes'))} MiB")
+    run_mib, dry_mib = report._mib(found.get("run_bytes")), report._mib(found.get("dryrun_bytes"))
+    if "ratio" in found:
+        found["headline"] = f"dry run / run = {found['ratio']:.3f} ({dry_mib} / {run_mib} MiB)"
+    elif dry and not run and ctx.mode == "fake":
+        found["headline"] = f"dry run on fake CUDA {dry_mib} MiB; no GPU to run it on"
+    else:
+        found["headline"] = f"run {run_mib} MiB, dry run {dry_mib} MiB: no ratio (see the log)"
     return found
 
 
