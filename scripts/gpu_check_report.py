@@ -123,7 +123,7 @@ def memory_section(f: dict) -> list[str]:
             ["dry run (fake tensors)", _mib(f.get("dryrun_bytes")), f.get("dryrun_note", "")]]
     out += _table(["", "peak FWD+BWD (MiB)", "note"], rows) + [""]
     if f.get("ratio") is not None:
-        out.append(f"Dry run / run: {f['ratio']:.3f} ({f['difference_mib']:+.1f} MiB).")
+        out += [f"Dry run / run: {f['ratio']:.3f} ({f['difference_mib']:+.1f} MiB).", ""]
     if f.get("fa2_workspace_bytes"):
         out.append(f"FA2 backward workspace by formula (dq_accum fp32 b·⌈s⌉₁₂₈·h·⌈d⌉₃₂ + "
                    f"softmax_d b·h·⌈s⌉₁₂₈): {_mib(f['fa2_workspace_bytes'])} MiB; a dry run "
