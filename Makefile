@@ -49,9 +49,13 @@ test-fake-gpu: $(FG_STAMP)
 
 # What one GPU can show, in under 8 minutes, offline (docs/gpu-check.md): each step a
 # subprocess under its own timeout; without a GPU the CUDA steps say "skipped: no CUDA".
-# NO_VENV=1: the machine's own $(PYTHON) and torch, nothing built or installed (an offline GPU
-# box: `make gpu-check NO_VENV=1`); GPU_CHECK_FLAGS: more flags (e.g. --out DIR --compact).
+# NO_VENV=1 (or VENV=): the machine's own $(PYTHON) and torch, nothing built or installed (an
+# offline GPU box: `make gpu-check NO_VENV=1`; the fake-GPU venv's fake-CUDA steps: NO_VENV=1
+# PYTHON=.venv-fake-gpu/bin/python); GPU_CHECK_FLAGS: more flags (e.g. --out DIR --compact).
 GPU_CHECK_FLAGS ?=
+ifeq ($(strip $(VENV)),)
+NO_VENV := 1
+endif
 ifdef NO_VENV
 gpu-check:
 	$(PYTHON) scripts/gpu_check.py $(GPU_CHECK_FLAGS)
