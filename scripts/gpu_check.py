@@ -166,16 +166,15 @@ def run_step(step: steps.Step, index: int, ctx: Context, deadline: float, say) -
                 why = "out of time" if remaining < 5 else (
                     f"'{refused[0]['label']}' was refused (exit 2: bad usage), see the log")
                 result["commands"].append({"label": cmd.label, "command": shlex.join(cmd.argv),
-                                           "rc": None, "status": "skipped", "reason": why})
+                                           "rc": None, "status": "skipped", "reason": why,
+                                           "text": ""})
                 continue
             left = min(cmd.timeout_s, remaining)
             say(f"    $ {cmd.label} (limit {left:.0f} s)")
             result["commands"].append(run_command(cmd, log, left, say))
     result["seconds"] = round(time.monotonic() - t0, 1)
     result["status"] = _worst([c["status"] for c in result["commands"]])
-    if result["status"] == "partial":
-        result["reason"] = "; ".join(f"{c['label']}: skipped, {c['reason']}"
-                                     for c in result["commands"] if c["status"] == "skipped")
+    result["reason"] = _why(result["commands"])
     if step.read is not None:
         try:
             result["findings"] = step.read(ctx, result["commands"])
@@ -185,6 +184,21 @@ def run_step(step: steps.Step, index: int, ctx: Context, deadline: float, say) -
     for c in result["commands"]:
         c.pop("text", None)
     return result
+
+
+def _why(commands: list[dict]) -> str:
+    """The first bad command and the last line it printed (its error), and what was skipped."""
+    parts = []
+    bad = [c for c in commands if c["status"] in ("timeout", "failed")]
+    if bad:
+        c = bad[0]
+        what = f"past its {c['limit_s']} s" if c["status"] == "timeout" else f"exit {c['rc']}"
+        lines = [ln for ln in c["text"].splitlines() if ln.strip() and not ln.startswith("# ")]
+        parts.append(f"{c['label']}: {what}" + (f": {lines[-1].strip()[:160]}" if lines else ""))
+    skipped = [c for c in commands if c["status"] == "skipped"]
+    if skipped:
+        parts.append(f"{len(skipped)} command(s) skipped: {skipped[0]['reason']}")
+    return "; ".join(parts)
 
 
 def _worst(statuses: list[str]) -> str:

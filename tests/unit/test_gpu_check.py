@@ -62,11 +62,27 @@ def test_a_command_past_its_limit_is_killed_with_its_children(tmp_path):
     assert "started" in log and "# timeout" in log and "\n7\n" in log
 
 
+def test_a_command_refused_as_bad_usage_stops_its_step_only(tmp_path):
+    """Exit 2 (a flag this cpbench lacks: --launcher threads before it exists) would refuse
+    the step's later commands alike: they are skipped, saying so."""
+    usage = "import sys; print('error: unrecognized arguments: --launcher', file=sys.stderr); " \
+            "sys.exit(2)"
+    step = steps.Step("t", "threads", 60, lambda c: [_py(usage, 30, "n=2"), _py("1", 30, "n=4")])
+    result = gpu_check.run_step(step, 5, _ctx(tmp_path, CPU_ENV), time.monotonic() + 60,
+                                lambda line: None)
+    assert [c["status"] for c in result["commands"]] == ["failed", "skipped"]
+    assert result["reason"] == ("n=2: exit 2: error: unrecognized arguments: --launcher; 1 "
+                                "command(s) skipped: 'n=2' was refused (exit 2: bad usage), "
+                                "see the log")
+
+
 def _fake_steps(monkeypatch):
     env = 'print("GPU_CHECK_ENV " + __import__("json").dumps(%r))' % CPU_ENV
     monkeypatch.setattr(steps, "STEPS", [
         steps.Step("env", "env", 30, lambda c: [_py(env, 30)], steps.read_env),
-        steps.Step("broken", "fails", 30, lambda c: [_py("raise SystemExit(3)", 30)]),
+        steps.Step("broken", "fails", 30, lambda c: [
+            _py("import sys; print('boom: no such thing', file=sys.stderr); sys.exit(3)", 30),
+            _py("print('after')", 30)]),
         steps.Step("cuda", "a CUDA step", 30, steps._gpu),
         steps.Step("slow", "eats the budget", 600, lambda c: [_py("import time; "
                                                                   "time.sleep(60)", 600)]),
@@ -83,7 +99,8 @@ def test_the_run_goes_on_after_a_failure_and_skips_what_is_out_of_time(tmp_path,
     summary = json.loads((out / "summary.json").read_text())
     got = {s["key"]: (s["status"], s.get("reason", "")) for s in summary["steps"]}
     assert rc == 1  # a step failed
-    assert got["env"][0] == "ok" and got["broken"][0] == "failed"
+    assert got["env"][0] == "ok"
+    assert got["broken"] == ("failed", "py: exit 3: boom: no such thing")  # the next one ran
     assert got["cuda"] == ("skipped", "no CUDA: torch 2.13.0+cpu is a build without CUDA")
     assert got["slow"][0] == "timeout" and got["late"] == ("skipped", "out of time")
     assert summary["where"].startswith("no CUDA")
