@@ -12,7 +12,7 @@ STAMP := $(VENV)/.cpbench-installed
 FG_VENV ?= .venv-fake-gpu
 FG_STAMP := $(FG_VENV)/.cpbench-fake-gpu-installed
 
-.PHONY: bench test test-fast test-gpu test-fake-gpu lint install clean
+.PHONY: bench test test-fast test-gpu test-fake-gpu gpu-check lint install clean
 
 $(STAMP): pyproject.toml scripts/ensure_torch.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,23 @@ $(FG_STAMP): pyproject.toml scripts/fake_gpu_venv.sh tests/fake_gpu/stub/flash_a
 
 test-fake-gpu: $(FG_STAMP)
 	CPBENCH_FAKE_GPU_VENV=1 $(FG_VENV)/bin/python -m pytest -q tests/fake_gpu
+
+# What one GPU can show, in under 8 minutes, offline (docs/gpu-check.md): each step a
+# subprocess under its own timeout; without a GPU the CUDA steps say "skipped: no CUDA".
+# NO_VENV=1 (or VENV=): the machine's own $(PYTHON) and torch, nothing built or installed (an
+# offline GPU box: `make gpu-check NO_VENV=1`; the fake-GPU venv's fake-CUDA steps: NO_VENV=1
+# PYTHON=.venv-fake-gpu/bin/python); GPU_CHECK_FLAGS: more flags (e.g. --out DIR --compact).
+GPU_CHECK_FLAGS ?=
+ifeq ($(strip $(VENV)),)
+NO_VENV := 1
+endif
+ifdef NO_VENV
+gpu-check:
+	$(PYTHON) scripts/gpu_check.py $(GPU_CHECK_FLAGS)
+else
+gpu-check: $(STAMP)
+	$(PY) scripts/gpu_check.py $(GPU_CHECK_FLAGS)
+endif
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts

@@ -1,0 +1,387 @@
+"""gpu-check's steps, in priority order: what each runs on a machine with a GPU, with only a
+CUDA build of torch (fake CUDA tensors), or with neither, and what it found (read back from
+its records and output). Standard library only: cpbench and torch run in the subprocesses."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import gpu_check_report as report
+
+KERNEL_SEQLENS = (4096, 8192, 16384, 32768, 65536)
+KERNEL_HEADS = 16  # the published benchmark's hidden size 2048 at head dim 128
+KERNEL_WARMUP, KERNEL_ITERS = 3, 10
+# the 1-rank run and its dry run: the shape of the FA2 workspace the issue measured (~129 MiB)
+MEMORY_GPU = ["--seqlen", "16k", "--heads", "16", "--head-dim", "128", "--dtype", "bf16",
+              "--kernel", "sdpa"]
+MEMORY_CPU = ["--seqlen", "1k", "--heads", "4", "--head-dim", "64", "--dtype", "fp32"]
+THREADS_BASE = ["--strategy", "all", "--check", "--seqlen", "4k", "--heads", "8", "--kv-heads",
+                "2", "--head-dim", "128", "--dtype", "bf16", "--warmup", "0", "--iters", "1"]
+THREADS_VARIANTS = {"gqa": [], "documents": ["--documents", "2k,1k,512,512"],
+                    "window": ["--window-size", "511,0"]}
+# GQA at every size first, then the masks at 8 ranks, then the masks at 2 and 4
+THREADS_ORDER = [("gqa", 2), ("gqa", 4), ("gqa", 8), ("documents", 8), ("window", 8),
+                 ("documents", 2), ("window", 2), ("documents", 4), ("window", 4)]
+CALIBRATE_SIDES = "1k,2k,4k,8k,16k"
+
+
+@dataclass
+class Command:
+    label: str
+    argv: list[str]
+    timeout_s: float
+    env: dict = field(default_factory=dict)
+
+
+@dataclass
+class Step:
+    key: str
+    title: str
+    timeout_s: float  # the whole step's cap; each command has its own below it
+    plan: Callable  # (ctx) -> list[Command], or a str: why the step is skipped
+    read: Callable | None = None  # (ctx, results) -> findings (a dict, "headline" first)
+
+
+def records(path: Path) -> list[dict]:
+    """The JSONL records a command wrote (none if it wrote none; a torn line is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def _gpu(ctx) -> str | None:
+    return None if ctx.mode == "gpu" else ctx.why_not
+
+
+# --- 1. environment
+
+ENV_SNIPPET = r"""
+import importlib.metadata as md, json, platform, sys
+info = {"python": sys.version.split()[0], "platform": platform.platform()}
+for dist in ("triton", "numpy", "flash-attn", "transformer-engine", "ring-flash-attn",
+             "yunchang", "pytest", "pytest-timeout", "pyyaml", "pandas", "scipy"):
+    try:
+        info[dist] = md.version(dist)
+    except md.PackageNotFoundError:
+        info[dist] = None
+try:
+    import torch
+    info.update(torch=torch.__version__, cuda=torch.version.cuda,
+                cuda_available=torch.cuda.is_available())
+    info["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    try:
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:
+        info["nccl"] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, gpus=torch.cuda.device_count(), sms=p.multi_processor_count,
+                    capability=f"{p.major}.{p.minor}", memory_gib=round(p.total_memory / 2**30, 1))
+except Exception as e:
+    info["torch_error"] = f"{type(e).__name__}: {e}"
+print("GPU_CHECK_ENV " + json.dumps(info))
+"""
+
+
+def plan_env(ctx) -> list[Command]:
+    cmds = [Command("versions", [ctx.python, "-c", ENV_SNIPPET], 60)]
+    if ctx.has("nvidia-smi"):
+        cmds += [Command("nvidia-smi", ["nvidia-smi"], 20),
+                 Command("driver", ["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                    "--format=csv,noheader"], 20)]
+    return cmds
+
+
+def read_env(ctx, results) -> dict:
+    info: dict = {}
+    for r in results:
+        for line in r["text"].splitlines():
+            if line.startswith("GPU_CHECK_ENV "):
+                info.update(json.loads(line.split(" ", 1)[1]))
+        if r["label"] == "driver" and r["rc"] == 0 and r["text"].strip():
+            info["driver"] = r["text"].strip().splitlines()[0].split(",")[1].strip()
+    where = info.get("gpu") or ("no CUDA" if not info.get("cuda") else "CUDA build, no GPU")
+    info["headline"] = f"{where}; torch {info.get('torch', 'not importable')}"
+    return info
+
+
+# --- 2. sdpa against float64 (tests/unit/test_sdpa_cuda.py)
+
+SDPA_TESTS = "tests/unit/test_sdpa_cuda.py"
+
+
+def plan_sdpa(ctx):
+    return _gpu(ctx) or [Command("pytest sdpa", ctx.pytest("-v", "-m", "gpu", SDPA_TESTS), 150)]
+
+
+def read_pytest(ctx, results) -> dict:
+    """Verdicts per test (from -v lines), the failures' messages and pytest's last line (or,
+    where pytest did not finish, the verdicts counted so far)."""
+    text = "\n".join(r["text"] for r in results)
+    verdicts = dict(re.findall(r"::(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", text))
+    failed = re.findall(r"^(?:FAILED|ERROR) \S+?::(\S+)(?: - (.*))?$", text, re.M)
+    last = [ln.strip("= ") for ln in text.splitlines()
+            if re.match(r"=* ?\d+ (passed|failed|skipped|error|deselected)", ln)]
+    if last:
+        tally = last[-1]
+    else:
+        counts = {v: list(verdicts.values()).count(v) for v in set(verdicts.values())}
+        tally = ("pytest did not finish; so far " + ", ".join(
+            f"{n} {v.lower()}" for v, n in sorted(counts.items())) if counts else
+            "no pytest summary line (see the log)")
+    return {"headline": tally, "verdicts": verdicts,
+            "failed": {name: (msg or "")[:300] for name, msg in failed}}
+
+
+# --- 3. cpbench kernels beside FA2's published figures
+
+
+def plan_kernels(ctx):
+    if why := _gpu(ctx):
+        return why
+    out = ctx.logs / "03-kernels.jsonl"
+    return [Command(f"kernels S={report._size(s)}", ctx.cpbench(
+        "kernels", "--device", "cuda", "--kernel", "sdpa,flash-attn,flash-attn3",
+        "--seqlen", str(s), "--batch", str(max(1, 16384 // s)), "--heads", str(KERNEL_HEADS),
+        "--head-dim", "128", "--dtype", "bf16", "--causal", "both",
+        "--warmup", str(KERNEL_WARMUP), "--iters", str(KERNEL_ITERS), "--out", str(out)), 75)
+            for s in KERNEL_SEQLENS]
+
+
+def kernel_rows(recs: list[dict]) -> list[dict]:
+    rows = []
+    for r in recs:
+        a, d = r["config"]["attention"], r.get("derived") or {}
+        row = {"kernel": r["kernel"], "seqlen": a["seqlen"], "batch": a["batch"],
+               "causal": a["causal"], "status": r["status"]}
+        for phase in ("fwd", "bwd", "fwd_bwd"):
+            row[f"{phase}_tflops"] = d.get(f"{phase}_tflops")
+            row[f"{phase}_published"] = report.published(phase, a["causal"], a["seqlen"])
+        rows.append(row)
+    return sorted(rows, key=lambda x: (x["kernel"], not x["causal"], x["seqlen"]))
+
+
+def read_kernels(ctx, results) -> dict:
+    rows = kernel_rows(records(ctx.logs / "03-kernels.jsonl"))
+    device = (ctx.env or {}).get("gpu", "cuda")
+    found = {"kernel": ", ".join(sorted({r["kernel"] for r in rows})) or "sdpa",
+             "device": device, "heads": KERNEL_HEADS, "warmup": KERNEL_WARMUP,
+             "iters": KERNEL_ITERS, "rows": rows}
+    if "H100" not in device:
+        found["device_note"] = (f"The published figures are an H100 SXM5's; this is {device}.")
+    best = [r for r in rows if r["causal"] and r["seqlen"] == 16384 and r.get("fwd_tflops")]
+    if best:
+        r = best[0]
+        found["headline"] = (f"{r['kernel']} causal 16K fwd {r['fwd_tflops']:.0f} TFLOP/s "
+                             f"(FA2 published on H100: {r['fwd_published']})")
+    else:
+        found["headline"] = f"{len(rows)} rows measured"
+    return found
+
+
+# --- 4. a 1-rank run of local and its dry run, memory side by side
+
+
+def plan_memory(ctx):
+    run_out, dry_out = ctx.logs / "04-memory-run.jsonl", ctx.logs / "04-memory-dryrun.jsonl"
+    one = ["--strategy", "local"]
+    if ctx.mode == "none":  # the comparison's code path on CPU: gloo, the CPU meter
+        return [Command("run local (cpu)", ctx.cpbench(
+                    "run", *one, "--nproc", "1", "--device", "cpu", "--check", *MEMORY_CPU,
+                    "--warmup", "1", "--iters", "2", "--out", str(run_out)), 90),
+                Command("dryrun local (cpu)", ctx.cpbench(
+                    "dryrun", *one, "--device", "cpu", "--nodes", "1", "--gpus-per-node", "1",
+                    *MEMORY_CPU, "--out", str(dry_out)), 60)]
+    dry = Command("dryrun local (fake cuda)", ctx.cpbench(
+        "dryrun", *one, "--device", "cuda", "--nodes", "1", "--gpus-per-node", "1",
+        "--hardware", ctx.preset(), *MEMORY_GPU, "--out", str(dry_out)), 60)
+    if ctx.mode == "fake":
+        return [dry]
+    run = Command("run local (1 GPU, torchrun)", ctx.torchrun(
+        "-m", "cpbench.run", *one, "--device", "cuda", "--check", *MEMORY_GPU,
+        "--warmup", "2", "--iters", "5", "--out", str(run_out)), 90)
+    return [run, dry]
+
+
+def fa2_workspace_bytes(batch: int, seqlen: int, heads: int, head_dim: int) -> int:
+    """FA2's backward buffers outside any tensor it returns: dq_accum in fp32,
+    b·⌈s⌉₁₂₈·h·⌈d⌉₃₂, and softmax_d, b·h·⌈s⌉₁₂₈ fp32 (flash_api.cpp mha_bwd)."""
+    s128, d32 = -(-seqlen // 128) * 128, -(-head_dim // 32) * 32
+    return 4 * batch * s128 * heads * d32 + 4 * batch * heads * s128
+
+
+def read_memory(ctx, results) -> dict:
+    run = records(ctx.logs / "04-memory-run.jsonl")
+    dry = records(ctx.logs / "04-memory-dryrun.jsonl")
+    flags = MEMORY_CPU if ctx.mode == "none" else MEMORY_GPU
+    found: dict = {"case": " ".join(["local", *flags])}
+    if run:
+        r = run[-1]
+        found["run_bytes"] = max(r["memory_bytes"]) if r.get("memory_bytes") else None
+        passed = (r.get("derived") or {}).get("check_passed")
+        check = {True: "PASS", False: "FAIL", None: "not run"}[passed]
+        found["run_note"] = (f"{r['status']}, check {check}, "
+                             f"{r['env'].get('device_name', r['env'].get('device'))}")
+    else:
+        found["run_note"] = ctx.why_not if ctx.mode == "fake" else "no record (see the log)"
+    if dry:
+        d = dry[-1]
+        found["dryrun_bytes"] = max(d["memory_bytes"]) if d.get("memory_bytes") else None
+        found["dryrun_note"] = f"{d['status']}, fake {d['env'].get('device', '?')} tensors"
+    if found.get("run_bytes") and found.get("dryrun_bytes"):
+        found["ratio"] = found["dryrun_bytes"] / found["run_bytes"]
+        found["difference_mib"] = (found["dryrun_bytes"] - found["run_bytes"]) / 2 ** 20
+    if ctx.mode != "none":
+        found["fa2_workspace_bytes"] = fa2_workspace_bytes(1, 16384, 16, 128)
+    run_mib, dry_mib = report._mib(found.get("run_bytes")), report._mib(found.get("dryrun_bytes"))
+    if "ratio" in found:
+        found["headline"] = f"dry run / run = {found['ratio']:.3f} ({dry_mib} / {run_mib} MiB)"
+    elif dry and not run and ctx.mode == "fake":
+        found["headline"] = f"dry run on fake CUDA {dry_mib} MiB; no GPU to run it on"
+    else:
+        found["headline"] = f"run {run_mib} MiB, dry run {dry_mib} MiB: no ratio (see the log)"
+    return found
+
+
+# --- 5. every strategy under --launcher threads on the GPU
+
+
+def _threads_out(ctx, variant: str, n: int) -> Path:
+    return ctx.logs / f"05-threads-{variant}-n{n}.jsonl"
+
+
+def plan_threads(ctx):
+    if why := _gpu(ctx):
+        return why
+    return [Command(f"threads {variant} n={n}", ctx.cpbench(
+        "run", "--launcher", "threads", "--nproc", str(n), "--device", "cuda", *THREADS_BASE,
+        *THREADS_VARIANTS[variant], "--out", str(_threads_out(ctx, variant, n))), 60)
+            for variant, n in THREADS_ORDER]
+
+
+def _verdict(r: dict) -> str:
+    passed = (r.get("derived") or {}).get("check_passed")
+    if r["status"] == "ok" and passed is not None:
+        return "PASS" if passed else "FAIL"
+    return r["status"] + (f": {str(r['error'])[:60]}" if r.get("error") else "")
+
+
+def read_threads(ctx, results) -> dict:
+    cells: dict[str, dict[str, str]] = {}
+    columns = []
+    for variant, n in sorted(THREADS_ORDER, key=lambda x: (list(THREADS_VARIANTS).index(x[0]),
+                                                          x[1])):
+        recs = records(_threads_out(ctx, variant, n))
+        if not recs:
+            continue
+        col = f"{variant} n={n}"
+        columns.append(col)
+        for r in recs:
+            cells.setdefault(r["config"]["strategy"], {})[col] = _verdict(r)
+    verdicts = [v for row in cells.values() for v in row.values()]
+    passed = sum(v == "PASS" for v in verdicts)
+    head = (f"{passed} of {len(verdicts)} strategy cases PASS over {len(columns)} runs"
+            if verdicts else "no records")
+    return {"headline": head, "device": (ctx.env or {}).get("gpu", "cuda"), "columns": columns,
+            "cells": dict(sorted(cells.items()))}
+
+
+# --- 6. doctor, 7. GPU tests
+
+
+def plan_doctor(ctx):
+    return [Command("doctor", ctx.cpbench("doctor"), 90)]
+
+
+def read_doctor(ctx, results) -> dict:
+    text = "\n".join(r["text"] for r in results)
+    levels = re.findall(r"^(ok|warn|error)\s", text, re.M)
+    errors = [ln for ln in text.splitlines() if ln.startswith("error")]
+    tally = ", ".join(f"{levels.count(x)} {x}" for x in ("ok", "warn", "error"))
+    return {"headline": tally, "errors": errors}
+
+
+def plan_gpu_tests(ctx):
+    return _gpu(ctx) or [Command("pytest -m gpu", ctx.pytest(
+        "-v", "-rs", "-m", "gpu", "tests/gpu", "tests/unit", "--ignore", SDPA_TESTS,
+        "--continue-on-collection-errors"), 150)]
+
+
+# --- 8. calibrate against the published preset
+
+
+def plan_calibrate(ctx):
+    if why := _gpu(ctx):
+        return why
+    measured = ctx.out / "calibrated.yaml"
+    return [Command("calibrate (1 GPU, torchrun)", ctx.torchrun(
+                "-m", "cpbench.cli", "calibrate", "--out", str(measured),
+                "--sides", CALIBRATE_SIDES, "--iters", "3"), 150),
+            Command("compare presets", [ctx.python, str(ctx.root / "scripts" / "gpu_check.py"),
+                                        "--compare-presets", str(measured), ctx.preset()], 60)]
+
+
+def read_calibrate(ctx, results) -> dict:
+    for r in results:
+        for line in r["text"].splitlines():
+            if line.startswith("GPU_CHECK_PRESETS "):
+                found = json.loads(line.split(" ", 1)[1])
+                fwd = [x for x in found["rows"] if x["curve"] == "fwd"]
+                found["headline"] = (f"fwd at {report._size(int(fwd[-1]['side']))}: measured "
+                                     f"{fwd[-1]['measured']:.0f} TFLOP/s, {found['published']} "
+                                     f"{fwd[-1]['published']:.0f}" if fwd else "")
+                return found
+    return {"headline": "no preset to compare (see the log)"}
+
+
+# --- 9. the fake-GPU tests with this torch
+
+
+def plan_fake_gpu(ctx):
+    if ctx.mode == "none":
+        return (f"{ctx.why_not}: fake CUDA tensors need a CUDA build of torch (run this script "
+                f"with the fake-GPU venv's python; `make test-fake-gpu` builds it)")
+    env = {}
+    if ctx.mode == "fake" and (ctx.env or {}).get("flash-attn"):
+        env["CPBENCH_FAKE_GPU_VENV"] = "1"  # as make test-fake-gpu: flash-attn must import
+    return [Command("pytest tests/fake_gpu", ctx.pytest("-v", "-rs", "tests/fake_gpu"), 600,
+                    env)]
+
+
+def read_fake_gpu(ctx, results) -> dict:
+    found = read_pytest(ctx, results)
+    text = "\n".join(r["text"] for r in results)
+    reasons = re.findall(r"^SKIPPED \[(\d+)\] \S+: (.*)$", text, re.M)
+    skipped: dict[str, int] = {}
+    for n, why in reasons:
+        skipped[why] = skipped.get(why, 0) + int(n)
+    found["skipped"] = skipped
+    return found
+
+
+STEPS = [
+    Step("env", "environment: GPU, driver, torch, CUDA, cuDNN, NCCL, triton", 90, plan_env,
+         read_env),
+    Step("sdpa", "sdpa (torch's FA2) against float64 on CUDA", 150, plan_sdpa, read_pytest),
+    Step("kernels", "cpbench kernels beside FA2's published H100 figures", 180, plan_kernels,
+         read_kernels),
+    Step("memory", "1-rank run of local and its dry run: memory", 150, plan_memory, read_memory),
+    Step("threads", "every strategy under --launcher threads, 2/4/8 ranks, --check", 240,
+         plan_threads, read_threads),
+    Step("doctor", "cpbench doctor", 90, plan_doctor, read_doctor),
+    Step("gpu-tests", "the GPU tests one GPU can run (pytest -m gpu)", 150, plan_gpu_tests,
+         read_pytest),
+    Step("calibrate", "cpbench calibrate beside the published preset", 210, plan_calibrate,
+         read_calibrate),
+    Step("fake-gpu", "tests/fake_gpu with this torch", 600, plan_fake_gpu, read_fake_gpu),
+]
