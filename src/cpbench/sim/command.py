@@ -73,14 +73,13 @@ def _ideal(attn: AttentionConfig, ranks: int, hw: Hardware) -> dict:
 def tokens_per_gpu(records: list[dict]) -> str:
     """"8192 tokens per GPU" (batch x sequence over the GPUs of a problem), one figure per
     sequence length."""
-    seen: dict[int, int] = {}
+    cp: dict[int, int] = {}
     for r in records:
         a = r["config"]["attention"]
-        seen.setdefault(a["seqlen"], a["batch"] * a["seqlen"] // r["ranks_per_problem"]
-                        if r["ranks_per_problem"] > 1 else None)
-    cp = {s: n for s, n in seen.items() if n}
-    if len(cp) == 1:
-        return f"{next(iter(cp.values()))} tokens per GPU"
+        if r["ranks_per_problem"] > 1:  # a no-CP baseline holds the whole sequence
+            cp.setdefault(a["seqlen"], a["batch"] * a["seqlen"] // r["ranks_per_problem"])
+    if len(cp) <= 1:
+        return "".join(f"{n} tokens per GPU" for n in cp.values())
     return "tokens per GPU: " + ", ".join(f"{n} at {s}" for s, n in sorted(cp.items()))
 
 
@@ -181,7 +180,8 @@ def compare_placements(records: list[dict]) -> list[list[dict]]:
 
 
 def _banner(hw: Hardware, topo: Topology, records: list[dict] | None = None) -> str:
-    tokens = f", {tokens_per_gpu(records)}" if records else ""
+    tokens = tokens_per_gpu(records or [])
+    tokens = f", {tokens}" if tokens else ""
     return (f"Simulated, not measured: {hw.name}, {topo.num_nodes} node(s) x "
             f"{topo.ranks_per_node} GPUs{tokens} (cpbench simulate; model: "
             f"cpbench.sim.model)")

@@ -46,8 +46,8 @@ hardware preset (``cpbench.sim.hardware``). Modelling assumptions, and where the
    merge of the block into the rank's fp32 (out, lse) rows, the backward's dq, dk, dv sums,
    priced per element (``merge``, ``accumulate``; ``sim.sharing``): on CPUs measured by
    ``cpbench calibrate``, on GPUs bytes per element over the HBM bandwidth (measured on A800
-   in seed 000's profile). A phase with a single kernel call (Ulysses, the no-CP baseline)
-   writes its result directly and pays neither. What ranks on one CPU share besides (only
+   in seed 000's profile). A strategy that returns its one kernel call's result as it is
+   (``Strategy.merges``: Ulysses) pays neither. What ranks on one CPU share besides (only
    presets ``cpbench calibrate`` measured on a CPU carry these):
    - an overlapped message does not hide: the transport's thread needs the core the kernel
      holds. It adds ``overlapped`` times its time alone on the link (measured: the same
@@ -225,9 +225,6 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
     assert len({tuple(st.phase for st in s) for s in schedules}) == 1, \
         f"{name}: ranks disagree on the phases of their steps"
     loads = [_rank_loads(strat, sched, topo) for strat, sched in zip(ranks, schedules)]
-    # a phase with one kernel call writes its result directly: nothing to merge or sum
-    alone = {ph for ph in (FWD, BWD)
-             if max(sum(1 for st in sc if st.phase == ph and st.block) for sc in schedules) == 1}
     steps = []
     for i, first in enumerate(schedules[0]):
         node_out: dict[int, list[float]] = {}
@@ -241,7 +238,7 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
             side = math.sqrt(step.block[0] * step.block[1]) if step.block else 0.0
             node = topo.node_of(strat.rank)
             moved, out = rank_loads.moved[i], node_out[node]
-            el = {} if step.phase in alone else sharing.elements(strat, attn, step.block)
+            el = sharing.elements(strat, attn, step.block) if strat.merges() else {}
             views.setdefault(node, []).append(RankStep(
                 step.flops, side, moved[0], moved[1], moved[2], moved[3], out[0], out[1],
                 causal=bool(step.block and step.block[2]),
