@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import textwrap
 import typing
 
 from cpbench import results, strategies
@@ -55,9 +56,8 @@ def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
                     "capacity_bytes": p.capacity_bytes})
 
 
-IDEAL = ("the kernel alone on one GPU's share of the tokens, x the GPUs (ring-flash-"
-         "attention's \"theoretic flash_attn\"): the preset's curve, no communication or "
-         "step costs")
+IDEAL = ("the kernel alone on each GPU's share of the tokens (ring-flash-attention's "
+         "\"theoretic flash_attn\"), on the preset's curve: no communication or step costs")
 
 
 def _ideal(attn: AttentionConfig, ranks: int, hw: Hardware) -> dict:
@@ -223,7 +223,7 @@ def render(records: list[dict], hw: Hardware, topo: Topology, fmt: str) -> str:
 def _ideal_note(records: list[dict]) -> str:
     if not any((r.get("ideal") or {}).get("what") for r in records):
         return ""
-    return f"Fraction of Ideal: {IDEAL}.\n"
+    return "\n".join(textwrap.wrap(f"Fraction of Ideal: {IDEAL}.", 100)) + "\n"
 
 
 def render_comparison(groups: list[list[dict]], hw: Hardware, topo: Topology, fmt: str) -> str:
