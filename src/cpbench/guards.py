@@ -25,6 +25,10 @@ from typing import Any
 # holds its fastest variant's figures (an H100 PCIe is held to the SXM's): the guard may miss
 # a slower variant's impossible row, never flag a possible one.
 PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    # Blackwell (glennklockwood.com/garden/processors/B200 tabulates NVIDIA's figures): a
+    # GB200's B200 at 1200 W, an HGX B200 at 1000 W; GB200 first, its name holds "B200"
+    ("GB200", {"bf16": 2500.0, "fp16": 2500.0, "fp32": 1250.0}),
+    ("B200", {"bf16": 2250.0, "fp16": 2250.0, "fp32": 1100.0}),
     ("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}),
     ("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}),
     ("H800", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}),

@@ -145,29 +145,36 @@ def test_ranking_check_counts_only_pairs_published_clearly_apart():
     assert validate.rank_violations([a, result(90.0, 70.0), c]) == []
 
 
-# Seed 001's errors on the A800 preset (relative, TFLOP/s simulated over published - 1) as
-# measured on 2026-11-25: the standing a change to the model or the preset must not lose.
+# Seed 001's errors on the A800 preset (relative, TFLOP/s simulated over published - 1), as
+# measured after the refit on published kernel curves (2026-11-26; the kernel curves, the
+# in-CP rate and the memory passes are not fitted, the step overhead and links are: every
+# row here is in-sample for those four). Before it, with a kernel curve fitted to these rows
+# (2026-11-25): DoubleRing -0.7 / -7.8 / +11.8 %, BurstAttention +5.5 / +2.8 / -1.3 %, USP
+# ring-first +122.3 / +85.3 / +88.6 %, USP head-first -10.8 / -2.2 / +15.2 %, zigzag -4.8 %,
+# Ulysses -8.2 / -6.9 %: 11 of 15 within 15 %, every row but ring-first's within 16 %.
 SEED_001_ERRORS = {
-    ("DoubleRing (LoongTrain)", 131072): -0.007, ("DoubleRing (LoongTrain)", 262144): -0.078,
-    ("DoubleRing (LoongTrain)", 524288): 0.118,
-    ("BurstAttention (double_ring opt_bwd)", 131072): 0.055,
-    ("BurstAttention (double_ring opt_bwd)", 262144): 0.028,
-    ("BurstAttention (double_ring opt_bwd)", 524288): -0.013,
-    ("USP (Ring First Placement)", 131072): 1.223, ("USP (Ring First Placement)", 262144): 0.853,
-    ("USP (Ring First Placement)", 524288): 0.886,
-    ("USP (Head First Placement)", 131072): -0.108, ("USP (Head First Placement)", 262144): -0.022,
-    ("USP (Head First Placement)", 524288): 0.152,
-    ("ZigZag ring (ring-flash-attn)", 524288): -0.048,
-    ('"Megatron CP RingAttn" = DeepSpeed-Ulysses SP 32', 262144): -0.082,
-    ('"Megatron CP RingAttn" = DeepSpeed-Ulysses SP 32', 524288): -0.069,
+    ("DoubleRing (LoongTrain)", 131072): 0.037, ("DoubleRing (LoongTrain)", 262144): -0.111,
+    ("DoubleRing (LoongTrain)", 524288): 0.099,
+    ("BurstAttention (double_ring opt_bwd)", 131072): 0.063,
+    ("BurstAttention (double_ring opt_bwd)", 262144): -0.043,
+    ("BurstAttention (double_ring opt_bwd)", 524288): -0.039,
+    ("USP (Ring First Placement)", 131072): 1.202, ("USP (Ring First Placement)", 262144): 0.854,
+    ("USP (Ring First Placement)", 524288): 0.859,
+    ("USP (Head First Placement)", 131072): 0.001, ("USP (Head First Placement)", 262144): -0.037,
+    ("USP (Head First Placement)", 524288): 0.126,
+    ("ZigZag ring (ring-flash-attn)", 524288): 0.001,
+    ('"Megatron CP RingAttn" = DeepSpeed-Ulysses SP 32', 262144): -0.086,
+    ('"Megatron CP RingAttn" = DeepSpeed-Ulysses SP 32', 524288): -0.082,
 }
+RING_FIRST = "USP (Ring First Placement)"
 
 
 def test_the_a800_preset_keeps_its_standing_on_seed_001():
-    """No scored row of seed 001 gets worse than its error above (half a point of slack for
-    rounding), and at least 11 of the 15 stay within 15 %. USP ring-first's three are far
-    off (a penalty that grows with S², as compute does, which no link parameter explains:
-    docs/simulator.md, Measured error); when the model learns it, lower their entries here."""
+    """The guard: at least 11 of the 15 scored rows within 15 %, every row but USP
+    ring-first's three within 16 %, and no row worse than its error above (half a point of
+    slack for rounding). Ring-first's three are far off (a penalty that grows with S², as
+    compute does, which no link parameter explains: docs/simulator.md, Measured error);
+    when the model learns it, lower their entries here."""
     results = validate.run(validate.load(SEED_CSV), hardware.load("a800-sxm"))
     scored = {(r.row.implementation, r.row.attn.seqlen): r.error
               for r in results if r.row.scored}
@@ -176,13 +183,14 @@ def test_the_a800_preset_keeps_its_standing_on_seed_001():
              if abs(e) > abs(SEED_001_ERRORS[k]) + 0.005}
     assert not worse, f"rows worse than their recorded error (now, recorded): {worse}"
     assert sum(abs(e) <= 0.15 for e in scored.values()) >= 11
+    assert all(abs(e) <= 0.16 for k, e in scored.items() if k[0] != RING_FIRST), scored
 
 
 def test_burstengine_runs_the_preset_was_not_fitted_to_hold_across_nodes():
     """BurstEngine's other published runs on the same 4 x 8 A800 (kernel_perf.csv; not used by
-    the fit): BurstAttention 128K-1M and USP head-first 128K-1M within 15 %. Its one-node
-    BurstAttention rows at 4K and 8K tokens a GPU are over-predicted (+77 %, +23 % on
-    2026-11-25): the small-block gap of issue 27, left to the compute pricing."""
+    the fit: held out): BurstAttention 128K-1M and USP head-first 128K-1M within 15 %. Its
+    one-node BurstAttention rows at 4K and 8K tokens a GPU are over-predicted (+72.5 %,
+    +13.2 % on 2026-11-26; +77 %, +23 % before the refit): the small-block gap of issue 27."""
     rows = validate.load(ROOT / "configs" / "validation" / "burstengine_runs_a800.csv")
     results = validate.run(rows, hardware.load("a800-sxm"))
     across = [r for r in results if r.row.scored and r.row.topo.world_size == 32]

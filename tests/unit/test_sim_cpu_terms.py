@@ -1,5 +1,6 @@
-"""The simulator's CPU terms (``cpbench calibrate`` measures them; GPU presets have none) change
-a prediction exactly as their formulas say: the merge and gradient sums around each kernel,
+"""The simulator's step terms change a prediction exactly as their formulas say: the merge and
+gradient sums around each kernel (every preset), and the CPU's (``cpbench calibrate``
+measures them; GPU presets have none):
 an overlapped message that adds instead of hiding, and a node's idle ranks leaving it to the
 busy ones (processor sharing)."""
 
@@ -106,8 +107,12 @@ def test_bad_cpu_terms_are_refused_with_the_field(extra, says):
         machine(**extra)
 
 
-def test_gpu_presets_have_none_of_the_cpu_terms():
+def test_gpu_presets_have_none_of_the_cpu_sharing_terms():
+    """GPU presets share nothing between ranks (a device each); their memory passes are
+    bytes per element over the HBM bandwidth."""
     for name in hardware.names():
         hw = hardware.load(name)
         assert hw.overlapped is None and hw.idle_speedup == 1.0 and hw.probe is None
-        assert hw.merge == hardware.Pass() and hw.accumulate == hardware.Pass()
+        assert hw.memory_bandwidth_gbs and hw.merge.fixed_us == hw.accumulate.fixed_us == 0
+        assert hw.merge.ns_per_element * hw.memory_bandwidth_gbs == pytest.approx(22)
+        assert hw.accumulate.ns_per_element * hw.memory_bandwidth_gbs == pytest.approx(8.8)

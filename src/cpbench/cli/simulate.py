@@ -39,8 +39,11 @@ def add_parser(sub) -> None:
             cli_args.add_setting(attention, setting, help=setting.help)
     g = p.add_argument_group("cluster")
     g.add_argument("--hardware", default="a800-sxm", metavar="PRESET|FILE.yaml",
-                   help="hardware preset (`cpbench simulate --help` lists the shipped ones) "
-                        "or a YAML file (default a800-sxm)")
+                   help="hardware preset (--list-hardware lists the shipped ones) or a YAML "
+                        "file (default a800-sxm)")
+    g.add_argument("--list-hardware", action="store_true",
+                   help="list the shipped hardware presets, each with where its numbers come "
+                        "from, and exit")
     integer = cli_args.converter(cli_args.read_number(int), "an integer")
     g.add_argument("--nodes", type=integer, help="nodes (default: the preset's)")
     g.add_argument("--gpus-per-node", type=integer, help="GPUs per node (default: the preset's)")
@@ -147,10 +150,26 @@ def _checked(args, hw):
             list(args.seqlen or (GPU_ATTENTION["seqlen"],)))
 
 
+def list_hardware() -> str:
+    """Every shipped preset: its name and machine, and under it where its numbers come
+    from."""
+    from cpbench.sim import hardware
+
+    lines = ["Hardware presets (cpbench/sim/presets/*.yaml; --hardware NAME or a YAML file):"]
+    width = max(len(n) for n in hardware.names())
+    for name, description in hardware.preset_lines():
+        lines += [f"  {name:<{width}}  {description}",
+                  f"  {'':<{width}}  source: {hardware.load(name).source or 'not stated'}"]
+    return "\n".join(lines) + "\n"
+
+
 def _simulate(args) -> int:
     from cpbench.report import console
     from cpbench.sim import command, hardware, measured_memory, validate
 
+    if args.list_hardware:
+        sys.stdout.write(list_hardware())
+        return 0
     hw = hardware.load(args.hardware)
     if args.self_check:
         return _self_check(args, hw)

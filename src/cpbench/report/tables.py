@@ -344,6 +344,9 @@ def _ideal_lines(record: dict, d: dict) -> list[str]:
         return []
     if ideal.get("none"):
         return [f"  - Fraction of Ideal: - ({ideal['none']})"]
+    if ideal.get("what"):  # a simulated record's: the ideal it states
+        return [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} ("
+                f"{ideal['what']})"]
     return [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} (rank "
             f"{ideal['rank']}'s {len(ideal['blocks'])} distinct kernel block(s) timed alone: "
             f"{_ms(ideal['fwd_ms'] + (ideal.get('bwd_ms') or 0))} ms)"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import textwrap
 import typing
 
 from cpbench import results, strategies
@@ -49,10 +50,37 @@ def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
                                      "fwd_bwd": [[p.fwd_bwd_s * 1e3]]},
         memory_bytes=[int(p.memory_bytes)], memory_status=results.OOM if oom else None,
         balance=strat and strat.balance(), padding=strat and strat.padding(),
-        packing=packing,
+        packing=packing, ideal=_ideal(attn, p.ranks_per_problem, hw),
         simulation={"fwd_compute_ms": p.fwd_compute_s * 1e3,
                     "bwd_compute_ms": p.bwd_compute_s * 1e3,
                     "capacity_bytes": p.capacity_bytes})
+
+
+IDEAL = ("the kernel alone on each GPU's share of the tokens (ring-flash-attention's "
+         "\"theoretic flash_attn\"), on the preset's curve: no communication or step costs")
+
+
+def _ideal(attn: AttentionConfig, ranks: int, hw: Hardware) -> dict:
+    """The record's ``ideal`` section (``results.derive`` divides it by the step): the ideal
+    the field quotes beside CP rows (``model.ideal``), or why there is none."""
+    if not mask_of(attn).plain:
+        return {"none": "a masked problem: a block's work is its mask's, not its shape's"}
+    fwd, bwd = model.ideal(attn, ranks, hw)
+    return {"fwd_ms": fwd * 1e3, "bwd_ms": bwd * 1e3, "what": IDEAL,
+            "tokens_per_gpu": attn.batch * attn.seqlen // ranks}
+
+
+def tokens_per_gpu(records: list[dict]) -> str:
+    """"8192 tokens per GPU" (batch x sequence over the GPUs of a problem), one figure per
+    sequence length."""
+    cp: dict[int, int] = {}
+    for r in records:
+        a = r["config"]["attention"]
+        if r["ranks_per_problem"] > 1:  # a no-CP baseline holds the whole sequence
+            cp.setdefault(a["seqlen"], a["batch"] * a["seqlen"] // r["ranks_per_problem"])
+    if len(cp) <= 1:
+        return "".join(f"{n} tokens per GPU" for n in cp.values())
+    return "tokens per GPU: " + ", ".join(f"{n} at {s}" for s, n in sorted(cp.items()))
 
 
 def simulate(names: tuple[str, ...], options: dict, attention: dict, seqlens: list[int],
@@ -151,9 +179,12 @@ def compare_placements(records: list[dict]) -> list[list[dict]]:
     return out
 
 
-def _banner(hw: Hardware, topo: Topology) -> str:
+def _banner(hw: Hardware, topo: Topology, records: list[dict] | None = None) -> str:
+    tokens = tokens_per_gpu(records or [])
+    tokens = f", {tokens}" if tokens else ""
     return (f"Simulated, not measured: {hw.name}, {topo.num_nodes} node(s) x "
-            f"{topo.ranks_per_node} GPUs (cpbench simulate; model: cpbench.sim.model)")
+            f"{topo.ranks_per_node} GPUs{tokens} (cpbench simulate; model: "
+            f"cpbench.sim.model)")
 
 
 def breakdown(records: list[dict]) -> str:
@@ -186,13 +217,19 @@ def render(records: list[dict], hw: Hardware, topo: Topology, fmt: str) -> str:
     # the banner says they are simulated: the sweep view's own note would say it again
     body = (sweep.grouped(records, fmt) + "\n" + sweep.pivot(records, fmt) if several
             else tables.summary(records, fmt))
-    return f"{_banner(hw, topo)}\n\n{body}\n{breakdown(records)}"
+    return f"{_banner(hw, topo, records)}\n\n{body}\n{breakdown(records)}{_ideal_note(records)}"
+
+
+def _ideal_note(records: list[dict]) -> str:
+    if not any((r.get("ideal") or {}).get("what") for r in records):
+        return ""
+    return "\n".join(textwrap.wrap(f"Fraction of Ideal: {IDEAL}.", 100)) + "\n"
 
 
 def render_comparison(groups: list[list[dict]], hw: Hardware, topo: Topology, fmt: str) -> str:
     if fmt in ("csv", "json"):  # the rows in ranked order, every column
         return tables.summary([r for rows in groups for r in rows], fmt)
-    out = [_banner(hw, topo), ""]
+    out = [_banner(hw, topo, [r for rows in groups for r in rows]), ""]
     for rows in groups:
         a = rows[0]["config"]["attention"]
         best = next((r["derived"]["fwd_bwd_ms"] for r in rows if r["status"] == results.OK),

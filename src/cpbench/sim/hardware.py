@@ -1,13 +1,15 @@
 """Hardware presets for the simulator: ``cpbench/sim/presets/*.yaml`` (``configs/hardware``).
 
 A preset is a machine, not a strategy: the attention kernel's attained speed as a function of
-the block it is given, the links between GPUs, and memory. Every number in a preset says
-where it comes from (a datasheet, or a fit to a published run) in the YAML itself.
+the block it is given (``sim.curves``: per head dim, each point with its source), what a CP
+step does around its kernel (merge, gradient sums, a fixed per-step cost), the links between
+GPUs, and memory. Every number in a preset says where it comes from (a datasheet, a published
+kernel figure, a stated rule, a measurement, or a fit to a published run: which rows) in the
+YAML itself; ``source:`` sums that up in one line (``cpbench simulate --list-hardware``).
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,37 +17,16 @@ from pathlib import Path
 import yaml
 
 from cpbench.errors import UsageError
+from cpbench.sim import curves
+from cpbench.sim.curves import KernelCurve, KernelSet
+
+__all__ = ["GB", "PRESET_DIR", "Hardware", "KernelCurve", "KernelSet", "Link", "Pass", "Probe",
+           "from_dict", "load", "names", "preset_lines"]
 
 # shipped with the package (configs/hardware in a checkout links here), so an installed
 # cpbench finds them from any directory
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 GB = 1e9  # link speeds are decimal: GB/s as datasheets print them
-
-
-@dataclass(frozen=True)
-class KernelCurve:
-    """Attained TFLOP/s of one attention kernel call against its block's side
-    L = sqrt(seqlen_q · seqlen_k), log-linear between points, flat beyond the ends."""
-
-    points: tuple[tuple[float, float], ...]
-
-    def __post_init__(self):
-        sides = [side for side, _ in self.points]
-        if not self.points or sides != sorted(sides) or len(set(sides)) != len(sides):
-            raise UsageError("a kernel curve needs [side, tflops] points with increasing sides")
-        if not all(math.isfinite(v) and v > 0 for point in self.points for v in point):
-            raise UsageError("kernel curve sides and TFLOP/s must be positive numbers")
-
-    def tflops(self, side: float) -> float:
-        pts = self.points
-        if side <= pts[0][0]:
-            return pts[0][1]
-        if side >= pts[-1][0]:
-            return pts[-1][1]
-        i = bisect.bisect_right([p[0] for p in pts], side)
-        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-        w = (math.log(side) - math.log(x0)) / (math.log(x1) - math.log(x0))
-        return y0 + w * (y1 - y0)
 
 
 @dataclass(frozen=True)
@@ -101,36 +82,44 @@ class Hardware:
     # a kernel's speed-up when the other ranks of its node wait instead of computing: 1 on
     # GPUs (a device each); measured on CPUs, which share memory bandwidth and caches
     idle_speedup: float = 1.0
-    # what a step does around its kernel call, where measured (``cpbench calibrate``): the
-    # forward's merge of a block into the rank's (out, lse), the backward's gradient sums.
-    # The GPU presets' curves are fitted per step end to end, so they include them.
+    # what a step does around its kernel call: the forward's merge of a block into the
+    # rank's fp32 (out, lse), the backward's gradient sums (``sim.sharing``); measured per
+    # element by ``cpbench calibrate`` on CPUs, bytes per element over the HBM bandwidth on
+    # GPUs (a preset says where its figure comes from)
     merge: Pass = Pass()
     accumulate: Pass = Pass()
     # a measured preset's reading of the machine (``cpbench calibrate``): a full forward of
     # ``side`` tokens with every rank busy and with one alone, ms; the self-check's yardstick
     probe: Probe | None = None
+    # the head dim of the kernel_* curves above (None: they serve any head dim) and the
+    # curves of the preset's other head dims
+    kernel_head_dim: int | None = None
+    other_kernels: tuple[tuple[int, KernelSet], ...] = ()
+    # the kernel's rate inside a CP run over its curve's (the kernel benchmarked alone), per
+    # phase: NCCL's kernels run beside it; 1 where not measured
+    kernel_in_cp: tuple[float, float] = (1.0, 1.0)
+    memory_bandwidth_gbs: float | None = None  # HBM, datasheet: GPU presets' merge passes
+    source: str = ""  # where the preset's numbers come from, one line
 
-    def kernel(self, phase: str, causal: bool = False) -> KernelCurve:
-        if causal:
-            curve = self.kernel_fwd_causal if phase == "fwd" else self.kernel_bwd_causal
-            if curve is not None:
-                return curve
-        return self.kernel_fwd if phase == "fwd" else self.kernel_bwd
+    def kernels(self) -> tuple[tuple[int | None, KernelSet], ...]:
+        first = KernelSet(self.kernel_fwd, self.kernel_bwd, self.kernel_fwd_causal,
+                          self.kernel_bwd_causal)
+        return ((self.kernel_head_dim, first), *self.other_kernels)
+
+    def kernel(self, phase: str, causal: bool = False, head_dim: int | None = None
+               ) -> KernelCurve:
+        """The curve a block of this phase, causal or not, at this head dim is priced on
+        (the nearest head dim the preset gives): the kernel as benchmarked alone."""
+        return curves.nearest(self.kernels(), head_dim).curve(phase, causal)
+
+    def rate(self, phase: str, causal: bool, head_dim: int | None, side: float) -> float:
+        """TFLOP/s of a CP step's kernel call: the curve, times the kernel's rate inside a
+        CP run over its rate alone (``kernel_in_cp``)."""
+        in_cp = self.kernel_in_cp[0 if phase == "fwd" else 1]
+        return self.kernel(phase, causal, head_dim).tflops(side) * in_cp
 
     def curves(self) -> tuple[KernelCurve, ...]:
-        return tuple(c for c in (self.kernel_fwd, self.kernel_bwd, self.kernel_fwd_causal,
-                                 self.kernel_bwd_causal) if c is not None)
-
-
-def _curve(points, what: str) -> KernelCurve:
-    try:
-        return KernelCurve(tuple((float(s), float(t)) for s, t in points))
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"{what}: {e} (write [[side, tflops], ...])") from None
-
-
-def _optional_curve(k: dict, key: str, source: str) -> KernelCurve | None:
-    return None if k.get(key) is None else _curve(k[key], f"{source}: kernel.{key}")
+        return tuple(c for _, ks in self.kernels() for c in ks.curves())
 
 
 def _number(d: dict, key: str, source: str, kind=float, default=None):
@@ -164,14 +153,39 @@ def _probe(d, where: str) -> Probe | None:
     return probe
 
 
-def _pass(d: dict, key: str, source: str) -> Pass:
+def _pass(d: dict, key: str, source: str, hbm_gbs: float | None) -> Pass:
+    """A memory pass: ``fixed_us`` + ``ns_per_element`` (measured), or ``bytes_per_element``
+    over the preset's ``memory_bandwidth_gbs`` (1 byte / (GB/s) is 1 ns)."""
     if d.get(key) is None:
         return Pass()
     where = f"{source}: {key}"
-    p = Pass(_number(d[key], "fixed_us", where), _number(d[key], "ns_per_element", where))
+    if not isinstance(d[key], dict):
+        raise UsageError(f"{where}: a mapping of fixed_us and ns_per_element, or of "
+                         f"bytes_per_element")
+    if "bytes_per_element" in d[key]:
+        if hbm_gbs is None:
+            raise UsageError(f"{where}: bytes_per_element needs the preset's "
+                             f"memory_bandwidth_gbs")
+        p = Pass(_number(d[key], "fixed_us", where, default=0.0),
+                 _number(d[key], "bytes_per_element", where) / hbm_gbs)
+    else:
+        p = Pass(_number(d[key], "fixed_us", where), _number(d[key], "ns_per_element", where))
     if p.fixed_us < 0 or p.ns_per_element < 0:
-        raise UsageError(f"{where}: fixed_us and ns_per_element must be >= 0")
+        raise UsageError(f"{where}: its figures must be >= 0")
     return p
+
+
+def _in_cp(k: dict, source: str) -> tuple[float, float]:
+    d = k.get("in_cp")
+    if d is None:
+        return 1.0, 1.0
+    where = f"{source}: kernel.in_cp"
+    if not isinstance(d, dict):
+        raise UsageError(f"{where}: a mapping of fwd and bwd (each > 0, at most 1)")
+    fwd, bwd = _number(d, "fwd", where, default=1.0), _number(d, "bwd", where, default=1.0)
+    if not (0 < fwd <= 1 and 0 < bwd <= 1):
+        raise UsageError(f"{where}: fwd and bwd must be > 0 and at most 1")
+    return fwd, bwd
 
 
 def from_dict(d: dict, source: str = "preset") -> Hardware:
@@ -184,29 +198,35 @@ def from_dict(d: dict, source: str = "preset") -> Hardware:
             raise TypeError("kernel, intra_node and inter_node must be mappings")
         if not isinstance(d["name"], str):
             raise TypeError(f"name must be text, got {d['name']!r}")
+        (dim, first), *others = curves.parse(k, f"{source}: kernel")
+        hbm = None if d.get("memory_bandwidth_gbs") is None else \
+            _number(d, "memory_bandwidth_gbs", source)
+        if hbm is not None and not hbm > 0:
+            raise UsageError(f"{source}: memory_bandwidth_gbs must be positive, got {hbm:g}")
         hw = Hardware(
             name=d["name"], description=str(d.get("description", "")),
             gpus_per_node=_number(d, "gpus_per_node", source, int),
             nodes=_number(d, "nodes", source, int, default=1),
             memory_gib=_number(d, "memory_gib", source),
             peak_tflops=_number(d, "peak_tflops_bf16", source),
-            kernel_fwd=_curve(k["fwd"], f"{source}: kernel.fwd"),
-            kernel_bwd=_curve(k["bwd"], f"{source}: kernel.bwd"),
+            kernel_fwd=first.fwd, kernel_bwd=first.bwd,
             step_overhead_us=_number(k, "step_overhead_us", f"{source}: kernel", default=0.0),
             intra=Link(_number(intra, "bandwidth_gbs", f"{source}: intra_node"),
                        _number(intra, "latency_us", f"{source}: intra_node")),
             inter=Link(_number(inter, "bandwidth_gbs_per_gpu", f"{source}: inter_node"),
                        _number(inter, "latency_us", f"{source}: inter_node")),
             node_inter_gbs=_number(inter, "node_bandwidth_gbs", f"{source}: inter_node"),
-            kernel_fwd_causal=_optional_curve(k, "fwd_causal", source),
-            kernel_bwd_causal=_optional_curve(k, "bwd_causal", source),
+            kernel_fwd_causal=first.fwd_causal, kernel_bwd_causal=first.bwd_causal,
             dtypes=_dtypes(d.get("dtypes", ["bf16", "fp16"]), source),
             overlapped=(None if d.get("overlapped") is None
                         else _number(d, "overlapped", source)),
             idle_speedup=_number(d, "idle_speedup", source, default=1.0),
-            merge=_pass(d, "merge", source),
-            accumulate=_pass(d, "accumulate", source),
+            merge=_pass(d, "merge", source, hbm),
+            accumulate=_pass(d, "accumulate", source, hbm),
             probe=_probe(d.get("probe"), f"{source}: probe"),
+            kernel_head_dim=dim, other_kernels=tuple((n, ks) for n, ks in others if n),
+            kernel_in_cp=_in_cp(k, source), memory_bandwidth_gbs=hbm,
+            source=" ".join(str(d.get("source", "")).split()),
         )
     except KeyError as e:
         raise UsageError(f"{source}: missing field {e.args[0]!r} (see configs/hardware/"
@@ -246,6 +266,12 @@ def _check(hw: Hardware, source: str) -> None:
 
 def names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def preset_lines() -> list[tuple[str, str]]:
+    """(name, one line: the machine) for every shipped preset, as ``cpbench simulate
+    --help`` and ``--list-hardware`` print them (the latter with ``load(name).source``)."""
+    return [(name, load(name).description) for name in names()]
 
 
 def load(name_or_path: str) -> Hardware:

@@ -15,14 +15,20 @@ hardware preset (``cpbench.sim.hardware``). Modelling assumptions, and where the
    are in flight while the kernel runs; exposed ones (all-to-alls, the last backward hop)
    wait for or are waited on by the compute. (The strategies' own code: ``commit`` before
    the kernel, ``wait`` after.)
-3. Compute: each kernel step costs its FLOPs at the preset's attained kernel rate for its
-   block side sqrt(seqlen_q · seqlen_k), forward and backward curves separately, plus a fixed
-   per-step overhead (kernel launches, stream waits, posting the p2p batch). The curves are
-   measured end to end per step, so they include the LSE merge / fp32 accumulation that goes
-   with each block. Heads and batch only scale the FLOPs (FlashAttention parallelises over
-   them; at the block sizes CP runs, ≥ 1k tokens, the grid fills the GPU). A causal
-   (diagonal) block is priced on the preset's causal curves where it has them (``cpbench
-   calibrate`` measures them: half the block is masked, so its rate per FLOP is lower).
+3. Compute: each kernel step costs its FLOPs at the kernel's rate for its block side
+   sqrt(seqlen_q · seqlen_k) and head dim (the preset's curve: on GPUs the published
+   figures of the kernel benchmarked alone, ``sim.curves``), forward and backward curves
+   separately, times the kernel's rate inside a CP run over its rate alone
+   (``kernel_in_cp``: NCCL's kernels run beside it; 1 where not measured); then the step's
+   own costs, each a named term of the preset: a fixed per-step cost (launches, the small
+   kernels around the call, posting the p2p batch) and the memory passes of point 6.
+   Heads and batch only scale the FLOPs (FlashAttention parallelises over them; at the
+   block sizes CP runs, >= 1k tokens, the grid fills the GPU); so do K/V heads not (GQA:
+   every query head attends, FlashAttention reads its group's K/V; the FLOPs and, within
+   2 % in published A100 runs of 32 and 8 K/V heads, the rate are those of MHA), while the
+   bytes a schedule moves for K and V scale with the K/V heads. A causal (diagonal) block
+   is priced on the preset's causal curves where it has them (the published causal rate,
+   FLOPs counted as half the square's: the causal penalty once, nowhere else).
 4. Links: a message inside a node moves at the intra-node link rate (NVSwitch: every GPU has
    its own full-rate port). A message crossing nodes takes the longer of its bytes over the
    GPU's own share of the network (one NIC) and its node's inter-node bytes of that step
@@ -36,12 +42,13 @@ hardware preset (``cpbench.sim.hardware``). Modelling assumptions, and where the
    ring's outer hop has a whole inner window) is spread evenly over the kernels it overlaps:
    its own step's and the next ones, or only the next ones when it is posted after its
    step's kernel (``after_compute``: a partial sum moving on).
-6. What a CPU shares (only presets ``cpbench calibrate`` measured on a CPU carry these;
-   GPU presets have none, and their curves, fitted per step end to end, already hold the
-   rest):
-   - around each kernel call, its memory passes: the forward's log-sum-exp merge of the
-     block into the rank's fp32 (out, lse) rows, the backward's dq, dk, dv sums, priced
-     from their measured cost per element (``merge``, ``accumulate``);
+6. What a step passes over in memory around its kernel call: the forward's log-sum-exp
+   merge of the block into the rank's fp32 (out, lse) rows, the backward's dq, dk, dv sums,
+   priced per element (``merge``, ``accumulate``; ``sim.sharing``): on CPUs measured by
+   ``cpbench calibrate``, on GPUs bytes per element over the HBM bandwidth (measured on A800
+   in seed 000's profile). A strategy that returns its one kernel call's result as it is
+   (``Strategy.merges``: Ulysses) pays neither. What ranks on one CPU share besides (only
+   presets ``cpbench calibrate`` measured on a CPU carry these):
    - an overlapped message does not hide: the transport's thread needs the core the kernel
      holds. It adds ``overlapped`` times its time alone on the link (measured: the same
      exchange posted before a kernel and awaited after it, against its time alone);
@@ -73,6 +80,7 @@ from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
 from cpbench.errors import Skipped, UsageError
 from cpbench.mask import mask_of
+from cpbench.metrics import BWD_FACTOR, attention_flops
 from cpbench.sim import memory, sharing
 from cpbench.sim.hardware import GB, Hardware
 from cpbench.strategies.base import BWD, FWD, Strategy
@@ -230,7 +238,7 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
             side = math.sqrt(step.block[0] * step.block[1]) if step.block else 0.0
             node = topo.node_of(strat.rank)
             moved, out = rank_loads.moved[i], node_out[node]
-            el = sharing.elements(strat, attn, step.block)
+            el = sharing.elements(strat, attn, step.block) if strat.merges() else {}
             views.setdefault(node, []).append(RankStep(
                 step.flops, side, moved[0], moved[1], moved[2], moved[3], out[0], out[1],
                 causal=bool(step.block and step.block[2]),
@@ -333,7 +341,7 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
         for r in step.ranks:
             compute = 0.0
             if r.flops:
-                rate = hw.kernel(step.phase, r.causal).tflops(r.side * length)
+                rate = hw.rate(step.phase, r.causal, attn.head_dim, r.side * length)
                 compute = r.flops * square / (rate * 1e12) + overhead + sharing.passes_s(
                     hw, step.phase, r.q_elements * linear, r.kv_elements * linear)
             computes.append(compute)
@@ -354,6 +362,24 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
                       bwd_compute_s=compute_total[BWD], memory_bytes=memory,
                       capacity_bytes=hw.memory_gib * GIB,
                       ranks_per_problem=c.ranks_per_problem, resolved=c.resolved)
+
+
+def ideal(attn: AttentionConfig, ranks: int, hw: Hardware) -> tuple[float, float]:
+    """(FWD s, BWD s) of the ideal the field quotes beside CP rows (ring-flash-attention's
+    README, "theoretic flash_attn": 8 GPUs each running the kernel on its own 8k tokens, its
+    rate divided by 8): the kernel alone on one GPU's share of the tokens (S / ranks, every
+    head, the batch; causal as the problem), ``ranks`` times over — CP's work on the
+    kernel's curve at the side each GPU holds, with no communication, merge, step cost or
+    CP-run slowdown (``kernel_in_cp``). ``ranks`` is 1 for a no-CP baseline (its own
+    kernel on the whole sequence)."""
+    local = attn.seqlen // ranks
+    flops = attention_flops(batch=attn.batch, seqlen_q=local, seqlen_k=local, heads=attn.heads,
+                            head_dim=attn.head_dim, causal=attn.causal)
+    out = []
+    for phase, factor in ((FWD, 1.0), (BWD, BWD_FACTOR)):
+        rate = hw.kernel(phase, attn.causal, attn.head_dim).tflops(local)
+        out.append(ranks * flops * factor / (rate * 1e12))
+    return out[0], out[1]
 
 
 def clear_cache() -> None:

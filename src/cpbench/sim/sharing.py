@@ -1,7 +1,8 @@
-"""What ranks on one CPU share, as the simulator prices it (``cpbench.sim.model``, point 6 of
-its docstring): the memory passes around each kernel call, and a node's cores and caches left
-to the ranks still computing. Presets measured by ``cpbench calibrate`` on a CPU carry the
-figures; GPU presets have none, and these terms then add nothing."""
+"""What a step passes over around its kernel call and what ranks on one CPU share, as the
+simulator prices it (``cpbench.sim.model``, point 6 of its docstring): the memory passes
+around each kernel call (every preset: measured per element on a CPU, bytes per element over
+HBM on a GPU), and a node's cores and caches left to the ranks still computing (CPU presets
+only; on GPUs ``idle_speedup`` is 1 and this adds nothing)."""
 
 from __future__ import annotations
 

@@ -240,6 +240,13 @@ class Strategy(ABC):
         wide = 4 // self.attn.element_size
         return 0 if phase == FWD else 2 * self.kv_bytes(self.local_seqlen) * wide
 
+    def merges(self) -> bool:
+        """Whether each kernel call's result is merged into the rank's fp32 (out, lse) and
+        its gradients summed into fp32 partial sums (the simulator prices those passes). A
+        ring's, even of one step (``local``), are; a strategy that returns its one call's
+        result as it is says False."""
+        return True
+
     def kernel_head_share(self) -> float:
         """The share of the heads one kernel call on this rank computes (1: all of them;
         a Ulysses all-to-all leaves 1 / its degree)."""

@@ -202,6 +202,9 @@ class Ulysses(Strategy):
     def finish_bytes(self, phase: str) -> int:
         return 0  # one kernel call; its results go back as they are
 
+    def merges(self) -> bool:
+        return False  # one kernel call, nothing to merge or sum
+
     def kernel_head_share(self) -> float:
         return 1 / self.cp_size
 

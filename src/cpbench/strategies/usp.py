@@ -137,6 +137,9 @@ class Usp(Strategy):
     def late_accumulator_bytes(self, phase: str) -> int:
         return 0 if self.ring is None else self.ring.late_accumulator_bytes(phase)
 
+    def merges(self) -> bool:
+        return self.ring is not None  # no ring: Ulysses' one call, nothing to merge
+
     def kernel_head_share(self) -> float:
         return 1 / self.ulysses_degree
 

@@ -1,0 +1,120 @@
+"""A hardware preset's attention-kernel curves: attained TFLOP/s against the block side, per
+head dim, forward / backward, full and causal, each point with its source.
+
+In a preset (``kernel:`` of ``cpbench/sim/presets/*.yaml``) a curve is a list of points
+``[side, tflops]`` or ``[side, tflops, source]``, where ``source`` names an entry of
+``kernel.sources``: the paper, figure and value it was read from, or the stated rule that
+derived it. Curves are given per head dim (``head_dim_128:``, ``head_dim_64:``, each with
+``fwd``, ``bwd`` and optionally ``fwd_causal``, ``bwd_causal``); a preset measured at one
+head dim (``cpbench calibrate``) gives them directly under ``kernel:``, for any head dim.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+from dataclasses import dataclass
+
+from cpbench.errors import UsageError
+
+PHASES = ("fwd", "bwd", "fwd_causal", "bwd_causal")
+_HEAD_DIM = re.compile(r"head_dim_(\d+)$")
+
+
+@dataclass(frozen=True)
+class KernelCurve:
+    """Attained TFLOP/s of one attention kernel call against its block's side
+    L = sqrt(seqlen_q · seqlen_k), log-linear between points, flat beyond the ends."""
+
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self):
+        sides = [side for side, _ in self.points]
+        if not self.points or sides != sorted(sides) or len(set(sides)) != len(sides):
+            raise UsageError("a kernel curve needs [side, tflops] points with increasing sides")
+        if not all(math.isfinite(v) and v > 0 for point in self.points for v in point):
+            raise UsageError("kernel curve sides and TFLOP/s must be positive numbers")
+
+    def tflops(self, side: float) -> float:
+        pts = self.points
+        if side <= pts[0][0]:
+            return pts[0][1]
+        if side >= pts[-1][0]:
+            return pts[-1][1]
+        i = bisect.bisect_right([p[0] for p in pts], side)
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        w = (math.log(side) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        return y0 + w * (y1 - y0)
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """One head dim's curves. A causal (diagonal) block has its own where given: half its
+    tiles are masked, so it attains less per FLOP (counted as half the square's) than a
+    full block of the same side; without them it is priced on the full-block curve."""
+
+    fwd: KernelCurve
+    bwd: KernelCurve
+    fwd_causal: KernelCurve | None = None
+    bwd_causal: KernelCurve | None = None
+
+    def curve(self, phase: str, causal: bool) -> KernelCurve:
+        if causal:
+            curve = self.fwd_causal if phase == "fwd" else self.bwd_causal
+            if curve is not None:
+                return curve
+        return self.fwd if phase == "fwd" else self.bwd
+
+    def curves(self) -> tuple[KernelCurve, ...]:
+        return tuple(c for c in (self.fwd, self.bwd, self.fwd_causal, self.bwd_causal)
+                     if c is not None)
+
+
+def _curve(points, sources: dict, what: str) -> KernelCurve:
+    if not isinstance(points, list):
+        raise UsageError(f"{what}: write [[side, tflops], ...] or [[side, tflops, source], ...]")
+    out = []
+    for p in points:
+        if not (isinstance(p, list) and len(p) in (2, 3)):
+            raise UsageError(f"{what}: {p!r} is not [side, tflops] or [side, tflops, source]")
+        if len(p) == 3 and p[2] not in sources:
+            raise UsageError(f"{what}: point {p!r} cites {p[2]!r}, which kernel.sources does "
+                             f"not list ({', '.join(sources) or 'none'})")
+        try:
+            out.append((float(p[0]), float(p[1])))
+        except (TypeError, ValueError):
+            raise UsageError(f"{what}: {p!r} is not [side, tflops]") from None
+    try:
+        return KernelCurve(tuple(out))
+    except UsageError as e:
+        raise UsageError(f"{what}: {e}") from None
+
+
+def _set(d: dict, sources: dict, where: str) -> KernelSet:
+    if not isinstance(d, dict) or "fwd" not in d or "bwd" not in d:
+        raise UsageError(f"{where}: needs fwd and bwd curves (and optionally fwd_causal, "
+                         f"bwd_causal)")
+    curves = {k: _curve(d[k], sources, f"{where}.{k}") for k in PHASES if d.get(k) is not None}
+    return KernelSet(**curves)
+
+
+def parse(k: dict, where: str) -> list[tuple[int | None, KernelSet]]:
+    """(head dim, curves) in the preset's order; head dim None: one set for any head dim."""
+    sources = k.get("sources") or {}
+    if not isinstance(sources, dict):
+        raise UsageError(f"{where}.sources: a mapping of name → what the figure or rule is")
+    by_dim = [(int(m.group(1)), key) for key in k if (m := _HEAD_DIM.match(str(key)))]
+    if by_dim:
+        if "fwd" in k or "bwd" in k:
+            raise UsageError(f"{where}: give curves per head dim (head_dim_N) or directly "
+                             f"under kernel, not both")
+        return [(dim, _set(k[key], sources, f"{where}.{key}")) for dim, key in by_dim]
+    return [(None, _set(k, sources, where))]
+
+
+def nearest(sets: tuple[tuple[int | None, KernelSet], ...], head_dim: int | None) -> KernelSet:
+    """The set of ``head_dim``, or of the nearest head dim given (the larger on a tie)."""
+    if head_dim is None or len(sets) == 1 or sets[0][0] is None:
+        return sets[0][1]
+    return min(sets, key=lambda s: (abs((s[0] or 0) - head_dim), -(s[0] or 0)))[1]
