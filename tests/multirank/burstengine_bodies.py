@@ -27,7 +27,7 @@ def _posts(st, inputs) -> Counter:
 def usp_as_run(rank, world, rpn, attn):
     """Head-first usp over Ulysses groups of ``rpn``: with the hop (and its check, traced
     posts, measured and declared bytes) and without it (the same one-window double ring):
-    this rank's dK and dV from each (exact in fp32)."""
+    this rank's dK and dV from each (exact in fp32); and the check of a two-window ring."""
     cls, topo = strategies.get("usp"), Topology(world_size=world, ranks_per_node=rpn)
     common = dict(placement="head-first", ulysses_degree=rpn, ring_impl="double-ring")
 
@@ -37,6 +37,10 @@ def usp_as_run(rank, world, rpn, attn):
 
     hop, plain = build(burstengine_dkv_hop=True), build(ring_window=world // rpn)
     found = {"verdict": {c.tensor: c.passed for c in check_strategy(hop, seed=11)}}
+    # --ring-window reaching the double ring: two windows of 2, checked against float64
+    windowed = build(ring_window=2)
+    found["windowed"] = (windowed.ring.window, windowed.ring.rings.windows,
+                         all(c.passed for c in check_strategy(windowed, seed=13)))
     inputs = global_inputs(hop.attn, seed=12)
     for key, st in (("hop", hop), ("plain", plain)):
         # as numpy: a tensor would travel back through shared memory the rank frees on exit

@@ -166,7 +166,8 @@ def test_a_run_sends_what_burstengine_sends_and_fails_the_check_as_it_would():
     members, kernels before it) equals the transcription's; what it sends equals its declared
     schedule. The float64 check FAILS on dk and dv only, and each rank's dK / dV are exactly
     those its ring predecessor gets without the hop (same double ring, window 4): the hop
-    hands them on (IE L410-414 with BD L161-162's groups), nothing else is wrong."""
+    hands them on (IE L410-414 with BD L161-162's groups), nothing else is wrong. And
+    ``--ring-window 2`` (two windows of the ring of 4) passes the check."""
     world, rpn = 8, 2
     attn = AttentionConfig(batch=1, seqlen=128, heads=4, kv_heads=2, head_dim=16, dtype="bf16")
     found = run_ranks(usp_as_run, world, rpn, attn, timeout=300)
@@ -181,6 +182,7 @@ def test_a_run_sends_what_burstengine_sends_and_fails_the_check_as_it_would():
         # the check's verdict, as it honestly is: upstream's defect, reproduced
         assert got["verdict"] == {"out": True, "lse": True, "dq": True, "dk": False,
                                   "dv": False}, rank
+        assert got["windowed"] == (2, 2, True), rank  # --ring-window 2: two windows, exact
         before = (rank - rpn) % world  # the ring predecessor (ring = same place, every node)
         for name in ("dk", "dv"):
             assert np.array_equal(got["hop"][name], found[before]["plain"][name]), (rank, name)

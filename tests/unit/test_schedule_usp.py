@@ -216,3 +216,6 @@ def test_ring_window_refusals():
     with pytest.raises(ValueError, match="does not divide its ring of 8 ranks; use one of: "
                                          "1, 2, 4, 8"):
         _build(16, 8, ring_impl="double-ring", ring_window=3, **kw)
+    # no ring (u = N): no window to refuse, so a sweep's --ring-window leaves this case be
+    assert _build(8, 4, ring_impl="double-ring", ring_window=3,
+                  **{**kw, "ulysses_degree": 8}).ring is None

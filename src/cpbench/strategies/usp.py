@@ -240,7 +240,7 @@ class Usp(Strategy):
             raise UsageError(f"{self.name} {given} sets up the double ring: add --ring-impl "
                              f"double-ring (not {self.ring_impl})")
         r = self.ring_degree
-        if window < 0 or (window and r % window):
+        if window < 0 or (window and r % window and r > 1):  # a ring of one has no window
             raise UsageError(f"{self.name} --ring-window {window} does not divide its ring of "
                              f"{r} ranks; use one of: {', '.join(map(str, divisors(r)))} (0: "
                              f"the ring group's ranks in a node)")
