@@ -219,3 +219,5 @@ def test_ring_window_refusals():
     # no ring (u = N): no window to refuse, so a sweep's --ring-window leaves this case be
     assert _build(8, 4, ring_impl="double-ring", ring_window=3,
                   **{**kw, "ulysses_degree": 8}).ring is None
+    with pytest.raises(ValueError, match="--ring-window -1 does not divide"):
+        _build(8, 4, ring_impl="double-ring", ring_window=-1, **{**kw, "ulysses_degree": 8})

@@ -240,7 +240,10 @@ class Usp(Strategy):
             raise UsageError(f"{self.name} {given} sets up the double ring: add --ring-impl "
                              f"double-ring (not {self.ring_impl})")
         r = self.ring_degree
-        if window < 0 or (window and r % window and r > 1):  # a ring of one has no window
+        if r == 1 and window >= 0:  # no ring, no window (a sweep's window leaves u = N be)
+            self.ring_window = 0
+            return
+        if window < 0 or (window and r % window):
             raise UsageError(f"{self.name} --ring-window {window} does not divide its ring of "
                              f"{r} ranks; use one of: {', '.join(map(str, divisors(r)))} (0: "
                              f"the ring group's ranks in a node)")
