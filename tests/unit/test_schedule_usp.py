@@ -184,3 +184,40 @@ def test_a2a_p2p_differs_from_usp_where_te_does():
     with pytest.raises(ValueError, match="TE's zigzag"):
         _build(8, 4, name="megatron-cp-a2a+p2p", batch=1, seqlen=40, heads=8, head_dim=8,
                a2a_degree=4)
+
+
+def test_ring_window_reaches_the_double_ring():
+    # 2 nodes x 8, u = 2: rings of 8 ranks (0, 2, ..., 14), 4 per node; window 2 cuts each
+    # into 4 windows (0, 2), (4, 6), ... linked by outer rings (2, 6, 10, 14) across nodes
+    b, S, h, d = 1, 256, 8, 16
+    st = _build(16, 8, rank=2, batch=b, seqlen=S, heads=h, head_dim=d, dtype="bf16",
+                ulysses_degree=2, ring_impl="double-ring", ring_window=2)
+    assert st.resolved_options()["ring_options"] == {"window": 2}
+    assert st.groups["inner"].ranks == (0, 2) and not st.groups["inner"].crosses_nodes
+    assert st.groups["outer"].ranks == (2, 6, 10, 14) and st.groups["outer"].crosses_nodes
+    # R = 8 = M 4 x W 2; a K or V block: S/R tokens of h/u heads, bf16
+    kv = b * (S // 8) * (h // 2) * d * 2
+    circ = {"inner": 4 * (2 - 1) * 2 * kv, "outer": (4 - 1) * 2 * kv}  # K and V, both passes
+    # dK/dV: W hops per window, fp32 in the first and bf16 after; M outer hops in bf16
+    dkv = {"inner_dkv": 2 * 2 * 2 * kv + 3 * 2 * 2 * kv, "outer_dkv": 4 * 2 * kv}
+    ring = {k: v for k, v in _totals(st).items() if k[2] != "ulysses"}
+    assert ring == {**{("fwd", "p2p", g): n for g, n in circ.items()},
+                    **{("bwd", "p2p", g): n for g, n in {**circ, **dkv}.items()}}
+    default = _build(16, 8, rank=2, batch=b, seqlen=S, heads=h, head_dim=d, dtype="bf16",
+                     ulysses_degree=2, ring_impl="double-ring")
+    assert default.ring.window == 4 and _totals(default) != _totals(st)
+
+
+def test_ring_window_refusals():
+    kw = dict(batch=1, seqlen=256, heads=8, head_dim=16, ulysses_degree=2)
+    with pytest.raises(ValueError, match="--ring-window sets up the double ring: add "
+                                         "--ring-impl double-ring"):
+        _build(16, 8, ring_window=2, **kw)
+    with pytest.raises(ValueError, match="does not divide its ring of 8 ranks; use one of: "
+                                         "1, 2, 4, 8"):
+        _build(16, 8, ring_impl="double-ring", ring_window=3, **kw)
+    # no ring (u = N): no window to refuse, so a sweep's --ring-window leaves this case be
+    assert _build(8, 4, ring_impl="double-ring", ring_window=3,
+                  **{**kw, "ulysses_degree": 8}).ring is None
+    with pytest.raises(ValueError, match="--ring-window -1 does not divide"):
+        _build(8, 4, ring_impl="double-ring", ring_window=-1, **{**kw, "ulysses_degree": 8})

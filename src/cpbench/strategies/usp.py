@@ -25,6 +25,19 @@ is strided ranks (0, R, 2R, ...), so its gathered tokens are not one contiguous 
 the ring's causal masking is wrong. (Its zigzag layout is keyed like this one.)
 
 u = N leaves a ring of one rank: the kernel runs directly, exactly as ``ulysses``.
+
+``--ring-window`` hands ``--ring-impl double-ring`` its window (ranks per inner ring of each
+ring group; 0: its default, the ring group's ranks in a node).
+
+``--burstengine-dkv-hop`` runs USP as BurstEngine's ``evaluation/kernel_bench/
+benchmark_doublering.py`` ran it (docs/upstream/burstengine_usp.md): its ring is InternEvo's
+double ring as one window over the whole ring group (the benchmark passes the ring group as
+the inner, outer and both dK/dV groups, L158-162), and after the window the backward makes
+one more dK/dV hop (InternEvo's hop to the next window, L410-414 of its copy of
+``zigzag_ring_flash_attn_with_sliding_window.py``), in the activation dtype, on the dK/dV
+group, awaited at once. With one window that hop goes to the ring successor, not to the rank
+itself, so each rank ends with its ring predecessor's dK and dV: ``--check`` FAILS on dk and
+dv. Reproduced as upstream ran it, defect included; off by default.
 """
 
 from __future__ import annotations
@@ -36,9 +49,11 @@ from dataclasses import dataclass
 import torch
 
 from cpbench import strategies
+from cpbench.comm import RingComm
 from cpbench.errors import Skipped, UsageError
 from cpbench.strategies import register
-from cpbench.strategies.base import BWD, FWD, Step, Strategy, option
+from cpbench.strategies._rings import send_block
+from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, option
 from cpbench.strategies.layout import check_divisible, contiguous_index
 from cpbench.strategies.ulysses import (
     head_layout_bytes,
@@ -72,6 +87,25 @@ def placement_option():
                   PLACEMENTS)
 
 
+class _DkvHop(torch.autograd.Function):
+    """BurstEngine's hop after its one window (its InternEvo copy L410-414): the identity
+    forward; in backward the ring strategy's dK and dV go to the next rank of the dK/dV
+    group (one message each, one batch) and what the previous rank sent takes their place,
+    awaited at once (L414)."""
+
+    @staticmethod
+    def forward(ctx, group, k, v):
+        ctx.group = group
+        return k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, dk, dv):
+        comm = RingComm(ctx.group)
+        got = send_block(comm, (dk, dv))
+        comm.wait()
+        return None, *got
+
+
 @register
 class Usp(Strategy):
     name = "usp"
@@ -84,6 +118,14 @@ class Usp(Strategy):
         ulysses_degree: int = ulysses_degree_option()
         placement: str = placement_option()
         ring_impl: str = option("zigzag", "ring strategy run over the ring groups", RING_IMPLS)
+        ring_window: int = option(0, "with --ring-impl double-ring: ranks per inner ring of "
+                                  "each ring group; 0: double-ring's default (the ring "
+                                  "group's ranks in a node)")
+        burstengine_dkv_hop: bool = option(
+            False, "USP as BurstEngine's benchmark_doublering.py ran it (with --ring-impl "
+            "double-ring): one window over the ring group, then one more dK/dV hop, exposed; "
+            "it hands each rank its ring predecessor's dK/dV, so --check FAILS "
+            "(upstream's defect, reproduced: docs/upstream/burstengine_usp.md)")
 
     def __init__(self, *args, create_groups: bool = True, **kwargs):
         super().__init__(*args, create_groups=create_groups, **kwargs)  # validate() plans
@@ -183,23 +225,50 @@ class Usp(Strategy):
         self.ulysses_lists = [[cp[i] for i in g] for cp in self.cp_lists for g in uly_pos]
         self.ring_lists = [[cp[i] for i in g] for cp in self.cp_lists for g in ring_pos]
         self.replicas = kv_replicas(a.num_kv_heads, u)
+        self._check_ring_options()
         if self.ring_degree > 1 and not self.mask.plain:
             why = strategies.get(self.ring_impl).unsupported_mask(self.mask)
             if why:
                 raise Skipped(f"usp with --ring-impl {self.ring_impl}: {why}")
         self._ring_strategy(create_groups=False)  # the ring strategy validates its part
 
+    def _check_ring_options(self) -> None:
+        """--ring-window and --burstengine-dkv-hop: both set up a double ring. Sets
+        ``ring_window`` (0: double-ring's default) and ``burstengine_hop``."""
+        # megatron-cp-a2a+p2p (a subclass) takes neither
+        window = getattr(self.opts, "ring_window", 0)
+        self.burstengine_hop = getattr(self.opts, "burstengine_dkv_hop", False)
+        if (window or self.burstengine_hop) and self.ring_impl != "double-ring":
+            given = "--ring-window" if window else "--burstengine-dkv-hop"
+            raise UsageError(f"{self.name} {given} sets up the double ring: add --ring-impl "
+                             f"double-ring (not {self.ring_impl})")
+        r = self.ring_degree
+        if r == 1 and window >= 0:  # no ring, no window (a sweep's window leaves u = N be)
+            self.ring_window = 0
+            return
+        if window < 0 or (window and r % window):
+            raise UsageError(f"{self.name} --ring-window {window} does not divide its ring of "
+                             f"{r} ranks; use one of: {', '.join(map(str, divisors(r)))} (0: "
+                             f"the ring group's ranks in a node)")
+        if self.burstengine_hop and window not in (0, r):
+            raise UsageError(f"{self.name} --burstengine-dkv-hop runs the double ring as "
+                             f"BurstEngine did, one window over the ring of {r}: drop "
+                             f"--ring-window or give {r}")
+        self.ring_window = r if self.burstengine_hop else window
+
     def _ring_strategy(self, *, create_groups: bool) -> Strategy | None:
-        """The ring strategy (its default options) on the ring groups, for this rank's
-        heads/u (and K/V heads/u after replication). None for a ring of one rank."""
+        """The ring strategy (its default options, double-ring's window from
+        ``ring_window``) on the ring groups, for this rank's heads/u (and K/V heads/u after
+        replication). None for a ring of one rank."""
         if self.ring_degree == 1:
             return None
         a, u = self.attn, self.ulysses_degree
         ring_attn = dataclasses.replace(a, heads=a.heads // u,
                                         kv_heads=a.num_kv_heads * self.replicas // u)
-        return strategies.get(self.ring_impl)(ring_attn, self.topo, self.rank,
-                                              kernel=self.kernel, create_groups=create_groups,
-                                              cp_lists=self.ring_lists)
+        cls = strategies.get(self.ring_impl)
+        opts = cls.Options(window=self.ring_window) if self.ring_impl == "double-ring" else None
+        return cls(ring_attn, self.topo, self.rank, kernel=self.kernel, options=opts,
+                   create_groups=create_groups, cp_lists=self.ring_lists)
 
     def group_lists(self):
         return {"ulysses": self.ulysses_lists}  # the ring strategy creates its own
@@ -233,9 +302,27 @@ class Usp(Strategy):
     # -- the algorithm -----------------------------------------------------------------------
 
     def attention(self, q, k, v):
-        inner = local_attention(self) if self.ring is None else self.ring.attention
+        if self.ring is None:
+            inner = local_attention(self)
+        else:
+            inner = self._ring_then_hop if self.burstengine_hop else self.ring.attention
         return ulysses_attention(q, k, v, self.groups["ulysses"], inner, self.replicas,
                                  self.need_lse)
+
+    def _ring_then_hop(self, q, k, v):
+        """The double ring, whose backward is followed by BurstEngine's extra dK/dV hop on
+        the ring's own dK/dV group (upstream passes that group as both dK/dV groups)."""
+        assert self.ring is not None
+        k, v = _DkvHop.apply(self.groups["inner_dkv"], k, v)
+        return self.ring.attention(q, k, v)
+
+    def _hop_messages(self) -> tuple[Message, ...]:
+        """``_DkvHop``'s dK and dV, in the activation dtype (upstream's window returns them
+        cast, L281), awaited at once (L414)."""
+        assert self.ring is not None
+        g = self.groups["inner_dkv"]
+        n = self.ring.kv_bytes(self.ring.local_seqlen)
+        return (Message("p2p", g.name, n, g.crosses_nodes, overlapped=False),) * 2
 
     def schedule(self) -> list[Step]:
         g = self.groups["ulysses"]
@@ -249,6 +336,8 @@ class Usp(Strategy):
                      for p in (FWD, BWD)]
         else:
             inner = self.ring.schedule()  # its FLOPs already count heads/u heads
+            if self.burstengine_hop:  # after the ring's last backward step, nothing to hide it
+                inner.append(Step(BWD, 0, 0.0, self._hop_messages()))
         steps = []
         for phase in (FWD, BWD):
             # all-to-all, the ring strategy's steps, all-to-all (none when u = 1)
