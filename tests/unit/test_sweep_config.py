@@ -4,6 +4,7 @@ command lines. No processes are started."""
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -105,3 +106,41 @@ def test_shipped_configs_validate(name):
             sweep.command(cfg, cfg.cases[0], "o.jsonl")
         cmd = sweep.command(cfg, cfg.cases[0], "o.jsonl", launcher="srun torchrun --nnodes 4")
         assert cmd[:3] == ["srun", "torchrun", "--nnodes"] and cmd[4:6] == ["-m", "cpbench.run"]
+
+
+def test_dry_run_of_a_multi_node_config_prints_each_launch_on_the_nodes(tmp_path, capsys):
+    """No --launcher: the srun + torchrun line the sbatch script would start for each case
+    (placeholders for what only the job knows, said so); a real run still refuses."""
+    from cpbench import slurm
+    from cpbench.cli import main
+
+    path = _write(tmp_path, "topology: {nodes: 4, gpus_per_node: 8}\nbase: {seqlen: 64k}\n"
+                            "sweep: {strategy: [ring, zigzag]}\n")
+    assert main(["sweep", str(path), "--dry-run", "--out", "r.jsonl"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# each case's launch on 4 nodes")
+    assert lines[1] == f"# {slurm.PREVIEW_NOTE}"
+    launcher = slurm.sweep_launcher(slurm.preview_world(4, 8))
+    for line, (i, name) in zip(lines[2:], ((1, "ring"), (2, "zigzag")), strict=True):
+        label, cmd = line.split(": ", 1)
+        assert label == f"[{i}] strategy={name}"
+        words = shlex.split(cmd)
+        expected = [w.replace("{case}", str(i)) for w in shlex.split(launcher)]
+        assert words[:len(expected)] == expected
+        assert words[len(expected):len(expected) + 2] == ["-m", "cpbench.run"]
+        assert words[-4:] == ["--strategy", name, "--out", "r.jsonl"]
+    assert main(["sweep", str(path), "--out", str(tmp_path / "r.jsonl")]) == 2
+    assert "spans 4 nodes: run it through Slurm" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_seed001_dry_run_prints_the_node_commands(capsys):
+    from cpbench.cli import main
+
+    assert main(["sweep", str(REPO / "configs" / "seed001_32gpu.yaml"), "--dry-run",
+                 "--out", "r.jsonl"]) == 0
+    launches = [line for line in capsys.readouterr().out.splitlines()
+                if not line.startswith("#")]
+    assert len(launches) == 28
+    assert all(" srun --nodes=4 " in line and " torchrun --nnodes=4 --nproc-per-node=8 " in line
+               for line in launches)
