@@ -133,6 +133,35 @@ def test_only_rank_0_prints_a_bad_input_under_torchrun(no_launch, capsys, monkey
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("rank, args", [("0", ["--strategy", "nope"]),
+                                        ("1", ["--strategy", "nope"]),
+                                        ("1", ["--strategy", "ring", "--bogus-flag"])])
+def test_every_rank_leaves_bad_input_for_torchrun_as_the_root_cause(no_launch, capsys,
+                                                                      monkeypatch, tmp_path,
+                                                                      rank, args):
+    """Under torchrun each rank writes cpbench's line to its error file, as torch's own
+    ErrorHandler lays it out: torchrun's summary (ProcessFailure) reads it as the message."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    for var, value in dict(RANK=rank, WORLD_SIZE="2", LOCAL_RANK=rank, LOCAL_WORLD_SIZE="2",
+                           MASTER_ADDR="127.0.0.1",
+                           TORCHELASTIC_ERROR_FILE=str(error_file)).items():
+        monkeypatch.setenv(var, value)
+    try:
+        code = cli.main(["run", *args])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    failure = ProcessFailure(local_rank=int(rank), pid=1, exitcode=2,
+                             error_file=str(error_file))
+    message = failure.message["message"]
+    assert message.startswith("cpbench") and ": error: " in message
+    assert ("unknown strategy 'nope'" if "nope" in args else "--bogus-flag") in message
+    assert err == (message + "\n" if rank == "0" else "")  # rank 0 alone prints
+
+
 def test_every_strategy_option_has_a_flag():
     parser = cli.build_parser()
     run = next(a for a in parser._subparsers._group_actions[0].choices.values()

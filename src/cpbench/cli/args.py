@@ -25,7 +25,7 @@ class Parser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"^-\d+[kKmMgG]?$|^-\d*\.\d+$")
 
     def error(self, message):  # one line with the fix, not argparse's usage block
-        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(usage_error(self.prog, f"{message} (see {self.prog} --help)"))
 
 
 def command(sub, name: str, doc: str, main, **kwargs) -> argparse.ArgumentParser:
@@ -138,10 +138,24 @@ def request(args) -> tuple[RunConfig, dict, dict]:
     return (RunConfig(**run), *problem(args))
 
 
-def fail(prog: str, e: Exception) -> int:
-    """Bad input: one line on stderr (after clearing a status line), exit status 2."""
+def usage_error(prog: str, message: str) -> int:
+    """Bad input: one line on stderr (after clearing a status line), exit status 2. Under
+    torchrun every rank finds the same error: rank 0 says it, and each rank leaves it as its
+    error file, so torchrun's failure summary names it as the root cause (torchrun itself
+    then exits 1: the agent's status is its own, see ``bench.env.tell_torchrun``)."""
+    from cpbench.bench import env
     from cpbench.report import console
 
+    line = f"{prog}: error: {' '.join(message.split())}"
+    if env.under_torchrun():
+        env.tell_torchrun(line)
+        if env.torchrun_world()[0] != 0:
+            return USAGE_ERROR
     console.end_status()  # a status line on the terminal must not run into the error
-    sys.stderr.write(f"{prog}: error: {' '.join(str(e).split())}\n")
+    sys.stderr.write(line + "\n")
     return USAGE_ERROR
+
+
+def fail(prog: str, e: Exception) -> int:
+    """Bad input ``e``: ``usage_error``'s one line, exit status 2."""
+    return usage_error(prog, str(e))
