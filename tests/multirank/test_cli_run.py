@@ -68,7 +68,7 @@ def test_torchrun_bad_input_is_named_as_the_root_cause(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
                           env=env)
     assert done.returncode == 1, done.stdout + done.stderr
-    line = "cpbench run: error: unknown strategy 'zigzg'; choose from: "
+    line = "cpbench run: error: unknown strategy 'zigzg' (did you mean 'zigzag'?); choose from: "
     workers, summary = done.stderr.split("Traceback (most recent call last)", 1)
     assert workers.count(line) == 1  # rank 0 alone prints
     root = summary.split("Root Cause (first observed failure):", 1)[1]

@@ -73,9 +73,46 @@ def test_parse_size():
     (["--device", "cuda"], "torchrun"),
     (["--collective-timeout", "0"], "--collective-timeout must be a positive number"),
     (["--deadline", "-5"], "--deadline must be a positive number"),
+    (["--strategy", "zigzg"], "unknown strategy 'zigzg' (did you mean 'zigzag'?); choose from:"),
+    (["--strategy", "ring,megatron"], "(did you mean 'megatron-cp'?)"),
+    # an abbreviation is not taken silently (allow_abbrev=False), and gets a suggestion
+    (["--seq", "2k"], "unrecognized arguments: --seq 2k (did you mean --seqlen?)"),
+    (["--seq-len", "2k"], "unrecognized arguments: --seq-len 2k (did you mean --seqlen?)"),
+    (["--seq-len=2k", "--head", "4"],
+     "(did you mean --seqlen for --seq-len, --heads for --head?)"),
 ])
 def test_bad_input_is_one_line_exit_2(no_launch, capsys, args, needle):
     assert needle in _error(capsys, *args)
+
+
+def test_no_strategy_name_is_a_near_miss_when_nothing_is_near(no_launch, capsys):
+    assert "did you mean" not in _error(capsys, "--strategy", "nosuch")
+
+
+@pytest.mark.parametrize("argv", [["simulate", "--seq", "1k"], ["sweep", "x.yaml", "--out",
+                                                                  "r.jsonl", "--dry"],
+                                  ["dryrun", "--node", "2"], ["report", "x.jsonl", "--form",
+                                                               "csv"]])
+def test_no_command_takes_an_abbreviation(capsys, argv):
+    """allow_abbrev=False on every parser: a prefix of a flag is an error naming the flag."""
+    with pytest.raises(SystemExit) as info:
+        cli.build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"cpbench {argv[0]}: error: unrecognized arguments: ")
+    assert "(did you mean --" in err
+
+
+def test_the_torchrun_entry_and_submit_sweep_take_no_abbreviation(no_launch, capsys):
+    from cpbench.cli.submit_sweep import main as submit
+    from cpbench.run import main as torchrun_entry
+
+    with pytest.raises(SystemExit) as info:
+        torchrun_entry(["--seq", "2k"])
+    assert info.value.code == 2 and "did you mean --seqlen?" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        submit(["--nodes", "4", "--arr", "--", "--out", "r.jsonl"])
+    assert info.value.code == 2 and "did you mean --array?" in capsys.readouterr().err
 
 
 def test_heads_not_divisible_by_ulysses_degree(no_launch, capsys):

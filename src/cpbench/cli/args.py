@@ -10,19 +10,57 @@ import sys
 
 from cpbench import strategies
 from cpbench.config import CPU_ATTENTION, GPU_ATTENTION, RunConfig
-from cpbench.errors import UsageError
+from cpbench.errors import UsageError, near_miss
 from cpbench.settings import Setting, split
 
 USAGE_ERROR = 2
 OPT_PREFIX = "opt_"  # strategy options live under opt_<name> in the namespace
 
 
+# on the namespace while parsing: the innermost parser that read the arguments (a command's),
+# so that arguments it did not know are reported by it, with its flags to suggest
+_READ_BY = "_cpbench_read_by"
+
+
 class Parser(argparse.ArgumentParser):
+    """argparse with cpbench's bad-input line (``usage_error``), no abbreviations (``--seq``
+    is not ``--seqlen``), and a "did you mean" for a flag it does not know."""
+
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         # "-8k" is a (negative) value, not a flag: let the size parser reject it with the fix
         # rather than argparse saying "expected one argument"
         self._negative_number_matcher = re.compile(r"^-\d+[kKmMgG]?$|^-\d*\.\d+$")
+
+    def parse_known_args(self, args=None, namespace=None):
+        # a command's parser runs first (inside its parent's), so its mark is kept
+        namespace, extras = super().parse_known_args(args, namespace)
+        if not hasattr(namespace, _READ_BY):
+            setattr(namespace, _READ_BY, self)
+        return namespace, extras
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        reader = vars(namespace).pop(_READ_BY, self)
+        if extras:
+            reader.error(f"unrecognized arguments: {' '.join(extras)}"
+                         + reader.suggestion(extras))
+        return namespace
+
+    def suggestion(self, extras: list[str]) -> str:
+        """`` (did you mean --seqlen?)`` for the unknown flags among ``extras`` that are near
+        misses of this parser's own."""
+        known = [o for o in self._option_string_actions if o.startswith("--")]
+        near = {}
+        for word in extras:
+            flag = word.split("=", 1)[0]
+            if flag.startswith("--") and (hit := near_miss(flag, known)):
+                near[flag] = hit
+        if len(near) == 1:
+            return f" (did you mean {next(iter(near.values()))}?)"
+        return (" (did you mean " + ", ".join(f"{hit} for {flag}" for flag, hit in near.items())
+                + "?)") if near else ""
 
     def error(self, message):  # one line with the fix, not argparse's usage block
         self.exit(usage_error(self.prog, f"{message} (see {self.prog} --help)"))

@@ -3,7 +3,6 @@ anything runs; every error listed at once, each with the case it came from."""
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import os
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ import yaml
 from cpbench import strategies
 from cpbench.bench import plan as planning
 from cpbench.config import GPU_ATTENTION, GPU_ITERS, RunConfig
-from cpbench.errors import UsageError
+from cpbench.errors import UsageError, did_you_mean
 from cpbench.mask import parse_size
 from cpbench.settings import Setting, attention_settings, run_settings, split
 
@@ -70,9 +69,8 @@ def _check_keys(where: str, mapping, allowed: dict, errors: list[str]) -> dict:
         if name in RESERVED:
             errors.append(f"{where}: {name!r} is set by `cpbench sweep` (use --out); drop it")
         elif name not in allowed and name not in SWEEP_ONLY:
-            near = difflib.get_close_matches(name, [*allowed, *SWEEP_ONLY], n=1)
             errors.append(f"{where}: unknown setting {k!r}"
-                          + (f" (did you mean {near[0]!r}?)" if near else "")
+                          + did_you_mean(name, [*allowed, *SWEEP_ONLY])
                           + "; settings are `cpbench run` flags, e.g. seqlen, strategy")
         else:
             good[name] = v
