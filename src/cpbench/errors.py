@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from typing import Callable, Iterable
 
 
 class UsageError(ValueError):
@@ -28,7 +28,7 @@ def near_miss(given: str, known: Iterable[str]) -> str | None:
     return close[0] if close else None
 
 
-def did_you_mean(given: str, known: Iterable[str], quote=repr) -> str:
+def did_you_mean(given: str, known: Iterable[str], quote: Callable[[str], str] = repr) -> str:
     """`` (did you mean 'x'?)`` for a near miss of ``given`` among ``known``, else ``""``."""
     near = near_miss(given, known)
     return f" (did you mean {quote(near)}?)" if near else ""
