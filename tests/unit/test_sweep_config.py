@@ -67,6 +67,31 @@ cases: [{strategy: ring, causal: maybe}, {strategy: ring, timeout: -1}]
     assert not any(e.startswith("case 1 ") for e in errors)  # ring at 256 on 2 ranks is fine
 
 
+def test_every_bad_value_of_one_case_is_listed(tmp_path, capsys):
+    """Two (and more) bad values in one case: each its own line, not only the first the
+    configs' checks meet; a value fine beside the case's others is not named."""
+    from cpbench.cli import main
+
+    path = _write(tmp_path, """
+base: {nproc: 2, seqlen: 1k, heads: 6, kv_heads: 3, iters: 0, warmup: -1, dtype: fp64}
+cases: [{strategy: [ring, zigzg]}, {strategy: ring, head_dim: x, batch: 0, kv_heads: 4}]
+""")
+    with pytest.raises(sweep.SweepError) as info:
+        sweep.load(path)
+    first = [e for e in info.value.errors if e.startswith("case 1 ")]
+    assert [e.split(": ", 1)[1].split(" (did")[0].split(";")[0] for e in first] == [
+        "unknown strategy 'zigzg'", "--iters must be a positive integer, got 0",
+        "--warmup must be >= 0, got -1", "unknown dtype 'fp64'"]
+    second = "\n".join(e for e in info.value.errors if e.startswith("case 2 "))
+    assert "cannot read head_dim: 'x' as int" in second and "batch must be a positive" in second
+    assert "kv_heads 4 must divide heads 6" in second  # a pair, neither wrong alone
+    assert not any("kv_heads 3" in e for e in info.value.errors)  # 3 divides the case's 6
+    assert main(["sweep", str(path), "--dry-run", "--out", "r.jsonl"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"cpbench sweep: {len(info.value.errors)} error(s) in the sweep config:"
+    assert len(err) == 1 + len(info.value.errors)  # one line each
+
+
 def test_repeated_rows_are_an_error(tmp_path):
     with pytest.raises(sweep.SweepError, match="case 2 .*repeats a row of case 1"):
         sweep.load(_write(tmp_path, """

@@ -11,7 +11,13 @@ import yaml
 
 from cpbench import strategies
 from cpbench.bench import plan as planning
-from cpbench.config import GPU_ATTENTION, GPU_ITERS, RunConfig
+from cpbench.config import (
+    GPU_ATTENTION,
+    GPU_ITERS,
+    AttentionConfig,
+    RunConfig,
+    resolved_documents,
+)
 from cpbench.errors import UsageError, did_you_mean
 from cpbench.mask import parse_size
 from cpbench.settings import Setting, attention_settings, run_settings, split
@@ -80,6 +86,44 @@ def _check_keys(where: str, mapping, allowed: dict, errors: list[str]) -> dict:
 def _label(settings: dict, base: dict) -> str:
     diff = {k: v for k, v in settings.items() if k not in base or base[k] != v}
     return " ".join(f"{k}={v}" for k, v in diff.items()) or "base"
+
+
+def _refused(build, fields: dict) -> list[str]:
+    """Every value of ``fields`` that ``build`` (a config's constructor) refuses, one message
+    each: a config raises at the first bad field, so each value that fails alone (defaults
+    around it) and still fails beside the case's other values is named; a combination with no
+    single culprit, as the config says it."""
+    def error(given: dict) -> str | None:
+        try:
+            build(given)
+        except UsageError as e:
+            return " ".join(str(e).split())
+        return None
+
+    whole = error(fields)
+    if whole is None:
+        return []
+    alone = [k for k in fields if error({k: fields[k]}) is not None]
+    found = [error({j: v for j, v in fields.items() if j == k or j not in alone}) for k in alone]
+    found.append(error({j: v for j, v in fields.items() if j not in alone}))  # the rest
+    return list(dict.fromkeys(m for m in found if m is not None)) or [whole]
+
+
+def _value_errors(settings: dict) -> list[str]:
+    """Every bad value of a case that needs no plan to see: unknown strategy names, and what
+    RunConfig and AttentionConfig refuse (each checks its fields in turn: the plan would stop
+    at the first)."""
+    fields, attention, _ = split(settings)
+    errors = []
+    for name in settings.get("strategy", ()):
+        if name != "all":
+            try:
+                strategies.get(name)
+            except UsageError as e:
+                errors.append(str(e))
+    errors += _refused(lambda f: RunConfig(**f, out="none"), fields)
+    errors += _refused(lambda f: AttentionConfig(**resolved_documents(f, 0)), attention)
+    return errors
 
 
 def _plan(settings: dict, topology: tuple | None) -> planning.Plan:
@@ -181,6 +225,7 @@ def _cases(raw_cases: list[dict], base: dict, spec: dict, doc: dict,
         world = topology[0] * topology[1] if topology else None
         settings, timeout, bad = _typed(raw, spec, where, doc.get("timeout"),
                                         topology is not None, world)
+        bad += [f"{where}: {e}" for e in _value_errors(settings)]
         errors += bad
         if bad:
             continue
