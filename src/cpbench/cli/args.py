@@ -66,6 +66,16 @@ class Parser(argparse.ArgumentParser):
         self.exit(usage_error(self.prog, f"{message} (see {self.prog} --help)"))
 
 
+class KeepLines(argparse.HelpFormatter):
+    """Help text wrapped to the terminal, except text with line breaks of its own (a list in
+    an epilog), which is kept as written."""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text:
+            return "\n".join(indent + line for line in text.splitlines())
+        return super()._fill_text(text, width, indent)
+
+
 def command(sub, name: str, doc: str, main, **kwargs) -> argparse.ArgumentParser:
     """Command ``name``'s parser, running ``main(args)``. Its help and description are its
     module's docstring ``doc``: the first paragraph, after "``cpbench NAME``: " and without

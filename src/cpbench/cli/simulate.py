@@ -28,7 +28,13 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 
 
 def add_parser(sub) -> None:
-    p = cli_args.command(sub, "simulate", __doc__, main)
+    from cpbench.sim import hardware
+
+    p = cli_args.command(sub, "simulate", __doc__, main,
+                         formatter_class=cli_args.KeepLines,
+                         epilog="hardware presets (--hardware NAME; configs/hardware/NAME.yaml):"
+                                "\n" + "\n".join(f"  {name:<12} {line}"
+                                                   for name, line in hardware.lines()))
     attention = p.add_argument_group("attention problem (default: seed 001's)")
     for setting in attention_settings():
         if setting.name == "seqlen":
@@ -39,8 +45,7 @@ def add_parser(sub) -> None:
             cli_args.add_setting(attention, setting, help=setting.help)
     g = p.add_argument_group("cluster")
     g.add_argument("--hardware", default="a800-sxm", metavar="PRESET|FILE.yaml",
-                   help="hardware preset (`cpbench simulate --help` lists the shipped ones) "
-                        "or a YAML file (default a800-sxm)")
+                   help="hardware preset (listed below) or a YAML file (default a800-sxm)")
     integer = cli_args.converter(cli_args.read_number(int), "an integer")
     g.add_argument("--nodes", type=integer, help="nodes (default: the preset's)")
     g.add_argument("--gpus-per-node", type=integer, help="GPUs per node (default: the preset's)")

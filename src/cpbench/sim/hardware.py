@@ -248,6 +248,23 @@ def names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
+def lines() -> list[tuple[str, str]]:
+    """(name, one line: its default cluster and description) per shipped preset, read from
+    the files themselves (for ``--help``: a preset added is listed, one that cannot be read
+    says so rather than breaking the help)."""
+    out = []
+    for name in names():
+        try:
+            with open(PRESET_DIR / f"{name}.yaml") as f:
+                d = yaml.safe_load(f)
+            line = (f"{d.get('nodes', 1)} x {d['gpus_per_node']} by default; "
+                    f"{' '.join(str(d.get('description') or d['name']).split())}")
+        except (OSError, yaml.YAMLError, TypeError, KeyError, AttributeError) as e:
+            line = f"(unreadable: {type(e).__name__})"
+        out.append((name, line))
+    return out
+
+
 def load(name_or_path: str) -> Hardware:
     """A preset by name (``a800-sxm``) or a YAML file path."""
     path = Path(name_or_path)
