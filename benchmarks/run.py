@@ -13,7 +13,9 @@ On CPU (gloo), e.g. 4 local ranks:
     torchrun --standalone --nproc-per-node 4 benchmarks/run.py --strategy zigzag --seqlen 8k --check
 
 Every rank validates the request before the process group exists; rank 0 prints. Exit
-status: 0 ok, 1 a strategy failed or a check failed, 2 bad input.
+status: 0 ok, 1 a strategy failed or a check failed, 2 bad input. Under torchrun the status
+is torchrun's (1 when any worker fails); its failure summary names cpbench's line as the root
+cause (each rank leaves it in its error file) with the worker's exit code 2.
 """
 
 import sys

@@ -91,7 +91,7 @@ def fit(rows, base: hardware.Hardware) -> hardware.Hardware:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("preset")
     p.add_argument("csv")
     args = p.parse_args()

@@ -1,4 +1,9 @@
-"""The one exception type for bad input."""
+"""The one exception type for bad input, and the "did you mean" its messages offer."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Callable, Iterable
 
 
 class UsageError(ValueError):
@@ -10,3 +15,20 @@ class Skipped(UsageError):
     """A strategy that cannot run this problem correctly (a mask it does not take, a dtype its
     library gets wrong): when other strategies of the run can, its row is skipped with this
     reason (one line) and the run goes on; alone, it is bad input like any other."""
+
+
+def near_miss(given: str, known: Iterable[str]) -> str | None:
+    """What ``given`` was likely meant to be among ``known``: the only name it starts (an
+    abbreviation), else the closest by spelling (difflib), else None."""
+    known = list(dict.fromkeys(known))
+    starts = [k for k in known if k.startswith(given) and k != given]
+    if len(starts) == 1 and given.strip("-"):
+        return starts[0]
+    close = difflib.get_close_matches(given, known, n=1)
+    return close[0] if close else None
+
+
+def did_you_mean(given: str, known: Iterable[str], quote: Callable[[str], str] = repr) -> str:
+    """`` (did you mean 'x'?)`` for a near miss of ``given`` among ``known``, else ``""``."""
+    near = near_miss(given, known)
+    return f" (did you mean {quote(near)}?)" if near else ""

@@ -4,7 +4,9 @@ any directory (an installed cpbench has no ``benchmarks/``). Same flags and tabl
 
     torchrun --nproc-per-node 8 -m cpbench.run --strategy zigzag --seqlen 128K
 
-Exit status: 0 ok, 1 a strategy failed or a check failed, 2 bad input.
+Exit status: 0 ok, 1 a strategy failed or a check failed, 2 bad input. Under torchrun the status
+is torchrun's (1 when any worker fails); its failure summary names cpbench's line as the root
+cause (each rank leaves it in its error file) with the worker's exit code 2.
 """
 
 from __future__ import annotations

@@ -56,3 +56,21 @@ def test_torchrun_entry(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("Benchmark Results for ring") == 1  # rank 0 alone prints
     assert "PASS" in done.stdout and "Benchmark Summary:" in done.stdout
+
+
+def test_torchrun_bad_input_is_named_as_the_root_cause(tmp_path):
+    """Bad input under a real torchrun: rank 0 says it once, and torchrun's failure summary
+    names cpbench's line as the root cause with the worker's exit code 2. torchrun's own
+    status stays its own (1: its agent raises ChildFailedError for any failed worker)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", str(REPO / "benchmarks" / "run.py"), "--strategy", "zigzg"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    line = "cpbench run: error: unknown strategy 'zigzg' (did you mean 'zigzag'?); choose from: "
+    workers, summary = done.stderr.split("Traceback (most recent call last)", 1)
+    assert workers.count(line) == 1  # rank 0 alone prints
+    root = summary.split("Root Cause (first observed failure):", 1)[1]
+    assert "exitcode  : 2 " in root
+    assert f"traceback : {line}" in root

@@ -10,11 +10,12 @@ OWN = ("ring", "zigzag", "megatron-cp", "megatron-cp-a2a+p2p", "double-ring", "b
        "ulysses", "usp", "llama3", "local")
 
 
-def model_errors(attn, topo, *, kernel: str, device: str) -> tuple[int, list[str]]:
+def model_errors(attn, topo, *, kernel: str, device: str, names=OWN) -> tuple[int, list[str]]:
     """(cases compared, those whose estimate is more than 10 % off the worst distinct rank's
-    dry-run peak), over every own strategy and variant that takes ``attn`` on ``topo``."""
+    dry-run peak), over every strategy of ``names`` (default: every own one) and variant that
+    takes ``attn`` on ``topo``."""
     compared, off = 0, []
-    for case in expand_cases(OWN, {}, topo):
+    for case in expand_cases(names, {}, topo):
         try:
             estimate = model.memory_estimate(case.strategy, case.options, attn, topo)
         except (UsageError, Skipped):  # a case this problem cannot run: not a finding

@@ -73,9 +73,46 @@ def test_parse_size():
     (["--device", "cuda"], "torchrun"),
     (["--collective-timeout", "0"], "--collective-timeout must be a positive number"),
     (["--deadline", "-5"], "--deadline must be a positive number"),
+    (["--strategy", "zigzg"], "unknown strategy 'zigzg' (did you mean 'zigzag'?); choose from:"),
+    (["--strategy", "ring,megatron"], "(did you mean 'megatron-cp'?)"),
+    # an abbreviation is not taken silently (allow_abbrev=False), and gets a suggestion
+    (["--seq", "2k"], "unrecognized arguments: --seq 2k (did you mean --seqlen?)"),
+    (["--seq-len", "2k"], "unrecognized arguments: --seq-len 2k (did you mean --seqlen?)"),
+    (["--seq-len=2k", "--head", "4"],
+     "(did you mean --seqlen for --seq-len, --heads for --head?)"),
 ])
 def test_bad_input_is_one_line_exit_2(no_launch, capsys, args, needle):
     assert needle in _error(capsys, *args)
+
+
+def test_no_strategy_name_is_a_near_miss_when_nothing_is_near(no_launch, capsys):
+    assert "did you mean" not in _error(capsys, "--strategy", "nosuch")
+
+
+@pytest.mark.parametrize("argv", [["simulate", "--seq", "1k"], ["sweep", "x.yaml", "--out",
+                                                                  "r.jsonl", "--dry"],
+                                  ["dryrun", "--node", "2"], ["report", "x.jsonl", "--form",
+                                                               "csv"]])
+def test_no_command_takes_an_abbreviation(capsys, argv):
+    """allow_abbrev=False on every parser: a prefix of a flag is an error naming the flag."""
+    with pytest.raises(SystemExit) as info:
+        cli.build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"cpbench {argv[0]}: error: unrecognized arguments: ")
+    assert "(did you mean --" in err
+
+
+def test_the_torchrun_entry_and_submit_sweep_take_no_abbreviation(no_launch, capsys):
+    from cpbench.cli.submit_sweep import main as submit
+    from cpbench.run import main as torchrun_entry
+
+    with pytest.raises(SystemExit) as info:
+        torchrun_entry(["--seq", "2k"])
+    assert info.value.code == 2 and "did you mean --seqlen?" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        submit(["--nodes", "4", "--arr", "--", "--out", "r.jsonl"])
+    assert info.value.code == 2 and "did you mean --array?" in capsys.readouterr().err
 
 
 def test_heads_not_divisible_by_ulysses_degree(no_launch, capsys):
@@ -131,6 +168,35 @@ def test_only_rank_0_prints_a_bad_input_under_torchrun(no_launch, capsys, monkey
         monkeypatch.setenv(var, value)
     assert cli.main(["run", "--strategy", "nope"]) == 2
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("rank, args", [("0", ["--strategy", "nope"]),
+                                        ("1", ["--strategy", "nope"]),
+                                        ("1", ["--strategy", "ring", "--bogus-flag"])])
+def test_every_rank_leaves_bad_input_for_torchrun_as_the_root_cause(no_launch, capsys,
+                                                                      monkeypatch, tmp_path,
+                                                                      rank, args):
+    """Under torchrun each rank writes cpbench's line to its error file, as torch's own
+    ErrorHandler lays it out: torchrun's summary (ProcessFailure) reads it as the message."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    for var, value in dict(RANK=rank, WORLD_SIZE="2", LOCAL_RANK=rank, LOCAL_WORLD_SIZE="2",
+                           MASTER_ADDR="127.0.0.1",
+                           TORCHELASTIC_ERROR_FILE=str(error_file)).items():
+        monkeypatch.setenv(var, value)
+    try:
+        code = cli.main(["run", *args])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    failure = ProcessFailure(local_rank=int(rank), pid=1, exitcode=2,
+                             error_file=str(error_file))
+    message = failure.message["message"]
+    assert message.startswith("cpbench") and ": error: " in message
+    assert ("unknown strategy 'nope'" if "nope" in args else "--bogus-flag") in message
+    assert err == (message + "\n" if rank == "0" else "")  # rank 0 alone prints
 
 
 def test_every_strategy_option_has_a_flag():

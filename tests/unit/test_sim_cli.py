@@ -265,3 +265,26 @@ def test_two_presets_in_one_file_stay_apart(capsys, tmp_path):
     pivot = shown[shown.index("TFLOPs/s per GPU by Seq Len"):].split("\n\n")[0]
     rows = [line for line in pivot.splitlines() if line.strip().startswith("zigzag")]
     assert len(rows) == 2 and "A800" in rows[0] and "H100" in rows[1]
+
+
+def test_help_lists_every_shipped_preset_from_the_files(capsys, monkeypatch, tmp_path):
+    """`simulate --help` lists the presets, one line each, read from the preset files: one
+    added is listed without touching the CLI."""
+    def help_text() -> str:
+        with pytest.raises(SystemExit):
+            cli.main(["simulate", "--help"])
+        return capsys.readouterr().out
+
+    listed = help_text().split("hardware presets (--hardware NAME")[1].splitlines()[1:]
+    assert [line.split()[0] for line in listed] == hardware.names() == [
+        p.stem for p in sorted(hardware.PRESET_DIR.glob("*.yaml"))]
+    a800 = next(line for line in listed if line.split()[0] == "a800-sxm")
+    assert "4 x 8 by default; A800 SXM4 80GB" in a800
+    for path in hardware.PRESET_DIR.glob("*.yaml"):
+        (tmp_path / path.name).write_text(path.read_text())
+    (tmp_path / "x9-test.yaml").write_text(
+        (hardware.PRESET_DIR / "h200-sxm.yaml").read_text().replace(
+            "description: H200", "description: X9 test card, H200"))
+    monkeypatch.setattr(hardware, "PRESET_DIR", tmp_path)
+    added = help_text()
+    assert re.search(r"^  x9-test +4 x 8 by default; X9 test card", added, re.M)

@@ -24,3 +24,14 @@ def test_memory_model_is_within_ten_percent_of_the_real_code(shape):
     compared, off = model_errors(attn, Topology(world_size=world, ranks_per_node=rpn),
                                  kernel="sdpa-cpu", device="cpu")
     assert compared >= 10 and not off, (compared, off)
+
+
+@pytest.mark.slow
+def test_usp_keeps_the_kv_replicas_of_its_ulysses_groups_not_of_the_world():
+    """usp's head layout holds K/V replicated for its Ulysses degree u (4 heads over u = 4:
+    none), not for the whole CP size (over 16: four copies; seed 001's 40 heads over 4 x 8
+    made the model +17 % off at 512K)."""
+    attn = AttentionConfig(seqlen=1024, heads=4, head_dim=64, dtype="bf16", causal=True)
+    compared, off = model_errors(attn, Topology(world_size=16, ranks_per_node=4),
+                                 kernel="sdpa-cpu", device="cpu", names=("usp", "ulysses"))
+    assert compared >= 3 and not off, (compared, off)

@@ -247,7 +247,7 @@ def test_submit_helper_through_fake_sbatch(fake_slurm, tmp_path):
                            "--cases", str(cases), "--", "--out", "r.jsonl"],
                           capture_output=True, text=True, timeout=30, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("submitted job 4242:")
+    assert done.stdout.startswith("submitted job 4242 (2 case(s) checked):")
     (sb,) = fake_slurm("sbatch")
     assert sb["argv"][:5] == ["sbatch", "--job-name=cpbench", "--nodes=4",
                               "--ntasks-per-node=1", "--gpus-per-node=8"]
@@ -258,9 +258,111 @@ def test_submit_helper_through_fake_sbatch(fake_slurm, tmp_path):
         ["--run", "--strategy", "zigzag", "--out", "r.jsonl"]]
     assert all(c["argv"][c["argv"].index("--gpus-per-node") + 1] == "8" for c in runs)
     dry = subprocess.run([sys.executable, str(SUBMIT), "--nodes", "4", "--dry-run", "--",
-                          "--strategy", "all"], capture_output=True, text=True, env=env)
-    assert dry.returncode == 0 and dry.stdout.startswith("sbatch --job-name=cpbench --nodes=4")
+                          "--strategy", "ring,zigzag", "--out", "r.jsonl"],
+                         capture_output=True, text=True, env=env)
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stdout.splitlines()
+    assert lines[0].startswith("sbatch --job-name=cpbench --nodes=4")
+    assert lines[1].startswith("# the first node runs: cpbench sweep --launcher ")
+    assert lines[1].endswith(" --nodes 4 --gpus-per-node 8 --run --strategy ring,zigzag "
+                             "--out r.jsonl")  # the script's own #SBATCH --gpus-per-node=8
+    # what each strategy's launch runs on the nodes: srun, one torchrun a node, the flags
+    for line, name in zip(lines[2:4], ("ring", "zigzag")):
+        words = shlex.split(line.split(": ", 1)[1])
+        assert words[:2] == ["srun", "--nodes=4"] and "--nnodes=4" in words
+        assert "--nproc-per-node=8" in words
+        assert words[words.index("-m"):] == ["-m", "cpbench.run", "--strategy", name,
+                                             "--out", "r.jsonl"]
+    assert lines[-1].startswith("# filled in by the job: $SLURM_JOB_ID")
     assert len(fake_slurm("sbatch")) == 1  # a dry run submits nothing
+
+
+def _submit_main(*argv):
+    from cpbench.cli.submit_sweep import main
+
+    return main(list(argv))
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--", "--strategy", "zigzg", "--seqlen", "1001", "--out", "r.jsonl"],
+     "unknown strategy 'zigzg'"),
+    (["--", "--strategy", "ring", "--seqlen", "1001", "--out", "r.jsonl"], "1001"),
+    (["--", "--strategy", "ring", "--seqlen", "64k"], "give --out"),
+    (["--", "--strategy", "ring", "--bogus", "--out", "r.jsonl"],
+     "unrecognized arguments: --bogus"),
+    (["--cases", "/nonexistent", "--", "--out", "r.jsonl"],
+     "cannot read the cases file: [Errno 2] No such file or directory: '/nonexistent'"),
+    (["--cases", "EMPTY", "--", "--out", "r.jsonl"], "has no cases"),
+    (["--cases", "CASES", "--", "--out", "r.jsonl"],
+     "case 2 of CASES (--strategy zigzg --seqlen 128K): unknown strategy 'zigzg'"),
+    (["--cases", "CASES", "--array", "--", "--out", "r.jsonl"], "case 2 of CASES"),
+    (["--sweep", "SWEEP", "--", "--out", "r.jsonl"],
+     "its topology is 4 nodes x 8 GPUs, the job 2 nodes x 8 GPUs"),
+    (["--sweep", "/nonexistent.yaml", "--", "--out", "r.jsonl"], "/nonexistent.yaml"),
+])
+def test_submit_checks_every_case_before_sbatch(fake_slurm, tmp_path, capsys, argv, said):
+    """Bad input of any kind: exit 2, one line each, and the stand-in sbatch never called."""
+    cases = tmp_path / "cases.txt"
+    cases.write_text("--strategy ring --seqlen 128K\n--strategy zigzg --seqlen 128K\n")
+    (tmp_path / "empty.txt").write_text("# nothing\n\n")
+    config = tmp_path / "s.yaml"
+    config.write_text("topology: {nodes: 4, gpus_per_node: 8}\nbase: {seqlen: 64k}\n"
+                      "sweep: {strategy: [ring, zigzag]}\n")
+    names = {"CASES": str(cases), "EMPTY": str(tmp_path / "empty.txt"), "SWEEP": str(config)}
+    argv = [names.get(a, a) for a in argv]
+    nodes = "2" if "--sweep" in argv else "4"
+    assert _submit_main("--nodes", nodes, *argv) == 2
+    err = capsys.readouterr().err
+    assert said.replace("CASES", str(cases)) in err
+    assert all(line.startswith("submit_sweep.py: error, nothing submitted: ")
+               for line in err.splitlines())
+    assert fake_slurm("sbatch") == []  # the stand-in sbatch was not called
+
+
+def test_submit_calls_sbatch_once_every_case_passes(fake_slurm, tmp_path, capsys):
+    """The same cases file with its bad line fixed: checked, then submitted."""
+    cases = tmp_path / "cases.txt"
+    cases.write_text("--strategy ring --seqlen 128K\n--strategy zigzag --seqlen 128K\n")
+    assert _submit_main("--nodes", "4", "--cases", str(cases), "--array", "--",
+                        "--out", "r.jsonl") == 0
+    assert "submitted job 4242 (2 case(s) checked)" in capsys.readouterr().out
+    (sb,) = fake_slurm("sbatch")
+    assert "--array=0-1" in sb["argv"]
+
+
+def test_acceptance_zigzg_through_the_script(fake_slurm, tmp_path):
+    """The issue's command, as a user types it: exit 2, sbatch never called."""
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    done = subprocess.run([sys.executable, str(SUBMIT), "--nodes", "4", "--", "--strategy",
+                           "zigzg", "--seqlen", "1001", "--out", "r.jsonl"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "unknown strategy 'zigzg'" in done.stderr and done.stdout == ""
+    assert fake_slurm("sbatch") == []
+
+
+def test_job_sweeps_are_the_lines_the_script_runs(fake_slurm, tmp_path):
+    """What submit_sweep checks (``job_sweeps``) is what the script runs: one case, a cases
+    file in one allocation and as an array task, a YAML sweep."""
+    world = slurm.slurm_world(JOB_4x8)
+    cases = tmp_path / "cases.txt"
+    cases.write_text("--strategy ring --seqlen 128K\n# skipped\n--strategy usp\n")
+    read = slurm.read_cases(cases)
+    runs = [({}, ["--strategy", "ring"], slurm.job_sweeps(world, args=["--strategy", "ring"])),
+            ({"CPBENCH_CASES": str(cases)}, ["--out", "r.jsonl"],
+             slurm.job_sweeps(world, cases=read, args=["--out", "r.jsonl"])),
+            ({"CPBENCH_CASES": str(cases), "SLURM_ARRAY_TASK_ID": "1"}, ["--out", "r.jsonl"],
+             slurm.job_sweeps(world, cases=read, array=True, args=["--out", "r.jsonl"])[1:]),
+            ({"CPBENCH_SWEEP": "c.yaml"}, ["--out", "r.jsonl"],
+             slurm.job_sweeps(world, sweep="c.yaml", args=["--out", "r.jsonl"]))]
+    for env, args, expected in runs:
+        before = len(fake_slurm("cpbench"))
+        done = _run_script(tmp_path, *args, env=env)
+        assert done.returncode == 0, done.stderr
+        calls = fake_slurm("cpbench")[before:]
+        assert len(calls) == len(expected)
+        for call, line in zip(calls, expected):
+            _same_command(call, list(line))
 
 
 def test_yaml_sweep_in_one_allocation(fake_slurm, tmp_path):

@@ -4,6 +4,7 @@ command lines. No processes are started."""
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -66,6 +67,31 @@ cases: [{strategy: ring, causal: maybe}, {strategy: ring, timeout: -1}]
     assert not any(e.startswith("case 1 ") for e in errors)  # ring at 256 on 2 ranks is fine
 
 
+def test_every_bad_value_of_one_case_is_listed(tmp_path, capsys):
+    """Two (and more) bad values in one case: each its own line, not only the first the
+    configs' checks meet; a value fine beside the case's others is not named."""
+    from cpbench.cli import main
+
+    path = _write(tmp_path, """
+base: {nproc: 2, seqlen: 1k, heads: 6, kv_heads: 3, iters: 0, warmup: -1, dtype: fp64}
+cases: [{strategy: [ring, zigzg]}, {strategy: ring, head_dim: x, batch: 0, kv_heads: 4}]
+""")
+    with pytest.raises(sweep.SweepError) as info:
+        sweep.load(path)
+    first = [e for e in info.value.errors if e.startswith("case 1 ")]
+    assert [e.split(": ", 1)[1].split(" (did")[0].split(";")[0] for e in first] == [
+        "unknown strategy 'zigzg'", "--iters must be a positive integer, got 0",
+        "--warmup must be >= 0, got -1", "unknown dtype 'fp64'"]
+    second = "\n".join(e for e in info.value.errors if e.startswith("case 2 "))
+    assert "cannot read head_dim: 'x' as int" in second and "batch must be a positive" in second
+    assert "kv_heads 4 must divide heads 6" in second  # a pair, neither wrong alone
+    assert not any("kv_heads 3" in e for e in info.value.errors)  # 3 divides the case's 6
+    assert main(["sweep", str(path), "--dry-run", "--out", "r.jsonl"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"cpbench sweep: {len(info.value.errors)} error(s) in the sweep config:"
+    assert len(err) == 1 + len(info.value.errors)  # one line each
+
+
 def test_repeated_rows_are_an_error(tmp_path):
     with pytest.raises(sweep.SweepError, match="case 2 .*repeats a row of case 1"):
         sweep.load(_write(tmp_path, """
@@ -105,3 +131,41 @@ def test_shipped_configs_validate(name):
             sweep.command(cfg, cfg.cases[0], "o.jsonl")
         cmd = sweep.command(cfg, cfg.cases[0], "o.jsonl", launcher="srun torchrun --nnodes 4")
         assert cmd[:3] == ["srun", "torchrun", "--nnodes"] and cmd[4:6] == ["-m", "cpbench.run"]
+
+
+def test_dry_run_of_a_multi_node_config_prints_each_launch_on_the_nodes(tmp_path, capsys):
+    """No --launcher: the srun + torchrun line the sbatch script would start for each case
+    (placeholders for what only the job knows, said so); a real run still refuses."""
+    from cpbench import slurm
+    from cpbench.cli import main
+
+    path = _write(tmp_path, "topology: {nodes: 4, gpus_per_node: 8}\nbase: {seqlen: 64k}\n"
+                            "sweep: {strategy: [ring, zigzag]}\n")
+    assert main(["sweep", str(path), "--dry-run", "--out", "r.jsonl"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# each case's launch on 4 nodes")
+    assert lines[1] == f"# {slurm.PREVIEW_NOTE}"
+    launcher = slurm.sweep_launcher(slurm.preview_world(4, 8))
+    for line, (i, name) in zip(lines[2:], ((1, "ring"), (2, "zigzag")), strict=True):
+        label, cmd = line.split(": ", 1)
+        assert label == f"[{i}] strategy={name}"
+        words = shlex.split(cmd)
+        expected = [w.replace("{case}", str(i)) for w in shlex.split(launcher)]
+        assert words[:len(expected)] == expected
+        assert words[len(expected):len(expected) + 2] == ["-m", "cpbench.run"]
+        assert words[-4:] == ["--strategy", name, "--out", "r.jsonl"]
+    assert main(["sweep", str(path), "--out", str(tmp_path / "r.jsonl")]) == 2
+    assert "spans 4 nodes: run it through Slurm" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_seed001_dry_run_prints_the_node_commands(capsys):
+    from cpbench.cli import main
+
+    assert main(["sweep", str(REPO / "configs" / "seed001_32gpu.yaml"), "--dry-run",
+                 "--out", "r.jsonl"]) == 0
+    launches = [line for line in capsys.readouterr().out.splitlines()
+                if not line.startswith("#")]
+    assert len(launches) == 28
+    assert all(" srun --nodes=4 " in line and " torchrun --nnodes=4 --nproc-per-node=8 " in line
+               for line in launches)

@@ -31,6 +31,26 @@ def torchrun_world() -> tuple[int, int, int]:
             int(os.environ["LOCAL_WORLD_SIZE"]))
 
 
+def tell_torchrun(message: str) -> None:
+    """Leave ``message`` in this worker's error file (``TORCHELASTIC_ERROR_FILE``, one per
+    worker, set by torchrun's agent) in the layout torch's ``ErrorHandler`` writes: the
+    agent's failure summary then shows it as the root cause instead of "To enable traceback
+    see ...". The agent's own exit status stays its own (1 for any failed worker)."""
+    import json
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message,
+                        "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:  # the message is on stderr as well; the summary is a courtesy
+        pass
+
+
 def bind_local_gpu() -> None:
     """Under torchrun with GPUs: make this rank's GPU (LOCAL_RANK) current before anything
     touches torch.cuda (the plan reads the device's memory), so no rank opens a context on

@@ -10,22 +10,70 @@ import sys
 
 from cpbench import strategies
 from cpbench.config import CPU_ATTENTION, GPU_ATTENTION, RunConfig
-from cpbench.errors import UsageError
+from cpbench.errors import UsageError, near_miss
 from cpbench.settings import Setting, split
 
 USAGE_ERROR = 2
 OPT_PREFIX = "opt_"  # strategy options live under opt_<name> in the namespace
 
 
+# on the namespace while parsing: the innermost parser that read the arguments (a command's),
+# so that arguments it did not know are reported by it, with its flags to suggest
+_READ_BY = "_cpbench_read_by"
+
+
 class Parser(argparse.ArgumentParser):
+    """argparse with cpbench's bad-input line (``usage_error``), no abbreviations (``--seq``
+    is not ``--seqlen``), and a "did you mean" for a flag it does not know."""
+
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         # "-8k" is a (negative) value, not a flag: let the size parser reject it with the fix
         # rather than argparse saying "expected one argument"
         self._negative_number_matcher = re.compile(r"^-\d+[kKmMgG]?$|^-\d*\.\d+$")
 
+    def parse_known_args(self, args=None, namespace=None):
+        # a command's parser runs first (inside its parent's), so its mark is kept
+        namespace, extras = super().parse_known_args(args, namespace)
+        if not hasattr(namespace, _READ_BY):
+            setattr(namespace, _READ_BY, self)
+        return namespace, extras
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        reader = vars(namespace).pop(_READ_BY, self)
+        if extras:
+            reader.error(f"unrecognized arguments: {' '.join(extras)}"
+                         + reader.suggestion(extras))
+        return namespace
+
+    def suggestion(self, extras: list[str]) -> str:
+        """`` (did you mean --seqlen?)`` for the unknown flags among ``extras`` that are near
+        misses of this parser's own."""
+        known = [o for o in self._option_string_actions if o.startswith("--")]
+        near = {}
+        for word in extras:
+            flag = word.split("=", 1)[0]
+            if flag.startswith("--") and (hit := near_miss(flag, known)):
+                near[flag] = hit
+        if len(near) == 1:
+            return f" (did you mean {next(iter(near.values()))}?)"
+        return (" (did you mean " + ", ".join(f"{hit} for {flag}" for flag, hit in near.items())
+                + "?)") if near else ""
+
     def error(self, message):  # one line with the fix, not argparse's usage block
-        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(usage_error(self.prog, f"{message} (see {self.prog} --help)"))
+
+
+class KeepLines(argparse.HelpFormatter):
+    """Help text wrapped to the terminal, except text with line breaks of its own (a list in
+    an epilog), which is kept as written."""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text:
+            return "\n".join(indent + line for line in text.splitlines())
+        return super()._fill_text(text, width, indent)
 
 
 def command(sub, name: str, doc: str, main, **kwargs) -> argparse.ArgumentParser:
@@ -138,10 +186,24 @@ def request(args) -> tuple[RunConfig, dict, dict]:
     return (RunConfig(**run), *problem(args))
 
 
-def fail(prog: str, e: Exception) -> int:
-    """Bad input: one line on stderr (after clearing a status line), exit status 2."""
+def usage_error(prog: str, message: str) -> int:
+    """Bad input: one line on stderr (after clearing a status line), exit status 2. Under
+    torchrun every rank finds the same error: rank 0 says it, and each rank leaves it as its
+    error file, so torchrun's failure summary names it as the root cause (torchrun itself
+    then exits 1: the agent's status is its own, see ``bench.env.tell_torchrun``)."""
+    from cpbench.bench import env
     from cpbench.report import console
 
+    line = f"{prog}: error: {' '.join(message.split())}"
+    if env.under_torchrun():
+        env.tell_torchrun(line)
+        if env.torchrun_world()[0] != 0:
+            return USAGE_ERROR
     console.end_status()  # a status line on the terminal must not run into the error
-    sys.stderr.write(f"{prog}: error: {' '.join(str(e).split())}\n")
+    sys.stderr.write(line + "\n")
     return USAGE_ERROR
+
+
+def fail(prog: str, e: Exception) -> int:
+    """Bad input ``e``: ``usage_error``'s one line, exit status 2."""
+    return usage_error(prog, str(e))

@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     from cpbench.bench import entry
     from cpbench.bench import plan as planning
-    from cpbench.bench.env import bind_local_gpu, torchrun_world, under_torchrun
+    from cpbench.bench.env import bind_local_gpu, under_torchrun
     from cpbench.launch import LaunchTimeout, RankError
 
     launcher = "torchrun" if under_torchrun() else "self"
@@ -43,10 +43,8 @@ def main(args) -> int:
     try:
         run, attention, options = cli_args.request(args)
         plan = planning.plan(run, attention, options, launcher=launcher)
-    except UsageError as e:
-        if launcher == "self" or torchrun_world()[0] == 0:  # rank 0 speaks
-            return cli_args.fail("cpbench run", e)
-        return cli_args.USAGE_ERROR
+    except UsageError as e:  # under torchrun rank 0 speaks; every rank tells its agent
+        return cli_args.fail("cpbench run", e)
     if launcher == "torchrun":
         return entry.torchrun_main(plan)
     try:

@@ -28,7 +28,13 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 
 
 def add_parser(sub) -> None:
-    p = cli_args.command(sub, "simulate", __doc__, main)
+    from cpbench.sim import hardware
+
+    p = cli_args.command(sub, "simulate", __doc__, main,
+                         formatter_class=cli_args.KeepLines,
+                         epilog="hardware presets (--hardware NAME; configs/hardware/NAME.yaml):"
+                                "\n" + "\n".join(f"  {name:<12} {line}"
+                                                   for name, line in hardware.preset_lines()))
     attention = p.add_argument_group("attention problem (default: seed 001's)")
     for setting in attention_settings():
         if setting.name == "seqlen":
@@ -39,8 +45,8 @@ def add_parser(sub) -> None:
             cli_args.add_setting(attention, setting, help=setting.help)
     g = p.add_argument_group("cluster")
     g.add_argument("--hardware", default="a800-sxm", metavar="PRESET|FILE.yaml",
-                   help="hardware preset (--list-hardware lists the shipped ones) or a YAML "
-                        "file (default a800-sxm)")
+                   help="hardware preset (listed below; --list-hardware adds their sources) or "
+                        "a YAML file (default a800-sxm)")
     g.add_argument("--list-hardware", action="store_true",
                    help="list the shipped hardware presets, each with where its numbers come "
                         "from, and exit")

@@ -8,11 +8,16 @@ launch per strategy.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
+from typing import TYPE_CHECKING
 
 from cpbench.cli.args import USAGE_ERROR, Parser, command, converter, fail, given, read_number
 from cpbench.errors import UsageError
+
+if TYPE_CHECKING:
+    from cpbench.sweep import Sweep
 
 PROG = "cpbench sweep"
 
@@ -86,28 +91,63 @@ def _load(args):
     return sweep.per_strategy(settings, args.nodes, gpus), args.out or out
 
 
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A sweep as `cpbench sweep` will run it: every case validated, each launch's line."""
+
+    config: Sweep
+    out: str
+    commands: list[list[str]]
+    entry: tuple[str, ...]
+    preview: bool  # the launcher is the Slurm job's, with placeholders (PREVIEW_NOTE)
+
+
+def prepare(args) -> Prepared:
+    """Validate the whole sweep and build each launch's command line; UsageError (SweepError:
+    every problem, one a line) on bad input. A dry run of a multi-node config without
+    --launcher shows the launches the sbatch script would start (``slurm.sweep_launcher``)."""
+    from cpbench import slurm, sweep
+
+    if args.timeout is not None and args.timeout <= 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    config, out = _load(args)
+    if out is None or out.lower() == "none":
+        raise UsageError("give --out FILE.jsonl: the sweep reads it to skip finished cases")
+    entry = (args.entry,) if args.entry else sweep.ENTRY
+    launcher, preview = args.launcher, False
+    if args.dry_run and not launcher and (config.nodes or 0) > 1:
+        launcher = slurm.sweep_launcher(slurm.preview_world(config.nodes, config.gpus_per_node))
+        preview = True
+    commands = [sweep.command(config, case, out, launcher, entry=entry) for case in config.cases]
+    return Prepared(config=config, out=out, commands=commands, entry=entry, preview=preview)
+
+
+def dry_run_lines(prepared: Prepared) -> list[str]:
+    """What ``--dry-run`` prints: each case's launch, as it would run."""
+    from cpbench import slurm
+
+    lines = [f"[{case.index}] {case.label}: {shlex.join(cmd)}"
+             for case, cmd in zip(prepared.config.cases, prepared.commands)]
+    if prepared.preview:
+        lines[:0] = [f"# each case's launch on {prepared.config.nodes} nodes, as "
+                     f"scripts/slurm/cpbench.sbatch starts it", f"# {slurm.PREVIEW_NOTE}"]
+    return lines
+
+
 def main(args) -> int:
     from cpbench import sweep
 
     try:
-        if args.timeout is not None and args.timeout <= 0:
-            raise UsageError(f"--timeout must be a positive number of seconds, "
-                             f"got {args.timeout:g}")
-        config, out = _load(args)
-        if out is None or out.lower() == "none":
-            raise UsageError("give --out FILE.jsonl: the sweep reads it to skip finished cases")
-        entry = (args.entry,) if args.entry else sweep.ENTRY
-        commands = [sweep.command(config, case, out, args.launcher, entry=entry)
-                    for case in config.cases]
+        prepared = prepare(args)
     except sweep.SweepError as e:
         sys.stderr.write(f"{PROG}: {e}\n")  # every error, one per line
         return USAGE_ERROR
     except UsageError as e:
         return fail(PROG, e)
     if args.dry_run:
-        for case, cmd in zip(config.cases, commands):
-            sys.stdout.write(f"[{case.index}] {case.label}: {shlex.join(cmd)}\n")
+        sys.stdout.write("".join(line + "\n" for line in dry_run_lines(prepared)))
         return 0
+    config, out, entry = prepared.config, prepared.out, prepared.entry
     try:
         return sweep.run(config, out, rerun_failed=args.rerun_failed,
                          timeout=args.timeout, launcher=args.launcher, entry=entry)

@@ -269,9 +269,20 @@ def names() -> list[str]:
 
 
 def preset_lines() -> list[tuple[str, str]]:
-    """(name, one line: the machine) for every shipped preset, as ``cpbench simulate
-    --help`` and ``--list-hardware`` print them (the latter with ``load(name).source``)."""
-    return [(name, load(name).description) for name in names()]
+    """(name, one line: its default cluster and description) per shipped preset, read from
+    the files themselves, as ``simulate --help`` and ``--list-hardware`` print them (a preset
+    added is listed; one that cannot be read says so rather than breaking the help)."""
+    out = []
+    for name in names():
+        try:
+            with open(PRESET_DIR / f"{name}.yaml") as f:
+                d = yaml.safe_load(f)
+            line = (f"{d.get('nodes', 1)} x {d['gpus_per_node']} by default; "
+                    f"{' '.join(str(d.get('description') or d['name']).split())}")
+        except (OSError, yaml.YAMLError, TypeError, KeyError, AttributeError) as e:
+            line = f"(unreadable: {type(e).__name__})"
+        out.append((name, line))
+    return out
 
 
 def load(name_or_path: str) -> Hardware:

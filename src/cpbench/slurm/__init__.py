@@ -14,19 +14,20 @@ a case its launch left unwritten from what its failing rank left:
   allocation (the cases in turn): each line as one case;
 - a YAML sweep in one allocation: ``cpbench sweep CONFIG``.
 
-Cases are lines of ``cpbench run`` flags, whitespace-separated.
+Cases are lines of ``cpbench run`` flags, whitespace-separated. ``job_sweeps`` lists the
+``cpbench sweep`` lines a job will run, from a ``preview_world`` (placeholders for what only the
+allocation knows): ``scripts/slurm/submit_sweep.py`` (``cli.submit_sweep``) checks each of them
+as ``cpbench sweep --dry-run`` before it calls ``sbatch``.
 Nothing here has been run on a real Slurm cluster (see docs/gpus-and-slurm.md, "Slurm").
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -39,6 +40,11 @@ DEFAULT_PORT = 29500
 DETECT_GPUS = "gpu"
 # what cpbench sweep replaces in a --launcher per case (sweep_launcher)
 CASE_FIELD, PORT_FIELD = "{case}", "{port}"
+# what a preview (preview_world) shows for what only the allocation knows
+PREVIEW_JOB_ID, PREVIEW_HEAD_NODE, PREVIEW_CPUS = ("$SLURM_JOB_ID", "$HEAD_NODE",
+                                                    "$SLURM_CPUS_ON_NODE")
+PREVIEW_NOTE = (f"filled in by the job: {PREVIEW_JOB_ID}, {PREVIEW_HEAD_NODE} (its first "
+                f"node), {PREVIEW_CPUS}, {PORT_FIELD} (a free port per launch)")
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -97,7 +103,8 @@ class SlurmWorld:
     gpus_per_node: int | None  # None: torchrun counts the node's GPUs (DETECT_GPUS)
     master_addr: str  # the first node: the c10d rendezvous host
     array_task_id: int | None = None
-    cpus_per_node: int | None = None  # SLURM_CPUS_ON_NODE: every step gets them all
+    # SLURM_CPUS_ON_NODE: every step gets them all (a preview: its placeholder)
+    cpus_per_node: int | str | None = None
 
     @property
     def world_size(self) -> int | None:
@@ -136,6 +143,21 @@ def slurm_world(environ: Mapping[str, str] | None = None) -> SlurmWorld:
                       cpus_per_node=int(cpus) if cpus else None)
 
 
+def preview_world(nodes: int, gpus_per_node: int | None) -> SlurmWorld:
+    """A job of ``nodes`` nodes before it exists: its id, first node and cores as the
+    placeholders a preview prints (``PREVIEW_NOTE`` says so)."""
+    return SlurmWorld(job_id=PREVIEW_JOB_ID, num_nodes=nodes, node_rank=0,
+                      gpus_per_node=gpus_per_node, master_addr=PREVIEW_HEAD_NODE,
+                      cpus_per_node=PREVIEW_CPUS)
+
+
+def script_gpus_per_node(script: str | os.PathLike = SBATCH_SCRIPT) -> int | None:
+    """The GPUs per node the sbatch script asks for itself (its ``#SBATCH --gpus-per-node``
+    line): what a job gets unless sbatch is told otherwise."""
+    m = re.search(r"^#SBATCH\s+--gpus-per-node[=\s](\S+)", Path(script).read_text(), re.M)
+    return _gpus(m.group(1)) if m else None
+
+
 def torchrun_command(world: SlurmWorld, args: Sequence[str] = (), *, rdzv_id: str | None = None,
                      port: int | str = DEFAULT_PORT, torchrun: str = "torchrun",
                      entry: Sequence[str] = ("-m", "cpbench.run")) -> list[str]:
@@ -164,16 +186,39 @@ def sweep_launcher(world: SlurmWorld, rdzv_prefix: str | None = None, **torchrun
     return shlex.join(srun_command(world, entry=(), **torchrun_kw))
 
 
+def _sweep_prefix(world: SlurmWorld, rdzv_prefix: str | None, cli: str, entry: str | None,
+                  **torchrun_kw) -> list[str]:
+    """``cpbench sweep --launcher <srun torchrun> [--entry SCRIPT]``: the script's ``sweep``."""
+    launcher = sweep_launcher(world, rdzv_prefix, **torchrun_kw)
+    return [cli, "sweep", "--launcher", launcher, *(["--entry", entry] if entry else [])]
+
+
 def run_command(world: SlurmWorld, args: Sequence[str] = (), *, rdzv_prefix: str | None = None,
                 cli: str = "cpbench", entry: str | None = None, **torchrun_kw) -> list[str]:
     """What the sbatch script runs for one case (``cpbench run`` flags ``args``): ``cpbench
     sweep --run``, one launch per strategy through ``sweep_launcher``."""
-    launcher = sweep_launcher(world, rdzv_prefix, **torchrun_kw)
     topology = ["--nodes", str(world.num_nodes)]
     if world.gpus_per_node:
         topology += ["--gpus-per-node", str(world.gpus_per_node)]
-    return [cli, "sweep", "--launcher", launcher, *(["--entry", entry] if entry else []),
-            *topology, "--run", *args]
+    return [*_sweep_prefix(world, rdzv_prefix, cli, entry, **torchrun_kw), *topology, "--run",
+            *args]
+
+
+def job_sweeps(world: SlurmWorld, *, cases: Sequence[Sequence[str]] | None = None,
+               sweep: str | None = None, array: bool = False, args: Sequence[str] = (),
+               cli: str = "cpbench", entry: str | None = None, **torchrun_kw
+               ) -> list[list[str]]:
+    """Every ``cpbench sweep`` line the sbatch script runs on the first node, in its order:
+    a YAML ``sweep``'s one; each of ``cases`` (an array task runs one of them, rendezvous ids
+    from its job id; one allocation runs them in turn, ``<job>-<i>``); else one case
+    (``args`` alone). ``args`` follow each case, or go to ``cpbench sweep CONFIG``."""
+    if sweep:
+        return [[*_sweep_prefix(world, None, cli, entry, **torchrun_kw), sweep, *args]]
+    if cases is None:
+        return [run_command(world, args, cli=cli, entry=entry, **torchrun_kw)]
+    return [run_command(world, [*case, *args], cli=cli, entry=entry,
+                        rdzv_prefix=None if array else f"{world.job_id}-{i}", **torchrun_kw)
+            for i, case in enumerate(cases)]
 
 
 def read_cases(path: str | os.PathLike) -> list[list[str]]:
@@ -235,53 +280,3 @@ def submit(argv: Sequence[str], env: Mapping[str, str]) -> str:
         raise RuntimeError(f"sbatch failed ({done.returncode}): {done.stderr.strip()}")
     m = re.search(r"Submitted batch job (\d+)", done.stdout)
     return m.group(1) if m else done.stdout.strip()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``submit_sweep.py``: submit a case, or a cases file as an array or one allocation."""
-    p = argparse.ArgumentParser(
-        prog="submit_sweep.py",
-        description="Submit cpbench cases to Slurm through scripts/slurm/cpbench.sbatch. "
-                    "Arguments after -- go to every case (e.g. -- --out results.jsonl).")
-    p.add_argument("--cases", metavar="FILE", help="one case a line: cpbench run flags")
-    p.add_argument("--sweep", metavar="CONFIG.yaml",
-                   help="a sweep config, run by `cpbench sweep` in one allocation")
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, default=None)
-    p.add_argument("--array", action="store_true",
-                   help="one array task per case (default: all cases in one allocation)")
-    p.add_argument("--max-parallel", type=int, default=None, help="array tasks at once")
-    p.add_argument("--time")
-    p.add_argument("--partition")
-    p.add_argument("--account")
-    p.add_argument("--job-name", default="cpbench")
-    p.add_argument("--sbatch-option", action="append", default=[], metavar="OPT",
-                   help="passed to sbatch as is (repeatable), e.g. --sbatch-option=--qos=high")
-    p.add_argument("--dry-run", action="store_true", help="print the command, submit nothing")
-    p.add_argument("args", nargs="*", help="cpbench run flags (after --)")
-    a = p.parse_args(argv)
-    try:
-        cmd, env = sbatch_command(
-            nodes=a.nodes, cases_file=a.cases, sweep=a.sweep, array=a.array,
-            max_parallel=a.max_parallel,
-            gpus_per_node=a.gpus_per_node, time=a.time, partition=a.partition,
-            account=a.account, job_name=a.job_name, sbatch_options=a.sbatch_option,
-            args=a.args)
-    except (UsageError, OSError) as e:
-        sys.stderr.write(f"submit_sweep.py: error: {e}\n")
-        return 2
-    line = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd)])
-    if a.dry_run:
-        sys.stdout.write(line + "\n")
-        return 0
-    try:
-        job = submit(cmd, env)
-    except (RuntimeError, OSError) as e:
-        sys.stderr.write(f"submit_sweep.py: {e}\n")
-        return 1
-    sys.stdout.write(f"submitted job {job}: {line}\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,7 @@ import pkgutil
 from importlib.metadata import entry_points
 
 from cpbench.config import flag
-from cpbench.errors import UsageError
+from cpbench.errors import UsageError, did_you_mean
 from cpbench.settings import Setting, settings_of
 from cpbench.strategies.base import Strategy
 
@@ -70,7 +70,8 @@ def own_names() -> list[str]:
 def get(name: str) -> type[Strategy]:
     _load()
     if name not in _REGISTRY:
-        raise UsageError(f"unknown strategy {name!r}; choose from: {', '.join(sorted(_REGISTRY))}")
+        raise UsageError(f"unknown strategy {name!r}{did_you_mean(name, _REGISTRY)}; choose "
+                         f"from: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
 
 

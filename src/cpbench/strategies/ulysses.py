@@ -108,13 +108,14 @@ def _tiles(strat: Strategy):
     return strat.tiles("local", pos, pos)
 
 
-def head_layout_bytes(strat: Strategy, phase: str) -> int:
+def head_layout_bytes(strat: Strategy, phase: str, replicas: int) -> int:
     """What a Ulysses rank keeps from its forward for the backward: q, k, v and out in the
-    head layout (as many bytes as the shards; K/V with their replicas)."""
+    head layout (as many bytes as the shards; K/V with their ``replicas``: those made for its
+    Ulysses group, whose size is the CP size in ulysses, the Ulysses degree in usp)."""
     if phase == FWD:
         return 0
-    s, r = strat.local_seqlen, kv_replicas(strat.attn.num_kv_heads, strat.cp_size)
-    return 2 * strat.q_bytes(s) + 2 * r * strat.kv_bytes(s)
+    s = strat.local_seqlen
+    return 2 * strat.q_bytes(s) + 2 * replicas * strat.kv_bytes(s)
 
 
 def local_attention(strat: Strategy) -> Attention:
@@ -194,7 +195,7 @@ class Ulysses(Strategy):
         return [self.mask.pairs(every, every) // self.cp_size] * self.world_size
 
     def accumulator_bytes(self, phase: str) -> int:
-        return head_layout_bytes(self, phase)
+        return head_layout_bytes(self, phase, self.replicas)
 
     def late_accumulator_bytes(self, phase: str) -> int:
         return 0

@@ -171,7 +171,8 @@ class Usp(Strategy):
 
     def accumulator_bytes(self, phase: str) -> int:
         ring = 0 if self.ring is None else self.ring.accumulator_bytes(phase)
-        return ring + (head_layout_bytes(self, phase) if self.ulysses_degree > 1 else 0)
+        return ring + (head_layout_bytes(self, phase, self.replicas)
+                       if self.ulysses_degree > 1 else 0)
 
     def receives_in_place(self, phase: str) -> bool:
         return self.ring is not None and self.ring.receives_in_place(phase)

@@ -3,7 +3,6 @@ anything runs; every error listed at once, each with the case it came from."""
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import os
 from dataclasses import dataclass
@@ -12,8 +11,14 @@ import yaml
 
 from cpbench import strategies
 from cpbench.bench import plan as planning
-from cpbench.config import GPU_ATTENTION, GPU_ITERS, RunConfig
-from cpbench.errors import UsageError
+from cpbench.config import (
+    GPU_ATTENTION,
+    GPU_ITERS,
+    AttentionConfig,
+    RunConfig,
+    resolved_documents,
+)
+from cpbench.errors import UsageError, did_you_mean
 from cpbench.mask import parse_size
 from cpbench.settings import Setting, attention_settings, run_settings, split
 
@@ -70,9 +75,8 @@ def _check_keys(where: str, mapping, allowed: dict, errors: list[str]) -> dict:
         if name in RESERVED:
             errors.append(f"{where}: {name!r} is set by `cpbench sweep` (use --out); drop it")
         elif name not in allowed and name not in SWEEP_ONLY:
-            near = difflib.get_close_matches(name, [*allowed, *SWEEP_ONLY], n=1)
             errors.append(f"{where}: unknown setting {k!r}"
-                          + (f" (did you mean {near[0]!r}?)" if near else "")
+                          + did_you_mean(name, [*allowed, *SWEEP_ONLY])
                           + "; settings are `cpbench run` flags, e.g. seqlen, strategy")
         else:
             good[name] = v
@@ -82,6 +86,44 @@ def _check_keys(where: str, mapping, allowed: dict, errors: list[str]) -> dict:
 def _label(settings: dict, base: dict) -> str:
     diff = {k: v for k, v in settings.items() if k not in base or base[k] != v}
     return " ".join(f"{k}={v}" for k, v in diff.items()) or "base"
+
+
+def _refused(build, fields: dict) -> list[str]:
+    """Every value of ``fields`` that ``build`` (a config's constructor) refuses, one message
+    each: a config raises at the first bad field, so each value that fails alone (defaults
+    around it) and still fails beside the case's other values is named; a combination with no
+    single culprit, as the config says it."""
+    def error(given: dict) -> str | None:
+        try:
+            build(given)
+        except UsageError as e:
+            return " ".join(str(e).split())
+        return None
+
+    whole = error(fields)
+    if whole is None:
+        return []
+    alone = [k for k in fields if error({k: fields[k]}) is not None]
+    found = [error({j: v for j, v in fields.items() if j == k or j not in alone}) for k in alone]
+    found.append(error({j: v for j, v in fields.items() if j not in alone}))  # the rest
+    return list(dict.fromkeys(m for m in found if m is not None)) or [whole]
+
+
+def _value_errors(settings: dict) -> list[str]:
+    """Every bad value of a case that needs no plan to see: unknown strategy names, and what
+    RunConfig and AttentionConfig refuse (each checks its fields in turn: the plan would stop
+    at the first)."""
+    fields, attention, _ = split(settings)
+    errors = []
+    for name in settings.get("strategy", ()):
+        if name != "all":
+            try:
+                strategies.get(name)
+            except UsageError as e:
+                errors.append(str(e))
+    errors += _refused(lambda f: RunConfig(**f, out="none"), fields)
+    errors += _refused(lambda f: AttentionConfig(**resolved_documents(f, 0)), attention)
+    return errors
 
 
 def _plan(settings: dict, topology: tuple | None) -> planning.Plan:
@@ -183,6 +225,7 @@ def _cases(raw_cases: list[dict], base: dict, spec: dict, doc: dict,
         world = topology[0] * topology[1] if topology else None
         settings, timeout, bad = _typed(raw, spec, where, doc.get("timeout"),
                                         topology is not None, world)
+        bad += [f"{where}: {e}" for e in _value_errors(settings)]
         errors += bad
         if bad:
             continue
