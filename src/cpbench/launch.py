@@ -187,8 +187,8 @@ def run_threads(fn: Callable[..., Any], nproc: int, *args, device: str = "cpu",
             _join_threads(threads, done, timeout, launch, errors)
         finally:
             torch.set_num_threads(saved)
-    if errors:
-        rank = min(errors)
+    if errors:  # the first to fail: the others' errors follow from it
+        rank = next(iter(errors))
         raise RankError(f"rank {rank} failed:\n{errors[rank]}", by_rank)
     return [by_rank[r] for r in range(nproc)]
 

@@ -121,18 +121,14 @@ class World:
                 self.cond.notify_all()
         return _CollectiveWork(self, group, rv)
 
-    def wait_for(self, group: ThreadedGroup, ready, what: str, missing) -> None:
+    def wait_for(self, group: ThreadedGroup, ready, missing) -> str | None:
         """Block until ``ready()`` (under the lock), the world is aborted, or the group's
-        timeout passes; raise CollectiveError naming this rank and ``what``."""
-        me = f"rank {group.global_rank(group.rank())}"
+        timeout passes: None when ready, else why not."""
         with self.cond:
             self.cond.wait_for(lambda: ready() or self.aborted, group.timeout_s)
             if ready():
-                return
-            if self.aborted:
-                raise CollectiveError(f"{me}: {what}: {self.aborted}")
-            raise CollectiveError(f"{me}: {what} timed out after {group.timeout_s:g} s: "
-                                  f"{missing()}")
+                return None
+            return self.aborted or f"timed out after {group.timeout_s:g} s: {missing()}"
 
 
 class _CollectiveWork(dist.Work):
@@ -151,12 +147,10 @@ class _CollectiveWork(dist.Work):
             never = [g.global_rank(r) for r in range(g.size()) if r not in rv.arrived]
             return f"rank(s) {', '.join(map(str, never))} never posted it"
 
-        try:
-            self.world.wait_for(g, lambda: rv.done or rv.error is not None, what, missing)
-        except CollectiveError as e:  # a member posting it late fails at once too
+        why = self.world.wait_for(g, lambda: rv.done or rv.error is not None, missing)
+        if why is not None:  # a member posting it late fails at once too
             with self.world.cond:
-                rv.error = rv.error or str(e)
-            raise
+                rv.error = rv.error or why
         if rv.error is not None:
             raise CollectiveError(f"rank {g.global_rank(g.rank())}: {what}: {rv.error}")
         return True
@@ -186,9 +180,11 @@ class _Received(dist.Work):
             return True
         g, (_, src, _, tag, n) = self.group, self.key
         what = f"recv from rank {g.global_rank(src)} on ranks {g.members()} (tag {tag})"
-        self.world.wait_for(g, lambda: self.key in self.world.mail, what,
-                            lambda: f"message {n + 1} from rank {g.global_rank(src)} was "
-                                    f"never sent")
+        why = self.world.wait_for(g, lambda: self.key in self.world.mail,
+                                  lambda: f"message {n + 1} from rank {g.global_rank(src)} "
+                                          f"was never sent")
+        if why is not None:
+            raise CollectiveError(f"rank {g.global_rank(g.rank())}: {what}: {why}")
         with self.world.cond:
             message, ready = self.world.mail.pop(self.key)
         if ready is not None:  # a CUDA event: the sender's copy is done before this one
