@@ -19,9 +19,10 @@ has no send / recv. ``ThreadedGroup`` keeps its data movers and its per-thread w
   fails at once, naming both;
 - ``World.abort``: a rank gave up on the group (``launch.reform_world``, a rank that died):
   every wait in it fails at once, as gloo's peers do on a closed connection;
-- on CUDA (every rank on the current device, GPU 0): a rank's stream is synchronised before
-  its tensors join a collective, and the moving rank's after the move; a message carries an
-  event its receiver's stream waits on before the copy.
+- on CUDA (every rank on the current device, GPU 0), every hand-over between threads
+  synchronises the handing thread's current stream: a rank's before its tensors join a
+  collective, the moving rank's after the move, a sender's after copying its message, a
+  receiver's after copying it into its buffer (nothing here is timed: correctness first).
 
 It proves correctness, never time or per-rank memory: the ranks share one device and its
 allocator (``guards.not_measured``).
@@ -33,7 +34,7 @@ import collections
 import contextlib
 import threading
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,7 @@ class World:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.pending: dict[tuple, _Rendezvous] = {}
-        self.mail: dict[tuple, tuple[torch.Tensor, Any]] = {}
+        self.mail: dict[tuple, torch.Tensor] = {}
         self.aborted: str | None = None
 
     def abort(self, why: str) -> None:
@@ -186,12 +187,9 @@ class _Received(dist.Work):
         if why is not None:
             raise CollectiveError(f"rank {g.global_rank(g.rank())}: {what}: {why}")
         with self.world.cond:
-            message, ready = self.world.mail.pop(self.key)
-        if ready is not None:  # a CUDA event: the sender's copy is done before this one
-            stream = torch.cuda.current_stream()
-            stream.wait_event(ready)
-            message.record_stream(stream)
+            message = self.world.mail.pop(self.key)
         self.buf.copy_(message)
+        _stream_done([self.buf])  # the copy is done before the message is freed
         self.copied = True
         return True
 
@@ -273,12 +271,9 @@ class ThreadedGroup(mt.ProcessLocalGroup):
         key = (self.pg_name, self.rank(), dst, tag)
         self._sent[key] += 1
         message = tensors[0].detach().clone()
-        ready = None
-        if message.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()
+        _stream_done([message])  # copied before another thread reads it
         with self.world.cond:
-            self.world.mail[(*key, self._sent[key] - 1)] = (message, ready)
+            self.world.mail[(*key, self._sent[key] - 1)] = message
             self.world.cond.notify_all()
         return _Sent()
 
