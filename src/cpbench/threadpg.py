@@ -288,6 +288,21 @@ class ThreadedGroup(mt.ProcessLocalGroup):
     def getBackendName(self) -> str:
         return BACKEND
 
+    def _get_backend(self, device) -> _NoBackend:
+        """torch >= 2.14's batch_isend_irecv asks a group's device backend whether it
+        coalesces (2.13 asks only a plain ProcessGroup); this group has no such backend:
+        its sends post one by one."""
+        return _NO_BACKEND
+
+
+class _NoBackend:
+    """What torch asks of a group's device backend, answered for the threaded group."""
+
+    supports_coalescing = supports_splitting = supports_time_estimate = False
+
+
+_NO_BACKEND = _NoBackend()
+
 
 class _Nothing:
     def work(self, data) -> None:
