@@ -288,7 +288,7 @@ class ThreadedGroup(mt.ProcessLocalGroup):
     def getBackendName(self) -> str:
         return BACKEND
 
-    def _get_backend(self, device) -> _NoBackend:
+    def _get_backend(self, device) -> _NoBackend:  # type: ignore[override]
         """torch >= 2.14's batch_isend_irecv asks a group's device backend whether it
         coalesces (2.13 asks only a plain ProcessGroup); this group has no such backend:
         its sends post one by one."""
