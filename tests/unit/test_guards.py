@@ -145,6 +145,7 @@ def test_rows_of_threads_show_no_figure_and_say_why():
                                          "TFLOPs/s", "CP Efficiency")] == ["-"] * 5
         assert cells[name]["Flags"] == guards.THREADS
     assert report.efficiencies([row, base]) == []  # no baseline among them
+    assert tables.cell_ms(10.0, row) == "-" and tables.cell_ms(10.0, fake_record()) == "10.00"
     measured = fake_record("ring")
     assert [v.winner for v in verdicts([row, measured])] == ["ring"]
     assert "not ranked: zigzag" in best_table([row, measured])

@@ -52,8 +52,11 @@ def _ms(x) -> str:
 
 
 def cell_ms(value, record: dict) -> str:
-    """A time cell: the figure, or the row's status (OOM, failed) where none was measured."""
-    return record["status"] if _missing(value) and record["status"] != OK else _ms(value)
+    """A time cell: the figure, or the row's status (OOM, failed) where none was measured;
+    "-" where the row's times are not measurements (``measured_cell``)."""
+    if _missing(value) and record["status"] != OK:
+        return record["status"]
+    return measured_cell(_ms(value), guards.not_measured(record))
 
 
 def _tflops(x) -> str:
