@@ -69,7 +69,7 @@ def test_ranks_sharing_a_device_wait_for_each_other_longer():
     assert shared == pytest.approx((4 * alone[0], 4 * alone[1]))
 
 
-def test_a_strategy_that_cannot_run_as_threads_says_why(monkeypatch):
+def test_a_strategy_that_cannot_run_as_threads_says_why(monkeypatch, capsys):
     cls = strategies.get("ring")
     monkeypatch.setattr(cls, "no_threads", "it cannot (test)")
     p = _plan(strategy=("all",), device="cpu")
@@ -79,3 +79,5 @@ def test_a_strategy_that_cannot_run_as_threads_says_why(monkeypatch):
         _plan(strategy=("ring", "zigzag"), device="cpu")
     assert strategies.get("torch-flex").no_threads.startswith("its FlexAttention runs through "
                                                               "torch.compile")
+    assert cli.main(["strategies"]) == 0
+    assert "not with --launcher threads: it cannot (test)" in capsys.readouterr().out
