@@ -5,6 +5,7 @@ sent and mismatched calls each end with an error naming the rank and the op, in 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -225,3 +226,39 @@ def test_mismatched_collectives_fail_at_once_naming_both():
     assert "posted all_gather where rank" in str(e.value) or \
         "posted all_reduce where rank 0 posted all_gather" in str(e.value)
     assert time.monotonic() - t0 < 30
+
+
+def test_a_patch_and_a_trace_are_their_ranks_own():
+    """ranklocal.patch: rank 0's patch of a torch.distributed function sees rank 0's calls
+    alone, and the function is torch's again after; commtrace.traced (the upstream
+    adapters' byte count) records each rank's own sends."""
+    from cpbench.bench import commtrace
+
+    original, isend = dist.all_reduce, dist.isend
+
+    def body(rank, world):
+        calls = []
+
+        def make(orig):
+            def counted(*args, **kwargs):
+                calls.append(rank)
+                return orig(*args, **kwargs)
+
+            return counted
+
+        patch = ranklocal.patch((dist,), "all_reduce", make) if rank == 0 else None
+        with patch or contextlib.nullcontext():
+            dist.all_reduce(torch.ones(1))
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        with commtrace.traced() as events:  # rank r sends r + 1 floats
+            for req in dist.batch_isend_irecv([
+                    dist.P2POp(dist.isend, torch.ones(rank + 1), nxt),
+                    dist.P2POp(dist.irecv, torch.empty(prv + 1), prv)]):
+                req.wait()
+        return calls, [(e.op, e.nbytes) for e in events]
+
+    with commtrace.held():
+        results = _run(body)
+    assert [calls for calls, _ in results] == [[0], [], [], []]
+    assert [events for _, events in results] == [[("p2p", 4 * (r + 1))] for r in range(N)]
+    assert dist.all_reduce is original and dist.isend is isend  # torch's own again
