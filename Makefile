@@ -31,8 +31,9 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not multirank and not gpu and not slow"
 
-# the GPU-marked tests (tests/gpu and a few unit ones): on a machine with 2 or more GPUs,
-# flash-attn installed (pip install -e '.[gpu]'). Each job runs in its own session and is
+# the GPU-marked tests (tests/gpu and a few unit ones). On one GPU: every strategy as threads
+# on it (tests/gpu/test_threads_one_gpu.py); with 2 or more GPUs and flash-attn installed
+# (pip install -e '.[gpu]'), the torchrun ones too (docs/testing.md). Each job runs in its own session and is
 # killed as a group when it outlives its timeout, which is below the test's own
 # (tests/gpu/jobs.py); -x: after a hung NCCL job, later tests would only report its GPUs busy.
 test-gpu: $(STAMP)

@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from cpbench import ranklocal
 from cpbench.topology import Group
 
 
@@ -48,25 +49,28 @@ class Counter:
     nbytes: int = 0
 
 
-# the active counters, seen from any thread: a CUDA backward runs on autograd's device
-# thread, where the trace's ContextVar is unset; one add per message, so counting every
-# timed step costs nothing measurable
-_COUNTERS: list[Counter] = []
+def _counters() -> list[Counter]:
+    """This rank's active counters (``ranklocal``): seen from any thread of a rank's process,
+    as a CUDA backward runs on autograd's device thread, where the trace's ContextVar is
+    unset; one add per message, so counting every timed step costs nothing measurable."""
+    return ranklocal.slot("comm.counters", list)
 
 
 @contextlib.contextmanager
 def counting():
-    """Count the bytes this process sends inside the block, whichever thread sends them."""
+    """Count the bytes this rank sends inside the block, whichever of its threads sends
+    them."""
     c = Counter()
-    _COUNTERS.append(c)
+    counters = _counters()
+    counters.append(c)
     try:
         yield c
     finally:
-        _COUNTERS.remove(c)
+        counters.remove(c)
 
 
 def _record(op: str, group: Group, nbytes: int) -> None:
-    for c in _COUNTERS:
+    for c in _counters():
         c.nbytes += nbytes
     log = _TRACE.get()
     if log is not None:
@@ -102,9 +106,12 @@ class RingComm:
     ring-flash-attn's K/V and dK/dV rings do, and the strategies reproducing it).
     """
 
-    # RingComms with a committed, unwaited batch; weak, so a ring abandoned by an exception
-    # (an OOM the driver records before going on) does not block the next case
-    _in_flight: weakref.WeakSet[RingComm] = weakref.WeakSet()
+    @staticmethod
+    def _in_flight() -> weakref.WeakSet[RingComm]:
+        """This rank's RingComms with a committed, unwaited batch; weak, so a ring abandoned
+        by an exception (an OOM the driver records before going on) does not block the next
+        case."""
+        return ranklocal.slot("comm.in_flight", weakref.WeakSet)
 
     def __init__(self, group: Group, *, queue_behind: bool = False):
         self.group, self.queue_behind = group, queue_behind
@@ -125,19 +132,19 @@ class RingComm:
     def commit(self) -> None:
         assert not self._reqs, "wait() for the previous batch before committing another"
         if self._ops:
-            busy = [c.group.name for c in RingComm._in_flight if c.group.pg is self.group.pg
+            busy = [c.group.name for c in RingComm._in_flight() if c.group.pg is self.group.pg
                     and not (self.queue_behind and c.queue_behind)]
             assert not busy, (f"group {self.group.name!r} shares its ProcessGroup with ring "
                               f"{busy[0]!r}, still in flight: concurrent rings need their own "
                               f"groups")
             self._reqs = dist.batch_isend_irecv(self._ops)
-            RingComm._in_flight.add(self)
+            RingComm._in_flight().add(self)
         self._ops = []
 
     def wait(self) -> None:
         for req in self._reqs:
             req.wait()
-        RingComm._in_flight.discard(self)
+        RingComm._in_flight().discard(self)
         self._reqs = []
 
 

@@ -22,6 +22,7 @@ from cpbench.mask import (
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ("table", "markdown", "csv", "json")  # how results print (cpbench run and report)
 DEVICES = ("auto", "cpu", "cuda")
+LAUNCHERS = ("processes", "threads")  # how --nproc starts its ranks
 PADDINGS = ("pad", "refuse")  # --document-padding
 
 
@@ -224,8 +225,9 @@ class RunConfig:
     kernel: str = arg("auto", "attention kernel backend (auto: on CUDA FlashAttention-3 "
                       "on sm90 when installed, else flash-attn 2, never the plain reference; "
                       "sdpa-cpu on CPU)")
-    device: str = arg("auto", "where ranks compute (auto: cuda under torchrun when a GPU is "
-                      "present, else cpu; --nproc always runs on cpu)", choices=DEVICES)
+    device: str = arg("auto", "where ranks compute (auto: cuda under torchrun or --launcher "
+                      "threads when a GPU is present, else cpu; --nproc processes always "
+                      "run on cpu)", choices=DEVICES)
     ranks_per_node: int | None = arg(None, "ranks per (emulated) node; default: "
                                      "LOCAL_WORLD_SIZE under torchrun, a value giving >= 2 "
                                      "nodes with --nproc")
@@ -244,8 +246,12 @@ class RunConfig:
                               "rank's breakdown (parts, idle, exposed communication) in the "
                               "record", metavar="DIR")
     format: str = arg("table", "how the summary prints", choices=FORMATS)
-    nproc: int | None = arg(None, "start this many local CPU ranks (gloo) instead of running "
+    nproc: int | None = arg(None, "start this many local ranks (--launcher) instead of running "
                             "under torchrun (default: 4)")
+    launcher: str = arg("processes", "how --nproc starts its ranks: processes (one gloo "
+                        "rank each, on cpu) or threads (all in this process, on one device: "
+                        "GPU 0 or cpu; for --check: builds, checks and runs one untimed step, "
+                        "times nothing)", choices=LAUNCHERS)
     collective_timeout: float | None = arg(None, "seconds a rank waits for its peers in one "
                                            "collective (the process groups' timeout) before "
                                            "the case is recorded as failed and the group is "
@@ -274,7 +280,8 @@ class RunConfig:
             if value is not None and value <= 0:
                 raise UsageError(f"{flag(name)} must be a positive number of seconds, "
                                  f"got {value}")
-        for name, allowed in (("format", FORMATS), ("device", DEVICES)):
+        for name, allowed in (("format", FORMATS), ("device", DEVICES),
+                              ("launcher", LAUNCHERS)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"--{name} must be one of {', '.join(allowed)}, "
                                  f"got {getattr(self, name)!r}")

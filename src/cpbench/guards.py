@@ -10,6 +10,8 @@ A flag keeps the row in every table (its text beside it) and in the record
 - the bytes each rank sent in the timed step against the strategy's declared schedule (the
   record's ``comm`` section): a strategy that silently stopped communicating (CP off) sends
   less than its schedule says;
+- figures that are not measurements at all (``not_measured``: ranks as threads on one
+  device), shown as "-" with the reason;
 - a world or CP size other than asked (the record's ``sizes``): every rank in a world of the
   ``--nproc`` asked, a CP row's ring over all of them, its ranks' shards covering the
   sequence once per problem (a rank holding all of it is CP silently off).
@@ -124,7 +126,22 @@ def size_flags(record: dict[str, Any]) -> list[str]:
     return found
 
 
+THREADS = "ranks are threads sharing one device: times and memory are not measured"
+
+
+def not_measured(record: dict[str, Any]) -> str | None:
+    """Why the row's times and memory (and all figures from them: TFLOP/s, efficiency,
+    fraction of ideal) are not measurements of CP, or None. The tables show "-" there and
+    this reason among the row's flags. Ranks as threads (``--launcher threads``) share one
+    device, its allocator and its cores: a run there checks, it does not measure."""
+    if (record.get("env") or {}).get("launcher") == "threads":
+        return THREADS
+    return None
+
+
 def flags(record: dict[str, Any], derived: dict[str, Any]) -> list[str]:
     """Every flag of a record, given its derived figures (old records without the measured
     sections: only what their figures show)."""
-    return peak_flags(record, derived) + comm_flags(record.get("comm")) + size_flags(record)
+    reason = not_measured(record)
+    return ([reason] if reason else []) + peak_flags(record, derived) + \
+        comm_flags(record.get("comm")) + size_flags(record)

@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -137,6 +138,82 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, timeout: float | None =
     return [by_rank[r] for r in range(nproc)]
 
 
+def run_threads(fn: Callable[..., Any], nproc: int, *args, device: str = "cpu",
+                timeout: float | None = 300.0, collective_timeout: float | None = None
+                ) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``nproc`` ranks as threads of this process,
+    on one device (``device``: "cpu", or "cuda": GPU 0 for every rank), over the threaded
+    process group (``cpbench.threadpg``); return results by rank.
+
+    Raises RankError naming the first rank that raised, with its traceback, once the others
+    stopped (a failing rank's peers stop waiting on it at once), or LaunchTimeout after
+    ``timeout`` seconds. ``collective_timeout``: how long a collective or receive waits for
+    its peers before it raises, naming the rank and the op (default as for ``run_ranks``)."""
+    import torch
+
+    from cpbench import ranklocal, threadpg
+
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    if collective_timeout is None:
+        collective_timeout = 600.0 if timeout is None else max(30.0, timeout)
+    launch, done = threadpg.Launch(nproc), threading.Condition()
+    by_rank: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+
+    def body(rank: int) -> None:
+        ranklocal.enter(rank)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+        try:
+            threadpg.init(launch, rank, device, collective_timeout)
+            by_rank[rank] = fn(rank, nproc, *args)
+        except BaseException:  # report everything, as a rank process does
+            errors[rank] = traceback.format_exc()
+            launch.abort(f"rank {rank} failed")  # its peers stop waiting on it
+            launch.store.set(DEAD_KEY, str(rank))  # and do not form a group again with it
+        finally:
+            threadpg.finish()
+            ranklocal.leave()
+            with done:
+                done.notify_all()
+
+    saved = torch.get_num_threads()
+    with threadpg.installed():
+        threads = [threading.Thread(target=body, args=(r,), name=f"cpbench-rank{r}",
+                                    daemon=True) for r in range(nproc)]
+        for t in threads:
+            t.start()
+        try:
+            _join_threads(threads, done, timeout, launch, errors)
+        finally:
+            torch.set_num_threads(saved)
+    if errors:  # the first to fail: the others' errors follow from it
+        rank = next(iter(errors))
+        raise RankError(f"rank {rank} failed:\n{errors[rank]}", by_rank)
+    return [by_rank[r] for r in range(nproc)]
+
+
+def _join_threads(threads: list, done, timeout: float | None, launch, errors: dict) -> None:
+    """Wait for every rank thread; past the deadline, or DEATH_GRACE_S after a rank failed,
+    give up on those still running (a thread cannot be killed: it is left, as a daemon, in a
+    world every wait of which now fails)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    grace_end = None
+    with done:
+        while any(t.is_alive() for t in threads):
+            now = time.monotonic()
+            if errors and grace_end is None:
+                grace_end = now + DEATH_GRACE_S
+            if grace_end is not None and now > grace_end:
+                launch.abort("the launch gave up on the ranks")
+                return
+            if deadline is not None and now > deadline:
+                running = [r for r, t in enumerate(threads) if t.is_alive()]
+                launch.abort("the launch gave up on the ranks (deadline)")
+                raise LaunchTimeout(f"ranks {running} did not finish within {timeout:.0f} s")
+            done.wait(0.5)
+
+
 def _collect(procs: list, results, by_rank: dict[int, Any], timeout: float | None,
              port: int) -> None:
     """Fill ``by_rank`` with every rank's report; raise on the first failure, on a rank that
@@ -192,10 +269,12 @@ def reform_world(generation: int, timeout_s: float) -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    from cpbench import topology
+    from cpbench import threadpg, topology
 
     rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
     base = _base_store(c10d._get_default_store())
+    if threadpg.threaded():  # the peers still blocked in this world stop waiting now
+        threadpg.leave_world(f"rank {rank} gave up on the process group")
     device_id = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
     topology.forget_groups()
     gc.collect()  # the last references to the old groups: their connections close now

@@ -35,7 +35,9 @@ A record holds what is needed to re-run it and to recompute every figure printed
   ``--rounds K``: ``index`` and ``count``; ``cpbench.rounds`` pools a case's rounds) and
   ``comm`` (the bytes each rank sent in the timed step, per timed phase, whether its timed
   steps differed, and what the strategy's schedule declares per phase: ``comm_section``).
-  ``derived.flags``: the physics guards' findings (``cpbench.guards``); ``ideal`` (the
+  ``derived.flags``: the physics guards' findings (``cpbench.guards``), and
+  ``derived.not_measured``: why the row's times and memory are not measurements (ranks as
+  threads on one device), else null; ``ideal`` (the
   slowest rank's kernel blocks timed alone: ``rank``, its ideal ``fwd_ms`` / ``bwd_ms`` and
   each distinct block's times, ``cpbench.bench.ideal``; or ``{"none": why}``), from which
   ``derived.fraction_of_ideal`` (FWD+BWD, FWD with --fwd-only) and ``fraction_of_ideal_fwd``:
@@ -249,6 +251,7 @@ def derive(record: dict[str, Any]) -> dict[str, Any]:
     """Every figure a report prints, from the record's raw measurements and config, and
     the physics guards' flags on them (``cpbench.guards``)."""
     out = _figures(record)
+    out["not_measured"] = guards.not_measured(record)
     out["flags"] = guards.flags(record, out)
     return out
 

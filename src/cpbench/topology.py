@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
+from cpbench import ranklocal
 from cpbench.errors import UsageError
 
 HEAD_FIRST = "head-first"
@@ -175,9 +176,13 @@ def _check_divides(part: int, whole: int, part_name: str, whole_name: str) -> No
 
 # -- groups ------------------------------------------------------------------------------------
 
-# (role, members) → (the default group it was created under, the group): a group made before
-# a destroy_process_group() is never handed out again
-_PG_CACHE: dict[tuple[str, tuple[int, ...]], tuple[Any, Any]] = {}
+def _pg_cache() -> dict[tuple[str, tuple[int, ...]], tuple[Any, Any]]:
+    """This rank's groups (``ranklocal``): (role, members) → (the default group it was
+    created under, the group); a group made before a destroy_process_group() is never handed
+    out again."""
+    cache: dict[tuple[str, tuple[int, ...]], tuple[Any, Any]] = \
+        ranklocal.slot("topology.pg_cache", dict)
+    return cache
 
 
 def plan_group(topo: Topology, name: str, rank: int, rank_lists: Sequence[Sequence[int]]) -> Group:
@@ -214,11 +219,12 @@ def cached_group(name: str, ranks: Sequence[int], timeout_s: float | None,
     import torch.distributed as dist
 
     members = tuple(sorted(ranks))
-    world, pg = _PG_CACHE.get((name, members), (None, None))
+    cache = _pg_cache()
+    world, pg = cache.get((name, members), (None, None))
     if world is not dist.group.WORLD:
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         pg = create(list(members), timeout=timeout)
-        _PG_CACHE[(name, members)] = (dist.group.WORLD, pg)
+        cache[(name, members)] = (dist.group.WORLD, pg)
     return pg
 
 
@@ -229,17 +235,22 @@ def set_timeout(seconds: float) -> None:
     from torch.distributed import distributed_c10d as c10d
 
     setter = getattr(c10d, "_set_pg_timeout", None)  # private: no public setter to date
-    if setter is None:  # then every group keeps the timeout it was made with
-        return
     timeout = timedelta(seconds=seconds)
-    setter(timeout, dist.group.WORLD)
-    for world, pg in _PG_CACHE.values():
+
+    def set_on(pg: Any) -> None:
+        if hasattr(pg, "set_timeout"):  # a group that keeps its own (cpbench.threadpg)
+            pg.set_timeout(timeout)
+        elif setter is not None:  # else every group keeps the timeout it was made with
+            setter(timeout, pg)
+
+    set_on(dist.group.WORLD)
+    for world, pg in _pg_cache().values():
         # a group this rank is not in is a placeholder (GroupMember.NON_GROUP_MEMBER)
         if world is dist.group.WORLD and isinstance(pg, dist.ProcessGroup):
-            setter(timeout, pg)
+            set_on(pg)
 
 
 def forget_groups() -> None:
     """Drop every cached group, before the groups are destroyed: a reference kept here would
     keep a gloo group's connections open, and its peers blocked on them."""
-    _PG_CACHE.clear()
+    _pg_cache().clear()

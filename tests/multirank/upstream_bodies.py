@@ -46,5 +46,5 @@ def yunchang_groups_across_builds(rank, world):
         from yunchang.globals import PROCESS_GROUP
 
         pgs.append((PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG))
-    cached = {id(pg) for _, pg in topology._PG_CACHE.values()}
+    cached = {id(pg) for _, pg in topology._pg_cache().values()}
     return counts, all(p == pgs[0] for p in pgs), all(id(pg) in cached for pg in pgs[0])

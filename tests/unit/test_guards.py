@@ -6,6 +6,7 @@ from __future__ import annotations
 from test_results import fake_record
 
 from cpbench import guards, report, results
+from cpbench.report import tables
 from cpbench.report.best import best_table, verdicts
 
 
@@ -122,3 +123,32 @@ def test_sizes_other_than_asked_are_flagged():
         "CP over 2 ranks, asked for 4"]
     assert guards.size_flags(_sized([4] * 4, [4] * 4, [1024] * 4)) == [
         "the shards hold 4096 tokens, the 1 problem(s) 1024"]
+
+
+def _threaded(record: dict) -> dict:
+    """``record`` as if its ranks ran as threads on one device (with its samples kept, as
+    a later reason for not measuring may keep them)."""
+    return _with(record, env={**record["env"], "launcher": "threads"})
+
+
+def test_rows_of_threads_show_no_figure_and_say_why():
+    base = _threaded(fake_record("local", ranks_per_problem=1, fwd=[[20.0] * 3] * 4,
+                                 fwd_bwd=[[62.0] * 3] * 4))
+    row = _threaded(fake_record("zigzag", check=[]))
+    assert guards.not_measured(row) == guards.THREADS
+    assert row["derived"]["not_measured"] == guards.THREADS
+    assert row["derived"]["flags"] == [guards.THREADS]
+    assert fake_record()["derived"]["not_measured"] is None
+    cells = {r["Strategy"]: r for r in tables.rows([row, base])}
+    for name in ("zigzag", "local"):
+        assert [cells[name][c] for c in ("FWD (ms)", "FWD+BWD (ms)", "Memory (MB)",
+                                         "TFLOPs/s", "CP Efficiency")] == ["-"] * 5
+        assert cells[name]["Flags"] == guards.THREADS
+    assert report.efficiencies([row, base]) == []  # no baseline among them
+    assert tables.cell_ms(10.0, row) == "-" and tables.cell_ms(10.0, fake_record()) == "10.00"
+    measured = fake_record("ring")
+    assert [v.winner for v in verdicts([row, measured])] == ["ring"]
+    assert "not ranked: zigzag" in best_table([row, measured])
+    detail = report.detail(row)
+    assert f"Times and memory: - ({guards.THREADS})" in detail
+    assert "Iterations: none timed" in detail and "Forward Time" not in detail

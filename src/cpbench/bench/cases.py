@@ -74,11 +74,12 @@ def _no_masked_kernel(cls, attn: AttentionConfig, backend, device: str) -> str |
 
 
 def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend, device: str,
-                   capacity: int | None) -> Any:
+                   capacity: int | None, threads: bool = False) -> Any:
     """Build the strategy on every rank without groups (pure) and check that a rank's shard
-    can fit in ``capacity`` bytes; returns rank 0's instance."""
+    can fit in ``capacity`` bytes; returns rank 0's instance. ``threads``: ranks as threads
+    of one process (--launcher threads)."""
     cls = strategies.get(case.strategy)
-    why = cls.unavailable(device)
+    why = cls.unavailable(device) or (threads and cls.no_threads)
     if why:
         raise UsageError(f"{case.strategy} cannot run here: {why}")
     if cls.causal_only and not attn.causal:
@@ -112,13 +113,15 @@ def shape(attn: AttentionConfig) -> dict:
 
 def runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
              topo: Topology, backend, device: str, capacity: int | None, *,
-             auto: bool = False, elsewhere: bool = False) -> tuple[list, list[str]]:
+             auto: bool = False, elsewhere: bool = False, threads: bool = False
+             ) -> tuple[list, list[str]]:
     """The cases the config allows, each with rank 0's strategy, and why the others are left
     out. ``auto``: the kernel was auto's pick, which a library's strategy may run on its own
     kernel instead (see ``case_kernel``; ``elsewhere`` as for ``bench.plan._kernel``). Variants a
     strategy merely suggests (and, under ``all``, whole strategies) that cannot run this
     config or cannot fit are skipped; a strategy asked for by name with no runnable variant
-    is an error, and so is nothing runnable but a no-CP baseline."""
+    is an error, and so is nothing runnable but a no-CP baseline. ``threads``: ranks as
+    threads (a strategy's ``no_threads`` says why it cannot run so)."""
     first_error: dict[str, UsageError]  # strategy name -> why its first variant cannot run
     built, skipped, first_error, first_skip = [], [], {}, None
     for case in cases:
@@ -127,7 +130,8 @@ def runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
         if mine is not backend:
             case = dataclasses.replace(case, kernel=mine.name)
         try:
-            built.append((case, _validate_case(case, attn, topo, mine, device, capacity)))
+            built.append((case, _validate_case(case, attn, topo, mine, device, capacity,
+                                               threads)))
             skipped += [note] if note and note not in skipped else []
         except Skipped as e:  # skipped even when named: the others still answer
             skipped.append(str(e))

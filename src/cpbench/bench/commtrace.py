@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cpbench import ranklocal
+
 # the wrapped functions and how many bytes each sends, from (input nbytes, group size)
 _SENDS = {
     "isend": lambda b, n: b, "send": lambda b, n: b,
@@ -157,28 +159,36 @@ def _wrap_funcol(rec: _Recorder, name: str, original):
 
 
 @contextlib.contextmanager
+def held():
+    """Keep the tracing wrappers' dispatchers in place for the block (``ranklocal.hold``):
+    around ranks run as threads, where one rank's trace must not change the functions
+    another rank's posted ops were made with."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed import distributed_c10d as c10d
+
+    with ranklocal.hold((dist, c10d), _PATCHED), ranklocal.hold((funcol,), tuple(_FUNCOL)):
+        yield
+
+
+@contextlib.contextmanager
 def traced(dispatch: bool = True):
-    """Within the block, every torch.distributed call of this process is recorded:
+    """Within the block, every torch.distributed call of this rank is recorded:
     ``with traced() as events: ...`` (a list of Event). ``dispatch=False``: no dispatch mode
     (torch.compile refuses to run under one: FlexAttention compiles even eagerly), so the
     functional collectives are seen where torch's FlexAttention CP calls them, and no kernel
-    is counted."""
+    is counted. The wrappers are this rank's (``ranklocal.patch``): ranks run as threads
+    each trace their own calls."""
     import torch.distributed._functional_collectives as funcol
     from torch.distributed import distributed_c10d as c10d
 
     rec = _Recorder()
-    saved = {(mod, n): getattr(mod, n) for mod in (dist, c10d) for n in _PATCHED}
-    for n in _PATCHED:  # one wrapper in both namespaces: P2POp checks ``op`` by identity
-        wrapper = _wrap(rec, n, getattr(c10d, n))
-        setattr(dist, n, wrapper)
-        setattr(c10d, n, wrapper)
-    if not dispatch:
-        saved.update({(funcol, n): getattr(funcol, n) for n in _FUNCOL})
-        for n in _FUNCOL:
-            setattr(funcol, n, _wrap_funcol(rec, n, getattr(funcol, n)))
-    try:
+    with contextlib.ExitStack() as patches:
+        for n in _PATCHED:  # one wrapper in both namespaces: P2POp checks ``op`` by identity
+            patches.enter_context(ranklocal.patch(
+                (dist, c10d), n, functools.partial(_wrap, rec, n)))
+        if not dispatch:
+            for n in _FUNCOL:
+                patches.enter_context(ranklocal.patch(
+                    (funcol,), n, functools.partial(_wrap_funcol, rec, n)))
         with _Functional(rec) if dispatch else contextlib.nullcontext():
             yield rec.events
-    finally:
-        for (mod, n), original in saved.items():
-            setattr(mod, n, original)

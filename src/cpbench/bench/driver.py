@@ -142,6 +142,8 @@ class _CaseRun:
         run = self.p.run
         self.inputs = self.phase(lambda: rank_inputs(self.strat, self.p, self.rank))
         fwd, fwd_bwd = _closures(self.strat, self.inputs) if self.inputs else (None, None)
+        if not self.p.timed:
+            return self._untimed(fwd, fwd_bwd)
         tm = timer.Timer(run.device, _barrier(run.device))
         warmup, _ = _counts(run)
         self.sent = {"fwd": sentcount.StepBytes(self.built, warmup)} if fwd else {}
@@ -152,6 +154,17 @@ class _CaseRun:
             samples["fwd_bwd"] = self._timed(tm, "FWD+BWD", fwd_bwd and
                                              self.sent["fwd_bwd"].wrap(fwd_bwd))
         return samples, fwd if run.fwd_only else fwd_bwd
+
+    def _untimed(self, fwd, fwd_bwd) -> tuple[dict, None]:
+        """Ranks as threads sharing one device (``Plan.timed``): one untimed step of each
+        phase through the timed path, its bytes counted; no samples, nothing to measure."""
+        for phase, what, step in (("fwd", "FWD", fwd), ("fwd_bwd", "FWD+BWD", fwd_bwd)):
+            if step is None or (phase == "fwd_bwd" and self.p.run.fwd_only):
+                continue
+            self.status(f"one untimed {what} step")
+            self.sent[phase] = sentcount.StepBytes(self.built, 0)
+            self.phase(self.sent[phase].wrap(step))
+        return {"fwd": None, "fwd_bwd": None}, None
 
     def comm(self) -> tuple[dict | None, dict | None]:
         """The record's ``comm`` and ``sizes`` sections (a collective: every rank's figures):
@@ -165,7 +178,7 @@ class _CaseRun:
             self.p.run.device)) if self.sent else None
         if everyone is None:
             return None, None
-        how = sentcount.how_counted(self.built, _counts(self.p.run)[0])
+        how = sentcount.how_counted(self.built, _counts(self.p.run)[0], timed=self.p.timed)
         return (results.comm_section([r[:6] for r in everyone], how),
                 {k: [int(r[i]) for r in everyone]
                  for i, k in enumerate(("world", "cp", "local_seqlen"), 6)})
@@ -244,7 +257,9 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     timeout_s, grace_s = p.waits[index - 1]
     # NCCL: closing a communicator does not free the peers blocked on it; they wait out the
     # timeout, so a failing rank waits for them as long (no grace)
-    grace_s = grace_s if p.run.device == "cpu" else None
+    # (ranks as threads: a failing rank gives up on its world and its peers' waits fail at
+    # once, as on gloo)
+    grace_s = grace_s if p.run.device == "cpu" or not p.timed else None
     topology.set_timeout(timeout_s)
     who = (case.label, p.keys()[index - 1])  # what a failing rank names (bench.failures)
     phase = agreement.Agreement(p.run.device, store, key, grace_s, who)
@@ -254,9 +269,11 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     checks = c.check(ref_cache) if p.run.check and not case.round else None
     samples, step = c.time()
     comm, sizes = c.comm()
-    mem, memory_bytes = c.memory(step, store, key) if _usable(phase) else (None, None)
+    # ranks as threads: nothing timed, nothing measured (guards.not_measured)
+    mem, memory_bytes = c.memory(step, store, key) if _usable(phase) and p.timed \
+        else (None, None)
     # a failed memory step leaves the group usable (it is agreed on); a broken one does not
-    ideal_ph, ideal_section = c.ideal(store, key) if _usable(phase) and not (
+    ideal_ph, ideal_section = c.ideal(store, key) if _usable(phase) and p.timed and not (
         mem and mem.broken) else (None, None)
     prof, profile = c.profile(step, store, key, index) \
         if p.run.profile and _usable(phase) and not any(
@@ -325,6 +342,9 @@ def _header(p: Plan, world: int) -> None:
     if p.packed:  # the documents above are the first packing's
         log.info("%d packings of %s (seeds %d..%d), each strategy on each", len(p.packed),
                  p.documents_spec, p.run.seed, p.run.seed + len(p.packed) - 1)
+    if not p.timed:
+        log.info("ranks as threads on one %s: each case builds, checks (--check) and runs "
+                 "one untimed step; nothing is timed or measured", p.run.device)
     for reason in p.skipped:
         log.info("skipped %s", reason)
 
@@ -360,7 +380,7 @@ def _rank_main(rank: int, world: int, p: Plan) -> tuple[int, bool]:
                           cpus=cpus, kernel_package=kernels.get(p.kernel).provenance()
                           ) if rank == 0 else {}
     _header(p, world)
-    for line in env_mod.cpu_warnings(hostnames, cpus):
+    for line in env_mod.cpu_warnings(hostnames, cpus) if p.timed else ():
         log.info("%s", line)
     records, failed, broken = _run_cases(p, rank, env)
     if rank == 0:

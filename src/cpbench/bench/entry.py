@@ -1,7 +1,8 @@
 """Step 2 of the driver (see ``cpbench.bench.driver``): start the ranks, or join torchrun's,
 run the plan on each, and leave.
 
-``launch`` (``--nproc``): local gloo ranks through ``cpbench.launch.run_ranks``; a case the
+``launch`` (``--nproc``): local gloo ranks through ``cpbench.launch.run_ranks``, or ranks as
+threads on one device (``--launcher threads``: ``cpbench.launch.run_threads``); a case the
 ranks did not record (a rank died, the deadline passed) is recorded here as failed.
 ``torchrun_main``: init from torchrun's environment (NCCL on CUDA, gloo on CPU); a broken
 NCCL group is aborted, not destroyed.
@@ -21,18 +22,21 @@ from cpbench import results
 from cpbench.bench import agreement
 from cpbench.bench import env as env_mod
 from cpbench.bench.driver import _rank_main, rank_main
-from cpbench.bench.plan import Plan, failure_record
+from cpbench.bench.plan import THREADS, Plan, failure_record
 
 log = logging.getLogger("cpbench")
 
 def launch(p: Plan) -> int:
-    """Start ``p.world_size`` local gloo ranks and run the plan; the exit status. When a rank
-    dies, or the deadline passes, the case that was running is recorded as failed and the
-    error (re-raised) says so and names the cases not run."""
+    """Start ``p.world_size`` local ranks (gloo processes, or threads under --launcher
+    threads) and run the plan; the exit status. When a rank dies, or the deadline passes,
+    the case that was running is recorded as failed and the error (re-raised) says so and
+    names the cases not run."""
     from cpbench.launch import LaunchTimeout, RankError, run_ranks
 
     offset = os.path.getsize(p.out) if p.out and os.path.exists(p.out) else 0
     try:
+        if p.launcher == THREADS:
+            return _threads(p)
         return run_ranks(rank_main, p.world_size, p, timeout=p.run.deadline,
                          collective_timeout=p.init_timeout,
                          leave_together=False)[0]
@@ -43,6 +47,20 @@ def launch(p: Plan) -> int:
         if 0 in e.reported:  # rank 0 lived on: it recorded the case and what did not run
             raise
         raise RankError(f"{e}{_record_lost_case(p, offset, agreement.one_line(e))}") from e
+
+
+def _threads(p: Plan) -> int:
+    """The ranks as threads of this process on one device (``launch.run_threads``); logging
+    is the process's, so rank 0's thread alone speaks (``report.console``), and the tracing
+    wrappers stay in place while any rank may trace (``commtrace.held``)."""
+    from cpbench.bench import commtrace
+    from cpbench.launch import run_threads
+    from cpbench.report import console
+
+    console.setup(0, p.run.format)
+    with commtrace.held():
+        return run_threads(rank_main, p.world_size, p, device=p.run.device,
+                           timeout=p.run.deadline, collective_timeout=p.init_timeout)[0]
 
 
 def _record_lost_case(p: Plan, offset: int, error: str) -> str:

@@ -36,6 +36,7 @@ from cpbench.errors import UsageError
 from cpbench.topology import Topology, divisors
 
 DEFAULT_NPROC = 4
+THREADS = "threads"  # Plan.launcher of --launcher threads
 
 # The default collective timeout of a case: its step's FLOPs at a pessimistic rate (a few
 # per cent of a data-centre GPU's; a slow CPU core), times the steps a peer can be behind
@@ -59,7 +60,7 @@ class Plan:
     kernel: str  # the resolved backend's name
     cases: tuple[Case, ...]
     out: str | None
-    launcher: str  # "torchrun" or "self"
+    launcher: str  # "torchrun", "self" (--nproc processes) or "threads" (--launcher threads)
     skipped: tuple[str, ...] = ()  # variants the config does not allow, and why
     # per case: (collective timeout, how long a rank that failed by itself waits for its
     # peers in the agreement on gloo), in seconds; see case_waits
@@ -93,6 +94,13 @@ class Plan:
         """The process group's timeout before the first case sets its own."""
         return max((w[0] for w in self.waits), default=MIN_COLLECTIVE_TIMEOUT_S)
 
+    @property
+    def timed(self) -> bool:
+        """Whether the cases are timed and measured: not with ranks as threads sharing one
+        device (``guards.not_measured``), where a case builds, checks and runs one untimed
+        step."""
+        return self.launcher != THREADS
+
     def kernel_of(self, case: Case) -> str:
         """The backend ``case`` runs on."""
         return case.kernel or self.kernel
@@ -125,16 +133,17 @@ def failure_record(p: Plan, index: int, status: str, error: str, **sections) -> 
         packing=p.packing_of(case), round=p.round_of(case), **sections)
 
 
-def case_waits(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int
-               ) -> tuple[float, float]:
+def case_waits(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
+               sharing: int = 1) -> tuple[float, float]:
     """(collective timeout, agreement grace) of a case in seconds; ``run.collective_timeout``
     overrides the timeout. The grace, on gloo: how long a rank that failed by itself waits
-    for its peers to agree before it decides they are stuck waiting on it (a step)."""
+    for its peers to agree before it decides they are stuck waiting on it (a step).
+    ``sharing``: ranks sharing one device (threads), each computing that much slower."""
     flops = metrics.attention_flops(batch=attn.batch, seqlen_q=attn.seqlen,
                                     seqlen_k=attn.seqlen, heads=attn.heads,
                                     head_dim=attn.head_dim, causal=attn.causal,
                                     mode="fwd" if run.fwd_only else "fwd_bwd")
-    step_s = flops / ranks_per_problem / PESSIMISTIC_FLOPS[run.device]
+    step_s = flops / ranks_per_problem / PESSIMISTIC_FLOPS[run.device] * sharing
     wait = STEPS_BEHIND * step_s
     if run.check:
         wait += metrics.attention_flops(batch=attn.batch, seqlen_q=attn.seqlen,
@@ -154,6 +163,23 @@ def check_gpu_count(local_ranks: int, visible: int) -> None:
             f"use --nproc-per-node {visible} (or --nproc-per-node gpu)")
 
 
+def _launcher(run: RunConfig, launcher: str) -> str:
+    """The plan's launcher: torchrun's, or how --nproc starts its ranks."""
+    if run.launcher != THREADS:
+        return launcher
+    if launcher == "torchrun":
+        raise UsageError("--launcher threads starts its ranks itself, in one process; under "
+                         "torchrun drop --launcher (or run without torchrun)")
+    if run.profile is not None:
+        raise UsageError("--launcher threads times nothing (the ranks share one device), so "
+                         "there is nothing to profile: drop --profile, or profile with "
+                         "--launcher processes or torchrun")
+    if run.rounds > 1:
+        raise UsageError("--rounds orders timed cases; --launcher threads times nothing: "
+                         "drop --rounds")
+    return THREADS
+
+
 def _device(run: RunConfig, launcher: str) -> str:
     device = _pick_device(run, launcher)
     if device == "cuda" and launcher == "torchrun":
@@ -163,10 +189,12 @@ def _device(run: RunConfig, launcher: str) -> str:
 
 def _pick_device(run: RunConfig, launcher: str) -> str:
     if run.device == "auto":
-        return "cuda" if launcher == "torchrun" and torch.cuda.is_available() else "cpu"
+        return "cuda" if launcher in ("torchrun", THREADS) and torch.cuda.is_available() \
+            else "cpu"
     if run.device == "cuda" and launcher == "self":
         raise UsageError("--nproc starts CPU ranks (gloo); for GPUs launch with torchrun: "
-                         "torchrun --nproc-per-node N benchmarks/run.py ...")
+                         "torchrun --nproc-per-node N benchmarks/run.py ..., or check every "
+                         "rank on one GPU with --launcher threads")
     if run.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but no CUDA device is visible here; use --device cpu")
     return run.device
@@ -191,12 +219,13 @@ def _world(run: RunConfig, launcher: str) -> tuple[int, int]:
 
 
 def _reference_fits(attn: AttentionConfig, device: str, local_ranks: int,
-                    capacity: int | None) -> None:
-    """``--check``'s global tensors and rank 0's float64 reference must fit too."""
+                    capacity: int | None, threads: int = 1) -> None:
+    """``--check``'s global tensors and rank 0's float64 reference must fit too
+    (``threads``: ranks sharing one device as threads)."""
     if capacity is None:
         return
     per_rank, reference = memory.check_bytes(seqlen=attn.seqlen, **shape(attn))
-    sharing = local_ranks if device == "cpu" else 1  # ranks sharing rank 0's memory
+    sharing = local_ranks if device == "cpu" else threads  # ranks sharing rank 0's memory
     if per_rank * sharing + reference > capacity * sharing:
         raise UsageError(
             f"--check builds the global tensors on every rank and a float64 reference "
@@ -268,6 +297,7 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     ``job``: (world size, ranks per node) of a torchrun job planned from outside it (a sweep
     validating GPU cases on another host): memory fit is then left to the job's own plan.
     ``baseline_both_ends``: see ``bracket_baselines`` (off: each case once)."""
+    launcher = _launcher(run, launcher) if job is None else launcher
     device = _device(run, launcher) if job is None else (
         "cuda" if run.device == "auto" else run.device)
     run = run.resolved(device)
@@ -280,28 +310,34 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
         raise UsageError("--deadline stops a --nproc self-launch; under torchrun use the "
                          "scheduler's time limit (e.g. sbatch --time): drop --deadline")
     run = dataclasses.replace(run, ranks_per_node=topo.ranks_per_node,
-                              nproc=world if launcher == "self" else None)
+                              nproc=None if launcher == "torchrun" else world)
     kernel_notes: list[str] = []
     backend = _kernel(run, device, attn, kernel_notes, elsewhere=job is not None)
     local_ranks = topo.ranks_per_node if launcher == "torchrun" else world
+    # ranks as threads share one device: a GPU's memory too
+    sharing = world if launcher == THREADS else 1
     capacity = memory.capacity_bytes(device, local_ranks) if job is None else None
+    if capacity is not None and device == "cuda":
+        capacity //= sharing
     strat_of: dict[Case, Any]  # case -> rank 0's strategy of it (runnable's pairs)
     cases, skipped, strat_of = [], [], {}
     for i, problem in enumerate(problems):
         built, notes = runnable(expand_cases(run.strategy, options, topo), run.strategy,
                                 problem, topo, backend, device, capacity,
-                                auto=run.kernel == kernels.AUTO, elsewhere=job is not None)
+                                auto=run.kernel == kernels.AUTO, elsewhere=job is not None,
+                                threads=launcher == THREADS)
         built = order.in_packing(built, i if len(problems) > 1 else None)
-        # rounds alternate the order already: a baseline at both ends of each would be twice
-        bracket = baseline_both_ends and run.rounds == 1
+        # rounds alternate the order already: a baseline at both ends of each would be twice;
+        # a baseline brackets timings against drift: none under threads
+        bracket = baseline_both_ends and run.rounds == 1 and launcher != THREADS
         cases += order.bracket_baselines(built) if bracket else [c for c, _ in built]
         skipped += [n for n in notes if n not in skipped]
         strat_of.update(built)
     cases = order.in_rounds(cases, run.rounds)
     if run.check:
-        _reference_fits(attn, device, local_ranks, capacity)
+        _reference_fits(attn, device, local_ranks, capacity, sharing)
     out = None if (run.out or "").lower() == "none" else (run.out or _default_out(run, attn))
-    writer = job is None and (launcher == "self" or env_mod.torchrun_world()[0] == 0)
+    writer = job is None and (launcher != "torchrun" or env_mod.torchrun_world()[0] == 0)
     if out is not None and writer:
         open_out(out)
     if run.profile is not None:
@@ -314,6 +350,6 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
                 kernel=backend.name, cases=tuple(cases), out=out, launcher=launcher,
                 skipped=(*kernel_notes, *skipped),
                 waits=tuple(case_waits(attn, run, strat_of[dataclasses.replace(
-                    c, round=None)].ranks_per_problem) for c in cases),
+                    c, round=None)].ranks_per_problem, sharing) for c in cases),
                 packed=problems if len(problems) > 1 else (),
                 documents_spec=given["documents"] if len(problems) > 1 else None)

@@ -19,6 +19,9 @@ the launcher's store: ``bench.failures``), then:
   torchrun gives by default) and the launcher records the case from the store or the log.
   A group that breaks without ending the process (other values) stops the run: the groups
   are aborted, never destroyed (a flush on a communicator in error can hang).
+- Ranks as threads (``--launcher threads``, any device): as on gloo; the failing rank gives
+  up on its threaded world (``threadpg.leave_world``), which fails its peers' waits at once,
+  and every rank forms the next one.
 - A sticky CUDA error (illegal or misaligned address) stops the run too: the context is dead.
 - A rank stuck outside any collective (a kernel that never returns) is stopped only by
   ``--deadline`` (``--nproc``), the sweep's per-case timeout or the scheduler's time limit.
@@ -67,8 +70,9 @@ def reform(p: Plan, i: int) -> str | None:
 
 
 def reformable(p: Plan, broken: str) -> bool:
-    """In-process re-forming is proven on gloo only; NCCL cases are isolated by the launcher."""
-    return broken == "group" and p.run.device == "cpu"
+    """In-process re-forming is proven on gloo and on ranks as threads (a fresh threaded
+    world) only; NCCL cases are isolated by the launcher."""
+    return broken == "group" and (p.run.device == "cpu" or not p.timed)
 
 
 def stop_reason(p: Plan, broken: str) -> str:

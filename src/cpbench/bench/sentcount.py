@@ -69,10 +69,15 @@ class StepBytes:
         return timed[-1], len(set(timed)) > 1
 
 
-def how_counted(strat: Strategy, warmup: int) -> str:
+def how_counted(strat: Strategy, warmup: int, *, timed: bool = True) -> str:
+    """Which steps' bytes the record holds; ``timed``: False with ranks as threads, where a
+    case runs one untimed step."""
+    how = "cpbench.comm" if strat.upstream is None else "torch.distributed trace"
+    if not timed:
+        return f"one untimed step ({how}; ranks as threads)"
     if strat.upstream is None:
-        return "every timed step (cpbench.comm)"
-    return f"the {'last warm-up' if warmup else 'first timed'} step (torch.distributed trace)"
+        return f"every timed step ({how})"
+    return f"the {'last warm-up' if warmup else 'first timed'} step ({how})"
 
 
 def figures(sent: dict[str, StepBytes], strat: Strategy) -> list[int]:

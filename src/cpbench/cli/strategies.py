@@ -40,5 +40,7 @@ def main(args) -> int:
         if cls.masks:  # beyond causal / full: --documents, --window-size
             flags = ", ".join("--" + m.replace("window", "window-size") for m in sorted(cls.masks))
             lines.append(f"{'':<24}takes {flags}")
+        if cls.no_threads:
+            lines.append(f"{'':<24}not with --launcher threads: {cls.no_threads}")
     sys.stdout.write("\n".join(lines) + "\n")
     return 0

@@ -9,6 +9,8 @@ import contextlib
 import logging
 import sys
 
+from cpbench import ranklocal
+
 
 class Progress(logging.Handler):
     """Writes records to ``stream``. On a terminal, records marked ``transient`` overwrite one
@@ -45,9 +47,19 @@ class Progress(logging.Handler):
         self.stream.flush()
 
 
+def _rank_zero(record: logging.LogRecord) -> bool:
+    """Ranks as threads share the process's logging: only rank 0's thread (or a thread of no
+    rank, the launcher's) speaks."""
+    return ranklocal.rank() in (None, 0)
+
+
 def setup(rank: int, fmt: str) -> None:
     """Configure logging once per process: rank 0 speaks, other ranks stay quiet. Results go
-    to stdout; progress too for the table formats, to stderr for csv/json (parseable stdout)."""
+    to stdout; progress too for the table formats, to stderr for csv/json (parseable stdout).
+    Ranks as threads (``ranklocal``): rank 0's thread configures it, the others leave it,
+    and a filter keeps their records out."""
+    if ranklocal.rank() not in (None, 0):
+        return
     log, out_log = logging.getLogger("cpbench"), logging.getLogger("cpbench.out")
     for logger, stream in ((log, sys.stdout if fmt in ("table", "markdown") else sys.stderr),
                            (out_log, sys.stdout)):
@@ -56,6 +68,7 @@ def setup(rank: int, fmt: str) -> None:
         if rank == 0:
             handler = Progress(stream)
             handler.setFormatter(logging.Formatter("%(message)s"))
+            handler.addFilter(_rank_zero)
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)
         else:

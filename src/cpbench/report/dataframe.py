@@ -43,6 +43,8 @@ def _row(r: dict) -> dict:
         "memory_status": r.get("memory_status"), "memory_error": r.get("memory_error"),
         **{k: d.get(k) for k in _FIGURES},
         "flags": "; ".join(d.get("flags") or ()),  # the physics guards' (cpbench.guards)
+        # why its times and memory are not measurements (guards.not_measured), or None
+        "not_measured": d.get("not_measured"),
         "utc": r["env"].get("utc"), "git_sha": r["env"].get("git_sha"),
         "simulated": bool(r["env"].get("simulated")),
         # the breakdown of a profiled step (run --profile), where the record has one
@@ -70,7 +72,8 @@ def frame(records: list[dict]):
     df = to_frame(records)
     if df.empty:
         return df
-    ok = df["status"] == OK
+    # a row whose times are not measurements is no baseline, and has no efficiency
+    ok = (df["status"] == OK) & df["not_measured"].isna()
     df = df.merge(_baselines(df[ok & (df["ranks_per_problem"] == 1)]), on=PROBLEM,
                   how="left")  # keeps the records' order
     both = df["fwd_bwd_ms"].notna() & df["base_fwd_bwd_ms"].notna()
@@ -141,7 +144,8 @@ def baseline_drift(records: list[dict]) -> list[str]:
     df = to_frame(records)
     if df.empty:
         return []
-    base = _baselines(df[(df["status"] == OK) & (df["ranks_per_problem"] == 1)])
+    base = _baselines(df[(df["status"] == OK) & (df["ranks_per_problem"] == 1)
+                         & df["not_measured"].isna()])
     out = []
     for row in base.to_dict("records"):
         each = row["base_each"]

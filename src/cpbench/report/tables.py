@@ -52,14 +52,24 @@ def _ms(x) -> str:
 
 
 def cell_ms(value, record: dict) -> str:
-    """A time cell: the figure, or the row's status (OOM, failed) where none was measured."""
-    return record["status"] if _missing(value) and record["status"] != OK else _ms(value)
+    """A time cell: the figure, or the row's status (OOM, failed) where none was measured;
+    "-" where the row's times are not measurements (``measured_cell``)."""
+    if _missing(value) and record["status"] != OK:
+        return record["status"]
+    return measured_cell(_ms(value), guards.not_measured(record))
 
 
 def _tflops(x) -> str:
     if _missing(x):
         return "-"
     return f"{x:.2f}" if abs(x) >= 1 else f"{x:.3g}"  # CPU rates are fractions of a TFLOP
+
+
+def measured_cell(cell: str, not_measured) -> str:
+    """A cell of a measured figure (a time, TFLOP/s, memory, an efficiency, the fraction of
+    ideal): "-" where the row's figures are not measurements (``guards.not_measured``; the
+    reason is among the row's flags)."""
+    return cell if _missing(not_measured) else "-"
 
 
 def rows(records: list[dict]) -> list[dict]:
@@ -83,6 +93,9 @@ def rows(records: list[dict]) -> list[dict]:
         tf = status if status != OK else \
             _tflops(row["fwd_tflops"] if row["fwd_only"] else row["fwd_bwd_tflops"])
         mem = _memory_cell(row["memory_mb"], row["memory_status"])
+        if status == OK:  # (a failed row's cells say so, measured or not)
+            fwd, both, tf, mem = (measured_cell(c, row["not_measured"])
+                                  for c in (fwd, both, tf, mem))
         cells = {
             "Strategy": row["strategy"], "Placement": row["options"],
             "Dtype": row["dtype"], "QKV Format": "bshd", "B": str(row["batch"]),
@@ -108,11 +121,12 @@ def rows(records: list[dict]) -> list[dict]:
             cells["Flags"] = row["flags"] or "-"
         # the kernel blocks alone over the step (bench.ideal): needs no baseline that fits
         if with_ideal:
-            cells["Fraction of Ideal"] = _pct_cell(row["fraction_of_ideal"])
-        cells["CP Efficiency"] = ("-" if _missing(row["cp_efficiency"]) else
-                                  f"{100 * row['cp_efficiency']:.1f} % "
-                                  f"[{_pct(row['cp_efficiency_low'])}, "
-                                  f"{_pct(row['cp_efficiency_high'])}]")
+            cells["Fraction of Ideal"] = measured_cell(_pct_cell(row["fraction_of_ideal"]),
+                                                       row["not_measured"])
+        cells["CP Efficiency"] = measured_cell(
+            "-" if _missing(row["cp_efficiency"]) else
+            f"{100 * row['cp_efficiency']:.1f} % [{_pct(row['cp_efficiency_low'])}, "
+            f"{_pct(row['cp_efficiency_high'])}]", row["not_measured"])
         out.append(cells)
     return out
 
@@ -249,7 +263,7 @@ def _data(records: list[dict]):
             "kv_heads", "head_dim", "causal", "documents", "window", "world", "nodes",
             "gpus_per_node", "cp", "kernel", "status", "fwd_ms", "bwd_ms", "fwd_bwd_ms",
             "memory_mb", "tflops", "imbalance", "padded_tokens", "padding_fraction",
-            "packing", "documents_spec", "check",
+            "packing", "documents_spec", "check", "not_measured",
             "cp_efficiency", "cp_efficiency_low", "cp_efficiency_high", "fraction_of_ideal",
             "exposed_comm_pct",
             "exposed_comm_ms", "flags", "error", "memory_status", "memory_error"]
@@ -309,9 +323,11 @@ def _configuration(record: dict) -> list[str]:
     up = record.get("upstream")
     if up:
         lines.append(f"  - Upstream: {', '.join(f'{k} {v}' for k, v in up.items())}")
+    iterations = f"{run['iters']} timed after {run['warmup']} warm-up (median of the " \
+        f"slowest rank)" if not guards.not_measured(record) else \
+        "none timed (one untimed step; ranks as threads)"
     return lines + [f"  - Kernel: {record['kernel']} on {run['device']}",
-                    f"  - Iterations: {run['iters']} timed after {run['warmup']} warm-up "
-                    f"(median of the slowest rank)"]
+                    f"  - Iterations: {iterations}"]
 
 
 def _performance(record: dict, d: dict) -> list[str]:
@@ -324,6 +340,8 @@ def _performance(record: dict, d: dict) -> list[str]:
         if status == FAILED or record.get("error"):
             lines.append(f"  - Error: {record.get('error')}")
         return lines
+    if d.get("not_measured"):
+        return [f"  - Times and memory: - ({d['not_measured']})"]
     lines = [f"  - Forward Time: {_ms(d['fwd_ms'])} ms"]
     if d.get("fwd_bwd_ms") is None:
         return lines + [f"  - Memory Usage: {_memory_text(record, d)}",

@@ -69,6 +69,9 @@ class Strategy(ABC):
     # its code runs torch.compile, which refuses to run under a Python dispatch mode: its
     # traffic is traced without one (``bench.commtrace.traced(dispatch=False)``)
     compiles: ClassVar[bool] = False
+    # why it cannot run with ranks as threads of one process on one device (--launcher
+    # threads, cpbench.threadpg), or None; the plan skips it with this reason
+    no_threads: ClassVar[str | None] = None
     # the masks beyond causal it computes exactly ("documents", "window"); under any other
     # its row is skipped with the reason (never run silently wrong)
     masks: ClassVar[frozenset[str]] = frozenset()

@@ -95,6 +95,10 @@ class TorchFlex(Strategy):
     upstream = Upstream("torch", _CP, twin="llama3", cuda_only=True)
     masks = frozenset({"documents", "window"})
     compiles = True  # FlexAttention (and its block mask) run through torch.compile
+    # each rank thread would compile FlexAttention at once, and torch.compile is not
+    # thread-safe (its dynamo state is the process's)
+    no_threads = ("its FlexAttention runs through torch.compile, which is not thread-safe: "
+                  "run it under torchrun (one process per rank)")
 
     @dataclass(frozen=True, kw_only=True)
     class Options:

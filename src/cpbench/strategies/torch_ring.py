@@ -22,6 +22,7 @@ full attention runs without it (torch refuses load balancing when not causal): c
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,13 @@ def _ops(device: str):
             aten._scaled_dot_product_flash_attention_backward.default)
 
 
+# ranks run as threads (--launcher threads) share torch's module global: it is set by the
+# first rank in and restored by the last one out (every rank runs the same case, so the same
+# values), never under another rank's feet
+_CP_LOCK = threading.Lock()
+_CP_USERS: list = [0, None]  # ranks inside, the values before the first came
+
+
 @contextlib.contextmanager
 def _cp_options(balanced: bool, rotate: str):
     """Torch's global CP options for one call, restored after."""
@@ -52,14 +60,20 @@ def _cp_options(balanced: bool, rotate: str):
 
     cpa = importlib.import_module(_MODULE)
     o = cpa._cp_options
-    old = (o.enable_load_balance, o.rotate_method)
-    o.enable_load_balance = balanced
-    o.rotate_method = (cpa._RotateMethod.ALL_GATHER if rotate == "allgather"
-                       else cpa._RotateMethod.ALL_TO_ALL)
+    with _CP_LOCK:
+        if _CP_USERS[0] == 0:
+            _CP_USERS[1] = (o.enable_load_balance, o.rotate_method)
+        _CP_USERS[0] += 1
+        o.enable_load_balance = balanced
+        o.rotate_method = (cpa._RotateMethod.ALL_GATHER if rotate == "allgather"
+                           else cpa._RotateMethod.ALL_TO_ALL)
     try:
         yield cpa
     finally:
-        o.enable_load_balance, o.rotate_method = old
+        with _CP_LOCK:
+            _CP_USERS[0] -= 1
+            if _CP_USERS[0] == 0:
+                o.enable_load_balance, o.rotate_method = _CP_USERS[1]
 
 
 class _TorchRing(torch.autograd.Function):

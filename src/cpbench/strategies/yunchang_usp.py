@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cpbench import ranklocal
 from cpbench.errors import UsageError
 from cpbench.strategies import register
 from cpbench.strategies._upstream import (
@@ -61,22 +62,43 @@ def _cached_groups(seconds: float | None):
     ``set_seq_parallel_pg``, i.e. at every build: new communicators per case, piling up, and
     with torch's default timeout (30 min on gloo), not the case's. While it runs, its
     ``new_group`` goes through cpbench's group cache (``topology.cached_group``): made once
-    per member list, reused by later builds, under the per-case timeout like cpbench's own."""
+    per member list, reused by later builds, under the per-case timeout like cpbench's own.
+    The patch is this rank's (``ranklocal.patch``: ranks as threads patch their own)."""
     import torch.distributed as dist
 
-    original, calls = dist.new_group, iter(range(1 << 30))
+    calls = iter(range(1 << 30))
 
-    def new_group(ranks=None, *args, **kwargs):
-        if args or set(kwargs) - {"timeout"}:  # not the call yunchang makes: leave it be
-            return original(ranks, *args, **kwargs)
-        # keyed by the call's place too: its Ulysses and ring groups never share one
-        return cached_group(f"yunchang/{next(calls)}", ranks, seconds, original)
+    def make(original):
+        def new_group(ranks=None, *args, **kwargs):
+            if args or set(kwargs) - {"timeout"}:  # not the call yunchang makes: leave it be
+                return original(ranks, *args, **kwargs)
+            # keyed by the call's place too: its Ulysses and ring groups never share one
+            return cached_group(f"yunchang/{next(calls)}", ranks, seconds, original)
 
-    dist.new_group = new_group
-    try:
+        return new_group
+
+    with ranklocal.patch((dist,), "new_group", make):
         yield
-    finally:
-        dist.new_group = original
+
+
+def _groups_per_rank() -> None:
+    """yunchang keeps its groups in a process-wide singleton (``yunchang.globals.
+    PROCESS_GROUP``), read by ``LongContextAttention()``: made per rank (``ranklocal``), so
+    ranks run as threads each build with their own groups; one rank per process sees what
+    it always saw."""
+    from yunchang.globals import PROCESS_GROUP
+
+    holder = type(PROCESS_GROUP)
+    if isinstance(holder.__dict__.get("RING_PG"), property):
+        return
+    for name in ("ULYSSES_PG", "RING_PG"):
+        def get(_self, name=name):
+            return ranklocal.slot("yunchang.groups", dict).get(name)
+
+        def put(_self, value, name=name):
+            ranklocal.slot("yunchang.groups", dict)[name] = value
+
+        setattr(holder, name, property(get, put))
 
 
 @register
@@ -148,6 +170,7 @@ class YunchangUsp(Strategy):
                              "interface was installed, so it runs without flash-attn; start "
                              "cpbench afresh (the strategy installs it before importing "
                              "yunchang)")
+        _groups_per_rank()
         with _cached_groups(self.topo.group_timeout_s):
             yunchang.set_seq_parallel_pg(self.ulysses_degree, self.ring_degree, self.rank,
                                          self.world_size,
