@@ -229,14 +229,18 @@ def test_memory_counts_what_a_rank_holds_and_oom_is_over_capacity():
     q = kv = s * 32 * 128 * 2  # one of q / out / dout / dq, one of k / v / dk / dv (MHA)
     lse = 32 * s * 4
     zig = predict("zigzag", attn, 8, 4, machine(memory_gib=80.0))
-    # worst step (backward): q, dout, out, k, v; fp32 dQ and the held block's fp32 dK/dV;
-    # the K/V block computed on (and forwarded) and the one arriving; the fp32 dK/dV
-    # arriving; the diagonal step's dQ, dK, dV beside the previous step's (half the rows)
+    # worst step (backward), on ranks 1-7 right after the diagonal: q, dout, out, k, v; fp32
+    # dQ and the held block's fp32 dK/dV; the K/V block computed on (and forwarded) and the
+    # one arriving; the fp32 dK/dV arriving; this step's dQ, dK, dV (every local row against
+    # half the keys) beside the diagonal's; and what FlashAttention-2's backward holds inside
+    # the call for its s rows: an fp32 dQ accumulator and fp32 row sums (kernels.fa2_workspace;
+    # without them rank 0's second step, of half the rows, was the worst)
     inputs = 5 * q + lse
     sums = 2 * q + 2 * 2 * kv
     flight = 2 * 2 * kv + 2 * 2 * kv
-    calls = (q + 2 * kv) + (q // 2 + 2 * kv)
-    assert zig.memory_bytes == inputs + sums + flight + calls
+    calls = (q + 2 * kv // 2) + (q + 2 * kv)
+    fa2 = s * 32 * (128 + 1) * 4
+    assert zig.memory_bytes == inputs + sums + flight + calls + fa2
     assert not zig.oom
     # megatron-cp: it keeps every received K/V block and every step's output and lse to the
     # end of the forward, where it sums the outputs (two rescaled in fp32, into out). Ring
