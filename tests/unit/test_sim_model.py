@@ -256,6 +256,21 @@ def test_memory_counts_what_a_rank_holds_and_oom_is_over_capacity():
     assert tight.oom
 
 
+def test_fa2s_backward_buffers_count_in_bf16_not_in_fp32():
+    """FlashAttention-2 runs bf16 / fp16 only: an fp32 prediction (the CPU's kernels) holds
+    none of its buffers, a bf16 one holds them (GQA: dK, dV expanded too)."""
+    topo = Topology(world_size=8, ranks_per_node=4)
+    for dtype in ("bf16", "fp32"):
+        attn = problem(seqlen=1 << 16, kv_heads=2, dtype=dtype)
+        hw = dataclasses.replace(machine(), dtypes=("fp32", "bf16"))  # a CPU's calibration
+        got = predict("ring", attn, 8, 4, hw).memory_bytes
+        bare = model.memory_estimate("ring", strategies.get("ring").Options(), attn, topo,
+                                     kernel_buffers=False)
+        full = model.memory_estimate("ring", strategies.get("ring").Options(), attn, topo)
+        assert full > bare
+        assert got == (full if dtype == "bf16" else bare)
+
+
 def test_a_config_a_strategy_rejects_is_a_value_error():
     with pytest.raises(ValueError, match="divisible"):
         predict("ulysses", problem(heads=6), 8, 4, machine())

@@ -356,7 +356,9 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
         total[step.phase] += worst
         # the slowest rank's kernel time as the step runs it (shared, where a CPU shares)
         compute_total[step.phase] += max(finishes)
-    memory = c.memory_bytes * linear
+    # FlashAttention-2's backward buffers: its kernels run bf16 / fp16 only (fp32 runs on the
+    # CPU's kernels, which hold none)
+    memory = (c.memory_bytes if attn.element_size == 2 else c.memory_bytes_bare) * linear
     return Prediction(fwd_s=total[FWD], bwd_s=total[BWD], fwd_compute_s=compute_total[FWD],
                       bwd_compute_s=compute_total[BWD], memory_bytes=memory,
                       capacity_bytes=hw.memory_gib * GIB,
