@@ -41,7 +41,8 @@ def fake_cuda():
 @pytest.fixture
 def fake_pg():
     """``fake_pg(rank, world)`` initializes torch's "fake" process group as that rank (every
-    collective returns at once); destroyed after the test."""
+    collective returns at once); destroyed after the test. ``backend="cuda:fake"`` gives it
+    CUDA tensors only: a CPU tensor raises, as on NCCL."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -52,9 +53,9 @@ def fake_pg():
             forget_groups()  # cpbench's cache of groups by role and members
             dist.destroy_process_group()
 
-    def init(rank: int, world: int):
+    def init(rank: int, world: int, backend: str = "fake"):
         destroy()
-        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+        dist.init_process_group(backend, rank=rank, world_size=world, store=FakeStore())
 
     yield init
     destroy()

@@ -17,7 +17,8 @@ def model_errors(attn, topo, *, kernel: str, device: str, names=OWN) -> tuple[in
     compared, off = 0, []
     for case in expand_cases(names, {}, topo):
         try:
-            estimate = model.memory_estimate(case.strategy, case.options, attn, topo)
+            estimate = model.memory_estimate(case.strategy, case.options, attn, topo,
+                                             kernel_buffers=device == "cuda")
         except (UsageError, Skipped):  # a case this problem cannot run: not a finding
             continue
         ranks = dryrun.distinct_ranks(case.strategy, case.options, attn, topo,

@@ -295,6 +295,20 @@ def test_all_skips_what_the_config_does_not_allow_but_a_named_strategy_errors():
         _plan({"seqlen": 1001}, strategy=("all",), nproc=4)
 
 
+def test_all_at_one_rank_runs_what_can_and_skips_the_rest_one_line_each():
+    """At one rank no strategy is CP (each solves the whole problem): what this machine
+    lacks (TE: CUDA only; torch-flex: no CPU backward) or what refuses the config (the
+    libraries' rings in fp32) is skipped, the rest runs."""
+    p = _plan(strategy=("all",), nproc=1)
+    ran = {c.strategy for c in p.cases}
+    assert set(strategies.own_names()) <= ran and "torch-ring" in ran
+    for name in ("te-a2a", "te-p2p", "torch-flex", "rfa-zigzag"):
+        assert name not in ran
+        note, = [s for s in p.skipped if s.startswith(name + " ") or s.startswith(name + ":")]
+        assert "\n" not in note
+    assert any(s.startswith("te-p2p cannot run here") and "CUDA" in s for s in p.skipped)
+
+
 def test_all_skips_a_baseline_that_cannot_fit_but_a_named_one_errors(monkeypatch):
     # 8 heads × 64 × fp32: a rank needs 16 KiB per token of its shard for q, k, v, out, grads
     monkeypatch.setattr(planning.memory, "capacity_bytes", lambda *a: 64 * 2 ** 20)

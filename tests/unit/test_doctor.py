@@ -87,6 +87,28 @@ def test_a_gpu_node_with_more_ranks_than_gpus_is_an_error(probe_calls, capsys, m
     assert (n, args, kw["backend"]) == (4, ("cuda",), "nccl")
 
 
+@pytest.mark.parametrize("fa3_installed", [False, True])
+def test_an_sm90_gpu_says_fa3_can_run_only_where_it_imports(probe_calls, capsys, monkeypatch,
+                                                             fa3_installed):
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(doctor, "versions", lambda: iter([]))
+    monkeypatch.setattr(doctor, "_smoke", lambda backend, device, dead: None)
+    monkeypatch.setattr(doctor, "upstream_checks", lambda device: iter([]))
+    if fa3_installed:  # here it is not: the real check below finds no module
+        monkeypatch.setattr(doctor, "_fa3_import_error", lambda: None)
+    cli.main(["doctor", "--no-probe"])
+    gpu = _lines(capsys)["gpu 0"][1]
+    if fa3_installed:
+        assert gpu.endswith("sm90 (FlashAttention-3 can run)")
+    else:  # here: no flash_attn_interface module
+        assert "FlashAttention-3 can run" not in gpu
+        assert "does not import here: ModuleNotFoundError" in gpu and "flash_attn_interface" in gpu
+
+
 def test_a_kernel_that_claims_a_device_and_fails_there_is_an_error(probe_calls, capsys,
                                                                    monkeypatch):
     """As a flash-attn wheel built without this GPU's architecture: it imports, says it

@@ -94,3 +94,89 @@ def test_bad_input_is_one_line_exit_2(capsys, args, needle):
         raise SystemExit(code)
     err = capsys.readouterr().err
     assert e.value.code == 2 and needle in err and err.count("\n") == 1
+
+
+def _raising_for(kernel: str, error: Exception, monkeypatch):
+    """kernelbench.closures with ``kernel``'s FWD+BWD raising ``error``."""
+    real = kernelbench.closures
+
+    def closures(name, case, device, seed=0):
+        if name != kernel:
+            return real(name, case, device, seed)
+
+        def boom():
+            raise error
+        return (lambda: None, boom), {}
+
+    monkeypatch.setattr(kernelbench, "closures", closures)
+
+
+def test_a_kernel_that_raises_is_a_failed_row_and_the_grid_keeps_the_others(
+        capsys, monkeypatch, tmp_path):
+    long = "the kernel broke " + "in a long way " * 20
+    _raising_for("torch", ValueError(long), monkeypatch)
+    out = tmp_path / "k.jsonl"
+    code = main(["kernels", "--kernel", "torch,sdpa-cpu", "--seqlen", "64,128", "--heads", "2",
+                 "--head-dim", "16", "--warmup", "0", "--iters", "1", "--out", str(out)])
+    got = capsys.readouterr()
+    assert code == 1  # a row failed
+    assert "kernel torch" in got.err and "failed" in got.err and long.split()[-1] in got.err
+    rows = [r for r in got.out.splitlines() if " | " in r and "fp32" in r]
+    assert len(rows) == 4  # both kernels, both shapes
+    failed = [r for r in rows if "failed" in r]
+    assert len(failed) == 2 and all("ValueError: the kernel broke" in r for r in failed)
+    assert all(long.strip() not in r for r in failed)  # cut short in the table
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    by = {(r["kernel"], r["config"]["attention"]["seqlen"]): r for r in records}
+    assert [by["sdpa-cpu", s]["status"] for s in (64, 128)] == ["ok", "ok"]
+    bad = by["torch", 64]
+    assert bad["status"] == "failed" and bad["error"] == f"ValueError: {' '.join(long.split())}"
+    assert "raise error" in bad["traceback"]
+    assert bad["samples_ms"]["fwd"] and not bad["samples_ms"].get("fwd_bwd")  # kept FWD
+
+
+def test_after_an_error_that_kills_the_gpu_the_rest_are_skipped_saying_why(
+        capsys, monkeypatch):
+    _raising_for("torch", RuntimeError("CUDA error: an illegal memory access was encountered"),
+                 monkeypatch)
+    main(["kernels", "--kernel", "torch,sdpa-cpu", "--seqlen", "64,128", "--heads", "2",
+          "--head-dim", "16", "--warmup", "0", "--iters", "1", "--format", "json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert sorted((r["kernel"], r["seqlen"], r["status"]) for r in rows) == [
+        ("sdpa-cpu", 64, "skipped"), ("sdpa-cpu", 128, "skipped"), ("torch", 64, "failed"),
+        ("torch", 128, "skipped")]
+    assert sum("not tried: torch on S=64" in r["note"] for r in rows) == 3
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_runs_compiled(monkeypatch):
+    """Uncompiled, flex_attention is an unfused reference holding the S×S scores."""
+    from torch.nn.attention import flex_attention as fa
+
+    compiled, real = [], torch.compile
+
+    def compile_(fn, **kwargs):
+        if fn is not fa.flex_attention:  # flex_attention's eager path compiles its own parts
+            return real(fn, **kwargs)
+        compiled.append((fn, kwargs))
+        return lambda *a, **k: ("compiled", fn(*a, **k))
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    case = kernelbench.Case(seqlen=128, heads=2, head_dim=16, dtype=torch.float32, causal=True)
+    call = kernelbench._flex_call(case, "cpu")
+    assert compiled == [(fa.flex_attention, {"dynamic": False, "fullgraph": True})]
+    q = torch.randn(1, 2, 128, 16)
+    assert call(q, q, q)[0] == "compiled"
+    assert "flex" not in kernelbench.QUADRATIC  # its estimate holds no S×S matrices
+
+
+@pytest.mark.slow
+def test_flex_compiled_forward_on_cpu_is_attention_without_the_unfused_warning(recwarn):
+    """torch.compile really makes FlexAttention here (its forward runs on CPU; ~20 s)."""
+    case = kernelbench.Case(seqlen=128, heads=2, head_dim=16, dtype=torch.float32, causal=True)
+    q, k, v = (torch.randn(1, 2, 128, 16, dtype=torch.float64).float() for _ in range(3))
+    out = kernelbench._flex_call(case, "cpu")(q, k, v)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=True)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    assert not [w for w in recwarn if "without torch.compile" in str(w.message)]

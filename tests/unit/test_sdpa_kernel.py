@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cpbench import kernels
-from cpbench.kernels import sdpa
+from cpbench.kernels import base, sdpa
 from cpbench.strategies.torch_ring import _ops
 
 A = torch.ops.aten
@@ -87,3 +87,59 @@ def test_sdpa_on_a_cpu_build_says_why_not():
     why = kernels.get("sdpa").unsupported_reason(device="cuda", dtype=torch.bfloat16,
                                                  head_dim=64, heads=8, kv_heads=8)
     assert "without CUDA" in why
+
+
+def _recording_ops(monkeypatch) -> list:
+    """sdpa's aten ops replaced by recorders returning empty results of the right shapes:
+    what each call was handed, as (op, tensors) (real CPU tensors: real addresses)."""
+    calls: list = []
+
+    def op(name):
+        def call(*args, **kwargs):
+            tensors = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            calls.append((name, tensors))
+            if "backward" in name:
+                return tuple(torch.empty_like(t) for t in tensors[1:4])
+            q = tensors[0]
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)  # any shape: not read
+            return torch.empty_like(q), lse
+        return call
+
+    monkeypatch.setattr(sdpa, "_op", op)
+    return calls
+
+
+def _awkward(shape):
+    """(a view 8 bytes past an aligned base, one with a last stride of 2, one fine)."""
+    n = 1
+    for x in shape:
+        n *= x
+    off = torch.randn(4 + n).to(torch.bfloat16)[4:].view(shape)
+    strided = torch.randn(*shape, 2).to(torch.bfloat16)[..., 0]
+    fine = torch.randn(shape).to(torch.bfloat16)
+    assert off.data_ptr() % base.ALIGN_BYTES == 8 and strided.stride(-1) == 2
+    return off, strided, fine
+
+
+def test_every_tensor_reaches_the_op_aligned_with_a_unit_last_stride(monkeypatch):
+    """As flash-attn's wrapper does (torch's op refuses a non-unit last stride; an unaligned
+    base is a "misaligned address" no later CUDA call survives): copied only then."""
+    calls = _recording_ops(monkeypatch)
+    b = kernels.get("sdpa")
+    q, k, v = _awkward((2, 16, 4, 8))
+    lse = torch.zeros(2, 4, 32)[:, :, 16:]  # a half of the lse: strided
+    b.forward(q, k, v, causal=True, softmax_scale=0.3)
+    b.backward(q, q, k, v, k, lse, causal=True, softmax_scale=0.3)
+    flat = (t.flatten(0, 1) for t in (q, k, v))
+    qp, kp, vp = flat
+    cu = torch.tensor([0, 16, 32], dtype=torch.int32)
+    b.varlen_forward(qp, kp, vp, cu, cu, 16, 16, causal=True, softmax_scale=0.3)
+    b.varlen_backward(qp, qp, kp, vp, kp, torch.zeros(4, 33)[:, 1:], cu, cu, 16, 16,
+                      causal=True, softmax_scale=0.3)
+    assert len(calls) == 4
+    for name, tensors in calls:
+        for t in tensors:
+            assert t.stride(-1) == 1 and t.data_ptr() % base.ALIGN_BYTES == 0, name
+    fwd_q, fwd_k, fwd_v = calls[0][1][:3]
+    assert torch.equal(fwd_q.transpose(1, 2), q) and torch.equal(fwd_k.transpose(1, 2), k)
+    assert fwd_v.data_ptr() == v.data_ptr()  # ready already: handed over as is

@@ -212,14 +212,18 @@ def test_memory_counts_what_a_rank_holds_and_oom_is_over_capacity():
     q = kv = s * 32 * 128 * 2  # one of q / out / dout / dq, one of k / v / dk / dv (MHA)
     lse = 32 * s * 4
     zig = predict("zigzag", attn, 8, 4, machine(memory_gib=80.0))
-    # worst step (backward): q, dout, out, k, v; fp32 dQ and the held block's fp32 dK/dV;
-    # the K/V block computed on (and forwarded) and the one arriving; the fp32 dK/dV
-    # arriving; the diagonal step's dQ, dK, dV beside the previous step's (half the rows)
+    # worst step (backward), on ranks 1-7 right after the diagonal: q, dout, out, k, v; fp32
+    # dQ and the held block's fp32 dK/dV; the K/V block computed on (and forwarded) and the
+    # one arriving; the fp32 dK/dV arriving; this step's dQ, dK, dV (every local row against
+    # half the keys) beside the diagonal's; and what FlashAttention-2's backward holds inside
+    # the call for its s rows: an fp32 dQ accumulator and fp32 row sums (kernels.fa2_workspace;
+    # without them rank 0's second step, of half the rows, was the worst)
     inputs = 5 * q + lse
     sums = 2 * q + 2 * 2 * kv
     flight = 2 * 2 * kv + 2 * 2 * kv
-    calls = (q + 2 * kv) + (q // 2 + 2 * kv)
-    assert zig.memory_bytes == inputs + sums + flight + calls
+    calls = (q + 2 * kv // 2) + (q + 2 * kv)
+    fa2 = s * 32 * (128 + 1) * 4
+    assert zig.memory_bytes == inputs + sums + flight + calls + fa2
     assert not zig.oom
     # megatron-cp: it keeps every received K/V block and every step's output and lse to the
     # end of the forward, where it sums the outputs (two rescaled in fp32, into out). Ring
@@ -233,6 +237,21 @@ def test_memory_counts_what_a_rank_holds_and_oom_is_over_capacity():
     assert mcp.memory_bytes == 2 * q + 2 * kv + held + max(middle, end)
     tight = predict("zigzag", attn, 8, 4, machine(memory_gib=zig.memory_bytes / 2**30 * 0.99))
     assert tight.oom
+
+
+def test_fa2s_backward_buffers_count_in_bf16_not_in_fp32():
+    """FlashAttention-2 runs bf16 / fp16 only: an fp32 prediction (the CPU's kernels) holds
+    none of its buffers, a bf16 one holds them (GQA: dK, dV expanded too)."""
+    topo = Topology(world_size=8, ranks_per_node=4)
+    for dtype in ("bf16", "fp32"):
+        attn = problem(seqlen=1 << 16, kv_heads=2, dtype=dtype)
+        hw = dataclasses.replace(machine(), dtypes=("fp32", "bf16"))  # a CPU's calibration
+        got = predict("ring", attn, 8, 4, hw).memory_bytes
+        bare = model.memory_estimate("ring", strategies.get("ring").Options(), attn, topo,
+                                     kernel_buffers=False)
+        full = model.memory_estimate("ring", strategies.get("ring").Options(), attn, topo)
+        assert full > bare
+        assert got == (full if dtype == "bf16" else bare)
 
 
 def test_a_config_a_strategy_rejects_is_a_value_error():

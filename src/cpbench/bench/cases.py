@@ -3,8 +3,9 @@
 The strategies named (``all``: every one), each with the variants it suggests for the topology
 and the options given; then each variant built on every rank without groups (pure) to see
 whether the config allows it and a rank's shard fits. Variants a strategy merely suggests (and,
-under ``all``, whole strategies) that cannot run are skipped with a note; a strategy asked for
-by name with no runnable variant is an error.
+under ``all``, whole strategies: a library not installed, a device it does not run on, a
+config it refuses) that cannot run are skipped with a one-line note; a strategy asked for by
+name with no runnable variant is an error.
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ def _no_masked_kernel(cls, attn: AttentionConfig, backend, device: str) -> str |
     return masked_varlen.device_refusal(backend, device)
 
 
+class Unavailable(UsageError):
+    """A strategy this machine cannot run at all (its library missing, the wrong device):
+    under ``all`` a skipped line, never the reason given when only a baseline would run."""
+
+
 def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend, device: str,
                    capacity: int | None, threads: bool = False) -> Any:
     """Build the strategy on every rank without groups (pure) and check that a rank's shard
@@ -81,7 +87,7 @@ def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend, d
     cls = strategies.get(case.strategy)
     why = cls.unavailable(device) or (threads and cls.no_threads)
     if why:
-        raise UsageError(f"{case.strategy} cannot run here: {why}")
+        raise Unavailable(f"{case.strategy} cannot run here: {why}")
     if cls.causal_only and not attn.causal:
         raise UsageError(f"{case.strategy} only runs causal attention; drop --no-causal")
     why = cls.unsupported_mask(mask_of(attn)) or _no_masked_kernel(cls, attn, backend, device)
@@ -144,10 +150,15 @@ def runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
     for name in names:
         if name != "all" and name not in ran and name in first_error:
             raise first_error[name]
-    if first_error and not any(strat.ranks_per_problem > 1 for _, strat in built):
-        raise next(iter(first_error.values()))  # a baseline alone compares with nothing
-    if first_skip and not built:
-        raise first_skip
+    # a baseline alone compares with nothing: say what keeps the CP strategies out, where the
+    # config could change it (not a library this machine lacks; at one rank none is CP)
+    fixable = [e for e in first_error.values() if not isinstance(e, Unavailable)]
+    if fixable and topo.world_size > 1 and \
+            not any(strat.ranks_per_problem > 1 for _, strat in built):
+        raise fixable[0]
+    if not built:
+        raise next(iter(first_error.values()), None) or first_skip or UsageError(
+            "no case to run")
     return built, skipped
 
 

@@ -5,12 +5,14 @@ and backward returning (out, lse)) or one of PyTorch's own SDPA backends / flex_
 (autograd). Each is handed to the same ``Timer`` as zero-argument closures (FWD, FWD+BWD;
 BWD = FWD+BWD − FWD), its peak memory is taken by the same meter, and its FLOPs come from
 ``cpbench.metrics``. A case whose estimated footprint exceeds the memory cap is skipped with
-that reason before anything is allocated; one that runs out of memory anyway is an OOM row.
+that reason before anything is allocated; one that runs out of memory anyway is an OOM row,
+and one that raises anything else a failed row with its error (the grid goes on).
 """
 
 from __future__ import annotations
 
 import math
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,13 +44,16 @@ class Case:
 @dataclass(frozen=True)
 class Measured:
     """What one case gave: samples in ms (None where not reached), peak bytes, status
-    ("ok", "OOM", "skipped") and why."""
+    ("ok", "OOM", "failed", "skipped"), why (one line), a failure's traceback, and whether
+    it left the GPU unusable (a CUDA error no later call survives)."""
 
     fwd_ms: list[float] | None = None
     fwd_bwd_ms: list[float] | None = None
     peak_bytes: int | None = None
     status: str = "ok"
     reason: str | None = None
+    traceback: str | None = None
+    sticky: bool = False
 
 
 # PyTorch's SDPA backends by our name: (SDPBackend member, devices it runs on)
@@ -56,8 +61,9 @@ _SDPA = {"sdpa-math": ("MATH", ("cpu", "cuda")), "sdpa-flash": ("FLASH_ATTENTION
          "sdpa-efficient": ("EFFICIENT_ATTENTION", ("cuda",)),
          "sdpa-cudnn": ("CUDNN_ATTENTION", ("cuda",))}
 FLEX = "flex"
-# materialise the S×S scores (probabilities, their gradient): memory grows with S²
-QUADRATIC = frozenset({"torch", "sdpa-math", FLEX})
+# materialise the S×S scores (probabilities, their gradient): memory grows with S² (flex
+# would too uncompiled; it runs compiled, FlexAttention's own kernel)
+QUADRATIC = frozenset({"torch", "sdpa-math"})
 
 
 def _has_flex() -> bool:
@@ -157,13 +163,20 @@ def _sdpa_call(name: str, case: Case) -> Callable:
 
 
 def _flex_call(case: Case, device: str) -> Callable:
+    """FlexAttention compiled, as torch documents it: uncompiled, flex_attention is an unfused
+    reference that materialises the S×S scores (and torch warns so)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     mask = None
     if case.causal:
         mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
                                  case.seqlen, case.seqlen, device=device)
-    return lambda q, k, v: flex_attention(q, k, v, block_mask=mask)
+    # every case is a compile of its own (dynamic=False: the shapes are constants); dynamo
+    # runs a function eagerly, unfused, once it was recompiled recompile_limit (8) times,
+    # which a grid of more shapes reaches: each case starts from clean caches
+    torch._dynamo.reset()
+    fn = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    return lambda q, k, v: fn(q, k, v, block_mask=mask)
 
 
 def forward_backward(name: str, case: Case, device: str, seed: int = 0) -> Closures:
@@ -189,7 +202,10 @@ def closures(name: str, case: Case, device: str, seed: int = 0) -> tuple[Closure
     if name in _SDPA or name == FLEX:
         x = _inputs(case, device, bhsd=True, seed=seed)
         call = _sdpa_call(name, case) if name in _SDPA else _flex_call(case, device)
-        return _autograd_closures(call, x), x
+        fwd, fwd_bwd = _autograd_closures(call, x)
+        if name == FLEX:
+            fwd_bwd()  # the compiles (forward and backward) here, whatever the warm-up
+        return (fwd, fwd_bwd), x
     backend = kernels.get(resolved_name(name, case, device))
     x = _inputs(case, device, bhsd=False, seed=seed)
     return _backend_closures(backend, x, case), x
@@ -197,8 +213,8 @@ def closures(name: str, case: Case, device: str, seed: int = 0) -> tuple[Closure
 
 def measure(name: str, case: Case, *, device: str, warmup: int, iters: int,
             capacity_bytes: int | None, seed: int = 0) -> Measured:
-    """Time FWD and FWD+BWD, then the peak memory of one FWD+BWD; OOM keeps what came
-    before it."""
+    """Time FWD and FWD+BWD, then the peak memory of one FWD+BWD; an OOM or any other
+    error keeps what came before it (status "OOM" / "failed", with the error)."""
     why = unsupported_reason(name, case, device)
     if why:
         return Measured(status="skipped", reason=why)
@@ -218,13 +234,15 @@ def measure(name: str, case: Case, *, device: str, warmup: int, iters: int,
         got["fwd_bwd_ms"] = timer.measure(fwd_bwd, warmup=warmup, iters=iters)
         inputs = list(x.values())
         got["peak_bytes"] = memory.peak_bytes(fwd_bwd, device=device, inputs=inputs)
-    except Exception as e:
-        if not agreement.is_oom(e):
-            raise
+    except Exception as e:  # one kernel's failure is its row's, not the grid's
+        oom = agreement.is_oom(e)
+        trace = None if oom else traceback.format_exc()
         x = fwd = fwd_bwd = None  # the inputs go before the next case allocates its own
         if device == "cuda":
             torch.cuda.empty_cache()
-        return Measured(**got, status="OOM", reason=agreement.one_line(e))
+        return Measured(**got, status="OOM" if oom else "failed",
+                        reason=agreement.one_line(e), traceback=trace,
+                        sticky=agreement.is_sticky_cuda_error(e))
     return Measured(**got)
 
 

@@ -1,7 +1,7 @@
 """``cpbench kernels``' grid: every kernel × shape measured in this process (one device), each
 measured case a result record (``env.kernel_bench``: the no-CP problem on one rank, so
-``cpbench report`` and the data frame read it like any row); skipped cases come back with
-their reason."""
+``cpbench report`` and the data frame read it like any row; a case that failed is a "failed"
+record with its error and traceback); skipped cases come back with their reason."""
 
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def _record(name: str, case: kernelbench.Case, m: kernelbench.Measured, run: Run
     return results.make_record(
         strategy="local", options=local.Options(), attention=_attention(case), run=run,
         kernel=name, world_size=1, ranks_per_node=1, ranks_per_problem=1, env=env,
-        status=results.OOM if m.status == "OOM" else results.OK, error=m.reason,
-        samples_ms=samples or None,
+        status={"OOM": results.OOM, "failed": results.FAILED}.get(m.status, results.OK),
+        error=m.reason, traceback=m.traceback, samples_ms=samples or None,
         memory_bytes=None if m.peak_bytes is None else [m.peak_bytes],
         memory_status=results.OOM if m.status == "OOM" and m.peak_bytes is None else None)
 
@@ -84,11 +84,20 @@ def run_grid(grid: Grid, *, device: str, warmup: int, iters: int,
                              ranks_per_node=1), "kernel_bench": True}
     records, skipped = [], []
     todo = list(itertools.product(grid.cases(), grid.kernels))
+    dead = None  # a CUDA error no later call survives: the cases after it are not tried
     for i, (case, name) in enumerate(todo, start=1):
         log.info("kernel %d/%d: %s %s", i, len(todo), name, kernelbench.label(case),
                  extra={"transient": True})
-        m = kernelbench.measure(name, case, device=device, warmup=warmup, iters=iters,
-                                capacity_bytes=capacity_bytes, seed=seed)
+        if dead:
+            m = kernelbench.Measured(status="skipped", reason=f"not tried: {dead}")
+        else:
+            m = kernelbench.measure(name, case, device=device, warmup=warmup, iters=iters,
+                                    capacity_bytes=capacity_bytes, seed=seed)
+        if m.status == "failed":
+            log.warning("kernel %s, %s failed (its row says so; the grid goes on): %s", name,
+                        kernelbench.label(case), m.reason)
+            if m.sticky:
+                dead = f"{name} on {kernelbench.label(case)} left the GPU unusable"
         if m.status == "skipped":
             skipped.append({"kernel": name, "attention": _attention(case).to_dict(),
                             "reason": m.reason})

@@ -15,7 +15,9 @@ use until it is freed), at the moment their live sum peaked. Not counted: scratc
 kernel allocates outside tensors, buffers inside gloo, Python objects, allocator
 overhead/fragmentation, nor a wrapper subclass's data-less storage (its inner tensors count).
 It is therefore comparable across strategies on CPU (same inputs, same kernels) but not byte
-for byte with the GPU figure.
+for byte with the GPU figure. On fake CUDA tensors (the dry run) the meter also adds, while a
+FlashAttention-2 backward op runs, the buffers that kernel allocates inside its C++ call
+(``kernels.fa2_workspace``), which the GPU's figure counts.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from cpbench.bench.env import meminfo_bytes
+from cpbench.kernels import fa2_workspace
 
 
 class StorageMeter(TorchDispatchMode):
@@ -62,6 +65,9 @@ class StorageMeter(TorchDispatchMode):
         for t in tree_flatten((out, args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
                 self.track(t)
+        # a kernel's own buffers, alive with its inputs and results while it ran
+        inside = fa2_workspace.op_bytes(func, args, kwargs)
+        self.peak = max(self.peak, self.current + inside)
         return out
 
 

@@ -84,9 +84,25 @@ def gpus(ranks: int) -> Iterator[Check]:
                            f"(torchrun --nproc-per-node {count} or gpu)"))
     for i in range(count):
         major, minor = torch.cuda.get_device_capability(i)
-        note = "FlashAttention-3 can run" if major == 9 else "FlashAttention-3 needs sm90: " \
-            "flash-attn 2 runs instead"
+        note = fa3_note(major, _fa3_import_error() if major == 9 else None)
         yield OK, f"gpu {i}", f"{torch.cuda.get_device_name(i)}, sm{major}{minor} ({note})"
+
+
+def _fa3_import_error() -> str | None:
+    from cpbench import kernels
+
+    backend = kernels.get("flash-attn3")
+    return backend.import_error() if backend.import_error else None
+
+
+def fa3_note(major: int, fa3_error: str | None) -> str:
+    """What a GPU of compute capability ``major`` says of FlashAttention-3: it runs only on
+    sm90, and only where its module imports (``fa3_error``: why not)."""
+    if major != 9:
+        return "FlashAttention-3 needs sm90"
+    if fa3_error:
+        return f"sm90 runs FlashAttention-3, but it does not import here: {fa3_error}"
+    return "FlashAttention-3 can run"
 
 
 def _kernel_on(backend, device: str) -> str | None:

@@ -131,4 +131,4 @@ def main(args) -> int:
     if args.out and args.format in ("table", "markdown"):
         text += f"records: {args.out}\n"
     sys.stdout.write(text)
-    return 0
+    return 1 if any(r["status"] == "failed" for r in records) else 0

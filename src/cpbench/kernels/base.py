@@ -120,6 +120,29 @@ def cuda_flash(**fields: Any) -> KernelBackend:
                          max_head_dim=256, head_dim_multiple=8, causal_unequal=False, **fields)
 
 
+ALIGN_BYTES = 16  # the CUDA flash kernels' 128-bit loads (and FA3's TMA) need 16-byte bases
+
+
+def flash_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the CUDA flash kernels (flash-attn 2 and 3, torch's flash op) take it: a unit
+    last stride (they refuse any other) and a 16-byte-aligned base (a view starting mid-row of
+    a packed buffer fails with "misaligned address", a CUDA error no later call survives);
+    copied only when it is not."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t if _address(t) % ALIGN_BYTES == 0 else t.clone()
+
+
+def _address(t: torch.Tensor) -> int:
+    """The base address, or for a fake tensor (the dry run: no memory) its offset into its
+    storage, whose own base the caching allocator aligns to far more than 16 bytes."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(t, FakeTensor):
+        return int(t.storage_offset()) * t.element_size()  # an int: no symbolic shapes
+    return t.data_ptr()
+
+
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
                 torch.float64: "fp64"}
 

@@ -32,7 +32,8 @@ from typing import Any, Collection, Sequence
 
 import torch
 
-from cpbench.kernels.base import KernelBackend, check_shapes, cuda_flash
+from cpbench.kernels.base import ALIGN_BYTES as ALIGN_BYTES  # re-exported
+from cpbench.kernels.base import KernelBackend, check_shapes, cuda_flash, flash_ready
 
 NO_WINDOW = (-1, -1)  # flash-attn's "no sliding window"
 
@@ -231,26 +232,7 @@ def _fa3_limits(device: str, dtype: torch.dtype, head_dim: int) -> str | None:
     return fa3_limits_for(capability, fa3_generation(params), dtype, head_dim)
 
 
-ALIGN_BYTES = 16  # flash-attn's 128-bit loads and FA3's TMA need 16-byte-aligned bases
-
-
-def _ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the kernels take it: a unit last stride and a 16-byte-aligned base (a view
-    starting mid-row of a packed buffer fails with "misaligned address"); copied only when
-    it is not."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    return t if _address(t) % ALIGN_BYTES == 0 else t.clone()
-
-
-def _address(t: torch.Tensor) -> int:
-    """The base address, or for a fake tensor (the dry run: no memory) its offset into its
-    storage, whose own base the caching allocator aligns to far more than 16 bytes."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if isinstance(t, FakeTensor):
-        return int(t.storage_offset()) * t.element_size()  # an int: no symbolic shapes
-    return t.data_ptr()
+_ready = flash_ready  # the guard every CUDA flash kernel's inputs pass (kernels.base)
 
 
 def forward_inputs(q, k, v) -> tuple[torch.Tensor, ...]:
@@ -331,7 +313,7 @@ def _make_varlen_fns(module: str, loader=None):
         _, _, fn, (params, required) = load()
         q, k, v = (_ready(t) for t in (q, k, v))
         dout, out = _ready(dout.to(q.dtype)), _ready(out.to(q.dtype))
-        lse = lse.float().contiguous()
+        lse = _ready(lse.float().contiguous())
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         fn(**fa2_varlen_backward_kwargs(
             params, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,

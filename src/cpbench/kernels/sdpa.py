@@ -15,14 +15,16 @@ kernel, and the row would not compare with flash-attn's), head_dim a multiple of
 (the op does not pad; the public SDPA does), sm80 or newer, GQA native. Causal with
 seq_q != seq_k: the op is FlashAttention-2's, bottom-right aligned (torch's public SDPA
 therefore never routes such a causal call to flash), so ``causal_unequal=False``; the varlen
-op is bottom-right per sequence, as flash-attn's.
+op is bottom-right per sequence, as flash-attn's. Every tensor passes the guard flash-attn's
+do (``kernels.base.flash_ready``): the op refuses a last dimension that is not contiguous,
+and a base off 16 bytes ends in "misaligned address", so such a view is copied first.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cpbench.kernels.base import check_shapes, cuda_flash
+from cpbench.kernels.base import check_shapes, cuda_flash, flash_ready
 
 _OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
         "_flash_attention_forward", "_flash_attention_backward")
@@ -67,8 +69,13 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
+def _ready(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(flash_ready(t) for t in tensors)
+
+
 def forward(q, k, v, *, causal: bool, softmax_scale: float):
     check_shapes(q, k, v, causal)
+    q, k, v = _ready(q, k, v)
     out, lse, *_ = _op(_OPS[0])(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, bool(causal),
                                 scale=float(softmax_scale))
     return _bhsd(out), lse
@@ -80,16 +87,18 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
     check_shapes(q, k, v, causal)
     sq, sk = q.shape[1], k.shape[1]
     none = torch.empty(0, dtype=torch.int64, device=q.device)  # no dropout: rng unused
+    dout, q, k, v, out, lse = _ready(dout.to(q.dtype), q, k, v, out.to(q.dtype),
+                                     lse.float().contiguous())
     dq, dk, dv = _op(_OPS[1])(
-        _bhsd(dout.to(q.dtype)), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out.to(q.dtype)),
-        lse.float().contiguous(), None, None, sq, sk, 0.0, bool(causal), none, none,
-        scale=float(softmax_scale))
+        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, None, None, sq, sk, 0.0,
+        bool(causal), none, none, scale=float(softmax_scale))
     return _bhsd(dq), _bhsd(dk), _bhsd(dv)
 
 
 def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, softmax_scale,
                    window=(-1, -1)):
     """Packed (tokens, heads, dim); causal and window bottom-right per sequence. lse (h, t)."""
+    q, k, v = _ready(q, k, v)
     out, lse, *_ = _op(_OPS[2])(q, k, v, cu_q, cu_k, int(max_q), int(max_k), 0.0, bool(causal),
                                 False, scale=float(softmax_scale),
                                 window_size_left=int(window[0]),
@@ -100,10 +109,12 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, softmax_scale,
 def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal,
                     softmax_scale, window=(-1, -1)):
     none = torch.empty(0, dtype=torch.int64, device=q.device)  # rng_state, unused: no dropout
+    dout, q, k, v, out, lse = _ready(dout.to(q.dtype), q, k, v, out.to(q.dtype),
+                                     lse.float().contiguous())
     dq, dk, dv = _op(_OPS[3])(
-        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.float().contiguous(), cu_q, cu_k,
-        int(max_q), int(max_k), 0.0, bool(causal), none, none, scale=float(softmax_scale),
-        window_size_left=int(window[0]), window_size_right=int(window[1]))
+        dout, q, k, v, out, lse, cu_q, cu_k, int(max_q), int(max_k), 0.0, bool(causal), none,
+        none, scale=float(softmax_scale), window_size_left=int(window[0]),
+        window_size_right=int(window[1]))
     return dq, dk, dv
 
 

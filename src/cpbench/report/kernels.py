@@ -24,12 +24,12 @@ def _shape(attention: dict) -> tuple:
 
 def _values(record: dict) -> dict:
     a, d = record["config"]["attention"], record.get("derived") or {}
-    oom = record["status"] == "OOM"
+    failed = record["status"] in ("OOM", "failed")
     return {"kernel": record["kernel"], **{k: a[k] for k in SHAPE},
             "fwd_ms": d.get("fwd_ms"), "bwd_ms": d.get("bwd_ms"),
             "fwd_bwd_ms": d.get("fwd_bwd_ms"), "memory_mb": d.get("memory_mb"),
             "fwd_tflops": d.get("fwd_tflops"), "fwd_bwd_tflops": d.get("fwd_bwd_tflops"),
-            "status": record["status"], "note": record.get("error") if oom else None}
+            "status": record["status"], "note": record.get("error") if failed else None}
 
 
 def values(records: list[dict], skipped: Sequence[dict] = (), baseline: str | None = None
@@ -50,8 +50,18 @@ def values(records: list[dict], skipped: Sequence[dict] = (), baseline: str | No
 
 def _cell(x, spec: str = ".2f", status: str = "ok") -> str:
     if x is None:
-        return status if status in ("OOM", "skipped") else "-"
+        return status if status in ("OOM", "failed", "skipped") else "-"
     return format(x, spec)
+
+
+NOTE_CHARS = 72  # a failure's error in the table; the record keeps it whole, and its traceback
+
+
+def _note(r: dict) -> str:
+    note = r.get("note") or ""
+    if r["status"] not in ("OOM", "failed") or len(note) <= NOTE_CHARS:
+        return note
+    return note[:NOTE_CHARS - 1] + "…"
 
 
 def _table_row(r: dict) -> dict:
@@ -67,7 +77,7 @@ def _table_row(r: dict) -> dict:
         "FWD TFLOPs/s": _cell(r.get("fwd_tflops"), ".4f", st),
         "FWD+BWD TFLOPs/s": _cell(r.get("fwd_bwd_tflops"), ".4f", st),
         "Speedup FWD": _speed(r["speedup_fwd"]), "Speedup BWD": _speed(r["speedup_bwd"]),
-        "Speedup FWD+BWD": _speed(r["speedup_fwd_bwd"]), "Note": r.get("note") or "",
+        "Speedup FWD+BWD": _speed(r["speedup_fwd_bwd"]), "Note": _note(r),
     }
 
 

@@ -322,6 +322,14 @@ def steady(before: tuple[float, float], after: tuple[float, float]) -> bool:
             and abs((after[0] / after[1]) / (before[0] / before[1]) - 1) <= STEADY)
 
 
+def verdict(ok: bool, device: str) -> torch.Tensor:
+    """Rank 0's ``ok`` on every rank (a collective), so every rank decides as rank 0 saw it.
+    The flag lives on ``device``, the group's: NCCL takes no CPU tensor."""
+    flag = torch.tensor([float(ok)], device=device)
+    dist.broadcast(flag, 0)
+    return flag
+
+
 def rank_calibrate(rank: int, world: int, spec: Spec) -> dict | None:
     """Every rank measures; rank 0 returns what was measured (the others None). A probe
     before and after (``probe_ms``) must read the same machine: a virtual machine's host
@@ -338,9 +346,7 @@ def rank_calibrate(rank: int, world: int, spec: Spec) -> dict | None:
         passes = memory_passes(spec, timer)
         links = link_times(spec, timer, rank, world)
         after = _probe(rank, spec, timer)
-        ok = rank != 0 or steady(before, after)
-        flags = torch.tensor([float(ok)])
-        dist.broadcast(flags, 0)  # every rank decides as rank 0 saw it
+        flags = verdict(rank != 0 or steady(before, after), spec.device)
         if rank == 0:
             print(f"calibrate: try {tries}: probe busy/alone {before[0]:.1f}/{before[1]:.1f} ms "
                   f"before, {after[0]:.1f}/{after[1]:.1f} ms after: "

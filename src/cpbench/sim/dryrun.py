@@ -64,7 +64,8 @@ def _verdict(peak: int | None, capacity: int | None) -> tuple[str, str | None]:
 
 def _simulated(req: Request, case: Case) -> float | None:
     try:
-        return model.memory_estimate(case.strategy, case.options, req.attn, req.topo)
+        return model.memory_estimate(case.strategy, case.options, req.attn, req.topo,
+                                     kernel_buffers=req.device == "cuda")
     except UsageError:  # an adapter: no schedule to model
         return None
 

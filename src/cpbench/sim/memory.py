@@ -2,7 +2,7 @@
 
 Held to the dry run (``cpbench dryrun``, the real code's allocations on fake tensors) by
 ``tests/unit/test_sim_memory.py`` (plain, CPU) and ``tests/fake_gpu/test_sim_memory_gpu.py``
-(documents and a window, fake CUDA); the terms below are what that code allocates:
+(documents, a window and GQA, fake CUDA); the terms below are what that code allocates:
 
 - inputs q, k, v, dout and the forward's out in the activation dtype, and the lse;
 - the strategy's accumulators per phase (``Strategy.accumulator_bytes``: fp32 out in the
@@ -15,23 +15,32 @@ Held to the dry run (``cpbench dryrun``, the real code's allocations on fake ten
   returns its own): out and lse in the forward, dQ, dK, dV in the backward; under a mask the
   GPU's varlen path's fp32 results and, during a call, its packed inputs (``Step.packed``);
   at the end, the last call's beside what the phase finishes with (``finish_bytes``);
-- ``Strategy.held_bytes`` (blocks a strategy keeps to the end of the forward).
+- ``Strategy.held_bytes`` (blocks a strategy keeps to the end of the forward);
+- with ``kernel_buffers`` (the GPUs' FlashAttention-2 kernels; off for the CPU's), what the
+  backward kernel allocates inside its call while it runs (``kernels.fa2_workspace``: an
+  fp32 dQ accumulator and row sums, and under GQA dK, dV expanded to every query head),
+  with the query rows unpadded (the model's figures scale with S; the kernel pads to 128).
 
-The peak is the larger of the forward's and the backward's worst step. Not counted: kernel
-workspaces, the allocator's rounding and fragmentation (the GPU figure is higher by those).
+The peak is the larger of the forward's and the backward's worst step. Not counted: other
+kernel workspaces (the forward's split-KV buffers, FlashAttention-3's), the allocator's
+rounding and fragmentation (the GPU figure is higher by those).
 """
 
 from __future__ import annotations
 
+from cpbench.kernels import fa2_workspace
 from cpbench.strategies.base import BWD, FWD, Step, Strategy
 
 
-def peak_bytes(strat: Strategy, schedule: list[Step]) -> float:
-    """``strat``'s rank at its worst moment of a forward + backward."""
-    return max(_phase_peak(strat, schedule, FWD), _phase_peak(strat, schedule, BWD))
+def peak_bytes(strat: Strategy, schedule: list[Step], kernel_buffers: bool = True) -> float:
+    """``strat``'s rank at its worst moment of a forward + backward (``kernel_buffers``: see
+    the module docstring)."""
+    return max(_phase_peak(strat, schedule, FWD, kernel_buffers),
+               _phase_peak(strat, schedule, BWD, kernel_buffers))
 
 
-def _phase_peak(strat: Strategy, schedule: list[Step], phase: str) -> float:
+def _phase_peak(strat: Strategy, schedule: list[Step], phase: str,
+                kernel_buffers: bool) -> float:
     s = strat.local_seqlen
     q, kv, lse = strat.q_bytes(s), strat.kv_bytes(s), strat.lse_bytes(s)
     resident = 2 * q + 2 * kv  # q, dout, k, v
@@ -45,6 +54,7 @@ def _phase_peak(strat: Strategy, schedule: list[Step], phase: str) -> float:
     late, worst, previous = strat.late_accumulator_bytes(phase), 0.0, None
     for i in steps:
         results, transient = _kernel_bytes(strat, schedule[i])
+        transient += _kernel_buffers(strat, schedule[i]) if kernel_buffers else 0.0
         step = blocks[i] + partial[i]
         if results:
             # its inputs made for it, its results and transients (or the scratch that made
@@ -101,3 +111,17 @@ def _kernel_bytes(strat: Strategy, step: Step) -> tuple[float, float]:
     # packed dout, q, out, k, v; the call's dQ, dK, dV and the previous call's
     call = pq + 2 * pkv
     return share * wide * (q + 2 * kv), share * (3 * pq + 2 * pkv + min(calls, 2) * call)
+
+
+def _kernel_buffers(strat: Strategy, step: Step) -> float:
+    """What one backward call of FlashAttention-2 holds inside it (the varlen call's rows:
+    its largest call's, one sequence per batch element; the kernel adds 128 per sequence)."""
+    if step.phase != BWD or not step.block:
+        return 0.0
+    a = strat.attn
+    rows, keys = step.block[0], step.block[1]
+    if not strat.mask.plain and step.packed:
+        rows, keys = step.packed[0], step.packed[1]
+    return strat.kernel_head_share() * fa2_workspace.buffer_bytes(
+        rows=a.batch * rows, keys=a.batch * keys, heads=a.heads, kv_heads=a.num_kv_heads,
+        head_dim=a.head_dim, element_size=a.element_size)

@@ -61,7 +61,8 @@ hardware preset (``cpbench.sim.hardware``). Modelling assumptions, and where the
    the messages in flight at each step, two kernel calls' results, what it keeps beyond a
    step, at the worst moment of either phase; held within 10 % of the real code's
    allocations (the dry run) for every own strategy and variant by a test. OOM when over
-   the preset's memory. Kernel workspaces and allocator fragmentation are not counted.
+   the preset's memory. FlashAttention-2's backward buffers are counted; other kernel
+   workspaces and allocator fragmentation are not.
 
 Everything scales exactly with the sequence length and batch (bytes with S·B, FLOPs with
 S²·B), and bf16 and fp16 move the same bytes, so a schedule is built once per (strategy,
@@ -126,6 +127,8 @@ class Compiled:
     memory_bytes: float  # a rank's peak: resident tensors, held blocks, worst step's buffers
     ranks_per_problem: int
     resolved: dict
+    # the same without the GPU kernel's own backward buffers (a CPU kernel has none)
+    memory_bytes_bare: float
 
 
 @dataclass(frozen=True)
@@ -245,9 +248,10 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
                 q_elements=el.get("q_elements", 0.0), kv_elements=el.get("kv_elements", 0.0)))
         steps.append(_step_load(first.phase, list(views.values())))
     rank0 = ranks[0]
-    return Compiled(attn.seqlen, attn.batch, tuple(steps),
-                    max(memory.peak_bytes(s, sched) for s, sched in zip(ranks, schedules)),
-                    rank0.ranks_per_problem, rank0.resolved_options())
+    peak = {buffers: max(memory.peak_bytes(s, sched, buffers)
+                         for s, sched in zip(ranks, schedules)) for buffers in (True, False)}
+    return Compiled(attn.seqlen, attn.batch, tuple(steps), peak[True],
+                    rank0.ranks_per_problem, rank0.resolved_options(), peak[False])
 
 
 def _step_load(phase: str, by_node: list[list[RankStep]]) -> StepLoad:
@@ -321,10 +325,13 @@ def predict(name: str, options, attn: AttentionConfig, topo: Topology, hw: Hardw
     return evaluate(compiled_for(name, options, attn, topo), attn, hw)
 
 
-def memory_estimate(name: str, options, attn: AttentionConfig, topo: Topology) -> float:
-    """The memory model's peak bytes of a rank (any hardware: memory needs no speeds)."""
+def memory_estimate(name: str, options, attn: AttentionConfig, topo: Topology, *,
+                    kernel_buffers: bool = True) -> float:
+    """The memory model's peak bytes of a rank (any hardware: memory needs no speeds);
+    ``kernel_buffers``: with the GPU kernel's own backward buffers (``sim.memory``)."""
     c = compiled_for(name, options, attn, topo)
-    return c.memory_bytes * (attn.batch / c.batch) * (attn.seqlen / c.seqlen)
+    peak = c.memory_bytes if kernel_buffers else c.memory_bytes_bare
+    return peak * (attn.batch / c.batch) * (attn.seqlen / c.seqlen)
 
 
 def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
@@ -357,7 +364,9 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
         total[step.phase] += worst
         # the slowest rank's kernel time as the step runs it (shared, where a CPU shares)
         compute_total[step.phase] += max(finishes)
-    memory = c.memory_bytes * linear
+    # FlashAttention-2's backward buffers: its kernels run bf16 / fp16 only (fp32 runs on the
+    # CPU's kernels, which hold none)
+    memory = (c.memory_bytes if attn.element_size == 2 else c.memory_bytes_bare) * linear
     return Prediction(fwd_s=total[FWD], bwd_s=total[BWD], fwd_compute_s=compute_total[FWD],
                       bwd_compute_s=compute_total[BWD], memory_bytes=memory,
                       capacity_bytes=hw.memory_gib * GIB,
