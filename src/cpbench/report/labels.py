@@ -58,3 +58,17 @@ def mask_text(attention: dict) -> str:
     if attention.get("window_size"):
         text += f", window {window_text(attention)}"
     return text
+
+
+def rank_unit(records: list[dict]) -> str:
+    """What one rank is, in headers and titles: "GPU" when every record ran (or was
+    simulated) on CUDA devices, one rank each; "rank" otherwise (CPU processes, or ranks as
+    threads sharing one device), so a CPU run never claims GPUs."""
+    gpus = all(r["config"]["run"]["device"] == "cuda"
+               and (r.get("env") or {}).get("launcher") != "threads" for r in records)
+    return "GPU" if records and gpus else "rank"
+
+
+def ranks_text(unit: str) -> str:
+    """The unit's plural as a title says it: "GPUs", "ranks"."""
+    return f"{unit}s"
