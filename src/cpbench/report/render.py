@@ -207,17 +207,20 @@ def _lift(rows: list[dict], columns: tuple[str, ...], limit: int
 
 
 def _wrap_widths(rows: list[dict], columns: list[str], limit: int) -> dict[str, int]:
-    """Break the text columns' cells (at spaces) until the table fits, widest column first;
-    a column keeps at least 12 characters."""
-    wrap_at: dict[str, int] = {}
-    for col in sorted((c for c in columns if c in rows[0]),
-                      key=lambda c: -max(len(r[c]) for r in rows)):
-        over = table_width(rows, wrap_at) - limit
-        if over <= 0:
+    """Break the text columns' cells (at spaces) until the table fits: the widest of them
+    narrows first, a character at a time, so they end about as wide; each keeps at least
+    12 characters."""
+    present = [c for c in columns if c in rows[0]]
+    wrap_at = {c: max(len(r[c]) for r in rows) for c in present}
+    over = table_width(rows) - limit
+    while over > 0:
+        col = max(wrap_at, key=lambda c: wrap_at[c], default=None)
+        if col is None or wrap_at[col] <= 12:
             break
-        longest = max(len(r[col]) for r in rows)
-        wrap_at[col] = max(12, longest - over)
-    return wrap_at
+        wrap_at[col] -= 1
+        over -= 1
+    # a header wider than its cells wraps too; a cell that fits its column keeps one line
+    return {c: at for c, at in wrap_at.items() if at < max(len(r[c]) for r in rows)}
 
 
 def _cell_lines(text: str, at: int | None) -> list[str]:
