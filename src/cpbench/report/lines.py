@@ -43,5 +43,6 @@ def outcome_line(records: list[dict]) -> str:
     text = f"{len(records)} case(s): " + ", ".join(f"{n} {s}" for s, n in status.items())
     checked = [r["derived"].get("check_passed") for r in records if r.get("check")]
     if checked:
-        text += f"; check: {checked.count(True)} PASS, {checked.count(False)} FAIL"
+        failed = checked.count(False)  # FAIL printed only where there is one (grep FAIL)
+        text += f"; check: {checked.count(True)} PASS" + (f", {failed} FAIL" if failed else "")
     return text
