@@ -41,6 +41,7 @@ from cpbench.report.cells import cell_ms
 from cpbench.report.dataframe import baseline_drift, efficiencies, frame
 from cpbench.report.detail import detail
 from cpbench.report.labels import rank_unit, row_label
+from cpbench.report.lines import outcome_line
 from cpbench.report.render import Fit, prose, render
 
 __all__ = ["FORMATS", "cell_ms", "detail", "render", "report", "rows", "summary"]
@@ -199,10 +200,12 @@ def _data(records: list[dict]):
 
 
 def report(records: list[dict], fmt: str = "table", details: bool = False) -> str:
-    """What ``cpbench run`` printed for these records: the summary, after each case's detail
-    block with ``details`` (table format); the summary rows alone in the other formats."""
-    if fmt != "table" or not details:
+    """What ``cpbench run`` printed for these records: the summary and the run in a line,
+    after each case's detail block with ``details`` (table format); the summary rows alone
+    in the other formats."""
+    if fmt != "table":
         return summary(records, fmt)
     # a prediction has no run to detail (iterations, hosts, checks): its row says it all
-    measured = [r for r in records if not r.get("env", {}).get("simulated")]
-    return "".join(detail(r) + "\n" for r in measured) + summary(records, fmt)
+    measured = [r for r in records if not r.get("env", {}).get("simulated")] if details else []
+    return "".join(detail(r) + "\n" for r in measured) + summary(records, fmt) + \
+        outcome_line(records) + "\n"
