@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
 
 def options_label(record: dict) -> str:
     """The options that set this row apart, as the strategy resolved them: a placement bare,
@@ -64,9 +66,15 @@ def rank_unit(records: list[dict]) -> str:
     """What one rank is, in headers and titles: "GPU" when every record ran (or was
     simulated) on CUDA devices, one rank each; "rank" otherwise (CPU processes, or ranks as
     threads sharing one device), so a CPU run never claims GPUs."""
-    gpus = all(r["config"]["run"]["device"] == "cuda"
-               and (r.get("env") or {}).get("launcher") != "threads" for r in records)
-    return "GPU" if records and gpus else "rank"
+    return unit_of((r["config"]["run"]["device"], (r.get("env") or {}).get("launcher"))
+                   for r in records)
+
+
+def unit_of(devices: Iterable[tuple[str, str | None]]) -> str:
+    """``rank_unit`` from (device, launcher) pairs, e.g. a frame's rows."""
+    pairs = list(devices)
+    gpus = all(device == "cuda" and launcher != "threads" for device, launcher in pairs)
+    return "GPU" if pairs and gpus else "rank"
 
 
 def ranks_text(unit: str) -> str:

@@ -104,12 +104,14 @@ def render(title: str | None, rows: list[dict], fmt: str, fit: Fit = PLAIN) -> l
     out = [f"### {title}"] if title else []
     if not rows:
         return out
+    limit = width()
+    if title and fmt != "markdown" and limit is not None:  # a heading longer than the table
+        out = textwrap.wrap(out[0], limit, subsequent_indent="    ", break_on_hyphens=False)
     rows = [{fit.rename.get(k, k): v for k, v in r.items()} for r in rows]
     if fmt == "markdown":
         cols = list(rows[0])
         out += ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
         return out + ["| " + " | ".join(r[c] for c in cols) + " |" for r in rows]
-    limit = width()
     if limit is None:
         return out + seed_table(rows)
     fitted = fit_rows(rows, _renamed(fit), limit)

@@ -26,7 +26,7 @@ from cpbench import rounds
 from cpbench.metrics import bootstrap_ratio
 from cpbench.report import tables
 from cpbench.report.dataframe import PROBLEM, frame
-from cpbench.report.labels import rank_unit, ranks_text
+from cpbench.report.labels import rank_unit, ranks_text, unit_of
 from cpbench.report.render import Fit
 from cpbench.results import OK
 
@@ -79,8 +79,9 @@ def grouped(records: list[dict], fmt: str = "table") -> str:
     if df.empty:
         return "no records\n"
     lines: list[str] = []
-    fit, units = tables.fit(records), ranks_text(rank_unit(records))
+    fit = tables.fit(records)
     for (label, topo), g in df.groupby(["label", "topo"], sort=False):
+        units = ranks_text(unit_of(zip(g["device"], g["launcher"])))
         g = g.sort_values("seqlen", kind="stable")
         drop = {"Strategy", "Placement", "Nodes×GPUs"}
         for col in ("CP Efficiency (%)", "Fraction of Ideal (%)"):  # neither measured: no column
