@@ -334,3 +334,21 @@ def test_make_bench_prints_under_100_lines(bench, tmp_path):
                           f"records: {p.out}  (re-render: cpbench report {p.out})"]
     assert len(results.read(p.out)) == 18  # the records keep everything
     assert json.loads(Path(p.out).read_text().splitlines()[0])["samples_ms"]
+
+
+def test_skipped_cases_a_line_per_reason():
+    from cpbench.report.lines import skipped_lines
+
+    why = "ring-flash-attn 0.1.8 computes wrong gradients in fp32"
+    te = "transformer-engine runs on CUDA GPUs only (this run is on cpu)"
+    yc = "yunchang 0.6.4 computes wrong gradients in fp32"
+    reasons = [f"rfa-ring: {why}", f"rfa-zigzag: {why}", f"te-a2a cannot run here: {te}",
+               f"te-p2p cannot run here: {te}",
+               *(f"yunchang-usp (ulysses_degree=0, placement={p}, ring_impl={r}): {yc}"
+                 for p, r in (("head-first", "basic"), ("ring-first", "zigzag"))),
+               "a note without a name"]
+    assert skipped_lines(reasons) == [
+        f"skipped rfa-ring, rfa-zigzag: {why}",
+        f"skipped te-a2a, te-p2p cannot run here: {te}",
+        f"skipped yunchang-usp (2 cases): {yc}",
+        "skipped a note without a name"]

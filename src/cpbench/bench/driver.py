@@ -319,6 +319,8 @@ def _run_cases(p: Plan, rank: int, env: dict) -> tuple[list[dict], bool, bool]:
 
 
 def _header(p: Plan, world: int) -> None:
+    from cpbench import report
+
     topo = p.topo
     log.info("cpbench: %d case(s) on %d ranks (%d node(s) × %d), %s on %s, %s",
              len(p.cases), world, topo.num_nodes, topo.ranks_per_node, p.kernel, p.run.device,
@@ -326,8 +328,8 @@ def _header(p: Plan, world: int) -> None:
     if p.packed:  # the documents above are the first packing's
         log.info("%d packings of %s (seeds %d..%d), each strategy on each", len(p.packed),
                  p.documents_spec, p.run.seed, p.run.seed + len(p.packed) - 1)
-    for reason in p.skipped:
-        log.info("skipped %s", reason)
+    for line in report.skipped_lines(list(p.skipped)):  # a line per reason, not per case
+        log.info("%s", line)
 
 
 def _footer(p: Plan, records: list[dict], failed: bool, broken: bool) -> None:

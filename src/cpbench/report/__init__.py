@@ -9,8 +9,8 @@ from cpbench.report import sweep
 from cpbench.report.dataframe import efficiencies, frame
 from cpbench.report.detail import detail
 from cpbench.report.labels import row_label
-from cpbench.report.lines import case_line, outcome_line
+from cpbench.report.lines import case_line, outcome_line, skipped_lines
 from cpbench.report.tables import FORMATS, report, rows, summary
 
 __all__ = ["FORMATS", "case_line", "detail", "efficiencies", "frame", "outcome_line", "report",
-           "row_label", "rows", "summary", "sweep"]
+           "row_label", "rows", "skipped_lines", "summary", "sweep"]

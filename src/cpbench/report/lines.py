@@ -46,3 +46,26 @@ def outcome_line(records: list[dict]) -> str:
         failed = checked.count(False)  # FAIL printed only where there is one (grep FAIL)
         text += f"; check: {checked.count(True)} PASS" + (f", {failed} FAIL" if failed else "")
     return text
+
+
+def skipped_lines(reasons: list[str]) -> list[str]:
+    """The cases a plan skipped, a line per reason rather than per case: ``skipped
+    rfa-ring, rfa-stripe: <why>``; a strategy's variants skipped for one reason count as
+    ``yunchang-usp (3 cases)``; what the names share after them (``cannot run here``)
+    said once."""
+    by: dict[str, list[str]] = {}
+    for reason in reasons:
+        who, sep, why = reason.partition(": ")
+        by.setdefault(why if sep else reason, []).append(who if sep else "")
+    out = []
+    for why, whos in by.items():
+        if whos == [""]:
+            out.append(f"skipped {why}")
+            continue
+        tails = {w.split(" ", 1)[1] if " " in w else "" for w in whos}
+        shared = tails.pop() if len(tails) == 1 else None  # e.g. "cannot run here"
+        names = Counter(w.split(" ", 1)[0] if shared is not None or " (" in w else w
+                        for w in whos)
+        listed = ", ".join(n if k == 1 else f"{n} ({k} cases)" for n, k in names.items())
+        out.append(f"skipped {listed}{' ' + shared if shared else ''}: {why}")
+    return out
