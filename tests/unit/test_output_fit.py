@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from test_compare_profile import A_SHARES, B_SHARES, _record
+from test_guards import _comm, _with
 from test_results import fake_record
 
 from cpbench import cli, report, results
@@ -352,3 +353,27 @@ def test_skipped_cases_a_line_per_reason():
         f"skipped te-a2a, te-p2p cannot run here: {te}",
         f"skipped yunchang-usp (2 cases): {yc}",
         "skipped a note without a name"]
+
+
+def test_a_case_in_one_line():
+    from cpbench.report.lines import case_line, outcome_line
+
+    ok = fake_record("zigzag", check=[{"tensor": "out", "max_abs": 1e-6, "max_rel": 1e-7,
+                                       "passed": True}])
+    assert case_line(ok, 2.34) == "done in 2.3 s, check PASS, FWD 11.00 ms, FWD+BWD 31.00 ms"
+    wrong = fake_record("ring", check=[{"tensor": "dq", "max_abs": 1.0, "max_rel": 0.5,
+                                        "passed": False}])
+    assert case_line(wrong, 1.0).startswith("done in 1.0 s, check FAIL, FWD ")
+    oom = fake_record("usp", status="OOM", error="rank 1: OutOfMemoryError: CUDA out\nmore")
+    assert case_line(oom, 3.0) == "OOM in 3.0 s, rank 1: OutOfMemoryError: CUDA out"
+    fwd_then_oom = fake_record("usp", status="OOM", error="rank 0: OutOfMemoryError",
+                               samples={"fwd": [[10.0, 11.0, 12.0]] * 4, "fwd_bwd": None})
+    assert case_line(fwd_then_oom, 3.0) == ("OOM in 3.0 s, FWD 11.00 ms, FWD+BWD OOM, "
+                                            "rank 0: OutOfMemoryError")
+    mem = fake_record("ring", memory_status="OOM", memory_error="rank 1: OutOfMemoryError")
+    assert case_line(mem, 1.0).endswith("FWD+BWD 31.00 ms, memory OOM")
+    assert case_line(fake_record(fwd_only=True), 1.0) == "done in 1.0 s, FWD 11.00 ms"
+    flagged = _with(fake_record("zigzag"), comm=_comm([0] * 4, [0] * 4))
+    assert flagged["derived"]["flags"]  # a guard's: the line says so too
+    assert "flagged: FWD rank 0: sent 0 B, schedule says 100 B" in case_line(flagged, 1.0)
+    assert outcome_line([ok, wrong, oom]) == "3 case(s): 2 done, 1 OOM; check: 1 PASS, 1 FAIL"

@@ -24,7 +24,7 @@ from statistics import median
 from cpbench import rounds
 from cpbench.metrics import bootstrap_ratio
 from cpbench.report.dataframe import frame
-from cpbench.report.labels import joined
+from cpbench.report.labels import joined, rank_unit, ranks_text
 from cpbench.report.render import Fit, prose, render
 from cpbench.report.tables import case_text
 from cpbench.results import OK
@@ -204,7 +204,7 @@ def plot_winners(records: list[dict], path: str, min_effect: float = MIN_EFFECT)
     ax.set_ylim(0, len(problems))
     ax.set_xticks([i + 0.5 for i in range(len(topos))], topos)
     ax.set_yticks([i + 0.5 for i in range(len(problems))], problems, fontsize=7)
-    ax.set_xlabel("nodes × GPUs")
+    ax.set_xlabel(f"nodes × {ranks_text(rank_unit(records))}")
     ax.set_title("Fastest strategy per problem\n(hatched: a tie with the runner-up, or unclear)",
                  fontsize=9)
     fig.tight_layout()
