@@ -175,11 +175,12 @@ def test_plot_without_matplotlib_is_one_line_with_the_install(tmp_path, capsys, 
 
 
 def test_plot_lines_never_share_a_look():
-    """Up to 24 lines, each its own (colour, marker): matplotlib's default cycle repeats its
-    colours after ten, which made two strategies look like one."""
+    """Up to 60 lines, each its own (colour, marker): matplotlib's default cycle repeats its
+    colours after ten, which made two strategies look like one; any 10 styles in a row (a
+    panel holds at most 8 lines) differ by colour alone too."""
     from cpbench.report.plot import line_style, require_matplotlib
 
     plt = require_matplotlib()
-    looks = [tuple(line_style(i, plt).values()) for i in range(24)]
-    assert len(set(looks)) == 24
-    assert len({colour for colour, _ in looks[:20]}) == 20  # 20 colours before any repeats
+    looks = [tuple(line_style(i, plt).values()) for i in range(60)]
+    assert len(set(looks)) == 60
+    assert all(len({colour for colour, _ in looks[i:i + 10]}) == 10 for i in range(50))

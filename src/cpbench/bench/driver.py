@@ -324,7 +324,8 @@ def _header(p: Plan, world: int) -> None:
     topo = p.topo
     log.info("cpbench: %d case(s) on %d ranks (%d node(s) × %d), %s on %s, %s",
              len(p.cases), world, topo.num_nodes, topo.ranks_per_node, p.kernel, p.run.device,
-             ", ".join(f"{k}={v}" for k, v in p.attn.to_dict().items()))
+             ", ".join(f"{k}={v}" for k, v in p.attn.to_dict().items()
+                       if v is not None))  # what is unset says nothing
     if p.packed:  # the documents above are the first packing's
         log.info("%d packings of %s (seeds %d..%d), each strategy on each", len(p.packed),
                  p.documents_spec, p.run.seed, p.run.seed + len(p.packed) - 1)
