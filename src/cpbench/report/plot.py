@@ -207,7 +207,8 @@ def plot_breakdown(records: list[dict], path: str) -> bool:
     left = [0.0] * len(profiled)
     for i, part in enumerate(parts):
         widths = [r["profile"]["wall_pct"].get(part, 0.0) for r in profiled]
-        ax.barh(labels, widths, left=left, label=part, color=line_style(i, plt)["color"])
+        # bars have no marker: tab20's twenty colours, none repeated before the 21st part
+        ax.barh(labels, widths, left=left, label=part, color=plt.get_cmap("tab20").colors[i % 20])
         left = [a + b for a, b in zip(left, widths)]
     for y, r in enumerate(profiled):  # the communication no kernel hides, on its bar
         pct = r["profile"].get("exposed_comm_pct")

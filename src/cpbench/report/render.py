@@ -91,10 +91,11 @@ def prose(lines: list[str]) -> list[str]:
     limit = width() or DEFAULT_WIDTH
     out = []
     for line in lines:
+        if len(line) <= limit:
+            out.append(line)
+            continue
         lead = " " * (len(line) - len(line.lstrip()))
-        out += textwrap.wrap(line, limit, initial_indent="", subsequent_indent=lead + "  ",
-                             break_on_hyphens=False, drop_whitespace=True) or [""] \
-            if len(line) > limit else [line]
+        out += textwrap.wrap(line, limit, subsequent_indent=lead + "  ", break_on_hyphens=False)
     return out
 
 
