@@ -246,6 +246,11 @@ class RunConfig:
                               "rank's breakdown (parts, idle, exposed communication) in the "
                               "record", metavar="DIR")
     format: str = arg("table", "how the summary prints", choices=FORMATS)
+    details: bool = arg(False, "after each case its block (configuration, performance, checks, "
+                        "load balance), not one line (table format; `cpbench report "
+                        "--details` re-renders them from the records)")
+    wide: bool = arg(False, "the summary with every column (default: it fits the terminal, "
+                     "120 columns when it is not one; the records keep every field)")
     nproc: int | None = arg(None, "start this many local ranks (--launcher) instead of running "
                             "under torchrun (default: 4)")
     launcher: str = arg("processes", "how --nproc starts its ranks: processes (one gloo "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,12 +32,15 @@ def _summary(text: str) -> str:
 def test_run_then_report_reproduces_the_table(tmp_path):
     out = tmp_path / "r.jsonl"
     run = _cpbench("run", "--strategy", "zigzag,local", "--nproc", "2", *SMALL,
-                   "--out", str(out))
+                   "--out", str(out), "--details")
     assert run.returncode == 0, run.stderr
     assert "PASS" in run.stdout and "FAIL" not in run.stdout
     rep = _cpbench("report", str(out))
     assert rep.returncode == 0, rep.stderr
     assert _summary(rep.stdout) == _summary(run.stdout)
+    assert "Benchmark Results for" not in rep.stdout  # the blocks are opt-in
+    rep = _cpbench("report", str(out), "--details")
+    assert rep.stdout.count("Benchmark Results for") == 3  # the baseline at both ends, zigzag
     for block in rep.stdout.split("\n\n" + "=" * 50)[:-1]:  # every detail block, verbatim
         assert block.strip("=\n") in run.stdout
     csv = _cpbench("report", str(out), "--format", "csv")
@@ -54,8 +58,11 @@ def test_torchrun_entry(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
                           env=env)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("Benchmark Results for ring") == 1  # rank 0 alone prints
-    assert "PASS" in done.stdout and "Benchmark Summary:" in done.stdout
+    # rank 0 alone prints: one line for the case, no detail block unless --details
+    assert len(re.findall(r"^\[1/1\] ring.*: done in .*, check PASS, FWD .* ms, FWD\+BWD .* ms$",
+                          done.stdout, re.M)) == 1
+    assert "Benchmark Results for" not in done.stdout and "Benchmark Summary:" in done.stdout
+    assert "\n1 case(s): 1 done; check: 1 PASS\n" in done.stdout
 
 
 def test_torchrun_bad_input_is_named_as_the_root_cause(tmp_path):

@@ -20,6 +20,7 @@ from cpbench.bench import plan as planning
 from cpbench.bench.agreement import is_collective_error
 from cpbench.config import RunConfig
 from cpbench.launch import run_ranks
+from cpbench.report.render import WIDE, fitting
 from cpbench.strategies.ring import Ring
 
 SMALL = {"seqlen": 128, "heads": 2, "head_dim": 16}
@@ -88,7 +89,8 @@ def run_driver(rank, world, names, out, check, inject, flags=None, attention=Non
 def test_check_time_record_and_report(tmp_path):
     out = str(tmp_path / "r.jsonl")
     (code, text), (code1, text1) = run_ranks(run_driver, 2, ("ring", "local"), out, True,
-                                             False, timeout=120)
+                                             False, {"warmup": 1, "iters": 2, "details": True},
+                                             timeout=120)
     assert code == code1 == 0
     assert text1 == ""  # only rank 0 prints
     verdicts = [line.split()[-1] for line in text.splitlines() if "max abs" in line]
@@ -137,10 +139,11 @@ def test_oom_failure_and_wrong_results_do_not_stop_the_run(tmp_path):
     assert [r["derived"]["check_passed"] for r in records] == [None, None, False, True, True]
     assert "injected" in records[0]["error"] and "injected failure" in records[1]["error"]
     assert "RuntimeError" in records[1]["traceback"]
-    lines = report.summary(records).splitlines()
+    with fitting(WIDE):  # every column, seed 001's layout
+        lines = report.summary(records).splitlines()
     header = [c.strip() for c in lines[2].split("|")]
     cells = [dict(zip(header, (c.strip() for c in line.split("|")))) for line in lines[4:9]]
-    assert [cells[0][c] for c in ("FWD (ms)", "FWD+BWD (ms)", "TFLOPs/s")] == ["OOM"] * 3
+    assert [cells[0][c] for c in ("FWD (ms)", "FWD+BWD (ms)", "TFLOP/s/rank")] == ["OOM"] * 3
     # memory ran out of memory after the timings: they stay, memory is null with the reason
     mem = records[3]
     assert mem["memory_bytes"] is None and mem["memory_status"] == "OOM"

@@ -3,11 +3,14 @@ old one, and a flagged row never winning ``report --best``."""
 
 from __future__ import annotations
 
+import re
+
 from test_results import fake_record
 
 from cpbench import guards, report, results
 from cpbench.report import tables
 from cpbench.report.best import best_table, verdicts
+from cpbench.report.render import WIDE, fitting
 
 
 def _comm(sent_fwd, sent_both, declared=(100, 300), varies=False):
@@ -54,8 +57,11 @@ def test_a_flagged_row_never_wins_and_shows_in_the_table():
                  comm=_comm([0] * 4, [0] * 4))
     slow = fake_record("ring")
     assert [v.winner for v in verdicts([fast, slow])] == ["ring"]
-    text = report.summary([fast, slow])
-    assert "Flags" in text and "sent 0 B, schedule says 100 B" in text
+    text = report.summary([fast, slow])  # narrow: the row marked, its flags noted under
+    assert re.search(r"^ +zigzag \[1,2\] +\|", text, re.M) and not re.search(r"ring \[", text)
+    assert "\n[1] FWD rank 0: sent 0 B, schedule says 100 B\n" in text
+    with fitting(WIDE):  # --wide: a Flags column
+        assert "Flags" in report.summary([fast, slow])
     assert "not ranked: zigzag" in best_table([fast, slow])
 
 
@@ -142,7 +148,7 @@ def test_rows_of_threads_show_no_figure_and_say_why():
     cells = {r["Strategy"]: r for r in tables.rows([row, base])}
     for name in ("zigzag", "local"):
         assert [cells[name][c] for c in ("FWD (ms)", "FWD+BWD (ms)", "Memory (MB)",
-                                         "TFLOPs/s", "CP Efficiency")] == ["-"] * 5
+                                         "TFLOPs/s", "CP Efficiency (%)")] == ["-"] * 5
         assert cells[name]["Flags"] == guards.THREADS
     assert report.efficiencies([row, base]) == []  # no baseline among them
     assert tables.cell_ms(10.0, row) == "-" and tables.cell_ms(10.0, fake_record()) == "10.00"

@@ -8,9 +8,18 @@ import pytest
 from test_results import fake_record
 
 from cpbench import report
+from cpbench.report.render import WIDE, fitting
 
+# seed 001's columns, TFLOPs/s per rank as CPU ranks are not GPUs (the records here are CPU's)
 SEED_COLUMNS = ["Dtype", "QKV Format", "B", "Seq Len", "CP", "Window", "FWD (ms)",
-                "FWD+BWD (ms)", "Memory (MB)", "TFLOPs/s"]
+                "FWD+BWD (ms)", "Memory (MB)", "TFLOP/s/rank"]
+
+
+@pytest.fixture
+def wide():
+    """Tables as --wide prints them: seed 001's layout, every column."""
+    with fitting(WIDE):
+        yield
 
 
 def _records():
@@ -27,7 +36,7 @@ def _cells(line):
     return [c.strip() for c in line.split("|")]
 
 
-def test_summary_is_seed_001_with_added_columns():
+def test_summary_is_seed_001_with_added_columns(wide):
     text = report.summary(_records())
     lines = text.splitlines()
     assert lines[0] == "Benchmark Summary:"
@@ -35,22 +44,22 @@ def test_summary_is_seed_001_with_added_columns():
     header = _cells(lines[2])
     assert header[:2] == ["Strategy", "Placement"]
     assert [h for h in header if h in SEED_COLUMNS] == SEED_COLUMNS  # seed order kept
-    assert {"World", "Nodes×GPUs"} <= set(header)
+    assert {"World", "Nodes×Ranks"} <= set(header)
     rows = {(_cells(line)[0]): dict(zip(header, _cells(line))) for line in lines[4:8]}
     z = rows["zigzag"]
     assert (z["FWD (ms)"], z["FWD+BWD (ms)"], z["Memory (MB)"]) == ("11.00", "31.00", "1.00")
-    assert z["CP"] == "True" and z["Window"] == "None" and z["Nodes×GPUs"] == "2×2"
+    assert z["CP"] == "True" and z["Window"] == "None" and z["Nodes×Ranks"] == "2×2"
     assert rows["local"]["CP"] == "False"
 
 
-def test_oom_row_has_oom_in_every_time_and_tflops_column():
+def test_oom_row_has_oom_in_every_time_and_tflops_column(wide):
     lines = report.summary(_records()).splitlines()
     header = _cells(lines[2])
     oom = dict(zip(header, _cells(lines[5])))
     assert oom["Strategy"] == "megatron-cp"
-    assert [oom[c] for c in ("FWD (ms)", "FWD+BWD (ms)", "TFLOPs/s")] == ["OOM"] * 3
+    assert [oom[c] for c in ("FWD (ms)", "FWD+BWD (ms)", "TFLOP/s/rank")] == ["OOM"] * 3
     failed = dict(zip(header, _cells(lines[6])))
-    assert failed["FWD (ms)"] == failed["TFLOPs/s"] == "failed"
+    assert failed["FWD (ms)"] == failed["TFLOP/s/rank"] == "failed"
 
 
 def test_cp_efficiency():
@@ -110,7 +119,7 @@ def test_other_formats_have_the_same_rows():
     assert data[0]["cp_efficiency"] == pytest.approx(0.5) and data[1]["tflops"] is None
 
 
-def test_a_failed_memory_step_keeps_the_row_and_a_measured_fwd_shows():
+def test_a_failed_memory_step_keeps_the_row_and_a_measured_fwd_shows(wide):
     recs = [fake_record("ring", memory_status="OOM", memory_error="rank 1: OutOfMemoryError"),
             fake_record("zigzag", status="OOM", error="rank 0: OutOfMemoryError",
                         samples={"fwd": [[10.0, 11.0, 12.0]] * 4, "fwd_bwd": None})]
@@ -118,15 +127,15 @@ def test_a_failed_memory_step_keeps_the_row_and_a_measured_fwd_shows():
     header = _cells(lines[2])
     mem, oom = (dict(zip(header, _cells(line))) for line in lines[4:6])
     assert (mem["FWD+BWD (ms)"], mem["Memory (MB)"]) == ("31.00", "OOM")
-    assert mem["TFLOPs/s"] not in ("OOM", "-")
-    assert (oom["FWD (ms)"], oom["FWD+BWD (ms)"], oom["TFLOPs/s"]) == ("11.00", "OOM", "OOM")
+    assert mem["TFLOP/s/rank"] not in ("OOM", "-")
+    assert (oom["FWD (ms)"], oom["FWD+BWD (ms)"], oom["TFLOP/s/rank"]) == ("11.00", "OOM", "OOM")
     assert "  - Memory Usage: OOM (rank 1: OutOfMemoryError)" in report.detail(recs[0])
     assert "  - Forward Time: 11.00 ms" in report.detail(recs[1])
     data = json.loads(report.summary(recs, "json"))
     assert data[0]["memory_status"] == "OOM" and data[0]["memory_mb"] is None
 
 
-def test_resolved_options_show_in_placement_and_detail():
+def test_resolved_options_show_in_placement_and_detail(wide):
     rec = fake_record("double-ring", options={"window": 0}, resolved={"window": 2})
     row = dict(zip(_cells(report.summary([rec]).splitlines()[2]),
                    _cells(report.summary([rec]).splitlines()[4])))
@@ -134,7 +143,7 @@ def test_resolved_options_show_in_placement_and_detail():
     assert "  - Strategy Options: window=0 (resolved: window=2)" in report.detail(rec)
 
 
-def test_fwd_only_rows():
+def test_fwd_only_rows(wide):
     lines = report.summary([fake_record(fwd_only=True), fake_record("ring")]).splitlines()
     row = dict(zip(_cells(lines[2]), _cells(lines[4])))
     assert row["FWD (ms)"] == "11.00" and row["FWD+BWD (ms)"] == "-"
@@ -237,15 +246,15 @@ def _profiled(strategy, exposed, **kw):
     return r
 
 
-def test_profiled_records_show_exposed_communication(tmp_path):
+def test_profiled_records_show_exposed_communication(tmp_path, wide):
     from cpbench.report import plot
 
     records = [_profiled("zigzag", 12.5), fake_record("ring")]
     lines = report.summary(records).splitlines()
     header = [c.strip() for c in lines[2].split("|")]
-    assert "Exposed Comm" in header
-    col = header.index("Exposed Comm")
-    assert [line.split("|")[col].strip() for line in lines[4:6]] == ["12.5 %", "-"]
+    assert "Exposed Comm (%)" in header
+    col = header.index("Exposed Comm (%)")
+    assert [line.split("|")[col].strip() for line in lines[4:6]] == ["12.5", "-"]
     data = json.loads(report.summary(records, "json"))
     assert data[0]["exposed_comm_pct"] == 12.5 and data[1]["exposed_comm_pct"] is None
     assert "Exposed Comm" not in report.summary([fake_record("ring")])  # no profile: no column

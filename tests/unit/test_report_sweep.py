@@ -11,6 +11,7 @@ from test_results import fake_record
 
 from cpbench import report, results
 from cpbench.cli import main
+from cpbench.report.render import WIDE, fitting
 
 SEQLENS = (131072, 262144, 524288)
 
@@ -43,29 +44,37 @@ def _cells(line):
 
 
 def test_grouped_tables_like_seed_001(tmp_path):
-    text = report.sweep.grouped(_sweep(tmp_path / "r.jsonl"))
+    with fitting(WIDE):  # seed 001's layout, every column
+        text = report.sweep.grouped(_sweep(tmp_path / "r.jsonl"))
     headings = [line for line in text.splitlines() if line.startswith("### ")]
-    assert headings == ["### usp (ring-first) on 2×2 GPUs",  # in the order first recorded
-                        "### megatron-cp on 2×2 GPUs", "### double-ring on 2×2 GPUs",
-                        "### usp (head-first) on 2×2 GPUs"]
+    # CPU ranks, not GPUs
+    assert headings == ["### usp (ring-first) on 2×2 ranks",  # in the order first recorded
+                        "### megatron-cp on 2×2 ranks", "### double-ring on 2×2 ranks",
+                        "### usp (head-first) on 2×2 ranks"]
     block = text.split("### ")[2].splitlines()
     header = _cells(block[2])
     assert header[:4] == ["Dtype", "QKV Format", "B", "Seq Len"]
-    assert header[-4:] == ["FWD (ms)", "FWD+BWD (ms)", "Memory (MB)", "TFLOPs/s"]
+    assert header[-4:] == ["FWD (ms)", "FWD+BWD (ms)", "Memory (MB)", "TFLOP/s/rank"]
     rows = [dict(zip(header, _cells(line))) for line in block[4:7]]
     assert [r["Seq Len"] for r in rows] == [str(s) for s in SEQLENS]
     assert rows[0]["FWD+BWD (ms)"] == "330.00"
-    assert (rows[2]["FWD+BWD (ms)"], rows[2]["TFLOPs/s"]) == ("OOM", "OOM")
+    assert (rows[2]["FWD+BWD (ms)"], rows[2]["TFLOP/s/rank"]) == ("OOM", "OOM")
     usp = text.split("### ")[1].splitlines()  # the failed first try was re-run: ok now
     assert dict(zip(header, _cells(usp[4])))["FWD+BWD (ms)"] == "310.00"
     assert "failed" not in text
+    # by default the columns every row shares go to a line under the heading
+    narrow = report.sweep.grouped(_sweep(tmp_path / "n.jsonl")).split("### ")[2].splitlines()
+    assert narrow[1] == "every row: Dtype fp32, QKV Format bshd, B 1, World 4, CP True, " \
+                        "Window None"
+    assert _cells(narrow[3]) == ["Seq Len", "FWD (ms)", "FWD+BWD (ms)", "Mem (MB)",
+                                 "TFLOP/s/rank"]
 
 
 def test_pivot_strategy_by_seqlen(tmp_path):
     text = report.sweep.pivot(_sweep(tmp_path / "r.jsonl"))
     blocks = text.split("### ")[1:]
     assert [b.splitlines()[0] for b in blocks] == [
-        "TFLOPs/s per GPU by Seq Len", "FWD+BWD (ms) by Seq Len", "Memory (MB) by Seq Len"]
+        "TFLOPs/s per rank by Seq Len", "FWD+BWD (ms) by Seq Len", "Memory (MB) by Seq Len"]
     lines = blocks[1].splitlines()
     assert _cells(lines[2]) == ["Strategy", "128K", "256K", "512K"]
     table = {_cells(line)[0]: _cells(line)[1:] for line in lines[4:8]}
@@ -76,30 +85,42 @@ def test_pivot_strategy_by_seqlen(tmp_path):
     assert tflops["megatron-cp"][2] == "OOM" and float(tflops["double-ring"][0]) > 0
 
 
-def test_compare_placement_side_by_side_with_ratio(tmp_path):
+def test_compare_placement_a_row_per_variant_with_ratio(tmp_path):
     recs = _sweep(tmp_path / "r.jsonl")
     text = report.sweep.compare_placement(recs)
-    assert text.startswith("### usp on 2×2 GPUs: TFLOPs/s per GPU by placement")
+    assert text.startswith("### usp on 2×2 ranks: TFLOPs/s per rank by placement")
     lines = text.splitlines()
-    assert _cells(lines[2]) == ["Seq Len", "head-first", "ring-first",
-                                "ring-first / head-first"]
-    for line in lines[4:7]:
+    header = _cells(lines[2])
+    assert header == ["Seq Len", "Placement", "TFLOP/s/rank", "FWD+BWD (ms)", "vs first"]
+    rows = [dict(zip(header, _cells(line))) for line in lines[4:10]]
+    assert [(r["Seq Len"], r["Placement"]) for r in rows] == [
+        (str(s), p) for s in SEQLENS for p in ("head-first", "ring-first")]
+    for first, other in zip(rows[::2], rows[1::2]):
+        assert first["vs first"] == "1.00x (first)"
         # same FLOPs: the time ratio inverted, with its bootstrap interval (constant samples)
-        assert _cells(line)[3] == f"{140 / 310:.2f}x [{140 / 310:.2f}, {140 / 310:.2f}]"
+        assert other["vs first"] == f"{140 / 310:.2f}x [{140 / 310:.2f}, {140 / 310:.2f}]"
     # double-ring windows are variants too, ordered by number (2 before 16)
     windows = [_rec("double-ring", s, ms, options={"window": w}, defaults={"window": 0})
                for s in SEQLENS[:2] for w, ms in ((16, 100.0), (2, 200.0))]
-    text = report.sweep.compare_placement(windows)
-    assert _cells(text.splitlines()[2])[1:] == ["window=2", "window=16", "window=16 / window=2"]
-    assert _cells(text.splitlines()[5])[3] == "2.00x [2.00, 2.00]"
+    lines = report.sweep.compare_placement(windows).splitlines()
+    rows = [_cells(line) for line in lines[4:8]]
+    assert [r[1] for r in rows] == ["window=2", "window=16"] * 2
+    assert rows[1][4] == rows[3][4] == "2.00x [2.00, 2.00]"
     assert "no strategy ran more than one" in report.sweep.compare_placement(recs[1:3])
-    # words every variant shares move to the heading
+    # words every variant shares move to the heading; one Seq Len to the line under it
     degrees = [_rec("usp", SEQLENS[0], 100.0, options={"placement": p, "ulysses_degree": 2},
                     defaults={"placement": "head-first", "ulysses_degree": 0})
                for p in ("head-first", "ring-first")]
     text = report.sweep.compare_placement(degrees).splitlines()
-    assert text[0].startswith("### usp (ulysses_degree=2) on 2×2 GPUs")
-    assert _cells(text[2])[1:] == ["head-first", "ring-first", "ring-first / head-first"]
+    assert text[0].startswith("### usp (ulysses_degree=2) on 2×2 ranks")
+    assert text[1] == f"every row: Seq Len {SEQLENS[0]}"
+    assert [_cells(line)[0] for line in text[5:7]] == ["head-first", "ring-first"]
+    # however many variants, the table stays narrow: a row each, not a column each
+    many = [_rec("usp", SEQLENS[0], 100.0 + u, options={"placement": p, "ulysses_degree": u},
+                 defaults={"placement": "head-first", "ulysses_degree": 0})
+            for p in ("head-first", "ring-first") for u in (1, 2, 4, 8, 16, 32)]
+    text = report.sweep.compare_placement(many)
+    assert len(text.splitlines()) == 2 + 4 + 12 and max(map(len, text.splitlines())) <= 120
 
 
 def test_cli_views(tmp_path, capsys):
@@ -107,15 +128,15 @@ def test_cli_views(tmp_path, capsys):
     _sweep(path)
     assert main(["report", str(path)]) == 0  # many launches: the sweep view
     out = capsys.readouterr().out
-    assert "### double-ring on 2×2 GPUs" in out and "### FWD+BWD (ms) by Seq Len" in out
+    assert "### double-ring on 2×2 ranks" in out and "### FWD+BWD (ms) by Seq Len" in out
     assert "Benchmark Results for" not in out
     assert main(["report", str(path), "--view", "run"]) == 0
     assert "Benchmark Summary:" in capsys.readouterr().out
     assert main(["report", str(path), "--format", "markdown"]) == 0
     md = capsys.readouterr().out
-    assert "### usp (head-first) on 2×2 GPUs\n| Dtype | QKV Format |" in md
+    assert "### usp (head-first) on 2×2 ranks\n| Dtype | QKV Format |" in md
     assert main(["report", str(path), "--compare", "placement"]) == 0
-    assert "ring-first / head-first" in capsys.readouterr().out
+    assert "| ring-first |" in capsys.readouterr().out
     assert main(["report", str(path), "--compare", "placement", "--format", "csv"]) == 2
     assert "use --format table or markdown" in capsys.readouterr().err
 
@@ -125,7 +146,12 @@ def test_cli_views(tmp_path, capsys):
     assert main(["report", str(one)]) == 0
     out = capsys.readouterr().out
     assert out == report.report(results.read(one))
-    assert "Benchmark Results for ring" in out and "### " not in out
+    assert "Benchmark Summary:" in out and "### " not in out
+    assert "Benchmark Results for" not in out  # the blocks: --details
+    assert main(["report", str(one), "--details"]) == 0
+    out = capsys.readouterr().out
+    assert out == report.report(results.read(one), details=True)
+    assert out.index("Benchmark Results for ring") < out.index("Benchmark Summary:")
 
 
 def test_plot_written_with_failed_points_marked(tmp_path, capsys):
@@ -149,11 +175,12 @@ def test_plot_without_matplotlib_is_one_line_with_the_install(tmp_path, capsys, 
 
 
 def test_plot_lines_never_share_a_look():
-    """Up to 24 lines, each its own (colour, marker): matplotlib's default cycle repeats its
-    colours after ten, which made two strategies look like one."""
+    """Up to 60 lines, each its own (colour, marker): matplotlib's default cycle repeats its
+    colours after ten, which made two strategies look like one; any 10 styles in a row (a
+    panel holds at most 8 lines) differ by colour alone too."""
     from cpbench.report.plot import line_style, require_matplotlib
 
     plt = require_matplotlib()
-    looks = [tuple(line_style(i, plt).values()) for i in range(24)]
-    assert len(set(looks)) == 24
-    assert len({colour for colour, _ in looks[:20]}) == 20  # 20 colours before any repeats
+    looks = [tuple(line_style(i, plt).values()) for i in range(60)]
+    assert len(set(looks)) == 60
+    assert all(len({colour for colour, _ in looks[i:i + 10]}) == 10 for i in range(50))

@@ -31,9 +31,12 @@ def test_default_prints_the_run_table_marked_simulated(capsys):
     assert out.startswith("Simulated, not measured: A800")
     assert "Benchmark Summary (simulated on A800" in out
     header = next(line for line in out.splitlines() if "TFLOPs/s" in line)
-    for col in ("Dtype", "Seq Len", "FWD (ms)", "FWD+BWD (ms)", "Memory (MB)"):
+    for col in ("Strategy", "FWD (ms)", "FWD+BWD (ms)", "Mem (MB)"):
         assert col in header
-    assert re.search(r"zigzag .*131072 .*\| +32 +\|", out)
+    # what every row shares is said once, above the table (GPUs: a simulated cluster)
+    assert "every row: Dtype bf16, QKV Format bshd, B 1, Seq Len 131072, World 32, " \
+           "Nodes×GPUs 4×8" in out
+    assert re.search(r"^ +zigzag +\|", out, re.M)
     assert "CP efficiency" in out  # local is the baseline
     assert "Where the time goes" in out
 
@@ -51,7 +54,8 @@ def test_several_seqlens_print_the_sweep_view_and_csv_parses(capsys):
 def test_out_of_memory_prints_oom_in_every_figure_column(capsys):
     code, out, _ = run(capsys, "--strategy", "megatron-cp", "--seqlen", "8M")
     assert code == 0
-    row = next(line for line in out.splitlines() if "8388608" in line)
+    assert "Seq Len 8388608" in out
+    row = next(line for line in out.splitlines() if re.match(r" +megatron-cp +\|", line))
     cells = [c.strip() for c in row.split("|")]
     # FWD, FWD+BWD, Memory, TFLOPs/s: nothing would have run; the need is said below
     assert cells.count("OOM") == 4, row
@@ -249,7 +253,8 @@ def test_saved_predictions_re_render_marked_and_beside_measured_rows(capsys, tmp
     assert cli.main(["report", str(mixed), "--view", "sweep"]) == 0
     shown = capsys.readouterr().out
     assert shown.startswith("2 of 3 rows are simulated")
-    assert re.search(r"\|\s*measured\s*\|", shown) and re.search(r"\|\s*simulated\s*\|", shown)
+    assert re.search(r"^every row: .*Source measured", shown, re.M)
+    assert re.search(r"^every row: .*Source simulated", shown, re.M)
     # pivot rows kept apart, each named by its kernel (the preset, for a prediction)
     assert re.search(r"zigzag \[simulated: A800[^|]*\] \[4×8\] \(simulated\) +\|", shown)
     assert re.search(r"zigzag \[sdpa-cpu\] \[2×2\] +\|", shown)

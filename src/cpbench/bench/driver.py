@@ -299,16 +299,17 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
 
 
 def _say_record(p: Plan, record: dict, prefix: str, seconds: float) -> None:
-    """Rank 0: append the record and print its detail block (or its checks)."""
+    """Rank 0: append the record and say how the case went in one line (its detail block
+    with --details); a failed check's tensors below it."""
     from cpbench import report
 
     if p.out:
         results.append(p.out, record)
-    log.info("%s: %s in %.1f s", prefix,
-             record["status"] if record["status"] != results.OK else "done", seconds)
-    if p.run.format == "table":
+    log.info("%s: %s", prefix, report.case_line(record, seconds))
+    if p.run.format == "table" and p.run.details:
         out_log.info(report.detail(record))
-    elif record.get("check"):
+    elif record.get("check") and (p.run.format != "table"
+                                  or record["derived"]["check_passed"] is False):
         for c in record["check"]:
             log.info("  %s", Comparison(**c).line())
 
@@ -335,24 +336,31 @@ def _run_cases(p: Plan, rank: int, env: dict) -> tuple[list[dict], bool, bool]:
 
 
 def _header(p: Plan, world: int) -> None:
+    from cpbench import report
+
     topo = p.topo
     log.info("cpbench: %d case(s) on %d ranks (%d node(s) × %d), %s on %s, %s",
              len(p.cases), world, topo.num_nodes, topo.ranks_per_node, p.kernel, p.run.device,
-             ", ".join(f"{k}={v}" for k, v in p.attn.to_dict().items()))
+             ", ".join(f"{k}={v}" for k, v in p.attn.to_dict().items()
+                       if v is not None))  # what is unset says nothing
     if p.packed:  # the documents above are the first packing's
         log.info("%d packings of %s (seeds %d..%d), each strategy on each", len(p.packed),
                  p.documents_spec, p.run.seed, p.run.seed + len(p.packed) - 1)
     if not p.timed:
         log.info("ranks as threads on one %s: each case builds, checks (--check) and runs "
                  "one untimed step; nothing is timed or measured", p.run.device)
-    for reason in p.skipped:
-        log.info("skipped %s", reason)
+    for line in report.skipped_lines(list(p.skipped)):  # a line per reason, not per case
+        log.info("%s", line)
 
 
 def _footer(p: Plan, records: list[dict], failed: bool, broken: bool) -> None:
     from cpbench import report
+    from cpbench.report.render import fitting, wide_width
 
-    out_log.info(report.summary(records, p.run.format).rstrip("\n"))
+    with fitting(wide_width(p.run.wide)):
+        out_log.info(report.summary(records, p.run.format).rstrip("\n"))
+    if p.run.format == "table":
+        log.info("%s", report.outcome_line(records))
     if p.out:
         log.info("records: %s  (re-render: cpbench report %s)", p.out, p.out)
     if broken:

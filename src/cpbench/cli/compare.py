@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
                    help="practical-equivalence band: slower / faster need the ratio's "
                         "interval outside 1 ± this (default 0.02, i.e. ±2 %%)")
     p.add_argument("--format", choices=FORMATS, default="table")
+    p.add_argument("--wide", action="store_true",
+                   help="every column of the tables (default: they fit the terminal, 120 "
+                        "columns when it is not one)")
     p.add_argument("--plot", metavar="OUT.png",
                    help="also draw both runs' step-time distributions per case (needs "
                         "matplotlib)")
@@ -104,7 +107,10 @@ def main(args) -> int:
     elif args.format == "markdown":
         sys.stdout.write(markdown.markdown(cmp, files_a, files_b))
     else:
-        sys.stdout.write(render.table(cmp, files_a, files_b))
+        from cpbench.report.render import fitting, wide_width
+
+        with fitting(wide_width(args.wide)):
+            sys.stdout.write(render.table(cmp, files_a, files_b))
     if args.plot:
         from cpbench.compare import plot
 

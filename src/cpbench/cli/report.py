@@ -16,10 +16,19 @@ def add_parser(sub) -> None:
     r = command(sub, "report", __doc__, main)
     r.add_argument("files", nargs="+", metavar="FILE.jsonl")
     r.add_argument("--format", choices=FORMATS, default="table")
+    r.add_argument("--wide", action="store_true",
+                   help="every column of every table, seed 001's full layout (default: tables "
+                        "fit the terminal, 120 columns when it is not one: the columns every "
+                        "row shares go to a line above, the least essential are hidden)")
+    r.add_argument("--details", action="store_true",
+                   help="with the run view: each case's block (configuration, performance, "
+                        "checks, load balance, profile) before the summary, as `cpbench run "
+                        "--details` printed it")
     r.add_argument("--view", choices=("auto", "run", "sweep"), default="auto",
-                   help="run: each detail block and the summary, as `cpbench run` printed "
-                        "them; sweep: seed 001's tables grouped by strategy, then a pivot by "
-                        "Seq Len; auto: run when every record is from one run, else sweep")
+                   help="run: the summary, as `cpbench run` printed it (--details: each "
+                        "case's block before it); sweep: seed 001's tables grouped by strategy, "
+                        "then a pivot by Seq Len; auto: run when every record is from one run, "
+                        "else sweep")
     r.add_argument("--compare", choices=("placement", "upstream"),
                    help="placement: each strategy's placements (windows, degrees) side by "
                         "side per topology, with their TFLOPs ratio; upstream: each of "
@@ -38,7 +47,8 @@ def add_parser(sub) -> None:
                         "runner-up / winner lies inside 1 ± this, a win only above it "
                         "(default 0.02, as cpbench compare)")
     r.add_argument("--plot", metavar="OUT.png",
-                   help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib); "
+                   help="also draw TFLOPs/s per GPU (per rank on CPUs) against Seq Len, a "
+                        "panel per topology and at most 8 lines a panel (needs matplotlib); "
                         "with --best the winner map (problem × topology)")
 
 
@@ -91,17 +101,21 @@ def _text(args, records: list[dict]) -> str:
         return (f"Compared{note}\n\n" if note else "") + view(records, args.format)
     if sweep_view and args.format in ("table", "markdown"):
         return report.sweep.sweep_report(records, args.format)
-    return report.report(records, args.format)  # csv / json: every row, whatever the view
+    # csv / json: every row, whatever the view
+    return report.report(records, args.format, details=args.details)
 
 
 def main(args) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(message)s",
                         stream=sys.stderr)
+    from cpbench.report.render import fitting, wide_width
+
     try:
         records = _records(args)
     except (OSError, UsageError) as e:
         return fail(PROG, e)
-    sys.stdout.write(_text(args, records))
+    with fitting(wide_width(args.wide)):
+        sys.stdout.write(_text(args, records))
     if args.plot:
         from cpbench.report import plot, tables
 

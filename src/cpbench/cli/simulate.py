@@ -77,6 +77,9 @@ def add_parser(sub) -> None:
     s.add_argument("--plot", metavar="OUT.png",
                    help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib)")
     s.add_argument("--format", choices=FORMATS, default="table")
+    s.add_argument("--wide", action="store_true",
+                   help="every column of every table (default: tables fit the terminal, "
+                        "120 columns when it is not one)")
     s.add_argument("--out", metavar="FILE.jsonl",
                    help="also append the predictions as result records (marked simulated; "
                         "`cpbench report` re-renders them, beside measured ones); with "
@@ -114,8 +117,10 @@ def _add_self_check(p, integer) -> None:
 
 def main(args) -> int:
     from cpbench.report import console
+    from cpbench.report.render import fitting, wide_width
 
-    with console.transient_progress():  # a status line on a terminal; results on stdout
+    # a status line on a terminal; results on stdout, tables fitting it unless --wide
+    with console.transient_progress(), fitting(wide_width(args.wide)):
         try:
             return _simulate(args)
         except (OSError, UsageError) as e:
@@ -171,6 +176,7 @@ def list_hardware() -> str:
 
 def _simulate(args) -> int:
     from cpbench.report import console
+    from cpbench.report.render import prose
     from cpbench.sim import command, hardware, measured_memory, validate
 
     if args.list_hardware:
@@ -201,7 +207,7 @@ def _simulate(args) -> int:
             text += measured_memory.summary(records, args.memory_from)
         if skipped and args.format in ("table", "markdown"):
             text += "not simulated (the configuration does not allow them):\n" + \
-                "".join(f"  {why}\n" for why in skipped)
+                "".join(f"{line}\n" for line in prose([f"  {why}" for why in skipped]))
     console.end_status()
     if args.out:
         from cpbench import results

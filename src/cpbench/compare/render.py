@@ -8,10 +8,16 @@ import textwrap
 
 from cpbench.compare import cells
 from cpbench.compare.analysis import Comparison
-from cpbench.report.tables import render
+from cpbench.report.render import Fit, prose, render
 
 WIDTH = 100
 TOP_PARTS = 10  # the terminal shows the most suspicious parts; markdown shows them all
+# narrow tables (report.render): the raw p-value goes before the Holm-corrected one that
+# decides; the parts keep their shares and scores before the per-part times and z-scores
+TESTS_FIT = Fit(drop=("p", "n A", "n B"), wrap=("Case", "Verdict"),
+                short={"A median (ms)": "A (ms)", "B median (ms)": "B (ms)"})
+PARTS_FIT = Fit(drop=("U-test p(β)", "Z-Score(log_μ)", "Z-Score(β)", "μ_A (ms)", "μ_B (ms)"),
+                wrap=("Case", "Part"), short={"Suspicion Score": "Score"})
 
 
 def environment_lines(cmp: Comparison, bullet: str = "  ") -> list[str]:
@@ -51,18 +57,19 @@ def table(cmp: Comparison, files_a: list[str], files_b: list[str]) -> str:
     out += environment_lines(cmp)
     unmatched = unmatched_lines(cmp)
     out += [""] + unmatched if unmatched else []
-    out += [""] + render(None, [cells.test_row(t) for t in cmp.tests], "table")
-    out.append(cells.verdict_line(cmp))
-    findings = cells.timing_findings(cmp, bold=False)
+    out += [""] + render(None, [cells.test_row(t) for t in cmp.tests], "table", TESTS_FIT)
+    out += prose([cells.verdict_line(cmp)])
+    findings = prose(cells.timing_findings(cmp, bold=False))
     out += ["", "Key findings:"] + findings if findings else []
     if cmp.parts:
         out += ["", "Where the time went (profiled parts, most suspicious first):"]
-        out += cells.part_findings(cmp, bold=False)
-        out += render(None, [cells.part_row(c) for c in cmp.parts[:TOP_PARTS]], "table")
+        out += prose(cells.part_findings(cmp, bold=False))
+        out += render(None, [cells.part_row(c) for c in cmp.parts[:TOP_PARTS]], "table",
+                      PARTS_FIT)
         if len(cmp.parts) > TOP_PARTS:
             out.append(f"({len(cmp.parts) - TOP_PARTS} more parts: --format markdown)")
     if cmp.notes:
-        out += ["", "Notes:"] + [f"  {n}" for n in cmp.notes]
+        out += ["", "Notes:"] + prose([f"  {n}" for n in cmp.notes])
     return "\n".join(out) + "\n"
 
 

@@ -24,7 +24,8 @@ from statistics import median
 from cpbench import rounds
 from cpbench.metrics import bootstrap_ratio
 from cpbench.report.dataframe import frame
-from cpbench.report.labels import joined
+from cpbench.report.labels import joined, rank_unit, ranks_text
+from cpbench.report.render import Fit, prose, render
 from cpbench.report.tables import case_text
 from cpbench.results import OK
 
@@ -149,27 +150,26 @@ def best_table(records: list[dict], fmt: str = "table",
     flagged = _flagged(records)
     if not vs:
         return "\n".join(["no CP rows that ran unflagged: nothing to rank", *flagged]) + "\n"
-    head = ["Problem", "Topology", "Winner", "Time (ms)", "Runner-up", "Margin", "Verdict"]
     rows = []
     for v in vs:
-        margin = "-" if v.margin is None else f"{100 * v.margin:+.1f} %"
+        margin = "-" if v.margin is None else f"{100 * v.margin:+.1f}"
         if v.interval:
             margin += f" [{100 * (v.interval[0] - 1):+.1f}, {100 * (v.interval[1] - 1):+.1f}]"
-        rows.append([v.problem, v.topology, v.winner, f"{v.time_ms:.2f}", v.runner_up or "-",
-                     margin, v.call])
+        rows.append({"Problem": v.problem, "Topology": v.topology, "Winner": v.winner,
+                     "Time (ms)": f"{v.time_ms:.2f}", "Runner-up": v.runner_up or "-",
+                     "Margin (%)": margin, "Verdict": v.call})
     if fmt == "markdown":
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]
-                         + [f"- {line}" for line in flagged]) + "\n"
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    fmt_row = " | ".join(f"{{:<{w}}}" for w in widths).format
-    rule = "-" * (sum(widths) + 3 * (len(widths) - 1))
+        return "\n".join(render(None, rows, fmt) + [f"- {line}" for line in flagged]) + "\n"
     drift = rounds.drift_lines(records, case_text)
-    return "\n".join([f"Which strategy wins (fastest FWD+BWD; wins: the 95 % interval of "
-                      f"runner-up / winner above 1 + {min_effect:g}; tie: inside "
-                      f"1 ± {min_effect:g}; unclear: neither):", rule, fmt_row(*head), rule,
-                      *(fmt_row(*r) for r in rows), rule, *flagged]
-                     + ([""] + drift if drift else [])) + "\n"
+    title = (f"Which strategy wins (fastest FWD+BWD; wins: the 95 % interval of runner-up / "
+             f"winner above 1 + {min_effect:g}; tie: inside 1 ± {min_effect:g}; unclear: "
+             f"neither):")
+    return "\n".join([*prose([title]), *render(None, rows, fmt, _FIT), *prose(flagged)]
+                     + ([""] + prose(drift) if drift else [])) + "\n"
+
+
+# the problem is the same on every row of a one-problem run: a line above the table then
+_FIT = Fit(lift=("Problem", "Topology"), wrap=("Problem", "Runner-up", "Winner"))
 
 
 def _flagged(records: list[dict]) -> list[str]:
@@ -204,7 +204,7 @@ def plot_winners(records: list[dict], path: str, min_effect: float = MIN_EFFECT)
     ax.set_ylim(0, len(problems))
     ax.set_xticks([i + 0.5 for i in range(len(topos))], topos)
     ax.set_yticks([i + 0.5 for i in range(len(problems))], problems, fontsize=7)
-    ax.set_xlabel("nodes × GPUs")
+    ax.set_xlabel(f"nodes × {ranks_text(rank_unit(records))}")
     ax.set_title("Fastest strategy per problem\n(hatched: a tie with the runner-up, or unclear)",
                  fontsize=9)
     fig.tight_layout()

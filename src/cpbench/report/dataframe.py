@@ -39,6 +39,7 @@ def _row(r: dict) -> dict:
         "ranks_per_node": topo["ranks_per_node"],
         "ranks_per_problem": r["ranks_per_problem"], "kernel": r["kernel"],
         "device": cfg["run"]["device"], "fwd_only": cfg["run"]["fwd_only"],
+        "launcher": r["env"].get("launcher"),
         "status": r["status"], "error": r.get("error"),
         "memory_status": r.get("memory_status"), "memory_error": r.get("memory_error"),
         **{k: d.get(k) for k in _FIGURES},

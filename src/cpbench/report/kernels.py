@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from cpbench.report.render import Fit, render
 from cpbench.report.rows import data_text
-from cpbench.report.tables import render
 
 SHAPE = ("seqlen", "heads", "head_dim", "dtype", "causal")
+# narrow (report.render): the shape every row shares above the table, skip reasons as notes,
+# then the per-phase speedups, the forward's rate and memory go before the FWD+BWD figures
+_FIT = Fit(lift=("Seq Len", "Heads", "Head Dim", "dtype", "Causal"), notes=("Note",),
+           drop=("Speedup FWD", "Speedup BWD", "FWD TFLOPs/s", "Memory (MB)"),
+           short={"Memory (MB)": "Mem (MB)"})
 
 
 def is_kernel_bench(records: list[dict]) -> bool:
@@ -95,4 +100,4 @@ def render_kernels(records: list[dict], fmt: str, *, skipped: Sequence[dict] = (
         return data_text(rows, fmt)
     title = "Attention kernels" + (f" (speedup: {baseline}'s time / this time)"
                                    if baseline else "")
-    return "\n".join(render(title, [_table_row(r) for r in rows], fmt)) + "\n"
+    return "\n".join(render(title, [_table_row(r) for r in rows], fmt, _FIT)) + "\n"

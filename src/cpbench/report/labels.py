@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
 
 def options_label(record: dict) -> str:
     """The options that set this row apart, as the strategy resolved them: a placement bare,
@@ -58,3 +60,23 @@ def mask_text(attention: dict) -> str:
     if attention.get("window_size"):
         text += f", window {window_text(attention)}"
     return text
+
+
+def rank_unit(records: list[dict]) -> str:
+    """What one rank is, in headers and titles: "GPU" when every record ran (or was
+    simulated) on CUDA devices, one rank each; "rank" otherwise (CPU processes, or ranks as
+    threads sharing one device), so a CPU run never claims GPUs."""
+    return unit_of((r["config"]["run"]["device"], (r.get("env") or {}).get("launcher"))
+                   for r in records)
+
+
+def unit_of(devices: Iterable[tuple[str, str | None]]) -> str:
+    """``rank_unit`` from (device, launcher) pairs, e.g. a frame's rows."""
+    pairs = list(devices)
+    gpus = all(device == "cuda" and launcher != "threads" for device, launcher in pairs)
+    return "GPU" if pairs and gpus else "rank"
+
+
+def ranks_text(unit: str) -> str:
+    """The unit's plural as a title says it: "GPUs", "ranks"."""
+    return f"{unit}s"

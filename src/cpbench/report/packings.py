@@ -11,6 +11,7 @@ from statistics import median
 
 from cpbench.report.dataframe import frame
 from cpbench.report.labels import joined
+from cpbench.report.render import Fit, render
 from cpbench.results import OK
 
 # what makes rows the same packed problem: the problem less its sampled lengths
@@ -70,8 +71,6 @@ def rows(records: list[dict]) -> list[dict]:
 
 def lines(records: list[dict], fmt: str) -> list[str]:
     """The table under its title, or nothing without packings."""
-    from cpbench.report.tables import render
-
     table = rows(records)
     if not table:
         return []
@@ -81,4 +80,7 @@ def lines(records: list[dict], fmt: str) -> list[str]:
              f"packing; the imbalance range they gave; median padding)")
     if fmt == "markdown":
         return ["", *render(title, table, fmt)]
-    return ["", f"{title}:", *render(None, table, fmt)]
+    return ["", f"{title}:", *render(None, table, fmt, _FIT)]
+
+
+_FIT = Fit(lift=("Documents",), wrap=("Strategy", "Documents"))

@@ -1,13 +1,16 @@
 """Reports over many runs (a sweep's JSONL): seed 001's tables grouped by strategy, a pivot
 (strategy × Seq Len → TFLOPs/s per GPU, FWD+BWD ms, memory), and placements side by side.
+"GPU" reads "rank" where the ranks are CPU processes (``labels.rank_unit``); every table fits
+the terminal (``report.render``) unless ``--wide``.
 
 - ``grouped``: as seed 001 prints a sweep — a ``### <strategy (placement)> on N×G GPUs``
   heading and one seed-format table per strategy, placement and topology, rows by Seq Len.
 - ``pivot``: one table per figure, a row per strategy (and placement, and topology when the
   records hold several), a column per Seq Len; OOM / failed cells say so.
 - ``compare_placement``: per strategy, topology and problem, the variants a strategy ran
-  (USP head-first / ring-first, double-ring windows, a2a degrees, …) side by side, TFLOPs/s per
-  GPU, with each variant's ratio to the first.
+  (USP head-first / ring-first, double-ring windows, a2a degrees, …) one under the other,
+  TFLOPs/s per GPU, with each variant's ratio to the first (a row per Seq Len and variant:
+  the table stays narrow however many variants there are).
 
 A case recorded more than once (a sweep re-run after a failure) counts once: its last record.
 Figures come from ``dataframe.frame`` (recomputed from the raw samples).
@@ -23,6 +26,8 @@ from cpbench import rounds
 from cpbench.metrics import bootstrap_ratio
 from cpbench.report import tables
 from cpbench.report.dataframe import PROBLEM, frame
+from cpbench.report.labels import rank_unit, ranks_text, unit_of
+from cpbench.report.render import Fit
 from cpbench.results import OK
 
 # a case: the options as asked (not as resolved: a failure record written by the sweep has no
@@ -54,7 +59,7 @@ def latest_frame(records: list[dict]):
     if df.empty:
         return df
     cells = tables.rows(records)
-    for col in ("FWD (ms)", "FWD+BWD (ms)", "Memory (MB)", "TFLOPs/s", "CP Efficiency"):
+    for col in ("FWD (ms)", "FWD+BWD (ms)", "Memory (MB)", "TFLOPs/s", "CP Efficiency (%)"):
         df[col] = [c[col] for c in cells]
     df["_cells"] = cells
     df["_asked"] = [json.dumps(r["config"]["options"], sort_keys=True) for r in records]
@@ -74,10 +79,12 @@ def grouped(records: list[dict], fmt: str = "table") -> str:
     if df.empty:
         return "no records\n"
     lines: list[str] = []
+    fit = tables.fit(records)
     for (label, topo), g in df.groupby(["label", "topo"], sort=False):
+        units = ranks_text(unit_of(zip(g["device"], g["launcher"])))
         g = g.sort_values("seqlen", kind="stable")
         drop = {"Strategy", "Placement", "Nodes×GPUs"}
-        for col in ("CP Efficiency", "Fraction of Ideal"):  # neither measured: no column
+        for col in ("CP Efficiency (%)", "Fraction of Ideal (%)"):  # neither measured: no column
             if all(c.get(col, "-") == "-" for c in g["_cells"]):
                 drop.add(col)
         if "Check" in g["_cells"].iloc[0] and all(c["Check"] == "-" for c in g["_cells"]):
@@ -85,7 +92,7 @@ def grouped(records: list[dict], fmt: str = "table") -> str:
         table_rows = [{k: v for k, v in c.items() if k not in drop} for c in g["_cells"]]
         if lines:
             lines.append("")
-        lines += tables.render(f"{label} on {topo} GPUs", table_rows, fmt)
+        lines += tables.render(f"{label} on {topo} {units}", table_rows, fmt, fit)
     return "\n".join(lines) + "\n"
 
 
@@ -98,8 +105,9 @@ def row_keys(df):
             for lab, t, sim in zip(df["label"], df["topo"], df["simulated"])]
 
 
-_PIVOTS = (("TFLOPs/s per GPU", "TFLOPs/s"), ("FWD+BWD (ms)", "FWD+BWD (ms)"),
+_PIVOTS = (("TFLOPs/s per {unit}", "TFLOPs/s"), ("FWD+BWD (ms)", "FWD+BWD (ms)"),
            ("Memory (MB)", "Memory (MB)"))
+_PIVOT_FIT = Fit(wrap=("Strategy",))
 
 
 def pivot(records: list[dict], fmt: str = "table") -> str:
@@ -126,17 +134,19 @@ def pivot(records: list[dict], fmt: str = "table") -> str:
             table_rows.append(cells)
         if lines:
             lines.append("")
-        lines += tables.render(f"{title} by Seq Len", table_rows, fmt)
+        lines += tables.render(f"{title.format(unit=rank_unit(records))} by Seq Len",
+                               table_rows, fmt, _PIVOT_FIT)
     return "\n".join(lines) + "\n"
 
 
 def compare_placement(records: list[dict], fmt: str = "table") -> str:
-    """Each strategy's variants side by side per topology and problem: TFLOPs/s per GPU and
-    each variant's ratio to the first (> 1: faster than the first)."""
+    """Each strategy's variants per topology and problem, a row per Seq Len and variant:
+    TFLOPs/s per GPU and the variant's ratio to the first (> 1: faster than the first)."""
     df = latest_frame(records)
     if df.empty:
         return "no records\n"
     problem = [c for c in PROBLEM if c != "seqlen"]
+    unit, rename = rank_unit(records), tables.fit(records).rename
     lines: list[str] = []
     for _, g in df.groupby(["strategy", "topo", *problem, "fwd_only"], sort=False,
                            dropna=False):
@@ -144,30 +154,38 @@ def compare_placement(records: list[dict], fmt: str = "table") -> str:
         if len(variants) < 2:
             continue
         short, common = _distinct(variants)
-        first = variants[0]
-        table_rows = []
-        for seqlen, at in g.groupby("seqlen", sort=True):
-            by = {o: r for o, r in zip(at["options"], at.to_dict("records"))}
-            cells = {"Seq Len": str(seqlen)}
-            for v in variants:
-                cells[short[v]] = by[v]["TFLOPs/s"] if v in by else "-"
-            base = by.get(first)
-            phase = "fwd" if g["fwd_only"].iloc[0] else "fwd_bwd"
-            for v in variants[1:]:
-                cells[f"{short[v]} / {short[first]}"] = ratio_cell(base, by.get(v), phase)
-            table_rows.append(cells)
         a = g.iloc[0]
-        title = (f"{a['strategy']}{' (' + common + ')' if common else ''} on {a['topo']} GPUs: "
-                 f"TFLOPs/s per GPU by placement "
+        title = (f"{a['strategy']}{' (' + common + ')' if common else ''} on {a['topo']} "
+                 f"{ranks_text(unit)}: TFLOPs/s per {unit} by placement "
                  f"({a['dtype']}, B={a['batch']}, H={a['heads']}, D={a['head_dim']}, "
                  f"{'causal' if a['causal'] else 'full'})")
         if lines:
             lines.append("")
-        lines += tables.render(title, table_rows, fmt)
+        lines += tables.render(title, _placement_rows(g, variants, short), fmt,
+                               Fit(lift=("Seq Len",), wrap=("Placement",), rename=rename))
     if not lines:
         return ("no strategy ran more than one placement (or window, or degree) on the same "
                 "topology and problem\n")
     return "\n".join(lines) + "\n"
+
+
+def _placement_rows(g, variants: list[str], short: dict[str, str]) -> list[dict]:
+    """A row per Seq Len and variant, the first variant first: its rate and time, and its
+    rate over the first's with the bootstrap interval."""
+    phase = "fwd" if g["fwd_only"].iloc[0] else "fwd_bwd"
+    time_col = "FWD (ms)" if phase == "fwd" else "FWD+BWD (ms)"
+    first = variants[0]
+    out = []
+    for seqlen, at in g.groupby("seqlen", sort=True):
+        by = {o: r for o, r in zip(at["options"], at.to_dict("records"))}
+        for v in variants:
+            row = by.get(v)
+            out.append({"Seq Len": str(seqlen), "Placement": short[v],
+                        "TFLOPs/s": row["TFLOPs/s"] if row else "-",
+                        time_col: row[time_col] if row else "-",
+                        "vs first": "1.00x (first)" if v == first and row else
+                        ratio_cell(by.get(first), row, phase)})
+    return out
 
 
 def ratio_cell(den: dict | None, num: dict | None, phase: str) -> str:

@@ -8,8 +8,7 @@
   except a FWD time measured before the FWD+BWD step ran out of memory. A memory
   measurement that failed or ran out of memory prints as such in Memory (MB) alone: the
   row's timings stand.
-- ``detail``: seed 000's "Benchmark Results for …" block (Configuration, Performance), without
-  its FlashAttention Kernel % lines (a profiler ratio that was not what it said).
+- ``detail`` (``report.detail``): seed 000's "Benchmark Results for …" block, one per case.
 - markdown / csv / json: the same rows (with the CP efficiency as a column).
 
 Rows are built with pandas from ``report.dataframe`` (every figure derived from the raw
@@ -21,59 +20,54 @@ size, shows under Placement). With ``--documents`` a Documents column (count, lo
 Padding (pad tokens' share of the padded sequence: ``--document-padding``), and wherever a
 record holds its ``balance`` an Imbalance column: max / mean attended area over ranks, from
 the layout and the mask. TFLOPs/s is per GPU for FWD+BWD (FWD alone with --fwd-only); every
-figure is recomputed from the record's raw samples by ``cpbench.results.derive``.
+figure is recomputed from the record's raw samples by ``cpbench.results.derive``. Where the
+ranks are CPU processes, headers say ranks, not GPUs (``labels.rank_unit``).
+
+The table format fits the terminal (``report.render``): the problem columns every row shares
+go to a line above the table, Flags become numbered notes under it, and the least essential
+columns (Fraction of Ideal, Exposed Comm, Padding, Imbalance) are hidden only when the table
+is still too wide; ``--wide`` prints every column.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import math
-import statistics
 
 from cpbench import guards, rounds
 from cpbench.config import FORMATS
-from cpbench.profile.summary import detail_lines
-from cpbench.reference import TENSORS, Comparison
-from cpbench.report import packings
+from cpbench.report import cells, packings
+from cpbench.report.cells import cell_ms
 from cpbench.report.dataframe import baseline_drift, efficiencies, frame
-from cpbench.report.labels import mask_text, option_text, row_label, window_text
-from cpbench.results import FAILED, OK, OOM, derive
+from cpbench.report.detail import detail
+from cpbench.report.labels import rank_unit, row_label
+from cpbench.report.lines import outcome_line
+from cpbench.report.render import Fit, prose, render
 
-_RULE = 50
+__all__ = ["FORMATS", "cell_ms", "detail", "render", "report", "rows", "summary"]
 
-
-def _missing(x) -> bool:
-    return x is None or (isinstance(x, float) and math.isnan(x))  # pandas' NaN too
-
-
-def _ms(x) -> str:
-    return "-" if _missing(x) else f"{x:.2f}"
-
-
-def cell_ms(value, record: dict) -> str:
-    """A time cell: the figure, or the row's status (OOM, failed) where none was measured;
-    "-" where the row's times are not measurements (``measured_cell``)."""
-    if _missing(value) and record["status"] != OK:
-        return record["status"]
-    return measured_cell(_ms(value), guards.not_measured(record))
+# what the narrow table may do with the summary's columns (report.render.Fit)
+PROBLEM_COLUMNS = ("Dtype", "QKV Format", "B", "Seq Len", "World", "Nodes×GPUs", "CP",
+                   "Window", "Packing", "Documents", "Source")
+OPTIONAL_COLUMNS = ("Fraction of Ideal (%)", "Exposed Comm (%)", "Padding (%)", "QKV Format",
+                    "World", "Window", "CP", "Imbalance")
+SHORT = {"Memory (MB)": "Mem (MB)", "Fraction of Ideal (%)": "Ideal (%)",
+         "Exposed Comm (%)": "Exposed (%)", "Padding (%)": "Pad (%)", "Imbalance": "Imbal",
+         "CP Efficiency (%)": "CP Eff (%)"}
 
 
-def _tflops(x) -> str:
-    if _missing(x):
-        return "-"
-    return f"{x:.2f}" if abs(x) >= 1 else f"{x:.3g}"  # CPU rates are fractions of a TFLOP
-
-
-def measured_cell(cell: str, not_measured) -> str:
-    """A cell of a measured figure (a time, TFLOP/s, memory, an efficiency, the fraction of
-    ideal): "-" where the row's figures are not measurements (``guards.not_measured``; the
-    reason is among the row's flags)."""
-    return cell if _missing(not_measured) else "-"
+def fit(records: list[dict], label: str = "Strategy") -> Fit:
+    """How the summary's columns narrow (``report.render``), its words for a rank those of
+    the records' devices."""
+    unit = rank_unit(records)
+    rename = {} if unit == "GPU" else {"Nodes×GPUs": "Nodes×Ranks", "TFLOPs/s": "TFLOP/s/rank"}
+    return Fit(lift=PROBLEM_COLUMNS, drop=OPTIONAL_COLUMNS, wrap=(label,), notes=("Flags",),
+               short=SHORT, rename=rename, merge=(("Strategy", "Placement"),))
 
 
 def rows(records: list[dict]) -> list[dict]:
-    """Display rows: column title → cell text, in table order."""
+    """Display rows: column title → cell text, in table order (every column: the table
+    format narrows them, ``fit``)."""
     df = frame(records)
     with_check = any(r.get("check") for r in records)
     with_profile = df["exposed_comm_pct"].notna().any()
@@ -85,18 +79,8 @@ def rows(records: list[dict]) -> list[dict]:
     with_ideal = any(r.get("ideal") for r in records)  # records before it: no column
     out = []
     for row in df.to_dict("records"):
-        status = row["status"]
-        # a time that was measured shows; OOM / failed in every other time column and TFLOPs
-        fwd = status if _missing(row["fwd_ms"]) else _ms(row["fwd_ms"])
-        both = "-" if row["fwd_only"] else \
-            status if _missing(row["fwd_bwd_ms"]) else _ms(row["fwd_bwd_ms"])
-        tf = status if status != OK else \
-            _tflops(row["fwd_tflops"] if row["fwd_only"] else row["fwd_bwd_tflops"])
-        mem = _memory_cell(row["memory_mb"], row["memory_status"])
-        if status == OK:  # (a failed row's cells say so, measured or not)
-            fwd, both, tf, mem = (measured_cell(c, row["not_measured"])
-                                  for c in (fwd, both, tf, mem))
-        cells = {
+        figures = cells.figures(row)
+        out_row = {
             "Strategy": row["strategy"], "Placement": row["options"],
             "Dtype": row["dtype"], "QKV Format": "bshd", "B": str(row["batch"]),
             "Seq Len": str(row["seqlen"]), "World": str(row["world"]),
@@ -104,83 +88,27 @@ def rows(records: list[dict]) -> list[dict]:
             "CP": str(row["ranks_per_problem"] > 1),
             "Window": "None" if row["window"] == "(-1, -1)" else row["window"],
             **({"Packing": str(int(row["packing"]))} if with_packings else {}),
-            **({"Documents": _docs_cell(row["documents"]),
-                "Padding": _padding_cell(row["padding_fraction"])} if with_docs else {}),
-            **({"Imbalance": "-" if _missing(row["imbalance"]) else
+            **({"Documents": cells.documents(row["documents"]),
+                "Padding (%)": cells.pct(row["padding_fraction"])} if with_docs else {}),
+            **({"Imbalance": "-" if cells.missing(row["imbalance"]) else
                 f"{row['imbalance']:.2f}"} if with_balance else {}),
             **({"Source": "simulated" if row["simulated"] else "measured"} if mixed else {}),
-            "FWD (ms)": fwd, "FWD+BWD (ms)": both, "Memory (MB)": mem, "TFLOPs/s": tf,
+            **figures,
         }
         if with_profile:  # the profiled step's communication no kernel hides (--profile)
-            cells["Exposed Comm"] = "-" if _missing(row["exposed_comm_pct"]) else \
-                f"{row['exposed_comm_pct']:.1f} %"
+            out_row["Exposed Comm (%)"] = cells.pct(row["exposed_comm_pct"] / 100) \
+                if not cells.missing(row["exposed_comm_pct"]) else "-"
         if with_check:
             passed = row["check_passed"]
-            cells["Check"] = "-" if _missing(passed) else "PASS" if passed else "FAIL"
+            out_row["Check"] = "-" if cells.missing(passed) else "PASS" if passed else "FAIL"
         if with_flags:  # the physics guards' (cpbench.guards): the row's figures are suspect
-            cells["Flags"] = row["flags"] or "-"
+            out_row["Flags"] = row["flags"] or "-"
         # the kernel blocks alone over the step (bench.ideal): needs no baseline that fits
         if with_ideal:
-            cells["Fraction of Ideal"] = measured_cell(_pct_cell(row["fraction_of_ideal"]),
-                                                       row["not_measured"])
-        cells["CP Efficiency"] = measured_cell(
-            "-" if _missing(row["cp_efficiency"]) else
-            f"{100 * row['cp_efficiency']:.1f} % [{_pct(row['cp_efficiency_low'])}, "
-            f"{_pct(row['cp_efficiency_high'])}]", row["not_measured"])
-        out.append(cells)
-    return out
-
-
-def _docs_cell(documents: str) -> str:
-    if documents == "-":
-        return "-"
-    lengths = [int(x) for x in documents.split(",")]
-    return f"{len(lengths)} (max {max(lengths)})"
-
-
-def _padding_cell(fraction) -> str:
-    """The pad tokens' share of the padded sequence (--document-padding pad)."""
-    return "-" if _missing(fraction) else f"{100 * fraction:.2f} %"
-
-
-def _pct_cell(x) -> str:
-    return "-" if _missing(x) else f"{100 * x:.1f} %"
-
-
-def _pct(x) -> str:
-    return "-" if _missing(x) else f"{100 * x:.1f}"
-
-
-def _memory_cell(memory_mb, memory_status) -> str:
-    if not _missing(memory_mb):
-        return _ms(memory_mb)
-    return memory_status if memory_status in (OOM, FAILED) else "-"
-
-
-def render(title: str | None, table_rows: list[dict], fmt: str) -> list[str]:
-    """A table under an optional ``### title``: seed 001's layout, or markdown."""
-    out = [f"### {title}"] if title else []
-    if fmt == "markdown":
-        cols = list(table_rows[0])
-        out += ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-        out += ["| " + " | ".join(r[c] for c in cols) + " |" for r in table_rows]
-    else:
-        out += _seed_table(table_rows)
-    return out
-
-
-def _seed_table(table_rows: list[dict]) -> list[str]:
-    """Seed 001's layout: centred cells between '|', '=' rules around, '-' under the header."""
-    cols = list(table_rows[0])
-    widths = [max(len(c), *(len(r[c]) for r in table_rows)) + 2 for c in cols]
-
-    def line(cells):
-        return "|".join(str(cell).center(w) for cell, w in zip(cells, widths)).rstrip()
-
-    total = sum(widths) + len(widths) - 1
-    out = ["=" * total, line(cols), "-" * total]
-    out += [line(r[c] for c in cols) for r in table_rows]
-    out.append("=" * total)
+            out_row["Fraction of Ideal (%)"] = cells.measured(cells.pct(row["fraction_of_ideal"]),
+                                                              row["not_measured"])
+        out_row["CP Efficiency (%)"] = cells.efficiency(row)
+        out.append(out_row)
     return out
 
 
@@ -228,21 +156,23 @@ def summary(records: list[dict], fmt: str = "table") -> str:
         return "no records\n"
     records = rounds.pool(records)  # --rounds K: a case's rounds are one row
     if fmt == "table":
-        table_rows = [{k: v for k, v in r.items() if k != "CP Efficiency"} for r in rows(records)]
-        lines = [f"Benchmark Summary{simulated_note(records)}:", *_seed_table(table_rows)]
+        table_rows = [{k: v for k, v in r.items() if k != "CP Efficiency (%)"}
+                      for r in rows(records)]
+        lines = [f"Benchmark Summary{simulated_note(records)}:",
+                 *render(None, table_rows, fmt, fit(records))]
         for extra in (_efficiency_lines(records), rounds.drift_lines(records, case_text)):
-            lines += ["", *extra] if extra else []
-        lines += [f"no dense peak known for {name}: its rows have no above-peak guard"
-                  for name in guards.unguarded(records)]
+            lines += ["", *prose(extra)] if extra else []
+        lines += prose([f"no dense peak known for {name}: its rows have no above-peak guard"
+                        for name in guards.unguarded(records)])
         return "\n".join(lines + packings.lines(records, fmt)) + "\n"
     if fmt == "markdown":
         note = simulated_note(records)
         lines = [f"*Benchmark Summary{note}*", ""] if note else []
-        return "\n".join(lines + render(None, rows(records), "markdown")
+        return "\n".join(lines + render(None, rows(records), "markdown", fit(records))
                          + packings.lines(records, fmt)) + "\n"
     data = _data(records)
     if fmt == "json":
-        records_out = [{k: (None if _missing(v) else v) for k, v in row.items()}
+        records_out = [{k: (None if cells.missing(v) else v) for k, v in row.items()}
                        for row in data.to_dict("records")]
         return json.dumps(records_out, indent=1) + "\n"
     if fmt == "csv":
@@ -270,138 +200,13 @@ def _data(records: list[dict]):
     return df[cols]
 
 
-def detail(record: dict) -> str:
-    """Seed 000's per-run block."""
-    d = derive(record)
-    lines = ["=" * _RULE, f"Benchmark Results for {row_label(record)}", "=" * _RULE,
-             "Configuration:", *_configuration(record), "", "Performance:",
-             *_performance(record, d)]
-    if d["flags"]:  # cpbench.guards: figures that cannot be what they claim
-        lines += ["", "Flagged (never a winner in report --best):",
-                  *(f"  {f}" for f in d["flags"])]
-    if record.get("check"):
-        lines += ["", "Check against the float64 reference:"]
-        lines += ["  " + Comparison(**c).line() for c in record["check"]]
-        checked = {c["tensor"] for c in record["check"]}
-        lines += [f"  {n:>4}: not returned by {record['config']['strategy']}, not checked"
-                  for n in TENSORS if n not in checked]
-    if record.get("balance"):
-        lines += ["", *_balance_lines(record)]
-    if record.get("profile"):  # run --profile: where the profiled step's time went
-        lines += ["", *detail_lines(record["profile"])]
-    lines.append("=" * _RULE)
-    return "\n".join(lines) + "\n"
-
-
-def _configuration(record: dict) -> list[str]:
-    cfg, topo = record["config"], record["topology"]
-    a, run = cfg["attention"], cfg["run"]
-    opts = ", ".join(f"{k}={v}" for k, v in cfg["options"].items()) or "none"
-    resolved = record.get("resolved")
-    if resolved and resolved != cfg["options"]:
-        opts += f" (resolved: {', '.join(f'{k}={option_text(v)}' for k, v in resolved.items())})"
-    lines = [f"  - Dtype: {a['dtype']}", "  - QKV Format: bshd",
-             f"  - Batch Size: {a['batch']}", f"  - Sequence Length: {a['seqlen']}",
-             f"  - Num Heads: {a['heads']}", f"  - Num KV Heads: {a['kv_heads'] or a['heads']}",
-             f"  - Head Dimension: {a['head_dim']}",
-             f"  - Attention Mask: {mask_text(a)}",
-             f"  - Window Size: {window_text(a)}",
-             f"  - Context Parallel: {record['ranks_per_problem'] > 1}",
-             f"  - World Size: {topo['world_size']} ({topo['num_nodes']} node(s) × "
-             f"{topo['ranks_per_node']} ranks)",
-             f"  - Strategy Options: {opts}"]
-    pad = record.get("padding")
-    if pad:  # --document-padding pad: what this strategy's layout added
-        lines.append(f"  - Document Padding: {pad['padded_tokens']} tokens "
-                     f"({100 * pad['fraction']:.2f} % of {pad['padded_seqlen']}; documents "
-                     f"to multiples of {pad['document_multiple']}, the sequence of "
-                     f"{pad['sequence_multiple']})")
-    packing = record.get("packing")
-    if packing:
-        lines.append(f"  - Packing: {packing['index']} of {packing['count']} "
-                     f"({packing['documents']}, seed {packing['seed']})")
-    up = record.get("upstream")
-    if up:
-        lines.append(f"  - Upstream: {', '.join(f'{k} {v}' for k, v in up.items())}")
-    iterations = f"{run['iters']} timed after {run['warmup']} warm-up (median of the " \
-        f"slowest rank)" if not guards.not_measured(record) else \
-        "none timed (one untimed step; ranks as threads)"
-    return lines + [f"  - Kernel: {record['kernel']} on {run['device']}",
-                    f"  - Iterations: {iterations}"]
-
-
-def _performance(record: dict, d: dict) -> list[str]:
-    status = record["status"]
-    if status != OK:
-        label = "OOM" if status == OOM else "failed"
-        fwd = label if d.get("fwd_ms") is None else f"{_ms(d['fwd_ms'])} ms"
-        lines = [f"  - Forward Time: {fwd}", f"  - Forward+Backward Time: {label}",
-                 f"  - Performance: {label}"]
-        if status == FAILED or record.get("error"):
-            lines.append(f"  - Error: {record.get('error')}")
-        return lines
-    if d.get("not_measured"):
-        return [f"  - Times and memory: - ({d['not_measured']})"]
-    lines = [f"  - Forward Time: {_ms(d['fwd_ms'])} ms"]
-    if d.get("fwd_bwd_ms") is None:
-        return lines + [f"  - Memory Usage: {_memory_text(record, d)}",
-                        f"  - Performance: {_tflops(d['fwd_tflops'])} TFLOPs/s (forward)",
-                        f"  - Slowest Rank: {d['slowest_rank_fwd']}", *_ideal_lines(record, d)]
-    return lines + [f"  - Backward Time: {_ms(d['bwd_ms'])} ms",
-                    f"  - Forward+Backward Time: {_ms(d['fwd_bwd_ms'])} ms",
-                    f"  - Memory Usage: {_memory_text(record, d)}",
-                    f"  - Performance: {_tflops(d['fwd_bwd_tflops'])} TFLOPs/s (forward "
-                    f"{_tflops(d['fwd_tflops'])}, backward {_tflops(d['bwd_tflops'])})",
-                    f"  - Slowest Rank: {d['slowest_rank_fwd_bwd']}",
-                    *_ideal_lines(record, d)]
-
-
-def _ideal_lines(record: dict, d: dict) -> list[str]:
-    ideal = record.get("ideal")
-    if not ideal:
-        return []
-    if ideal.get("none"):
-        return [f"  - Fraction of Ideal: - ({ideal['none']})"]
-    if ideal.get("what"):  # a simulated record's: the ideal it states
-        return [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} ("
-                f"{ideal['what']})"]
-    return [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} (rank "
-            f"{ideal['rank']}'s {len(ideal['blocks'])} distinct kernel block(s) timed alone: "
-            f"{_ms(ideal['fwd_ms'] + (ideal.get('bwd_ms') or 0))} ms)"]
-
-
-def _balance_lines(record: dict) -> list[str]:
-    """Attended area per rank (from the layout and the mask) beside each rank's measured
-    median step time, and per ring step where the strategy has steps."""
-    bal = record["balance"]
-    samples = (record.get("samples_ms") or {})
-    timed = samples.get("fwd_bwd") or samples.get("fwd")
-    what = "FWD+BWD" if samples.get("fwd_bwd") else "FWD"
-    lines = [f"Load balance (attended pairs per rank; imbalance = max / mean = "
-             f"{bal['imbalance']:.2f}):"]
-    for r, area in enumerate(bal["area_per_rank"]):
-        line = f"  rank {r}: {area:,} pairs"
-        if timed and r < len(timed):
-            line += f", {what} median {statistics.median(timed[r]):.2f} ms"
-        if bal.get("area_per_step"):
-            line += f"; per ring step: {', '.join(f'{a:,}' for a in bal['area_per_step'][r])}"
-        lines.append(line)
-    return lines
-
-
-def _memory_text(record: dict, d: dict) -> str:
-    if d.get("memory_mb") is not None:
-        return f"{_ms(d['memory_mb'])} MB"
-    if record.get("memory_status") in (OOM, FAILED):
-        return f"{record['memory_status']} ({record.get('memory_error')})"
-    return "- MB"
-
-
-def report(records: list[dict], fmt: str = "table") -> str:
-    """What ``cpbench run`` printed for these records: each detail block, then the summary
-    (table format); the summary rows alone in the other formats."""
+def report(records: list[dict], fmt: str = "table", details: bool = False) -> str:
+    """What ``cpbench run`` printed for these records: the summary and the run in a line,
+    after each case's detail block with ``details`` (table format); the summary rows alone
+    in the other formats."""
     if fmt != "table":
         return summary(records, fmt)
     # a prediction has no run to detail (iterations, hosts, checks): its row says it all
-    measured = [r for r in records if not r.get("env", {}).get("simulated")]
-    return "".join(detail(r) + "\n" for r in measured) + summary(records, fmt)
+    measured = [r for r in records if not r.get("env", {}).get("simulated")] if details else []
+    return "".join(detail(r) + "\n" for r in measured) + summary(records, fmt) + \
+        outcome_line(records) + "\n"

@@ -10,9 +10,10 @@ same problem (``upstream.twin`` / ``twin_options``), so this view needs no regis
 from __future__ import annotations
 
 from cpbench.metrics import slowest_per_iter
-from cpbench.report import tables
+from cpbench.report import cells, tables
 from cpbench.report.dataframe import PROBLEM
-from cpbench.report.labels import row_label
+from cpbench.report.labels import rank_unit, ranks_text, row_label
+from cpbench.report.render import Fit
 from cpbench.report.sweep import latest_frame, ratio_cell
 from cpbench.results import OK
 
@@ -56,8 +57,8 @@ def _row(own: dict, up: dict, phase: str) -> dict:
                        {**iters, f"iters_{key}": _iterations(own, key)}, key) \
         if a and b else "-"
     return {"Seq Len": str(own["config"]["attention"]["seqlen"]),
-            "cpbench": row_label(own), f"{_TITLE[phase]} (ms)": tables.cell_ms(a, own),
-            "upstream": row_label(up), f"upstream {_TITLE[phase]} (ms)": tables.cell_ms(b, up),
+            "cpbench": row_label(own), f"{_TITLE[phase]} (ms)": cells.cell_ms(a, own),
+            "upstream": row_label(up), f"upstream {_TITLE[phase]} (ms)": cells.cell_ms(b, up),
             "upstream / cpbench": ratio}
 
 
@@ -67,6 +68,13 @@ def _iterations(record: dict, phase: str) -> list[float] | None:
 
 
 _TITLE = {"fwd_bwd_ms": "FWD+BWD", "fwd_ms": "FWD"}
+_FIT = Fit(lift=("Seq Len",), wrap=("cpbench", "upstream"),
+           short={f"{t} (ms)": "cpbench (ms)" for t in _TITLE.values()}
+           | {f"upstream {t} (ms)": "upstream (ms)" for t in _TITLE.values()})
+
+
+def _phase(record: dict) -> str:
+    return "fwd_ms" if record["config"]["run"]["fwd_only"] else "fwd_bwd_ms"
 
 
 def compare_upstream(records: list[dict], fmt: str = "table") -> str:
@@ -79,15 +87,16 @@ def compare_upstream(records: list[dict], fmt: str = "table") -> str:
     groups: dict[str, list] = {}
     for own, up in found:
         a, topo = own["config"]["attention"], own["topology"]
-        title = (f"cpbench vs upstream on {topo['num_nodes']}×{topo['ranks_per_node']} "
+        title = (f"cpbench vs upstream ({_TITLE[_phase(own)]}) on {topo['num_nodes']}×"
+                 f"{topo['ranks_per_node']} {ranks_text(rank_unit([own, up]))} "
                  f"({a['dtype']}, B={a['batch']}, H={a['heads']}, D={a['head_dim']}, "
                  f"{'causal' if a['causal'] else 'full'})")
         groups.setdefault(title, []).append((own, up))
     lines: list[str] = []
     for title, rows in groups.items():
-        phase = "fwd_ms" if rows[0][0]["config"]["run"]["fwd_only"] else "fwd_bwd_ms"
+        phase = _phase(rows[0][0])
         rows.sort(key=lambda p: (p[0]["config"]["attention"]["seqlen"], row_label(p[0])))
         if lines:
             lines.append("")
-        lines += tables.render(title, [_row(own, up, phase) for own, up in rows], fmt)
+        lines += tables.render(title, [_row(own, up, phase) for own, up in rows], fmt, _FIT)
     return "\n".join(lines) + "\n"

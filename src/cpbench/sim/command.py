@@ -21,6 +21,7 @@ from cpbench.errors import Skipped, UsageError
 from cpbench.mask import mask_of
 from cpbench.metrics import gib
 from cpbench.report import labels, tables
+from cpbench.report.render import Fit, prose
 from cpbench.sim import model
 from cpbench.sim.hardware import Hardware
 from cpbench.topology import Topology, divisors
@@ -180,6 +181,10 @@ def compare_placements(records: list[dict]) -> list[list[dict]]:
 
 
 def _banner(hw: Hardware, topo: Topology, records: list[dict] | None = None) -> str:
+    return "\n".join(prose([_banner_text(hw, topo, records)]))
+
+
+def _banner_text(hw: Hardware, topo: Topology, records: list[dict] | None = None) -> str:
     tokens = tokens_per_gpu(records or [])
     tokens = f", {tokens}" if tokens else ""
     return (f"Simulated, not measured: {hw.name}, {topo.num_nodes} node(s) x "
@@ -190,22 +195,27 @@ def _banner(hw: Hardware, topo: Topology, records: list[dict] | None = None) -> 
 def breakdown(records: list[dict]) -> str:
     """Where each row's predicted time goes: the slowest rank's kernels, and the rest
     (communication nothing hides, stragglers), per phase."""
-    lines = ["Where the time goes (kernel time of the slowest rank per step | the rest: "
-             "exposed communication):"]
-    width = max(len(labels.row_label(r)) for r in records)
+    rows = []
     for r in records:
         d, sim = r["derived"], r["simulation"]
-        label = labels.row_label(r)
-        seqlen = r["config"]["attention"]["seqlen"]
+        row = {"Strategy": labels.row_label(r), "Seq Len": str(r["config"]["attention"]["seqlen"])}
         if r["status"] != results.OK:
-            lines.append(f"  {label:<{width}}  {seqlen:>8}  {r['error']}")
+            rows.append({**row, **dict.fromkeys(_BREAKDOWN, r["status"]), "Notes": r["error"]})
             continue
         fwd, bwd = d["fwd_ms"], d["bwd_ms"]
-        lines.append(
-            f"  {label:<{width}}  {seqlen:>8}  FWD {sim['fwd_compute_ms']:9.2f} | "
-            f"{fwd - sim['fwd_compute_ms']:8.2f} ms   BWD {sim['bwd_compute_ms']:9.2f} | "
-            f"{bwd - sim['bwd_compute_ms']:8.2f} ms")
-    return "\n".join(lines) + "\n"
+        values = (sim["fwd_compute_ms"], fwd - sim["fwd_compute_ms"], sim["bwd_compute_ms"],
+                  bwd - sim["bwd_compute_ms"])
+        rows.append({**row, **{k: f"{v:.2f}" for k, v in zip(_BREAKDOWN, values)},
+                     "Notes": "-"})
+    if all(r["Notes"] == "-" for r in rows):
+        rows = [{k: v for k, v in r.items() if k != "Notes"} for r in rows]
+    return "\n".join(["Where the time goes (the kernel time of the slowest rank per step, and "
+                      "the rest: communication nothing hides):",
+                      *tables.render(None, rows, "table", _BREAKDOWN_FIT)]) + "\n"
+
+
+_BREAKDOWN = ("FWD kernels (ms)", "FWD rest (ms)", "BWD kernels (ms)", "BWD rest (ms)")
+_BREAKDOWN_FIT = Fit(lift=("Seq Len",), wrap=("Strategy",), notes=("Notes",))
 
 
 def render(records: list[dict], hw: Hardware, topo: Topology, fmt: str) -> str:
@@ -224,6 +234,10 @@ def _ideal_note(records: list[dict]) -> str:
     if not any((r.get("ideal") or {}).get("what") for r in records):
         return ""
     return "\n".join(textwrap.wrap(f"Fraction of Ideal: {IDEAL}.", 100)) + "\n"
+
+
+
+_COMPARISON_FIT = Fit(wrap=("Placement",), short={"Memory (MB)": "Mem (MB)"})
 
 
 def render_comparison(groups: list[list[dict]], hw: Hardware, topo: Topology, fmt: str) -> str:
@@ -246,5 +260,5 @@ def render_comparison(groups: list[list[dict]], hw: Hardware, topo: Topology, fm
         title = (f"Placements at Seq Len {a['seqlen']} ({a['dtype']}, B={a['batch']}, "
                  f"H={a['heads']}, D={a['head_dim']}, "
                  f"{'causal' if a['causal'] else 'full'}), fastest first")
-        out += [*tables.render(title, table, fmt), ""]
+        out += [*tables.render(title, table, fmt, _COMPARISON_FIT), ""]
     return "\n".join(out)

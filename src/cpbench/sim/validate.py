@@ -28,6 +28,7 @@ from cpbench.config import AttentionConfig
 from cpbench.errors import UsageError
 from cpbench.metrics import attention_flops, tflops_per_gpu
 from cpbench.report import tables
+from cpbench.report.render import Fit, prose
 from cpbench.sim import model
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ def report(results: list[Result], hw: Hardware, tolerance: float = 0.15) -> str:
     scored = [abs(r.error) for r in results if r.row.scored]
     worst = max((r for r in results if r.row.scored), key=lambda r: abs(r.error), default=None)
     lines = [f"Validation against published rows — simulated on {hw.name}",
-             *tables.render(None, rows, "table")]
+             *tables.render(None, rows, "table", _FIT)]
     if scored:
         assert worst is not None, "there are scored rows"
         within = sum(e <= tolerance for e in scored)
@@ -194,7 +195,11 @@ def report(results: list[Result], hw: Hardware, tolerance: float = 0.15) -> str:
     notes = [(r.row.implementation, r.row.attn.seqlen, r.row.note) for r in results if r.row.note]
     if notes:
         lines += ["notes:"] + [f"  {impl} {s}: {n}" for impl, s, n in notes]
-    return "\n".join(lines) + "\n"
+    return "\n".join(prose(lines)) + "\n"
+
+
+_FIT = Fit(lift=("Nodes×GPUs",), wrap=("Implementation", "cpbench"),
+           short={"TFLOPs/s published": "TFLOPs/s pub", "TFLOPs/s simulated": "TFLOPs/s sim"})
 
 
 def _label(row: Row) -> str:

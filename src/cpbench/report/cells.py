@@ -1,0 +1,91 @@
+"""How a figure prints in a cell, for every table of ``cpbench.report``: one place, so a rule
+about a figure (a status where none was measured, a row whose times are not measurements)
+holds in every table and line that shows it. Units go in the headers, never in the cells."""
+
+from __future__ import annotations
+
+import math
+
+from cpbench import guards
+from cpbench.results import FAILED, OK, OOM
+
+
+def missing(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))  # pandas' NaN too
+
+
+def ms(x) -> str:
+    return "-" if missing(x) else f"{x:.2f}"
+
+
+def cell_ms(value, record: dict) -> str:
+    """A time cell: the figure, or the row's status (OOM, failed) where none was measured;
+    "-" where the row's times are not measurements (``measured``)."""
+    if missing(value) and record["status"] != OK:
+        return record["status"]
+    return measured(ms(value), guards.not_measured(record))
+
+
+def measured(cell: str, not_measured) -> str:
+    """A cell of a measured figure (a time, TFLOP/s, memory, an efficiency, the fraction of
+    ideal): "-" where the row's figures are not measurements (``guards.not_measured``; the
+    reason is among the row's flags)."""
+    return cell if missing(not_measured) else "-"
+
+
+def tflops(x) -> str:
+    if missing(x):
+        return "-"
+    return f"{x:.2f}" if abs(x) >= 1 else f"{x:.3g}"  # CPU rates are fractions of a TFLOP
+
+
+def pct(x) -> str:
+    """A fraction as a percentage, the unit in the header: 0.478 → "47.8"."""
+    return "-" if missing(x) else f"{100 * x:.1f}"
+
+
+def memory(memory_mb, memory_status) -> str:
+    if not missing(memory_mb):
+        return ms(memory_mb)
+    return memory_status if memory_status in (OOM, FAILED) else "-"
+
+
+def figures(row: dict) -> dict[str, str]:
+    """A frame row's measured figures as cells, by header: FWD (ms), FWD+BWD (ms) (- with
+    --fwd-only), Memory (MB), TFLOPs/s (FWD+BWD's, FWD's with --fwd-only). A time that was
+    measured shows; OOM / failed fill every other time column and TFLOPs/s."""
+    status = row["status"]
+    fwd = status if missing(row["fwd_ms"]) else ms(row["fwd_ms"])
+    both = "-" if row["fwd_only"] else \
+        status if missing(row["fwd_bwd_ms"]) else ms(row["fwd_bwd_ms"])
+    rate = status if status != OK else \
+        tflops(row["fwd_tflops"] if row["fwd_only"] else row["fwd_bwd_tflops"])
+    mem = memory(row["memory_mb"], row["memory_status"])
+    if status == OK:  # (a failed row's cells say so, measured or not)
+        fwd, both, rate, mem = (measured(c, row["not_measured"]) for c in (fwd, both, rate, mem))
+    return {"FWD (ms)": fwd, "FWD+BWD (ms)": both, "Memory (MB)": mem, "TFLOPs/s": rate}
+
+
+def with_unit(cell: str, unit: str) -> str:
+    """A cell in a sentence: "36.40 ms", or the cell alone when it holds no number."""
+    try:
+        float(cell)
+    except ValueError:
+        return cell
+    return f"{cell} {unit}"
+
+
+def efficiency(row: dict) -> str:
+    """A CP row's efficiency in % with its bootstrap interval: "37.9 [29.9, 53.0]"."""
+    if missing(row["cp_efficiency"]):
+        return "-"
+    return measured(f"{pct(row['cp_efficiency'])} [{pct(row['cp_efficiency_low'])}, "
+                    f"{pct(row['cp_efficiency_high'])}]", row["not_measured"])
+
+
+def documents(documents: str) -> str:
+    """Packed documents: how many and the longest ("-" for one sequence)."""
+    if documents == "-":
+        return "-"
+    lengths = [int(x) for x in documents.split(",")]
+    return f"{len(lengths)} (max {max(lengths)})"

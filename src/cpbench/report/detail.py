@@ -1,0 +1,149 @@
+"""Seed 000's per-run block ("Benchmark Results for …": Configuration, Performance), without
+its FlashAttention Kernel % lines (a profiler ratio that was not what it said); then the
+row's flags, its checks against the float64 reference, its load balance and, with
+``--profile``, where the profiled step's time went. ``cpbench run --details`` prints it after
+each case; ``cpbench report --details`` re-renders it from the records."""
+
+from __future__ import annotations
+
+import statistics
+
+from cpbench import guards
+from cpbench.profile.summary import detail_lines
+from cpbench.reference import TENSORS, Comparison
+from cpbench.report import cells
+from cpbench.report.labels import mask_text, option_text, row_label, window_text
+from cpbench.results import FAILED, OK, OOM, derive
+
+_RULE = 50
+
+
+def _pct_cell(x) -> str:
+    return "-" if cells.missing(x) else f"{cells.pct(x)} %"
+
+
+def detail(record: dict) -> str:
+    """Seed 000's per-run block."""
+    d = derive(record)
+    lines = ["=" * _RULE, f"Benchmark Results for {row_label(record)}", "=" * _RULE,
+             "Configuration:", *_configuration(record), "", "Performance:",
+             *_performance(record, d)]
+    if d["flags"]:  # cpbench.guards: figures that cannot be what they claim
+        lines += ["", "Flagged (never a winner in report --best):",
+                  *(f"  {f}" for f in d["flags"])]
+    if record.get("check"):
+        lines += ["", "Check against the float64 reference:"]
+        lines += ["  " + Comparison(**c).line() for c in record["check"]]
+        checked = {c["tensor"] for c in record["check"]}
+        lines += [f"  {n:>4}: not returned by {record['config']['strategy']}, not checked"
+                  for n in TENSORS if n not in checked]
+    if record.get("balance"):
+        lines += ["", *_balance_lines(record)]
+    if record.get("profile"):  # run --profile: where the profiled step's time went
+        lines += ["", *detail_lines(record["profile"])]
+    lines.append("=" * _RULE)
+    return "\n".join(lines) + "\n"
+
+
+def _configuration(record: dict) -> list[str]:
+    cfg, topo = record["config"], record["topology"]
+    a, run = cfg["attention"], cfg["run"]
+    opts = ", ".join(f"{k}={v}" for k, v in cfg["options"].items()) or "none"
+    resolved = record.get("resolved")
+    if resolved and resolved != cfg["options"]:
+        opts += f" (resolved: {', '.join(f'{k}={option_text(v)}' for k, v in resolved.items())})"
+    lines = [f"  - Dtype: {a['dtype']}", "  - QKV Format: bshd",
+             f"  - Batch Size: {a['batch']}", f"  - Sequence Length: {a['seqlen']}",
+             f"  - Num Heads: {a['heads']}", f"  - Num KV Heads: {a['kv_heads'] or a['heads']}",
+             f"  - Head Dimension: {a['head_dim']}",
+             f"  - Attention Mask: {mask_text(a)}",
+             f"  - Window Size: {window_text(a)}",
+             f"  - Context Parallel: {record['ranks_per_problem'] > 1}",
+             f"  - World Size: {topo['world_size']} ({topo['num_nodes']} node(s) × "
+             f"{topo['ranks_per_node']} ranks)",
+             f"  - Strategy Options: {opts}"]
+    pad = record.get("padding")
+    if pad:  # --document-padding pad: what this strategy's layout added
+        lines.append(f"  - Document Padding: {pad['padded_tokens']} tokens "
+                     f"({100 * pad['fraction']:.2f} % of {pad['padded_seqlen']}; documents "
+                     f"to multiples of {pad['document_multiple']}, the sequence of "
+                     f"{pad['sequence_multiple']})")
+    packing = record.get("packing")
+    if packing:
+        lines.append(f"  - Packing: {packing['index']} of {packing['count']} "
+                     f"({packing['documents']}, seed {packing['seed']})")
+    up = record.get("upstream")
+    if up:
+        lines.append(f"  - Upstream: {', '.join(f'{k} {v}' for k, v in up.items())}")
+    iterations = f"{run['iters']} timed after {run['warmup']} warm-up (median of the " \
+        f"slowest rank)" if not guards.not_measured(record) else \
+        "none timed (one untimed step; ranks as threads)"
+    return lines + [f"  - Kernel: {record['kernel']} on {run['device']}",
+                    f"  - Iterations: {iterations}"]
+
+
+def _performance(record: dict, d: dict) -> list[str]:
+    status = record["status"]
+    if status != OK:
+        label = "OOM" if status == OOM else "failed"
+        fwd = label if d.get("fwd_ms") is None else f"{cells.ms(d['fwd_ms'])} ms"
+        lines = [f"  - Forward Time: {fwd}", f"  - Forward+Backward Time: {label}",
+                 f"  - Performance: {label}"]
+        if status == FAILED or record.get("error"):
+            lines.append(f"  - Error: {record.get('error')}")
+        return lines
+    if d.get("not_measured"):
+        return [f"  - Times and memory: - ({d['not_measured']})"]
+    lines = [f"  - Forward Time: {cells.ms(d['fwd_ms'])} ms"]
+    if d.get("fwd_bwd_ms") is None:
+        return lines + [f"  - Memory Usage: {_memory_text(record, d)}",
+                        f"  - Performance: {cells.tflops(d['fwd_tflops'])} TFLOPs/s (forward)",
+                        f"  - Slowest Rank: {d['slowest_rank_fwd']}", *_ideal_lines(record, d)]
+    return lines + [f"  - Backward Time: {cells.ms(d['bwd_ms'])} ms",
+                    f"  - Forward+Backward Time: {cells.ms(d['fwd_bwd_ms'])} ms",
+                    f"  - Memory Usage: {_memory_text(record, d)}",
+                    f"  - Performance: {cells.tflops(d['fwd_bwd_tflops'])} TFLOPs/s (forward "
+                    f"{cells.tflops(d['fwd_tflops'])}, backward {cells.tflops(d['bwd_tflops'])})",
+                    f"  - Slowest Rank: {d['slowest_rank_fwd_bwd']}",
+                    *_ideal_lines(record, d)]
+
+
+def _ideal_lines(record: dict, d: dict) -> list[str]:
+    ideal = record.get("ideal")
+    if not ideal:
+        return []
+    if ideal.get("none"):
+        return [f"  - Fraction of Ideal: - ({ideal['none']})"]
+    if ideal.get("what"):  # a simulated record's: the ideal it states
+        return [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} ("
+                f"{ideal['what']})"]
+    return [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} (rank "
+            f"{ideal['rank']}'s {len(ideal['blocks'])} distinct kernel block(s) timed alone: "
+            f"{cells.ms(ideal['fwd_ms'] + (ideal.get('bwd_ms') or 0))} ms)"]
+
+
+def _balance_lines(record: dict) -> list[str]:
+    """Attended area per rank (from the layout and the mask) beside each rank's measured
+    median step time, and per ring step where the strategy has steps."""
+    bal = record["balance"]
+    samples = (record.get("samples_ms") or {})
+    timed = samples.get("fwd_bwd") or samples.get("fwd")
+    what = "FWD+BWD" if samples.get("fwd_bwd") else "FWD"
+    lines = [f"Load balance (attended pairs per rank; imbalance = max / mean = "
+             f"{bal['imbalance']:.2f}):"]
+    for r, area in enumerate(bal["area_per_rank"]):
+        line = f"  rank {r}: {area:,} pairs"
+        if timed and r < len(timed):
+            line += f", {what} median {statistics.median(timed[r]):.2f} ms"
+        if bal.get("area_per_step"):
+            line += f"; per ring step: {', '.join(f'{a:,}' for a in bal['area_per_step'][r])}"
+        lines.append(line)
+    return lines
+
+
+def _memory_text(record: dict, d: dict) -> str:
+    if d.get("memory_mb") is not None:
+        return f"{cells.ms(d['memory_mb'])} MB"
+    if record.get("memory_status") in (OOM, FAILED):
+        return f"{record['memory_status']} ({record.get('memory_error')})"
+    return "- MB"

@@ -1,0 +1,71 @@
+"""A case in one line as ``cpbench run`` finishes it, and the run in one line at its end:
+the density of ``pytest -q`` (details behind ``--details``; the records keep everything).
+The figures are the summary's cells (``report.cells``), so a rule about a figure holds here
+too."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from cpbench.report import cells
+from cpbench.report.dataframe import to_frame
+from cpbench.results import OK
+
+
+def case_line(record: dict, seconds: float) -> str:
+    """``done in 2.3 s, check PASS, FWD 36.40 ms, FWD+BWD 116.20 ms``; a failed or OOM case
+    its error instead of figures; the row's flags after."""
+    row = to_frame([record]).to_dict("records")[0]
+    status = record["status"]
+    parts = [f"{'done' if status == OK else status} in {seconds:.1f} s"]
+    passed = row["check_passed"]
+    if not cells.missing(passed):
+        parts.append(f"check {'PASS' if passed else 'FAIL'}")
+    figures = cells.figures(row)
+    if status == OK or not cells.missing(row["fwd_ms"]):
+        parts.append(f"FWD {cells.with_unit(figures['FWD (ms)'], 'ms')}")
+        if not row["fwd_only"]:
+            parts.append(f"FWD+BWD {cells.with_unit(figures['FWD+BWD (ms)'], 'ms')}")
+    if record.get("memory_status") and record["memory_status"] != OK:
+        parts.append(f"memory {record['memory_status']}")
+    if status != OK and record.get("error"):
+        parts.append(str(record["error"]).splitlines()[0])
+    if row["flags"]:
+        parts.append(f"flagged: {row['flags']}")
+    return ", ".join(parts)
+
+
+def outcome_line(records: list[dict]) -> str:
+    """The run in a line: cases by status, checks by verdict."""
+    if not records:
+        return "no case ran"
+    status = Counter("done" if r["status"] == OK else r["status"] for r in records)
+    text = f"{len(records)} case(s): " + ", ".join(f"{n} {s}" for s, n in status.items())
+    checked = [r["derived"].get("check_passed") for r in records if r.get("check")]
+    if checked:
+        failed = checked.count(False)  # FAIL printed only where there is one (grep FAIL)
+        text += f"; check: {checked.count(True)} PASS" + (f", {failed} FAIL" if failed else "")
+    return text
+
+
+def skipped_lines(reasons: list[str]) -> list[str]:
+    """The cases a plan skipped, a line per reason rather than per case: ``skipped
+    rfa-ring, rfa-stripe: <why>``; a strategy's variants skipped for one reason count as
+    ``yunchang-usp (3 cases)``; what the names share after them (``cannot run here``)
+    said once."""
+    by: dict[str, list[str]] = {}
+    for reason in reasons:
+        who, sep, why = reason.partition(": ")
+        by.setdefault(why if sep else reason, []).append(who if sep else "")
+    out = []
+    for why, whos in by.items():
+        if whos == [""]:
+            out.append(f"skipped {why}")
+            continue
+        tails = {w.split(" ", 1)[1] if " " in w else "" for w in whos}
+        shared = tails.pop() if len(tails) == 1 else None  # e.g. "cannot run here"
+        names = Counter(w.split(" ", 1)[0] if shared is not None or " (" in w else w
+                        for w in whos)
+        listed = ", ".join(n if k == 1 else f"{n} ({k} cases)" for n, k in names.items())
+        out.append(f"skipped {listed}{' ' + shared if shared else ''}: {why}")
+    return out
