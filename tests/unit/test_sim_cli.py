@@ -224,10 +224,11 @@ def test_ranking_check_counts_only_pairs_published_clearly_apart():
 # measured after the refit on published kernel curves (2026-11-26; the kernel curves, the
 # in-CP rate and the memory passes are not fitted, the step overhead and links are; since
 # 2026-11-27 to 10 of these rows, the other 5 held out: the preset's fit: section names
-# them, and that refit moved no row by more than 0.1 point). Before it, with a kernel curve fitted to these rows
-# (2026-11-25): DoubleRing -0.7 / -7.8 / +11.8 %, BurstAttention +5.5 / +2.8 / -1.3 %, USP
-# ring-first +122.3 / +85.3 / +88.6 %, USP head-first -10.8 / -2.2 / +15.2 %, zigzag -4.8 %,
-# Ulysses -8.2 / -6.9 %: 11 of 15 within 15 %, every row but ring-first's within 16 %.
+# them, and that refit moved no row by more than 0.1 point). Before it, with a kernel curve
+# fitted to these rows (2026-11-25): DoubleRing -0.7 / -7.8 / +11.8 %, BurstAttention +5.5 /
+# +2.8 / -1.3 %, USP ring-first +122.3 / +85.3 / +88.6 %, USP head-first -10.8 / -2.2 /
+# +15.2 %, zigzag -4.8 %, Ulysses -8.2 / -6.9 %: 11 of 15 within 15 %, every row but
+# ring-first's within 16 %.
 SEED_001_ERRORS = {
     ("DoubleRing (LoongTrain)", 131072): 0.037, ("DoubleRing (LoongTrain)", 262144): -0.111,
     ("DoubleRing (LoongTrain)", 524288): 0.099,
