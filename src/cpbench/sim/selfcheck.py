@@ -174,8 +174,7 @@ def _one_length(run: RunConfig, attention: dict, options: dict, hw: Hardware,
                 path = os.path.join(tmp, f"{seqlen}.jsonl")
                 p = planning.plan(dataclasses.replace(run, out=path), attention, options,
                                   launcher="self")
-                with _stdout_to_stderr():
-                    entry.launch(p)
+                entry.launch(p)
                 records = ok_records(results.read_from(path, 0))
             after = _probe(attention, nproc)
         moved = max(drift(hw, attention, *before), drift(hw, attention, *after))
@@ -206,16 +205,19 @@ def measure(names: tuple[str, ...], attention: dict, options: dict, seqlens: lis
     ``auto_iters``); the records that ran (also appended to ``out`` when given, so a later
     check can re-read them)."""
     got = Measured()
-    for r in range(rounds):
-        for seqlen in (seqlens if r % 2 == 0 else seqlens[::-1]):
-            problem = {**attention, "seqlen": seqlen}
-            run = RunConfig(strategy=names, nproc=nproc, warmup=warmup,
-                            iters=iters or auto_iters(problem, nproc, hw))
-            records = _one_length(run, problem, options, hw, limits, got)
-            got.records += records
-            if out is not None:
-                for record in records:
-                    results.append(out, record)
+    # the ranks' own tables to stderr: the forkserver the first probe starts keeps the fd 1
+    # it was started with, so the whole loop runs redirected
+    with _stdout_to_stderr():
+        for r in range(rounds):
+            for seqlen in (seqlens if r % 2 == 0 else seqlens[::-1]):
+                problem = {**attention, "seqlen": seqlen}
+                run = RunConfig(strategy=names, nproc=nproc, warmup=warmup,
+                                iters=iters or auto_iters(problem, nproc, hw))
+                records = _one_length(run, problem, options, hw, limits, got)
+                got.records += records
+                if out is not None:
+                    for record in records:
+                        results.append(out, record)
     readings = [x for x in got.loads if x is not None]
     if readings and len(readings) == len(got.loads):  # the whole check, every try
         got.load = Load(sum(x.foreign_cpu_s for x in readings),
