@@ -235,8 +235,8 @@ def test_ranking_check_counts_only_pairs_published_clearly_apart():
 
 # Seed 001's errors on the A800 preset (relative, TFLOP/s simulated over published - 1), as
 # measured after the refit on published kernel curves (2026-11-26; the kernel curves, the
-# in-CP rate and the memory passes are not fitted, the step overhead and links are; since
-# 2026-11-27 to 10 of these rows, the other 5 held out: the preset's fit: section names
+# in-CP rate and the memory passes are not fitted, the step overhead and links are, then
+# refitted to 10 of these rows, the other 5 held out: the preset's fit: section names
 # them, and that refit moved no row by more than 0.1 point). Before it, with a kernel curve
 # fitted to these rows (2026-11-25): DoubleRing -0.7 / -7.8 / +11.8 %, BurstAttention +5.5 /
 # +2.8 / -1.3 %, USP ring-first +122.3 / +85.3 / +88.6 %, USP head-first -10.8 / -2.2 /
