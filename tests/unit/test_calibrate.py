@@ -164,3 +164,14 @@ def test_the_default_cpu_curve_holds_no_side_of_the_self_checks_blocks(nproc, gr
     assert len(blocks) >= 10 and _cpu_sides(nproc) == grid
     assert all(abs(b / s - 1) >= 0.05 for b in blocks for s in grid), blocks
     assert _probe_sides(dataclasses.replace(SPEC, sides=grid)) == (768, 1536, 3072)
+
+
+def test_calibrate_says_on_stderr_when_the_preset_is_busy_or_unread():
+    from cpbench.cli.calibrate import _load_warning
+
+    assert _load_warning({"share": 0.05, "wall_s": 30.0, "limit": 0.1, "busy": False}) == []
+    (busy,) = _load_warning({"share": 0.31, "wall_s": 30.0, "limit": 0.1, "busy": True})
+    assert busy.startswith("other processes used 31 % of the cores while it measured (limit "
+                           "10 %, --load-limit): the preset is marked busy")
+    (unread,) = _load_warning(None)
+    assert "no load reading" in unread
