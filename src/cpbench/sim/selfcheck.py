@@ -244,8 +244,8 @@ def from_records(records: list[dict]) -> Measured:
 
 def block_sides(attention: dict, seqlens, nproc: int) -> tuple[int, ...]:
     """The kernel blocks' sides sqrt(seqlen_q · seqlen_k) that every own strategy's schedule
-    (each variant) declares at these lengths on ``nproc`` local ranks: where ``cpbench
-    calibrate`` measures the curve for a self-check, so no block is priced between points."""
+    (each variant) declares at these lengths on ``nproc`` local ranks: the sides ``cpbench
+    calibrate``'s default curve keeps away from, so the check is scored out of sample."""
     from cpbench.bench.cases import expand_cases
     from cpbench.errors import Skipped
 
