@@ -3,6 +3,7 @@ problems and strategies without a schedule have none, and say why."""
 
 from __future__ import annotations
 
+import pytest
 from test_results import fake_record
 
 from cpbench import results
@@ -49,11 +50,40 @@ def test_fraction_is_the_ideal_over_the_measured_step():
     assert "fraction_of_ideal" not in results.derive(rec)
 
 
-def test_a_timed_block_takes_time():
+def test_the_ideal_is_the_slowest_ranks_blocks_each_timed_once(monkeypatch):
+    """Known block times (1 us a query row + 1 ns a key, backward 2.5x): zigzag on 2 ranks at
+    1024 is each rank's causal 512 x 512, then rank 0's 256 x 512 and rank 1's 512 x 256
+    (test_zigzag_blocks_per_rank): rank 1 is the slower, its ideal the sum of its two."""
+    calls = []
+
+    def fake(kernel, attn, shape, device, *, warmup, iters):
+        calls.append(shape)
+        rows, keys = shape[:2]
+        t = rows * 1e-3 + keys * 1e-6
+        return t, 2.5 * t
+
+    monkeypatch.setattr(ideal, "_time_block", fake)
+    attn = AttentionConfig(seqlen=1024, heads=4, head_dim=16)
+    got = ideal.measure("zigzag", Zigzag.Options(), attn, _topo(2), "sdpa-cpu", device="cpu",
+                        warmup=1, iters=2, fwd_only=False)
+    assert sorted(calls) == [(256, 512, False, 4), (512, 256, False, 4), (512, 512, True, 4)]
+    fwd = (0.512 + 0.000512) + (0.512 + 0.000256)
+    assert got["rank"] == 1
+    assert got["fwd_ms"] == pytest.approx(fwd) and got["bwd_ms"] == pytest.approx(2.5 * fwd)
+    assert ideal.measure("zigzag", Zigzag.Options(), attn, _topo(2), "sdpa-cpu",
+                         device="cpu", warmup=1, iters=2, fwd_only=True)["bwd_ms"] is None
+
+
+def test_a_real_block_is_timed_and_is_the_ideal_of_local():
+    """The real kernel: local's one block (the whole problem) timed, and its ideal that
+    block's times."""
     attn = AttentionConfig(seqlen=256, heads=2, head_dim=16)
     got = ideal.measure("local", NoOptions(), attn, _topo(1), "sdpa-cpu", device="cpu",
                         warmup=1, iters=2, fwd_only=False)
-    assert got["rank"] == 0 and len(got["blocks"]) == 1
+    (block,) = got["blocks"]
+    assert got["rank"] == 0
+    assert (block["rows"], block["keys"], block["causal"], block["heads"]) == (256, 256, True, 2)
+    assert (got["fwd_ms"], got["bwd_ms"]) == (block["fwd_ms"], block["bwd_ms"])
     assert got["fwd_ms"] > 0 and got["bwd_ms"] > 0
 
 

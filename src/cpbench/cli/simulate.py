@@ -98,7 +98,8 @@ def _add_self_check(p, integer) -> None:
     fraction = cli_args.converter(cli_args.read_number(float), "a number")
     for flag, kind, default, text in (
             ("--measured", None, None, "predict the rows of an earlier self-check's --out "
-                                       "instead of measuring again"),
+                                       "instead of measuring again (scored only where the "
+                                       "load readings they carry pass --load-limit)"),
             ("--nproc", integer, 2, "local ranks (default 2)"),
             ("--iters", integer, None, "timed iterations a case, after 1 warm-up (default: "
                                        "about a second of the baseline's work a case, 3 at "
@@ -107,6 +108,7 @@ def _add_self_check(p, integer) -> None:
                                      "round (default 3)"),
             ("--load-limit", fraction, 0.1, "refuse to score when other processes used more "
                                             "than this share of the cores while it measured "
+                                            "a length, or while the preset was calibrated "
                                             "(default 0.1)"),
             ("--drift-limit", fraction, 0.1, "measure a length again when the machine probe "
                                              "around it is further than this from the "
@@ -189,7 +191,8 @@ def _simulate(args) -> int:
         if args.out or args.plot or args.compare_placements or args.memory_from:
             raise UsageError("--validate prints its own table; drop --out, --plot, "
                              "--compare-placements and --memory-from, or run them separately")
-        sys.stdout.write(validate.report(validate.run(validate.load(args.validate), hw), hw))
+        sys.stdout.write(validate.report(validate.run(validate.load(args.validate), hw), hw,
+                                         args.validate))
         return 0
     topo, attention, options, seqlens = _checked(args, hw)
     peaks = measured_memory.load(args.memory_from) if args.memory_from else None
@@ -237,10 +240,11 @@ def _self_check(args, hw) -> int:
         raise UsageError("--self-check predicts the topology cpbench run --nproc uses; drop "
                          "--nodes and --gpus-per-node")
     limits = selfcheck.Limits(load=args.load_limit, drift=args.drift_limit)
-    if args.measured:  # an earlier self-check's measurements, predicted again
+    if args.measured:  # an earlier self-check's measurements, predicted again: judged by
+        # the load readings they carry
         records = selfcheck.ok_records(results.read(args.measured))
         nproc = max((r["topology"]["world_size"] for r in records), default=0)
-        measured = None
+        measured = selfcheck.from_records(records)
     else:
         measured, nproc = _self_check_measure(args, hw, limits), args.nproc
         records = measured.records
@@ -258,6 +262,12 @@ def _self_check_measure(args, hw, limits):
         raise UsageError("--self-check needs --nproc >= 2, --iters >= 1 and --rounds >= 1")
     if not (limits.load > 0 and limits.drift > 0):
         raise UsageError("--load-limit and --drift-limit must be positive")
+    from cpbench.sim import selfcheck_report
+
+    why = selfcheck_report.refusal(None, hw, limits)  # before minutes of measuring
+    if why:
+        raise UsageError(why.replace("not scored: ", "the check would not be scored: ")
+                         + " (or --load-limit 1 to measure anyway)")
     given, options = cli_args.problem(args)
     given.pop("seqlen", None)
     attention = {**CPU_ATTENTION, "heads": selfcheck.HEADS, **given}

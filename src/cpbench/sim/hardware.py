@@ -17,8 +17,9 @@ from pathlib import Path
 import yaml
 
 from cpbench.errors import UsageError
-from cpbench.sim import curves
+from cpbench.sim import curves, provenance
 from cpbench.sim.curves import KernelCurve, KernelSet
+from cpbench.sim.provenance import Fit
 
 __all__ = ["GB", "PRESET_DIR", "Hardware", "KernelCurve", "KernelSet", "Link", "Pass", "Probe",
            "from_dict", "load", "names", "preset_lines"]
@@ -100,6 +101,12 @@ class Hardware:
     kernel_in_cp: tuple[float, float] = (1.0, 1.0)
     memory_bandwidth_gbs: float | None = None  # HBM, datasheet: GPU presets' merge passes
     source: str = ""  # where the preset's numbers come from, one line
+    # the published rows a fit used (``fit:``; ``sim.provenance``): which rows of a
+    # validation are in-sample; None: nothing in the preset was fitted to published rows
+    fit: Fit | None = None
+    # a measured preset's load reading: the share of the cores other processes used while
+    # ``cpbench calibrate`` measured (None: no reading, e.g. a preset from before it)
+    calibration_load: float | None = None
 
     def kernels(self) -> tuple[tuple[int | None, KernelSet], ...]:
         first = KernelSet(self.kernel_fwd, self.kernel_bwd, self.kernel_fwd_causal,
@@ -227,6 +234,8 @@ def from_dict(d: dict, source: str = "preset") -> Hardware:
             kernel_head_dim=dim, other_kernels=tuple((n, ks) for n, ks in others if n),
             kernel_in_cp=_in_cp(k, source), memory_bandwidth_gbs=hbm,
             source=" ".join(str(d.get("source", "")).split()),
+            fit=provenance.parse_fit(d.get("fit"), f"{source}: fit"),
+            calibration_load=provenance.parse_load(d.get("load"), f"{source}: load"),
         )
     except KeyError as e:
         raise UsageError(f"{source}: missing field {e.args[0]!r} (see configs/hardware/"

@@ -75,10 +75,13 @@ def _snapshot(root: int) -> dict[int, tuple[bool, float]]:
 
 class Meter:
     """``with Meter() as m: ...`` then ``m.load``: others' CPU while the block ran, sampled
-    every ``period`` seconds (a process that starts and ends between two samples is missed)."""
+    every ``period`` seconds (a process that starts and ends between two samples is missed).
+    ``root``: the process whose tree is ours (default this one; under torchrun its agent,
+    whose children are the other local ranks)."""
 
-    def __init__(self, period: float = 0.5):
+    def __init__(self, period: float = 0.5, root: int | None = None):
         self.period = period
+        self._root_pid = root
         self.load: Load | None = None
         self._stop = threading.Event()
 
@@ -89,7 +92,8 @@ class Meter:
     def __enter__(self) -> Meter:
         if not self.available():
             return self
-        self._root, self._t0, self._steal0 = os.getpid(), time.monotonic(), _steal_s()
+        self._root = self._root_pid or os.getpid()
+        self._t0, self._steal0 = time.monotonic(), _steal_s()
         self._last = _snapshot(self._root)
         self._foreign = 0.0
         self._thread = threading.Thread(target=self._run, daemon=True)

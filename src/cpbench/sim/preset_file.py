@@ -52,10 +52,15 @@ def render(measured: dict, spec: Spec, memory_gib: float) -> str:
     links = measured["links_ms"]
     lines = [
         f"# Measured by {how}, {when}.",
-        f"# Kernel: the `auto` kernel on full {spec.dtype} blocks, H={spec.heads}, "
-        f"D={spec.head_dim}, every rank at once, cpbench run's timer (median of the slowest",
-        "# rank). Links: batch_isend_irecv with a partner / all_to_all_single, 4 KiB-16 MiB,",
-        "# least-squares latency + bytes / bandwidth through the medians.",
+        f"# Kernel: the `auto` kernel on full and causal {spec.dtype} blocks of sides "
+        f"{','.join(map(str, spec.sides))},",
+        f"# H={spec.heads}, D={spec.head_dim}, every rank at once, cpbench run's timer: "
+        "each point the fastest pass",
+        "# (the slowest rank's time of each). Links: batch_isend_irecv with a partner / "
+        "all_to_all_single,",
+        "# 4 KiB-16 MiB, least-squares latency + bytes / bandwidth through each size's "
+        "fastest iteration.",
+        *_load_lines(measured.get("load"), when),
         f"name: calibrated {env['device_name']} ({env['hostnames'][0]})",
         f"description: measured by cpbench calibrate, {when}",
         f"gpus_per_node: {spec.ranks_per_node}  # ranks per node when measured",
@@ -84,12 +89,15 @@ def render(measured: dict, spec: Spec, memory_gib: float) -> str:
               f"busy_ms: {_num(probe['after'][0])}, alone_ms: {_num(probe['after'][1])}}}"
               f"{state}"]
     shared = measured["sharing"]
+    clamped = shared.get("clamped", {})
     lines += [f"idle_speedup: {_num(shared['idle_speedup'])}  # measured {when}: a forward "
-              "alone vs with every rank busy (the median over the larger blocks)"]
+              "alone vs with every rank busy (the median over the larger blocks)"
+              + _clamp_note(clamped, "idle_speedup", 1)]
     if shared["overlapped"] is not None:
         lines += [f"overlapped: {_num(shared['overlapped'])}  # measured {when}: what an "
                   "exchange posted before a forward and awaited after adds to it, over its "
-                  "time alone (the median over the larger blocks)"]
+                  "time alone (the median over the larger blocks)"
+                  + _clamp_note(clamped, "overlapped", 0)]
     for what, points in measured["passes_ms"].items():
         fixed_us, per_element_ns = _per_element(points)
         lines += [f"{what}:  # measured {when}: " + PASSES[what],
@@ -97,6 +105,33 @@ def render(measured: dict, spec: Spec, memory_gib: float) -> str:
                   f"  ns_per_element: {_num(per_element_ns)}"]
     lines += _link_lines(links, when)
     return "\n".join(lines) + "\n"
+
+
+def _clamp_note(clamped: dict, key: str, bound: float) -> str:
+    """Said beside a value the model could not take as measured (see ``clamp_lines``)."""
+    return "" if key not in clamped else \
+        f"; CLAMPED: measured {_num(clamped[key])}, the model takes >= {bound:g}"
+
+
+def clamp_lines(measured: dict) -> list[str]:
+    """One line per value clamped to the model's range, for stderr."""
+    return [f"{key} measured {_num(value)}, written as {_num(measured['sharing'][key])} (the "
+            f"model's range); a reading outside it says the machine was not steady"
+            for key, value in measured["sharing"].get("clamped", {}).items()]
+
+
+def _load_lines(load: dict | None, when: str) -> list[str]:
+    """The load meter's reading while calibrate measured: ``cpbench simulate --self-check``
+    refuses to score against a preset taken on a busy machine (``busy: true``) or without
+    a reading."""
+    if load is None:
+        return ["# load: not read (the load meter needs Linux's /proc)"]
+    mark = ("  # BUSY: above the limit; the self-check will not score against this preset"
+            if load["busy"] else "")
+    return [f"# the share of the cores other processes used while it measured, {when}, "
+            f"and the limit (calibrate --load-limit):",
+            f"load: {{share: {_num(load['share'])}, wall_s: {load['wall_s']:.0f}, "
+            f"limit: {_num(load['limit'])}, busy: {str(load['busy']).lower()}}}{mark}"]
 
 
 PASSES = {"merge": "a block's log-sum-exp merge into the fp32 (out, lse) of its rows",

@@ -12,7 +12,10 @@ What is scored is per-GPU FWD+BWD TFLOP/s, both sides from cpbench's one FLOP fo
 published column where it is consistent with the published time; the note says where it was
 not). Ranking: at each sequence length, every pair of implementations whose published values
 differ by more than ``RANK_TOLERANCE`` must come out in the same order; closer pairs are
-within the tables' own run-to-run noise and are not a ranking.
+within the tables' own run-to-run noise and are not a ranking. A user picks a strategy from
+the ranking, so the headline gives it beside the error. Both are given apart for the rows
+that shaped the preset (in-sample: its ``fit:`` section names them, ``sim.provenance``) and
+for the rows nothing was fitted to (held out).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from cpbench.sim import model
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 from cpbench.sim.hardware import Hardware
+from cpbench.sim.provenance import HELD_OUT, IN_SAMPLE
 from cpbench.topology import Topology
 
 RANK_TOLERANCE = 0.05
@@ -145,25 +149,91 @@ def run(rows: list[Row], hw: Hardware) -> list[Result]:
             for row in rows]
 
 
-def rank_violations(results: list[Result]) -> list[tuple[Result, Result]]:
-    """Pairs (same seqlen and topology, both scored) that published clearly ordered one way
-    and the simulator orders the other way."""
+def ranked_pairs(results: list[Result]) -> list[tuple[Result, Result]]:
+    """Pairs (same seqlen and topology, both scored) that published clearly ordered: the
+    higher first, more than ``RANK_TOLERANCE`` above the lower."""
     scored = [r for r in results if r.row.scored]
-    bad = []
+    pairs = []
     for i, a in enumerate(scored):
         for b in scored[i + 1:]:
             if (a.row.attn.seqlen, a.row.topo) != (b.row.attn.seqlen, b.row.topo):
                 continue
             hi, lo = (a, b) if a.row.published >= b.row.published else (b, a)
-            if hi.row.published > lo.row.published * (1 + RANK_TOLERANCE) \
-                    and hi.predicted <= lo.predicted:
-                bad.append((hi, lo))
-    return bad
+            if hi.row.published > lo.row.published * (1 + RANK_TOLERANCE):
+                pairs.append((hi, lo))
+    return pairs
 
 
-def report(results: list[Result], hw: Hardware, tolerance: float = 0.15) -> str:
+def rank_violations(results: list[Result]) -> list[tuple[Result, Result]]:
+    """The clearly ordered pairs (``ranked_pairs``) the simulator orders the other way."""
+    return [(hi, lo) for hi, lo in ranked_pairs(results) if hi.predicted <= lo.predicted]
+
+
+def samples(results: list[Result], hw: Hardware, table: str) -> list[str]:
+    """Each row's ``IN_SAMPLE`` / ``HELD_OUT`` from the preset's ``fit:`` section (a preset
+    with none was fitted to no published row: every row held out)."""
+    if hw.fit is None:
+        return [HELD_OUT] * len(results)
+    return [hw.fit.sample(table, r.row.implementation, r.row.attn.seqlen) for r in results]
+
+
+def _errors_line(results: list[Result], tolerance: float) -> str:
+    errors = [abs(r.error) for r in results]
+    worst = max(results, key=lambda r: abs(r.error))
+    within = sum(e <= tolerance for e in errors)
+    return (f"{within} of {len(errors)} within {100 * tolerance:.0f} %, median |error| "
+            f"{100 * statistics.median(errors):.1f} %, worst {100 * abs(worst.error):.1f} % "
+            f"({worst.row.implementation}, {worst.row.attn.seqlen})")
+
+
+_MEANING = {IN_SAMPLE: "rows the preset's fit used", HELD_OUT: "rows nothing was fitted to"}
+
+
+def summary(results: list[Result], sample: list[str], tolerance: float = 0.15) -> list[str]:
+    """The headline: the error of the in-sample and of the held-out scored rows apart, and
+    the ranking agreement (each pair in-sample, held out or mixed), with the pairs the
+    simulator orders otherwise."""
+    lines = []
+    for label in (IN_SAMPLE, HELD_OUT):
+        group = [r for r, s in zip(results, sample) if s == label and r.row.scored]
+        if group:
+            lines.append(f"error, {label} ({len(group)} {_MEANING[label]}): "
+                         f"{_errors_line(group, tolerance)}")
+    scored = [r for r in results if r.row.scored]
+    if len(lines) > 1:
+        lines.append(f"error, all ({len(scored)} scored rows): {_errors_line(scored, tolerance)}")
+    where = {id(r): s for r, s in zip(results, sample)}
+
+    def kind(pair):
+        a, b = (where[id(r)] for r in pair)
+        return a if a == b else "mixed"
+
+    pairs, bad = ranked_pairs(results), rank_violations(results)
+    head = (f"ranking (pairs at one sequence length published > {100 * RANK_TOLERANCE:.0f} "
+            f"% apart): ")
+    if not pairs:
+        return lines + [head + "none"]
+    split = []
+    for k in (IN_SAMPLE, HELD_OUT, "mixed"):
+        of = [p for p in pairs if kind(p) == k]
+        if of:
+            good = sum(hi.predicted > lo.predicted for hi, lo in of)
+            split.append(f"{k} {good} of {len(of)}")
+    lines.append(head + f"{len(pairs) - len(bad)} of {len(pairs)} ordered as published ("
+                 + ", ".join(split) + ")" + ("; not:" if bad else ""))
+    lines += [f"  {hi.row.attn.seqlen}: published {hi.row.implementation} "
+              f"{hi.row.published:.1f} > {lo.row.implementation} {lo.row.published:.1f}, "
+              f"simulated {hi.predicted:.1f} <= {lo.predicted:.1f} ({kind((hi, lo))})"
+              for hi, lo in bad]
+    return lines
+
+
+def report(results: list[Result], hw: Hardware, table: str, tolerance: float = 0.15) -> str:
+    """The table (each row labelled in-sample / held out from the preset's ``fit:``), then
+    the headline: error and ranking agreement, per sample."""
+    sample = samples(results, hw, table)
     rows = []
-    for r in results:
+    for r, s in zip(results, sample):
         p = r.prediction
         rows.append({
             "Implementation": r.row.implementation, "cpbench": _label(r.row),
@@ -171,28 +241,17 @@ def report(results: list[Result], hw: Hardware, tolerance: float = 0.15) -> str:
             "FWD (ms) pub / sim": f"{_num(r.row.published_fwd_ms)} / {p.fwd_s * 1e3:.2f}",
             "TFLOPs/s published": f"{r.row.published:.2f}",
             "TFLOPs/s simulated": f"{r.predicted:.2f}",
-            "Rel. error": f"{100 * r.error:+.1f} %" + ("" if r.row.scored else " (not scored)"),
+            "Rel. error": f"{100 * r.error:+.1f} %",
+            "Sample": s if r.row.scored else "not scored",
         })
-    scored = [abs(r.error) for r in results if r.row.scored]
-    worst = max((r for r in results if r.row.scored), key=lambda r: abs(r.error), default=None)
-    lines = [f"Validation against published rows — simulated on {hw.name}",
-             *tables.render(None, rows, "table", _FIT)]
-    if scored:
-        assert worst is not None, "there are scored rows"
-        within = sum(e <= tolerance for e in scored)
-        lines += [f"scored rows: {len(scored)}; within {100 * tolerance:.0f} %: {within}; "
-                  f"median |error| {100 * statistics.median(scored):.1f} %; worst "
-                  f"{100 * abs(worst.error):.1f} % ({worst.row.implementation}, "
-                  f"{worst.row.attn.seqlen})"]
-    bad = rank_violations(results)
-    lines.append("ranking at each sequence length (pairs > "
-                 f"{100 * RANK_TOLERANCE:.0f} % apart): "
-                 + ("preserved" if not bad else f"{len(bad)} pair(s) out of order"))
-    for hi, lo in bad:
-        lines.append(f"  {hi.row.attn.seqlen}: published {hi.row.implementation} "
-                     f"{hi.row.published:.1f} > {lo.row.implementation} {lo.row.published:.1f}"
-                     f", simulated {hi.predicted:.1f} <= {lo.predicted:.1f}")
+    fit = "" if hw.fit is None else f"; fitted to {hw.fit.file}"
+    lines = [f"Validation against published rows ({table}) — simulated on {hw.name}{fit}",
+             *tables.render(None, rows, "table", _FIT), *summary(results, sample, tolerance)]
     notes = [(r.row.implementation, r.row.attn.seqlen, r.row.note) for r in results if r.row.note]
+    if hw.fit is not None:
+        notes += [(i, s, f"in-sample: {w}") for i, s, w in hw.fit.measured_on
+                  if any((r.row.implementation, r.row.attn.seqlen) == (i, s)
+                         and hw.fit.sample(table, i, s) == IN_SAMPLE for r in results)]
     if notes:
         lines += ["notes:"] + [f"  {impl} {s}: {n}" for impl, s, n in notes]
     return "\n".join(prose(lines)) + "\n"
