@@ -26,9 +26,12 @@ resolved options (``resolved_options()``) come from the registry and the strateg
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import socket
+import statistics
 import time
 from typing import Any, Callable
 
@@ -37,7 +40,9 @@ import torch
 from cpbench import kernels, results, strategies, topology
 from cpbench.bench import agreement, ideal, memory, profiling, recovery, sentcount, timer
 from cpbench.bench import env as env_mod
+from cpbench.bench import estimate as estimate_mod
 from cpbench.bench.check import check_strategy
+from cpbench.bench.load import Meter
 from cpbench.bench.plan import Case, Plan
 from cpbench.config import RunConfig
 from cpbench.reference import Comparison
@@ -66,20 +71,25 @@ def rank_inputs(strat, p: Plan, rank: int) -> dict:
             "v": rand(a.num_kv_heads, True), "dout": rand(a.heads, False)}
 
 
-def _closures(strat, x: dict) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(FWD, FWD+BWD) as zero-argument closures. The timed forward builds the autograd graph
-    exactly as in FWD+BWD (then drops it), so BWD = FWD+BWD − FWD is the backward alone."""
+def _closures(strat, x: dict) -> tuple[Callable[[], None], Callable[[], None],
+                                       Callable[[], None]]:
+    """(FWD alone, FWD keeping its graph, BWD on that graph) as zero-argument closures: the
+    timer times a step's forward and backward apart (``timer.measure_steps``); FWD alone
+    (--fwd-only) builds the graph exactly as in a step, then drops it."""
     q, k, v, dout = x["q"], x["k"], x["v"], x["dout"]
+    held: dict = {}
 
     def fwd():
         strat.attention(q, k, v)
 
-    def fwd_bwd():
-        out, _ = strat.attention(q, k, v)
-        out.backward(dout)
+    def fwd_keep():
+        held["out"] = strat.attention(q, k, v)[0]
+
+    def bwd():
+        held.pop("out").backward(dout)
         q.grad = k.grad = v.grad = None
 
-    return fwd, fwd_bwd
+    return fwd, fwd_keep, bwd
 
 
 def _counts(run: RunConfig) -> tuple[int, int]:
@@ -96,6 +106,28 @@ def _barrier(device: str) -> Callable[[], None]:
     return dist.barrier
 
 
+def _agree_max(device: str) -> Callable[[float], float]:
+    """The largest of every rank's value (an all-reduce): the warm-up's end is decided on
+    the slowest rank's step times, the same on every rank."""
+    import torch.distributed as dist
+
+    def agree(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    return agree
+
+
+def _meter(rank: int, launcher: str):
+    """Rank 0: the load meter (``bench.load``) over the timing; ours is the tree of the
+    process that started the ranks (torchrun's agent, the forkserver), or this process
+    where the ranks are its threads."""
+    if rank != 0 or not Meter.available():
+        return contextlib.nullcontext()
+    return Meter(period=1.0, root=os.getpid() if launcher == "threads" else os.getppid())
+
+
 @dataclasses.dataclass
 class _CaseRun:
     """One case on this rank: its phases, each agreed on by every rank."""
@@ -110,6 +142,22 @@ class _CaseRun:
     strat: Strategy | None = None
     inputs: dict | None = None
     sent: dict = dataclasses.field(default_factory=dict)  # phase -> sentcount.StepBytes
+    estimate: estimate_mod.Estimate | None = None  # the plan's (rank 0's) for this case
+    load: dict | None = None  # the record's sections measured while timing (rank 0)
+    timing: dict | None = None
+    paces: list = dataclasses.field(default_factory=list)  # seconds of each step so far
+    t0: float = dataclasses.field(default_factory=time.monotonic)
+    last_step: float = dataclasses.field(default_factory=time.monotonic)
+
+    def left(self) -> float | None:
+        """Seconds the case still needs: its estimate, scaled by the pace of the steps
+        timed so far (none yet: as estimated), less the time it has run."""
+        if self.estimate is None:
+            return None
+        pace = 1.0
+        if self.paces and self.estimate.step_s > 0:
+            pace = statistics.median(self.paces[-5:]) / self.estimate.step_s
+        return max(0.0, self.estimate.case_s * pace - (time.monotonic() - self.t0))
 
     @property
     def built(self) -> Strategy:
@@ -136,22 +184,93 @@ class _CaseRun:
         return self.phase(lambda: [dataclasses.asdict(c) for c in check_strategy(
             self.built, run.seed, device=run.device, cache=ref_cache)])
 
-    def time(self) -> tuple[dict, Callable[[], None] | None]:
-        """Samples per phase, each gathered as soon as it is timed (a later failure keeps
-        them); and the closure the memory step measures."""
+    def time(self, store, key: str) -> tuple[dict, Callable[[], None] | None]:
+        """Samples per phase, each iteration's forward and backward timed apart within one
+        step (``timer.measure_steps``), gathered once timed; and the closure the memory step
+        measures. A step that ran out of memory leaves the forward timed alone, a phase of
+        its own, so the row keeps its FWD (as an OOM in a backward always did)."""
         run = self.p.run
         self.inputs = self.phase(lambda: rank_inputs(self.strat, self.p, self.rank))
-        fwd, fwd_bwd = _closures(self.strat, self.inputs) if self.inputs else (None, None)
-        tm = timer.Timer(run.device, _barrier(run.device))
+        if self.inputs is None:
+            return {"fwd": None, "fwd_bwd": None}, None
+        fwd, fwd_keep, bwd = _closures(self.built, self.inputs)
         warmup, _ = _counts(run)
-        self.sent = {"fwd": sentcount.StepBytes(self.built, warmup)} if fwd else {}
-        samples = {"fwd": self._timed(tm, "FWD", fwd and self.sent["fwd"].wrap(fwd)),
-                   "fwd_bwd": None}
-        if not run.fwd_only:
-            self.sent["fwd_bwd"] = sentcount.StepBytes(self.built, warmup)
-            samples["fwd_bwd"] = self._timed(tm, "FWD+BWD", fwd_bwd and
-                                             self.sent["fwd_bwd"].wrap(fwd_bwd))
-        return samples, fwd if run.fwd_only else fwd_bwd
+        self.sent = {"fwd": sentcount.StepBytes(self.built, warmup)}
+        if run.fwd_only:
+            parts = [self.sent["fwd"].wrap(fwd)]
+        else:
+            self.sent["bwd"] = sentcount.StepBytes(self.built, warmup)
+            parts = [self.sent["fwd"].wrap(fwd_keep), self.sent["bwd"].wrap(bwd)]
+        samples = self._gathered(self._measure(parts))
+        if samples["fwd"] is None and not run.fwd_only and self.phase.status == results.OOM \
+                and not self.phase.broken:
+            samples["fwd"] = self._forward_alone(fwd, store, key)
+
+        def step():
+            fwd_keep()
+            bwd()
+
+        return samples, fwd if run.fwd_only else step
+
+    def _measure(self, parts: list[Callable[[], None]]) -> timer.Timed | None:
+        """The timed steps (a phase), the load meter running on rank 0 meanwhile."""
+        run = self.p.run
+        warmup, iters = _counts(run)
+        self.status(f"timing {'FWD' if len(parts) == 1 else 'FWD and BWD'}")
+        tm = timer.Timer(run.device, _barrier(run.device), _agree_max(run.device))
+        with _meter(self.rank, self.p.launcher) as meter:
+            got = self.phase(lambda: tm.measure_steps(
+                parts, settle=timer.warmup_rule(warmup, iters), iters=iters,
+                progress=self.progress))
+        if meter is not None and meter.load is not None:
+            local = self.p.ranks_per_node if self.p.launcher == "torchrun" else \
+                self.p.world_size
+            self.load = {**meter.load.to_dict(), "ranks_cores": min(
+                meter.load.cpus, local * torch.get_num_threads())}
+        if got is not None:
+            for sent in self.sent.values():
+                sent.warmup = got.warmup  # the timed calls follow the warm-up steps run
+            self.timing = {"warmup": got.warmup, "settled": got.settled,
+                           "warmup_least": warmup, "warmup_most":
+                               timer.warmup_rule(warmup, iters).most,
+                           "split": len(parts) > 1}
+        return got
+
+    def _gathered(self, got: timer.Timed | None) -> dict:
+        """Every rank's samples per phase: FWD, BWD and the whole step, or FWD alone."""
+        run = self.p.run
+        if got is None:  # the phase failed: nothing to gather, no collective
+            return {"fwd": None, "fwd_bwd": None}
+        mine = [v for part in got.parts for v in part] + (
+            got.steps if len(got.parts) > 1 else [])
+        everyone = self.phase(lambda: timer.gather_samples(mine, run.device))
+        if everyone is None:
+            return {"fwd": None, "fwd_bwd": None}
+        n = _counts(run)[1]
+        cut = [[r[i * n:(i + 1) * n] for r in everyone] for i in range(len(everyone[0]) // n)]
+        if len(cut) == 1:
+            return {"fwd": cut[0], "fwd_bwd": None}
+        return {"fwd": cut[0], "bwd": cut[1], "fwd_bwd": cut[2]}
+
+    def _forward_alone(self, fwd: Callable[[], None], store, key: str
+                       ) -> list[list[float]] | None:
+        """FWD timed alone after the step ran out of memory (a phase of its own)."""
+        run = self.p.run
+        warmup, iters = _counts(run)
+        self.status("timing FWD alone (FWD+BWD ran out of memory)")
+        ph = agreement.Agreement(run.device, store, f"{key}/fwd", self.grace_s, self.phase.case)
+        tm = timer.Timer(run.device, _barrier(run.device))
+        mine = ph(lambda: tm.measure(fwd, warmup=warmup, iters=iters))
+        return ph(lambda: timer.gather_samples(mine, run.device))
+
+    def progress(self, what: str, done: int, most: int) -> None:
+        """The timer's word after each step: the status line, and the steps' pace for the
+        case's time left."""
+        now = time.monotonic()
+        self.paces.append(now - self.last_step)
+        self.last_step = now
+        self.status(f"{what} step {done}" + (f"/{most}" if what == "timed" else
+                                             f" (at most {most}, until the time settles)"))
 
     def comm(self) -> tuple[dict | None, dict | None]:
         """The record's ``comm`` and ``sizes`` sections (a collective: every rank's figures):
@@ -169,13 +288,6 @@ class _CaseRun:
         return (results.comm_section([r[:6] for r in everyone], how),
                 {k: [int(r[i]) for r in everyone]
                  for i, k in enumerate(("world", "cp", "local_seqlen"), 6)})
-
-    def _timed(self, tm: timer.Timer, what: str, fn) -> list[list[float]] | None:
-        run = self.p.run
-        self.status(f"timing {what}")
-        warmup, iters = _counts(run)
-        mine = self.phase(lambda: tm.measure(fn, warmup=warmup, iters=iters))
-        return self.phase(lambda: timer.gather_samples(mine, run.device))
 
     def memory(self, step: Callable[[], None] | None, store, key: str
                ) -> tuple[agreement.Agreement, list[int] | None]:
@@ -235,11 +347,8 @@ def _usable(*phases: agreement.Agreement | None) -> bool:
 def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, store=None,
              key: str = "", prefix: str = "", index: int = 1) -> tuple[dict, str | None]:
     """Every phase of case ``index`` (1-based) on this rank (collective): (the record,
-    complete on rank 0; None, or what broke: "group" or "device", a sticky CUDA error)."""
-
-    def status(text):
-        log.info("%s: %s", prefix or case.label, text, extra={"transient": True})
-
+    complete on rank 0; None, or what broke: "group" or "device", a sticky CUDA error).
+    Rank 0 shows its progress meanwhile (``report.console.Ticker``)."""
     grace_s: float | None  # None: no grace (below)
     timeout_s, grace_s = p.waits[index - 1]
     # NCCL: closing a communicator does not free the peers blocked on it; they wait out the
@@ -248,11 +357,21 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     topology.set_timeout(timeout_s)
     who = (case.label, p.keys()[index - 1])  # what a failing rank names (bench.failures)
     phase = agreement.Agreement(p.run.device, store, key, grace_s, who)
-    c = _CaseRun(p, case, rank, phase, status, grace_s, timeout_s)
+    c = _CaseRun(p, case, rank, phase, lambda text: None, grace_s, timeout_s,
+                 estimate=p.estimates[index - 1] if p.estimates else None)
+    with console.Ticker(prefix or case.label, left=c.left) as ticker:
+        c.status = ticker.set
+        return _phases(c, env, ref_cache, store, key, index)
+
+
+def _phases(c: _CaseRun, env: dict, ref_cache: dict, store, key: str, index: int
+            ) -> tuple[dict, str | None]:
+    """run_case's phases, each agreed on; the record and what broke."""
+    p, case, rank, phase = c.p, c.case, c.rank, c.phase
     resolved, upstream = c.build()
     # --rounds K: the result does not change between rounds, only the timings: check once
     checks = c.check(ref_cache) if p.run.check and not case.round else None
-    samples, step = c.time()
+    samples, step = c.time(store, key)
     comm, sizes = c.comm()
     mem, memory_bytes = c.memory(step, store, key) if _usable(phase) else (None, None)
     # a failed memory step leaves the group usable (it is agreed on); a broken one does not
@@ -276,7 +395,8 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
         memory_status=mem.status if mem is not None else None,
         memory_error=mem.error if mem is not None else None, profile=profile,
         balance=balance, padding=padding, packing=p.packing_of(case), round=p.round_of(case),
-        comm=comm, sizes=sizes, ideal=ideal_section)
+        comm=comm, sizes=sizes, ideal=ideal_section, load=c.load, timing=c.timing,
+        estimate=c.estimate.to_dict() if c.estimate else None)
     broke = [ph for ph in (phase, mem, ideal_ph, prof) if ph is not None and ph.broken]
     return record, ("device" if any(ph.sticky for ph in broke) else "group") if broke else None
 
@@ -287,8 +407,11 @@ def _say_record(p: Plan, record: dict, prefix: str, seconds: float) -> None:
 
     if p.out:
         results.append(p.out, record)
-    log.info("%s: %s in %.1f s", prefix,
-             record["status"] if record["status"] != results.OK else "done", seconds)
+    est = record.get("estimate")
+    log.info("%s: %s in %s%s", prefix,
+             record["status"] if record["status"] != results.OK else "done",
+             estimate_mod.duration(seconds),
+             f" (estimated {estimate_mod.duration(est['case_s'])})" if est else "")
     if p.run.format == "table":
         out_log.info(report.detail(record))
     elif record.get("check"):
@@ -302,7 +425,8 @@ def _run_cases(p: Plan, rank: int, env: dict) -> tuple[list[dict], bool, bool]:
     records, failed = [], False
     for i, case in enumerate(p.cases, 1):
         prefix = f"[{i}/{len(p.cases)}] {case.label}"
-        log.info("%s", prefix, extra={"transient": "plain"})
+        est = p.estimates[i - 1] if p.estimates else None
+        log.info("%s%s", prefix, f": {est.line()}" if est else "")
         t0 = time.perf_counter()
         record, broken = run_case(p, case, rank, env, ref_cache, store=agreement.store(),
                                   key=str(i), prefix=prefix, index=i)

@@ -14,7 +14,7 @@ verdict repeatable on a shared virtual machine:
   measured: a host that now runs both ranks on one core's hyperthreads, or a slower clock,
   moves every time. A measurement whose probes moved beyond ``drift_limit`` is taken again
   (up to ``TRIES`` times), then dropped and said;
-- the load meter (``sim.load``): when other processes took more than ``load_limit`` of the
+- the load meter (``bench.load``): when other processes took more than ``load_limit`` of the
   cores while it measured, the check prints its table but refuses to score.
 """
 
@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from cpbench import metrics, results, strategies
 from cpbench.bench import entry
 from cpbench.bench import plan as planning
+from cpbench.bench.load import Load, Meter
 from cpbench.config import AttentionConfig, RunConfig
 from cpbench.errors import UsageError
 from cpbench.report import labels
 from cpbench.sim import model
 from cpbench.sim.hardware import Hardware
-from cpbench.sim.load import Load, Meter
 from cpbench.topology import Topology
 
 TRIES = 3
