@@ -36,7 +36,7 @@ from cpbench.config import FORMATS
 from cpbench.profile.summary import detail_lines
 from cpbench.reference import TENSORS, Comparison
 from cpbench.report import packings
-from cpbench.report.dataframe import baseline_drift, efficiencies, frame
+from cpbench.report.dataframe import baseline_drift, frame
 from cpbench.report.labels import mask_text, option_text, row_label, window_text
 from cpbench.results import FAILED, OK, OOM, derive
 
@@ -71,7 +71,8 @@ def rows(records: list[dict]) -> list[dict]:
     with_docs = (df["documents"] != "-").any()
     with_balance = df["imbalance"].notna().any()
     with_packings = df["packing"].notna().any()
-    with_flags = (df["flags"] != "").any()
+    common = _common_reason(df)  # one reason for every row: said once, under the table
+    with_flags = (df["flags"] != "").any() or (df["not_measured"].notna().any() and not common)
     with_ideal = any(r.get("ideal") for r in records)  # records before it: no column
     out = []
     for row in df.to_dict("records"):
@@ -105,7 +106,8 @@ def rows(records: list[dict]) -> list[dict]:
             passed = row["check_passed"]
             cells["Check"] = "-" if _missing(passed) else "PASS" if passed else "FAIL"
         if with_flags:  # the physics guards' (cpbench.guards): the row's figures are suspect
-            cells["Flags"] = row["flags"] or "-"
+            cells["Flags"] = "; ".join(x for x in (
+                row["flags"], None if common else _short(row["not_measured"])) if x) or "-"
         # the kernel blocks alone over the step (bench.ideal): needs no baseline that fits
         if with_ideal:
             cells["Fraction of Ideal"] = _pct_cell(row["fraction_of_ideal"])
@@ -115,6 +117,34 @@ def rows(records: list[dict]) -> list[dict]:
                                   f"{_pct(row['cp_efficiency_high'])}]")
         out.append(cells)
     return out
+
+
+def _short(reason) -> str | None:
+    """A row's "not measuring CP" reason as its Flags cell says it."""
+    return None if _missing(reason) else f"{reason.split(':')[0]}: not CP"
+
+
+def _common_reason(df) -> str | None:
+    """The one reason every measured row's timings do not measure CP, if they share it."""
+    reasons = set(df["not_measured"][df["status"] == OK])
+    return next(iter(reasons)) if len(reasons) == 1 and None not in reasons and \
+        not any(_missing(r) for r in reasons) else None
+
+
+def not_measured_lines(records: list[dict]) -> list[str]:
+    """Under the table: why rows' timings do not measure CP (``guards.not_measured``), and
+    that their CP efficiency and fraction of ideal are not printed."""
+    df = frame(records)
+    if df.empty or not df["not_measured"].notna().any():
+        return []
+    common = _common_reason(df)
+    if common:
+        return [f"not measuring CP: {common} (every row; CP efficiency and fraction of ideal "
+                f"not printed)"]
+    n = int(df["not_measured"].notna().sum())
+    which = "every row" if n == len(df) else f"{n} of {len(df)} rows"
+    return [f"not measuring CP: {which} (see Flags): their timings, and every efficiency "
+            f"against them, do not measure CP; CP efficiency and fraction of ideal not printed"]
 
 
 def _docs_cell(documents: str) -> str:
@@ -171,16 +201,20 @@ def _seed_table(table_rows: list[dict]) -> list[str]:
 
 
 def _efficiency_lines(records: list[dict]) -> list[str]:
-    effs = efficiencies(records)
+    df = frame(records)
+    effs = [] if df.empty else df[df["cp_efficiency"].notna()].to_dict("records")
     if not effs:
         return []
-    phases = {e[3] for e in effs}
+    phases = {e["efficiency_phase"] for e in effs}
     out = [f"CP efficiency = T_local / (N · T_cp), {' or '.join(sorted(phases))}, against "
-           f"{effs[0][2]} (95 % bootstrap interval of the per-iteration samples):"]
-    width = max(len(label) for label, *_ in effs)
-    for label, n, _, _, eff, interval in effs:
-        span = f"  [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]" if interval else ""
-        out.append(f"  {label:<{width}}  N={n:<3} {100 * eff:6.1f} %{span}")
+           f"{effs[0]['baseline']} (95 % bootstrap interval of the per-iteration samples):"]
+    width = max(len(e["label"]) for e in effs)
+    for e in effs:
+        low, high = e["cp_efficiency_low"], e["cp_efficiency_high"]
+        span = "" if _missing(low) else f"  [{100 * low:.1f}, {100 * high:.1f}]"
+        out.append(f"  {e['label']:<{width}}  N={int(e['ranks_per_problem']):<3} "
+                   f"{100 * e['cp_efficiency']:6.1f} %{span}"
+                   + (f"  flagged: {e['efficiency_flag']}" if e["efficiency_flag"] else ""))
     return out + baseline_drift(records)
 
 
@@ -216,7 +250,8 @@ def summary(records: list[dict], fmt: str = "table") -> str:
     if fmt == "table":
         table_rows = [{k: v for k, v in r.items() if k != "CP Efficiency"} for r in rows(records)]
         lines = [f"Benchmark Summary{simulated_note(records)}:", *_seed_table(table_rows)]
-        for extra in (_efficiency_lines(records), rounds.drift_lines(records, case_text)):
+        for extra in (not_measured_lines(records), _efficiency_lines(records),
+                      rounds.drift_lines(records, case_text)):
             lines += ["", *extra] if extra else []
         lines += [f"no dense peak known for {name}: its rows have no above-peak guard"
                   for name in guards.unguarded(records)]
@@ -224,8 +259,9 @@ def summary(records: list[dict], fmt: str = "table") -> str:
     if fmt == "markdown":
         note = simulated_note(records)
         lines = [f"*Benchmark Summary{note}*", ""] if note else []
+        under = not_measured_lines(records)
         return "\n".join(lines + render(None, rows(records), "markdown")
-                         + packings.lines(records, fmt)) + "\n"
+                         + (["", *under] if under else []) + packings.lines(records, fmt)) + "\n"
     data = _data(records)
     if fmt == "json":
         records_out = [{k: (None if _missing(v) else v) for k, v in row.items()}
@@ -252,7 +288,8 @@ def _data(records: list[dict]):
             "packing", "documents_spec", "check",
             "cp_efficiency", "cp_efficiency_low", "cp_efficiency_high", "fraction_of_ideal",
             "exposed_comm_pct",
-            "exposed_comm_ms", "flags", "error", "memory_status", "memory_error"]
+            "exposed_comm_ms", "flags", "not_measured", "error", "memory_status",
+            "memory_error"]
     return df[cols]
 
 
