@@ -23,7 +23,7 @@ def fake_record(strategy="zigzag", *, status="ok", fwd=None, fwd_bwd=None, memor
     fwd = fwd if fwd is not None else [[10.0, 11.0, 12.0]] * world
     fwd_bwd = fwd_bwd if fwd_bwd is not None else [[30.0, 31.0, 35.0]] * world
     if bwd is None:
-        bwd = [[max(b - f, 0.01) for f, b in zip(fr, br)] for fr, br in zip(fwd, fwd_bwd)]
+        bwd = [[b - f for f, b in zip(fr, br)] for fr, br in zip(fwd, fwd_bwd)]
     ok = status == "ok"
     record = {
         "schema_version": results.SCHEMA_VERSION,

@@ -95,7 +95,7 @@ def frame(records: list[dict]):
     df["cp_efficiency_low"] = [lo for lo, _ in lo_hi]
     df["cp_efficiency_high"] = [hi for _, hi in lo_hi]
     df["efficiency_flag"] = [_efficiency_flag(row) for row in df.to_dict("records")]
-    df["flags"] = ["; ".join(f for f in parts if f)
+    df["flags"] = ["; ".join(f for f in parts if isinstance(f, str) and f)
                    for parts in zip(df["flags"], df["efficiency_flag"], drift_flags(df))]
     df["label"] = [joined(s, o) for s, o in zip(df["strategy"], df["options"])]
     return df

@@ -214,7 +214,8 @@ def _efficiency_lines(records: list[dict]) -> list[str]:
         span = "" if _missing(low) else f"  [{100 * low:.1f}, {100 * high:.1f}]"
         out.append(f"  {e['label']:<{width}}  N={int(e['ranks_per_problem']):<3} "
                    f"{100 * e['cp_efficiency']:6.1f} %{span}"
-                   + (f"  flagged: {e['efficiency_flag']}" if e["efficiency_flag"] else ""))
+                   + (f"  flagged: {e['efficiency_flag']}"
+                      if isinstance(e["efficiency_flag"], str) else ""))
     return out + baseline_drift(records)
 
 
