@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from cpbench.sim import hardware, load, selfcheck, selfcheck_report
+from cpbench.bench import load
+from cpbench.sim import hardware, selfcheck, selfcheck_report
 from cpbench.sim.calibrate import steady
 
 BUSY = [sys.executable, "-c", "for _ in iter(int, 1): pass"]  # spins until killed
