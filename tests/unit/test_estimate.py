@@ -61,7 +61,7 @@ def test_the_case_counts_its_check_the_ideal_and_fwd_only():
 
 
 def test_durations_read_as_people_say_them():
-    assert [estimate.duration(s) for s in (0.0123, 3.4, 336, 4 * 3600, 3.5 * 86400)] == [
+    assert [metrics.duration(s) for s in (0.0123, 3.4, 336, 4 * 3600, 3.5 * 86400)] == [
         "12 ms", "3.4 s", "5.6 min", "4 h", "3.5 d"]
 
 

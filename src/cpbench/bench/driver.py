@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from cpbench import kernels, results, strategies, topology
+from cpbench import kernels, metrics, results, strategies, topology
 from cpbench.bench import agreement, ideal, memory, profiling, recovery, sentcount, timer
 from cpbench.bench import env as env_mod
 from cpbench.bench import estimate as estimate_mod
@@ -410,8 +410,8 @@ def _say_record(p: Plan, record: dict, prefix: str, seconds: float) -> None:
     est = record.get("estimate")
     log.info("%s: %s in %s%s", prefix,
              record["status"] if record["status"] != results.OK else "done",
-             estimate_mod.duration(seconds),
-             f" (estimated {estimate_mod.duration(est['case_s'])})" if est else "")
+             metrics.duration(seconds),
+             f" (estimated {metrics.duration(est['case_s'])})" if est else "")
     if p.run.format == "table":
         out_log.info(report.detail(record))
     elif record.get("check"):

@@ -33,6 +33,7 @@ from cpbench import kernels, metrics
 from cpbench.bench import ideal
 from cpbench.config import DTYPES, AttentionConfig, RunConfig
 from cpbench.errors import UsageError
+from cpbench.metrics import duration
 
 # seconds one probe's forward + backward should take: the quick one, the refined one
 PROBE_S = {"cpu": (0.05, 0.3), "cuda": (0.002, 0.05)}
@@ -74,16 +75,6 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         """The record's ``estimate`` section."""
         return {"step_s": self.step_s, "case_s": self.case_s, "probe": self.rate.text()}
-
-
-def duration(seconds: float) -> str:
-    """``12 ms``, ``3.4 s``, ``5.6 min``, ``7.8 h``, ``9.1 d``."""
-    for unit, scale, limit in (("ms", 1e-3, 1.0), ("s", 1.0, 120.0), ("min", 60.0, 7200.0),
-                               ("h", 3600.0, 172800.0)):
-        if seconds < limit:
-            value = seconds / scale
-            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.2g} {unit}"
-    return f"{seconds / 86400:.2g} d"
 
 
 def _block_seconds(backend, device: str, side: int, heads: int, kv_heads: int,

@@ -33,6 +33,7 @@ import statistics
 
 from cpbench import guards, rounds
 from cpbench.config import FORMATS
+from cpbench.metrics import duration
 from cpbench.profile.summary import detail_lines
 from cpbench.reference import TENSORS, Comparison
 from cpbench.report import packings
@@ -348,8 +349,20 @@ def _configuration(record: dict) -> list[str]:
     if up:
         lines.append(f"  - Upstream: {', '.join(f'{k} {v}' for k, v in up.items())}")
     return lines + [f"  - Kernel: {record['kernel']} on {run['device']}",
-                    f"  - Iterations: {run['iters']} timed after {run['warmup']} warm-up "
+                    f"  - Iterations: {run['iters']} timed after {_warmup_text(record)} "
                     f"(median of the slowest rank)"]
+
+
+def _warmup_text(record: dict) -> str:
+    """The warm-up steps run, and whether the step time had settled (``bench.timer``)."""
+    timing, run = record.get("timing"), record["config"]["run"]
+    if not timing:
+        return f"{run['warmup']} warm-up"
+    if timing["warmup"] == 0:
+        return "no warm-up"
+    how = "settled" if timing["settled"] else "not settled: its last 3 steps still " \
+        "differed by more than 10 %"
+    return f"{timing['warmup']} warm-up ({how})"
 
 
 def _performance(record: dict, d: dict) -> list[str]:
@@ -378,11 +391,16 @@ def _performance(record: dict, d: dict) -> list[str]:
 
 def _ideal_lines(record: dict, d: dict) -> list[str]:
     ideal = record.get("ideal")
+    est = record.get("estimate")
+    lines = [f"  - Estimated Beforehand: {duration(est['step_s'])} a step, "
+             f"{duration(est['case_s'])} for the case ({est['probe']})"] if est else []
+    if d.get("not_measured"):  # guards.not_measured: no fraction of ideal, no efficiency
+        return lines + [f"  - Not Measuring CP: {d['not_measured']}"]
     if not ideal:
-        return []
+        return lines
     if ideal.get("none"):
-        return [f"  - Fraction of Ideal: - ({ideal['none']})"]
-    return [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} (rank "
+        return lines + [f"  - Fraction of Ideal: - ({ideal['none']})"]
+    return lines + [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} (rank "
             f"{ideal['rank']}'s {len(ideal['blocks'])} distinct kernel block(s) timed alone: "
             f"{_ms(ideal['fwd_ms'] + (ideal.get('bwd_ms') or 0))} ms)"]
 
