@@ -11,7 +11,8 @@ merge and the layout are not counted: the estimate is a floor on big problems' s
 prediction (``cpbench simulate`` predicts; ``cpbench dryrun`` sizes memory).
 
 The case: its warm-up (the least) and timed steps, the memory step, ``--check``'s step and
-float64 reference, ``--profile``'s steps and the kernel blocks timed alone (``bench.ideal``).
+float64 reference, ``--profile``'s steps and the kernel blocks timed alone (``bench.ideal``),
+and a fixed allowance for its set-up (``CASE_SETUP_S``).
 
 Under torchrun only rank 0 estimates (and may refuse, exit 2, before any collective; torchrun
 then stops the other ranks): a probe's time differs between ranks, and ranks that each
@@ -43,6 +44,9 @@ SIDES = (128, 32768)  # the probe's least and largest block side
 REFINE_ABOVE = 0.25  # of the limit: a case estimated above it is probed again, larger
 REFERENCE_SLOWDOWN = 8.0  # --check's float64 reference against the kernel's own rate
 PROFILED_STEPS = 3  # bench.profiling's
+# a case's set-up, whatever its size: its groups, the first exchange, the gathers, the memory
+# meter's first use in a process; a rough allowance (5-20 s seen on 2 busy cores)
+CASE_SETUP_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -159,7 +163,7 @@ def case_estimate(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
     step = alone / machine.share(rate)
     assert run.warmup is not None and run.iters is not None, "a resolved RunConfig"
     steps = run.warmup + run.iters + 1 + (PROFILED_STEPS if run.profile else 0)
-    case = steps * step
+    case = CASE_SETUP_S + steps * step
     if run.check:
         case += step + flops("fwd_bwd") * REFERENCE_SLOWDOWN / rate.fwd
     if has_ideal:  # rank 0's blocks alone, forward and backward, each warmed up and timed

@@ -235,7 +235,8 @@ class _Runner:
             eta = sum(durations) / len(durations) * (len(todo) - i - 1)
             summary = "ok" if all(s == results.OK for s in outcome) else ", ".join(outcome)
             self.say(f"[{case.index}/{n}] {case.label}: {summary} in {durations[-1]:.1f} s"
-                     + (f" (estimated {metrics.duration(est)})" if est is not None else "")
+                     + (f" (estimated {metrics.duration(est)}, its launch's start-up not "
+                        f"counted)" if est is not None else "")
                      + " | "
                      f"elapsed {_clock(time.monotonic() - start)} | ~{_clock(eta)} left"
                      + (f" | log {log_path}" if summary != "ok" else ""))
