@@ -147,3 +147,26 @@ def test_a_loaded_machine_is_not_scored():
 def test_re_predicting_saved_records_is_scored_without_a_meter():
     text, scored = selfcheck_report.render(ROWS, _preset(), 2, measured=None)
     assert scored and "median |error| 5.0 %" in text
+
+
+@pytest.mark.skipif(not load.Meter.available(), reason="needs Linux's /proc")
+def test_the_meter_takes_the_tree_of_the_root_it_is_given():
+    """``cpbench run``'s rank 0 meters with its launcher as root: its sibling ranks (children
+    of the same forkserver or torchrun agent) are ours, the launcher's parent is not."""
+    launcher = subprocess.Popen(["sh", "-c", f"{shlex.join(BUSY)} & {shlex.join(BUSY)} & wait"])
+    ranks: list[int] = []
+    try:
+        _wait_for(launcher.pid)
+        time.sleep(0.3)  # both ranks started
+        snap = load._snapshot(launcher.pid)
+        ranks = [pid for pid in snap if load._stat(str(pid)) and
+                 load._stat(str(pid))[0] == launcher.pid]
+        assert len(ranks) == 2 and all(snap[pid][0] is False for pid in ranks)
+        assert snap[launcher.pid][0] is False and snap[os.getpid()][0] is True
+        with load.Meter(root=launcher.pid) as meter:
+            time.sleep(0.5)
+        assert meter._root == launcher.pid and meter.load is not None
+    finally:
+        launcher.kill()
+        for pid in ranks:
+            os.kill(pid, 9)

@@ -74,6 +74,7 @@ def test_warmup_is_bounded_when_the_step_never_settles():
         [lambda: time.sleep(next(times) / 1e3)], settle=timer.warmup_rule(2, 3), iters=3,
         progress=lambda what, done, most: seen.append((what, done, most)))
     assert not got.settled and got.warmup == 5  # at most --warmup + --iters
+    # said before each step: the one about to run
     assert seen == [("warm-up", i, 5) for i in range(1, 6)] + [("timed", i, 3)
                                                                for i in range(1, 4)]
 

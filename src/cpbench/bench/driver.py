@@ -147,7 +147,7 @@ class _CaseRun:
     timing: dict | None = None
     paces: list = dataclasses.field(default_factory=list)  # seconds of each step so far
     t0: float = dataclasses.field(default_factory=time.monotonic)
-    last_step: float = dataclasses.field(default_factory=time.monotonic)
+    last_step: float | None = None  # when the timer last began a step
 
     def left(self) -> float | None:
         """Seconds the case still needs: its estimate, scaled by the pace of the steps
@@ -190,6 +190,7 @@ class _CaseRun:
         measures. A step that ran out of memory leaves the forward timed alone, a phase of
         its own, so the row keeps its FWD (as an OOM in a backward always did)."""
         run = self.p.run
+        self.status("drawing this rank's inputs")
         self.inputs = self.phase(lambda: rank_inputs(self.strat, self.p, self.rank))
         if self.inputs is None:
             return {"fwd": None, "fwd_bwd": None}, None
@@ -263,13 +264,14 @@ class _CaseRun:
         mine = ph(lambda: tm.measure(fwd, warmup=warmup, iters=iters))
         return ph(lambda: timer.gather_samples(mine, run.device))
 
-    def progress(self, what: str, done: int, most: int) -> None:
-        """The timer's word after each step: the status line, and the steps' pace for the
-        case's time left."""
+    def progress(self, what: str, step: int, most: int) -> None:
+        """The timer's word before each step: the status line, and the steps' pace (the
+        time since the last word) for the case's time left."""
         now = time.monotonic()
-        self.paces.append(now - self.last_step)
+        if self.last_step is not None:
+            self.paces.append(now - self.last_step)
         self.last_step = now
-        self.status(f"{what} step {done}" + (f"/{most}" if what == "timed" else
+        self.status(f"{what} step {step}" + (f"/{most}" if what == "timed" else
                                              f" (at most {most}, until the time settles)"))
 
     def comm(self) -> tuple[dict | None, dict | None]:
@@ -446,6 +448,9 @@ def _header(p: Plan, world: int) -> None:
     log.info("cpbench: %d case(s) on %d ranks (%d node(s) × %d), %s on %s, %s",
              len(p.cases), world, topo.num_nodes, topo.ranks_per_node, p.kernel, p.run.device,
              ", ".join(f"{k}={v}" for k, v in p.attn.to_dict().items()))
+    if p.estimates:  # bench.estimate's, made before any rank started
+        log.info("estimated %s in all (%s)", metrics.duration(sum(e.case_s for e in p.estimates)),
+                 p.estimates[0].rate.text())
     if p.packed:  # the documents above are the first packing's
         log.info("%d packings of %s (seeds %d..%d), each strategy on each", len(p.packed),
                  p.documents_spec, p.run.seed, p.run.seed + len(p.packed) - 1)

@@ -41,7 +41,8 @@ PROBE_S = {"cpu": (0.05, 0.3), "cuda": (0.002, 0.05)}
 # FLOP/s the probe's side is chosen by (the probe measures the real one)
 NOMINAL_FLOPS = {"cpu": 20e9, "cuda": 200e12}
 SIDES = (128, 32768)  # the probe's least and largest block side
-REFINE_ABOVE = 0.25  # of the limit: a case estimated above it is probed again, larger
+# a case estimated above this share of the limit, or above REFINE_S, is probed again, larger
+REFINE_ABOVE, REFINE_S = 0.25, 60.0
 REFERENCE_SLOWDOWN = 8.0  # --check's float64 reference against the kernel's own rate
 PROFILED_STEPS = 3  # bench.profiling's
 # a case's set-up, whatever its size: its groups, the first exchange, the gathers, the memory
@@ -197,14 +198,16 @@ def estimate(pr: Problem, run: RunConfig, machine: Machine, *, refined: bool = F
 
 def estimates(problems: Sequence[Problem], run: RunConfig, machine: Machine
               ) -> tuple[Estimate, ...]:
-    """Each case's estimate: the quick probe's, or the larger probe's for a case near or over
-    ``run.max_minutes`` (by the quick probe, or already at the nominal rate: one probe)."""
+    """Each case's estimate: the quick probe's, or the larger probe's for a long case or one
+    near or over ``run.max_minutes`` (by the quick probe, or already at the nominal rate: then
+    one probe)."""
     limit_s = run.max_minutes * 60
+    bar = min(REFINE_S, REFINE_ABOVE * limit_s) if limit_s else REFINE_S
     out = []
     for pr in problems:
-        near = bool(limit_s) and _nominal(pr, run, machine).case_s > REFINE_ABOVE * limit_s
-        est = estimate(pr, run, machine, refined=near)
-        if limit_s and not near and est.case_s > REFINE_ABOVE * limit_s:
+        long = _nominal(pr, run, machine).case_s > bar
+        est = estimate(pr, run, machine, refined=long)
+        if not long and est.case_s > bar:
             est = estimate(pr, run, machine, refined=True)
         out.append(est)
     return tuple(out)

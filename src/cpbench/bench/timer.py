@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
-# progress("warm-up" or "timed", steps done, steps at most)
+# progress("warm-up" or "timed", the step about to run (1-based), steps at most)
 Progress = Callable[[str, int, int], None]
 
 
@@ -101,23 +101,23 @@ class Timer:
     def measure_steps(self, parts: Sequence[Callable[[], object]], *, settle: Settle,
                       iters: int, progress: Progress | None = None) -> Timed:
         """Warm up until ``settle`` says so, then time ``iters`` steps, each part of each
-        step on its own (see the module docstring). ``progress("warm-up" | "timed", done,
-        at most)`` after every step."""
-        say = progress or (lambda what, done, total: None)
+        step on its own (see the module docstring). ``progress("warm-up" | "timed", step,
+        at most)`` before every step."""
+        say = progress or (lambda what, step, most: None)
         times: list[float] = []
         while not settle.done(times):
+            say("warm-up", len(times) + 1, settle.most)
             _, step = self._timed(parts, barrier=False)
             times.append(self.agree(step))
-            say("warm-up", len(times), settle.most)
         self._sync()
         per_part: list[list[float]] = [[] for _ in parts]
         steps = []
         for i in range(iters):
+            say("timed", i + 1, iters)
             each, step = self._timed(parts)
             for samples, ms in zip(per_part, each):
                 samples.append(ms)
             steps.append(step)
-            say("timed", i + 1, iters)
         return Timed(per_part, steps, len(times),
                      settled(times, settle.window, settle.tolerance))
 

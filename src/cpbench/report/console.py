@@ -12,8 +12,9 @@ import threading
 import time
 from typing import Callable
 
-# a plain progress line at most this often where the output is no terminal (a log)
-LOG_EVERY_S = 15.0
+# a plain progress line where the output is no terminal (a log): every 15 s at first, then
+# every tenth of the time run so far, at most every 10 min (a step of hours: ~100 lines a day)
+LOG_EVERY_S = (15.0, 600.0)
 TTY_EVERY_S = 1.0  # the status line's refresh on a terminal
 
 
@@ -115,8 +116,8 @@ def _tty(log: logging.Logger) -> bool:
 
 class Ticker:
     """Progress of long work that says it often enough: ``prefix: text | elapsed 1:02 |
-    ~3:04 left``, refreshed every second on a terminal (the status line), a plain line at
-    most every ``LOG_EVERY_S`` elsewhere, from a thread, so a step of hours still shows its
+    ~3:04 left``, refreshed every second on a terminal (the status line), a plain line now
+    and then elsewhere (``LOG_EVERY_S``), from a thread, so a step of hours still shows its
     clock. ``left()``: seconds still to go, or None (unknown). Silent where the logger
     prints nothing (ranks other than 0). ``with Ticker(...) as t: t.set("warm-up 1")``."""
 
@@ -160,7 +161,9 @@ class Ticker:
             self.log.info("%s", self.line(), extra={"transient": True if self.tty else "plain"})
 
     def _beat(self) -> None:
-        every = TTY_EVERY_S if self.tty else LOG_EVERY_S
         while not self._stop.wait(TTY_EVERY_S):
-            if self.text and time.monotonic() - self.said >= every:
+            now = time.monotonic()
+            every = TTY_EVERY_S if self.tty else min(max(LOG_EVERY_S[0], (now - self.t0) / 10),
+                                                     LOG_EVERY_S[1])
+            if self.text and now - self.said >= every:
                 self._say()
