@@ -94,3 +94,17 @@ def test_the_settling_rule():
     assert timer.warmup_rule(0, 5) == timer.Settle(least=0, most=0)  # --warmup 0: none
     assert timer.Settle(least=2, most=7).done([50, 10, 10, 10]) is True
     assert timer.Settle(least=5, most=7).done([10, 10, 10]) is False  # the least first
+
+
+def test_a_steps_samples_are_gathered_and_cut_per_phase():
+    from cpbench.bench import steps
+
+    got = timer.Timed(parts=[[1.0, 2.0], [3.0, 4.0]], steps=[4.5, 6.5], warmup=2, settled=True)
+    mine = steps.flat(got)
+    other = [x + 10 for x in mine]
+    assert steps.samples_of([mine, other], iters=2) == {
+        "fwd": [[1.0, 2.0], [11.0, 12.0]], "bwd": [[3.0, 4.0], [13.0, 14.0]],
+        "fwd_bwd": [[4.5, 6.5], [14.5, 16.5]]}
+    fwd_only = timer.Timed(parts=[[1.0, 2.0]], steps=[1.0, 2.0], warmup=0, settled=False)
+    assert steps.samples_of([steps.flat(fwd_only)], iters=2) == {"fwd": [[1.0, 2.0]],
+                                                                 "fwd_bwd": None}

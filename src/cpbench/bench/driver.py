@@ -26,23 +26,27 @@ resolved options (``resolved_options()``) come from the registry and the strateg
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
 import socket
-import statistics
 import time
 from typing import Any, Callable
 
 import torch
 
 from cpbench import kernels, metrics, results, strategies, topology
-from cpbench.bench import agreement, ideal, memory, profiling, recovery, sentcount, timer
+from cpbench.bench import (
+    agreement,
+    ideal,
+    memory,
+    profiling,
+    recovery,
+    sentcount,
+    steps,
+    timer,
+)
 from cpbench.bench import env as env_mod
-from cpbench.bench import estimate as estimate_mod
 from cpbench.bench.check import check_strategy
-from cpbench.bench.load import Meter
 from cpbench.bench.plan import Case, Plan
 from cpbench.config import RunConfig
 from cpbench.reference import Comparison
@@ -71,27 +75,6 @@ def rank_inputs(strat, p: Plan, rank: int) -> dict:
             "v": rand(a.num_kv_heads, True), "dout": rand(a.heads, False)}
 
 
-def _closures(strat, x: dict) -> tuple[Callable[[], None], Callable[[], None],
-                                       Callable[[], None]]:
-    """(FWD alone, FWD keeping its graph, BWD on that graph) as zero-argument closures: the
-    timer times a step's forward and backward apart (``timer.measure_steps``); FWD alone
-    (--fwd-only) builds the graph exactly as in a step, then drops it."""
-    q, k, v, dout = x["q"], x["k"], x["v"], x["dout"]
-    held: dict = {}
-
-    def fwd():
-        strat.attention(q, k, v)
-
-    def fwd_keep():
-        held["out"] = strat.attention(q, k, v)[0]
-
-    def bwd():
-        held.pop("out").backward(dout)
-        q.grad = k.grad = v.grad = None
-
-    return fwd, fwd_keep, bwd
-
-
 def _counts(run: RunConfig) -> tuple[int, int]:
     """(warmup, iters) of the plan's run, which RunConfig.resolved filled."""
     assert run.warmup is not None and run.iters is not None, "a resolved RunConfig"
@@ -104,28 +87,6 @@ def _barrier(device: str) -> Callable[[], None]:
     if device == "cuda":
         return lambda: dist.barrier(device_ids=[torch.cuda.current_device()])
     return dist.barrier
-
-
-def _agree_max(device: str) -> Callable[[float], float]:
-    """The largest of every rank's value (an all-reduce): the warm-up's end is decided on
-    the slowest rank's step times, the same on every rank."""
-    import torch.distributed as dist
-
-    def agree(value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
-
-    return agree
-
-
-def _meter(rank: int, launcher: str):
-    """Rank 0: the load meter (``bench.load``) over the timing; ours is the tree of the
-    process that started the ranks (torchrun's agent, the forkserver), or this process
-    where the ranks are its threads."""
-    if rank != 0 or not Meter.available():
-        return contextlib.nullcontext()
-    return Meter(period=1.0, root=os.getpid() if launcher == "threads" else os.getppid())
 
 
 @dataclasses.dataclass
@@ -142,22 +103,9 @@ class _CaseRun:
     strat: Strategy | None = None
     inputs: dict | None = None
     sent: dict = dataclasses.field(default_factory=dict)  # phase -> sentcount.StepBytes
-    estimate: estimate_mod.Estimate | None = None  # the plan's (rank 0's) for this case
+    pace: steps.Pace = dataclasses.field(default_factory=lambda: steps.Pace(None))
     load: dict | None = None  # the record's sections measured while timing (rank 0)
     timing: dict | None = None
-    paces: list = dataclasses.field(default_factory=list)  # seconds of each step so far
-    t0: float = dataclasses.field(default_factory=time.monotonic)
-    last_step: float | None = None  # when the timer last began a step
-
-    def left(self) -> float | None:
-        """Seconds the case still needs: its estimate, scaled by the pace of the steps
-        timed so far (none yet: as estimated), less the time it has run."""
-        if self.estimate is None:
-            return None
-        pace = 1.0
-        if self.paces and self.estimate.step_s > 0:
-            pace = statistics.median(self.paces[-5:]) / self.estimate.step_s
-        return max(0.0, self.estimate.case_s * pace - (time.monotonic() - self.t0))
 
     @property
     def built(self) -> Strategy:
@@ -186,7 +134,7 @@ class _CaseRun:
 
     def time(self, store, key: str) -> tuple[dict, Callable[[], None] | None]:
         """Samples per phase, each iteration's forward and backward timed apart within one
-        step (``timer.measure_steps``), gathered once timed; and the closure the memory step
+        step (``bench.steps``), gathered once timed; and the closure the memory step
         measures. A step that ran out of memory leaves the forward timed alone, a phase of
         its own, so the row keeps its FWD (as an OOM in a backward always did)."""
         run = self.p.run
@@ -194,64 +142,31 @@ class _CaseRun:
         self.inputs = self.phase(lambda: rank_inputs(self.strat, self.p, self.rank))
         if self.inputs is None:
             return {"fwd": None, "fwd_bwd": None}, None
-        fwd, fwd_keep, bwd = _closures(self.built, self.inputs)
-        warmup, _ = _counts(run)
-        self.sent = {"fwd": sentcount.StepBytes(self.built, warmup)}
-        if run.fwd_only:
-            parts = [self.sent["fwd"].wrap(fwd)]
-        else:
-            self.sent["bwd"] = sentcount.StepBytes(self.built, warmup)
-            parts = [self.sent["fwd"].wrap(fwd_keep), self.sent["bwd"].wrap(bwd)]
-        samples = self._gathered(self._measure(parts))
-        if samples["fwd"] is None and not run.fwd_only and self.phase.status == results.OOM \
-                and not self.phase.broken:
-            samples["fwd"] = self._forward_alone(fwd, store, key)
-
-        def step():
-            fwd_keep()
-            bwd()
-
-        return samples, fwd if run.fwd_only else step
-
-    def _measure(self, parts: list[Callable[[], None]]) -> timer.Timed | None:
-        """The timed steps (a phase), the load meter running on rank 0 meanwhile."""
-        run = self.p.run
+        fwd, fwd_keep, bwd = steps.closures(self.built, self.inputs)
         warmup, iters = _counts(run)
-        self.status(f"timing {'FWD' if len(parts) == 1 else 'FWD and BWD'}")
-        tm = timer.Timer(run.device, _barrier(run.device), _agree_max(run.device))
-        with _meter(self.rank, self.p.launcher) as meter:
+        self.sent = {"fwd": sentcount.StepBytes(self.built, warmup)}
+        if not run.fwd_only:
+            self.sent["bwd"] = sentcount.StepBytes(self.built, warmup)
+        parts = [self.sent["fwd"].wrap(fwd)] if run.fwd_only else \
+            [self.sent["fwd"].wrap(fwd_keep), self.sent["bwd"].wrap(bwd)]
+        self.status(f"timing {'FWD' if run.fwd_only else 'FWD and BWD'}")
+        tm = timer.Timer(run.device, _barrier(run.device), steps.agree_max(run.device))
+        with steps.meter(self.rank, self.p.launcher) as m:
             got = self.phase(lambda: tm.measure_steps(
                 parts, settle=timer.warmup_rule(warmup, iters), iters=iters,
-                progress=self.progress))
-        if meter is not None and meter.load is not None:
-            local = self.p.ranks_per_node if self.p.launcher == "torchrun" else \
-                self.p.world_size
-            self.load = {**meter.load.to_dict(), "ranks_cores": min(
-                meter.load.cpus, local * torch.get_num_threads())}
-        if got is not None:
+                progress=lambda *word: self.status(self.pace.step(*word))))
+        self.load = steps.load_section(m, self.p.ranks_per_node if self.p.launcher ==
+                                       "torchrun" else self.p.world_size)
+        samples: dict = {"fwd": None, "fwd_bwd": None}
+        if got is not None:  # else the phase failed on some rank: no collective follows
             for sent in self.sent.values():
                 sent.warmup = got.warmup  # the timed calls follow the warm-up steps run
-            self.timing = {"warmup": got.warmup, "settled": got.settled,
-                           "warmup_least": warmup, "warmup_most":
-                               timer.warmup_rule(warmup, iters).most,
-                           "split": len(parts) > 1}
-        return got
-
-    def _gathered(self, got: timer.Timed | None) -> dict:
-        """Every rank's samples per phase: FWD, BWD and the whole step, or FWD alone."""
-        run = self.p.run
-        if got is None:  # the phase failed: nothing to gather, no collective
-            return {"fwd": None, "fwd_bwd": None}
-        mine = [v for part in got.parts for v in part] + (
-            got.steps if len(got.parts) > 1 else [])
-        everyone = self.phase(lambda: timer.gather_samples(mine, run.device))
-        if everyone is None:
-            return {"fwd": None, "fwd_bwd": None}
-        n = _counts(run)[1]
-        cut = [[r[i * n:(i + 1) * n] for r in everyone] for i in range(len(everyone[0]) // n)]
-        if len(cut) == 1:
-            return {"fwd": cut[0], "fwd_bwd": None}
-        return {"fwd": cut[0], "bwd": cut[1], "fwd_bwd": cut[2]}
+            self.timing = steps.timing_section(got, run, split=len(parts) > 1)
+            everyone = self.phase(lambda: timer.gather_samples(steps.flat(got), run.device))
+            samples = steps.samples_of(everyone, iters) if everyone else samples
+        elif not run.fwd_only and self.phase.status == results.OOM and not self.phase.broken:
+            samples["fwd"] = self._forward_alone(fwd, store, key)
+        return samples, fwd if run.fwd_only else steps.whole(fwd_keep, bwd)
 
     def _forward_alone(self, fwd: Callable[[], None], store, key: str
                        ) -> list[list[float]] | None:
@@ -263,16 +178,6 @@ class _CaseRun:
         tm = timer.Timer(run.device, _barrier(run.device))
         mine = ph(lambda: tm.measure(fwd, warmup=warmup, iters=iters))
         return ph(lambda: timer.gather_samples(mine, run.device))
-
-    def progress(self, what: str, step: int, most: int) -> None:
-        """The timer's word before each step: the status line, and the steps' pace (the
-        time since the last word) for the case's time left."""
-        now = time.monotonic()
-        if self.last_step is not None:
-            self.paces.append(now - self.last_step)
-        self.last_step = now
-        self.status(f"{what} step {step}" + (f"/{most}" if what == "timed" else
-                                             f" (at most {most}, until the time settles)"))
 
     def comm(self) -> tuple[dict | None, dict | None]:
         """The record's ``comm`` and ``sizes`` sections (a collective: every rank's figures):
@@ -360,8 +265,8 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     who = (case.label, p.keys()[index - 1])  # what a failing rank names (bench.failures)
     phase = agreement.Agreement(p.run.device, store, key, grace_s, who)
     c = _CaseRun(p, case, rank, phase, lambda text: None, grace_s, timeout_s,
-                 estimate=p.estimates[index - 1] if p.estimates else None)
-    with console.Ticker(prefix or case.label, left=c.left) as ticker:
+                 pace=steps.Pace(p.estimates[index - 1] if p.estimates else None))
+    with console.Ticker(prefix or case.label, left=c.pace.left) as ticker:
         c.status = ticker.set
         return _phases(c, env, ref_cache, store, key, index)
 
@@ -398,7 +303,7 @@ def _phases(c: _CaseRun, env: dict, ref_cache: dict, store, key: str, index: int
         memory_error=mem.error if mem is not None else None, profile=profile,
         balance=balance, padding=padding, packing=p.packing_of(case), round=p.round_of(case),
         comm=comm, sizes=sizes, ideal=ideal_section, load=c.load, timing=c.timing,
-        estimate=c.estimate.to_dict() if c.estimate else None)
+        estimate=c.pace.estimate.to_dict() if c.pace.estimate else None)
     broke = [ph for ph in (phase, mem, ideal_ph, prof) if ph is not None and ph.broken]
     return record, ("device" if any(ph.sticky for ph in broke) else "group") if broke else None
 
