@@ -16,7 +16,7 @@ from cpbench.bench.plan import plan
 from cpbench.config import AttentionConfig, RunConfig
 from cpbench.errors import UsageError
 
-RATE = estimate.Rate(fwd=20e9, bwd=10e9, side=1024, kernel="sdpa-cpu", threads=2)
+RATE = estimate.Rate(fwd=20e9, bwd=10e9, side=1024, kernel="sdpa-cpu", threads=1)
 ATTN = AttentionConfig(batch=1, seqlen=8192, heads=8, head_dim=64, dtype="fp32", causal=True)
 RUN = RunConfig(strategy=("zigzag",), warmup=2, iters=5).resolved("cpu")
 CPU = estimate.Machine(device="cpu", local_ranks=2, threads_per_rank=1, cpus=2)
@@ -29,9 +29,9 @@ def _flops(mode: str) -> float:
 
 def test_a_step_is_the_slowest_ranks_flops_at_its_share_of_the_probed_rate():
     est = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
-    # each of 2 ranks half the FLOPs, each with one of the 2 cores the probe had to itself
+    # each of 2 ranks half the FLOPs, each on one of the 2 cores, as the probe's one thread
     alone = _flops("fwd") / 2 / 20e9 + _flops("bwd") / 2 / 10e9
-    assert est.step_s == pytest.approx(alone * 2)
+    assert est.step_s == pytest.approx(alone)
     # set-up, then warm-up, timed and memory steps
     assert est.case_s == pytest.approx(estimate.CASE_SETUP_S + est.step_s * (2 + 5 + 1))
     # an imbalanced layout: the slowest rank does 1.75 × the mean share
@@ -41,6 +41,10 @@ def test_a_step_is_the_slowest_ranks_flops_at_its_share_of_the_probed_rate():
     four = estimate.Machine(device="cpu", local_ranks=4, threads_per_rank=1, cpus=2)
     assert estimate.case_estimate(ATTN, RUN, 4, 1.0, RATE, four, has_ideal=False
                                   ).step_s == pytest.approx(est.step_s)  # 1/4 work, 1/4 rate
+    # one rank of 2 threads (torchrun's one process): both cores
+    one = estimate.Machine(device="cpu", local_ranks=1, threads_per_rank=2, cpus=2)
+    assert estimate.case_estimate(ATTN, RUN, 1, 1.0, RATE, one, has_ideal=False
+                                  ).step_s == pytest.approx(alone)  # 2x the work, 2 cores
     # GPUs: each rank its own device, the probe's whole rate
     gpu = estimate.Machine(device="cuda", local_ranks=8, threads_per_rank=1, cpus=2)
     assert estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, gpu, has_ideal=False
@@ -50,7 +54,7 @@ def test_a_step_is_the_slowest_ranks_flops_at_its_share_of_the_probed_rate():
 def test_the_case_counts_its_check_the_ideal_and_fwd_only():
     plain = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
     ideal = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=True)
-    assert ideal.case_s == pytest.approx(plain.case_s + plain.step_s / 2 * (2 + 5))
+    assert ideal.case_s == pytest.approx(plain.case_s + plain.step_s * (2 + 5))
     checked = estimate.case_estimate(ATTN, RunConfig(strategy=("zigzag",), check=True
                                                      ).resolved("cpu"),
                                      2, 1.0, RATE, CPU, has_ideal=False)
@@ -58,7 +62,7 @@ def test_the_case_counts_its_check_the_ideal_and_fwd_only():
     fwd = estimate.case_estimate(ATTN, RunConfig(strategy=("zigzag",), fwd_only=True
                                                  ).resolved("cpu"),
                                  2, 1.0, RATE, CPU, has_ideal=False)
-    assert fwd.step_s == pytest.approx(_flops("fwd") / 2 / 20e9 * 2)
+    assert fwd.step_s == pytest.approx(_flops("fwd") / 2 / 20e9)
 
 
 def test_durations_read_as_people_say_them():
@@ -98,6 +102,7 @@ def test_max_minutes_must_not_be_negative():
 def test_the_probe_measures_this_machine():
     rate = estimate.probe("sdpa-cpu", "cpu", "fp32", 2, 2, 16, 256)
     assert rate.side == 256 and rate.fwd > 1e6 and rate.bwd > 1e6  # FLOP/s, from a clock
+    assert rate.threads == 1  # on one thread
     assert estimate.probe_side("cpu", 8, 64, 0.3, 1 << 20) == 1024
     assert estimate.probe_side("cpu", 8, 64, 0.3, 300) == 300  # never past the case's block
 

@@ -45,9 +45,10 @@ SIDES = (128, 32768)  # the probe's least and largest block side
 REFINE_ABOVE, REFINE_S = 0.25, 60.0
 REFERENCE_SLOWDOWN = 8.0  # --check's float64 reference against the kernel's own rate
 PROFILED_STEPS = 3  # bench.profiling's
-# a case's set-up, whatever its size: its groups, the first exchange, the gathers, the memory
-# meter's first use in a process; a rough allowance (5-20 s seen on 2 busy cores)
-CASE_SETUP_S = 5.0
+# a case's set-up, whatever its size (its groups, gathers, agreements), and the first case's
+# in a process besides (the first exchanges, the memory meter's first use): rough allowances,
+# from 2 busy cores (1-3 s a case, 8-20 s the first)
+CASE_SETUP_S, FIRST_CASE_S = 2.0, 5.0
 
 
 @dataclass(frozen=True)
@@ -122,13 +123,22 @@ def probe_side(device: str, heads: int, head_dim: int, target_s: float, largest:
 @functools.lru_cache(maxsize=64)
 def probe(kernel: str, device: str, dtype: str, heads: int, kv_heads: int, head_dim: int,
           side: int) -> Rate:
-    """The kernel's FLOP/s on one full block of ``side`` (cached per process)."""
+    """The kernel's FLOP/s on one full block of ``side`` (cached per process). On CPU on one
+    thread: a rank's share is then counted in cores (``Machine.share``), and a parallel
+    region's threads waiting on each other while other work holds a core, which the ranks'
+    single threads do not, cannot slow the probe."""
     backend = kernels.get(kernel)
-    t_fwd, t_bwd = _block_seconds(backend, device, side, heads, kv_heads, head_dim,
-                                  DTYPES[dtype])
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    try:
+        t_fwd, t_bwd = _block_seconds(backend, device, side, heads, kv_heads, head_dim,
+                                      DTYPES[dtype])
+    finally:
+        torch.set_num_threads(threads)
     fwd = metrics.pairs_flops(side * side, batch=1, heads=heads, head_dim=head_dim)
     return Rate(fwd=fwd / t_fwd, bwd=fwd * metrics.BWD_FACTOR / t_bwd, side=side,
-                kernel=kernel, threads=torch.get_num_threads())
+                kernel=kernel, threads=1 if device == "cpu" else threads)
 
 
 @dataclass(frozen=True)
@@ -204,12 +214,12 @@ def estimates(problems: Sequence[Problem], run: RunConfig, machine: Machine
     limit_s = run.max_minutes * 60
     bar = min(REFINE_S, REFINE_ABOVE * limit_s) if limit_s else REFINE_S
     out = []
-    for pr in problems:
+    for i, pr in enumerate(problems):
         long = _nominal(pr, run, machine).case_s > bar
         est = estimate(pr, run, machine, refined=long)
         if not long and est.case_s > bar:
             est = estimate(pr, run, machine, refined=True)
-        out.append(est)
+        out.append(est if i else dataclasses.replace(est, case_s=est.case_s + FIRST_CASE_S))
     return tuple(out)
 
 
@@ -256,7 +266,7 @@ def _fitting_seqlen(pr: Problem, est: Estimate, run: RunConfig, machine: Machine
     while seqlen >= 1024:
         smaller = dataclasses.replace(pr, attn=dataclasses.replace(pr.attn, seqlen=seqlen))
         got = estimate(smaller, run, machine, refined=True)
-        if got.case_s <= limit_s:
-            return seqlen, got.case_s
+        if got.case_s + FIRST_CASE_S <= limit_s:  # were it the run's first case
+            return seqlen, got.case_s + FIRST_CASE_S
         seqlen //= 2
     return None
