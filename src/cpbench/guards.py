@@ -245,9 +245,9 @@ def not_measured(record: dict[str, Any]) -> str | None:
         return None
     if env.get("launcher") == "threads":
         return "ranks ran as threads sharing one device: timings do not measure CP"
-    reason = shared_cores(env.get("hostnames") or [], env.get("cpus_usable") or 0) or \
-        busy(record.get("load"))
-    return f"{reason}: timings do not measure CP" if reason else None
+    reasons = [r for r in (shared_cores(env.get("hostnames") or [], env.get("cpus_usable") or 0),
+                           busy(record.get("load"))) if r]
+    return f"{'; '.join(reasons)}: timings do not measure CP" if reasons else None
 
 
 def flags(record: dict[str, Any], derived: dict[str, Any]) -> list[str]:

@@ -238,6 +238,10 @@ def test_a_busy_host_does_not_measure_cp():
     # 16 cores, the ranks using 2: others may use the 14 left free
     assert loaded(130.0, ranks_cores=2, cpus=16)["derived"]["not_measured"] is None
     assert loaded(160.0, ranks_cores=2, cpus=16)["derived"]["not_measured"] is not None
+    # both at once: both said
+    both = _env(loaded(17.0), hostnames=["h"] * 4, cpus_usable=2)
+    assert both["derived"]["not_measured"] == (
+        "4 ranks share 2 cores; others kept 1.7 of 2 cores busy: timings do not measure CP")
 
 
 def test_rows_not_measuring_cp_keep_their_times_and_print_no_efficiency_and_never_win():
