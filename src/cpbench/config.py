@@ -231,7 +231,9 @@ class RunConfig:
     ranks_per_node: int | None = arg(None, "ranks per (emulated) node; default: "
                                      "LOCAL_WORLD_SIZE under torchrun, a value giving >= 2 "
                                      "nodes with --nproc")
-    warmup: int | None = arg(None, "untimed iterations first (default: 5 GPU, 2 CPU)")
+    warmup: int | None = arg(None, "untimed steps first, at least (default: 5 GPU, 2 CPU): more "
+                             "follow while the step time still moves, up to --iters more; "
+                             "0: none")
     iters: int | None = arg(None, "timed iterations (default: 20 GPU, 5 CPU)")
     fwd_only: bool = arg(False, "time the forward only")
     check: bool = arg(False, "first compare out, lse, dq, dk, dv with the float64 reference "
@@ -268,6 +270,9 @@ class RunConfig:
     packings: int = arg(1, "with a --documents distribution: sample K packings of it (seeds "
                         "--seed, --seed+1, ...), each a case of its own; reports show each "
                         "strategy's median over them and their spread", metavar="K")
+    max_minutes: float = arg(10.0, "refuse, before anything runs, a case estimated to take "
+                             "longer than this (a probe of the kernel on this machine, "
+                             "scaled by FLOPs); 0: no limit", metavar="MINUTES")
     rounds: int = arg(1, "time every case K times in A B … B A order (each round all cases, "
                       "alternate rounds reversed, the baseline included), so the machine's "
                       "drift cancels instead of favouring whichever case ran first; reports "
@@ -280,6 +285,8 @@ class RunConfig:
                 raise UsageError(f"{flag(name)} must be a positive integer, got {value}")
         if self.warmup is not None and self.warmup < 0:
             raise UsageError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.max_minutes < 0:
+            raise UsageError(f"--max-minutes must be >= 0 (0: no limit), got {self.max_minutes}")
         for name in ("collective_timeout", "deadline"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -10,16 +10,27 @@ A flag keeps the row in every table (its text beside it) and in the record
 - the bytes each rank sent in the timed step against the strategy's declared schedule (the
   record's ``comm`` section): a strategy that silently stopped communicating (CP off) sends
   less than its schedule says;
-- figures that are not measurements at all (``not_measured``: ranks as threads on one
-  device), shown as "-" with the reason;
 - a world or CP size other than asked (the record's ``sizes``): every rank in a world of the
   ``--nproc`` asked, a CP row's ring over all of them, its ranks' shards covering the
-  sequence once per problem (a rank holding all of it is CP silently off).
+  sequence once per problem (a rank holding all of it is CP silently off);
+- figures that contradict each other (``contradictions``): a time at or below zero, FWD above
+  FWD+BWD, a backward faster than its forward though it does 2.5× the FLOPs (beyond the
+  interval of their per-iteration ratio), a fraction of ideal above 1; and, from the report's
+  join with its baseline, a CP efficiency above what its balance allows (``efficiency_flag``).
+  A figure above its bound beyond its 95 % interval is impossible; above it within its
+  interval, too noisy to quote: both flagged.
+
+Apart from the flags, ``not_measured``: why a row's timings, honest as clock readings, do not
+measure CP (ranks as threads on one device, ranks sharing cores, a machine others kept busy).
+Such a row keeps its times with the reason beside them, never wins, and has no CP efficiency
+or fraction of ideal printed.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
+
+from cpbench import metrics
 
 # Dense tensor-core TFLOP/s per device, datasheet (no sparsity), by a name fragment of
 # torch.cuda.get_device_name, most specific first. fp32 is the TF32 figure: a kernel may use
@@ -53,8 +64,8 @@ def _measured(record: dict[str, Any]) -> bool:
 
 
 def peak_flags(record: dict[str, Any], derived: dict[str, Any]) -> list[str]:
-    """"impossible: above peak" where a measured phase's TFLOP/s per device exceeds it. BWD
-    is a difference of two medians (FWD+BWD − FWD), noisy by construction: not judged."""
+    """"impossible: above peak" where a measured phase's TFLOP/s per device exceeds it (BWD
+    only where it was timed on its own, not an old record's difference of medians)."""
     if not _measured(record):
         return []
     dtype = record["config"]["attention"].get("dtype")
@@ -63,6 +74,7 @@ def peak_flags(record: dict[str, Any], derived: dict[str, Any]) -> list[str]:
         return []
     return [f"impossible: above peak ({phase} {rate:.0f} TFLOP/s per device > {peak:g} "
             f"{dtype} dense)" for phase, rate in (("FWD", derived.get("fwd_tflops")),
+                                                  ("BWD", derived.get("bwd_tflops")),
                                                   ("FWD+BWD", derived.get("fwd_bwd_tflops")))
             if rate is not None and rate > peak]
 
@@ -126,22 +138,127 @@ def size_flags(record: dict[str, Any]) -> list[str]:
     return found
 
 
-THREADS = "ranks are threads sharing one device: times and memory are not measured"
+# -- figures that contradict each other -------------------------------------------------------
+
+def _beyond(value: float, bound: float, interval: tuple[float, float] | None, what: str,
+            above: bool = True) -> str | None:
+    """A flag when ``value`` is past ``bound`` (above, or below with ``above=False``): its
+    interval wholly past it, impossible; else too noisy to quote."""
+    past = value > bound if above else value < bound
+    if not past:
+        return None
+    if interval is None:
+        return f"{what}: impossible"
+    wholly = interval[0] > bound if above else interval[1] < bound
+    span = f"[{_pct(interval[0])}, {_pct(interval[1])}]"
+    return (f"{what}, its interval {span} wholly past it: impossible" if wholly else
+            f"{what}, within its interval {span}: too noisy to quote")
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f} %"
+
+
+def _iterations(record: dict[str, Any], phase: str) -> list[float] | None:
+    samples = (record.get("samples_ms") or {}).get(phase)
+    return metrics.slowest_per_iter(samples) if samples else None
+
+
+def contradictions(record: dict[str, Any], derived: dict[str, Any]) -> list[str]:
+    """The row's figures against each other (see the module docstring)."""
+    if not _measured(record):
+        return []
+    found = [f"impossible: {name} {derived[key]:.2f} ms is not a time"
+             for name, key in (("FWD", "fwd_ms"), ("BWD", "bwd_ms"), ("FWD+BWD", "fwd_bwd_ms"))
+             if derived.get(key) is not None and derived[key] <= 0]
+    fwd, both, bwd = derived.get("fwd_ms"), derived.get("fwd_bwd_ms"), derived.get("bwd_ms")
+    if fwd is not None and both is not None and fwd > both:
+        found.append(f"impossible: FWD {fwd:.2f} ms above FWD+BWD {both:.2f} ms")
+    fwd_i, bwd_i = _iterations(record, "fwd"), _iterations(record, "bwd")
+    if fwd and bwd and fwd > 0 and bwd > 0 and fwd_i and bwd_i and bwd < fwd:
+        interval = metrics.bootstrap_ratio(bwd_i, fwd_i)
+        if interval[1] < 1:  # noise explains a backward merely level with its forward
+            found.append(f"impossible: BWD {bwd:.2f} ms below FWD {fwd:.2f} ms though it "
+                         f"does {metrics.BWD_FACTOR:g}x the FLOPs (ratio's interval "
+                         f"[{interval[0]:.2f}, {interval[1]:.2f}])")
+    found += _ideal_flags(record, derived)
+    return found
+
+
+def _ideal_flags(record: dict[str, Any], derived: dict[str, Any]) -> list[str]:
+    """A fraction of ideal above 1: the step beat its kernel blocks timed alone."""
+    ideal = record.get("ideal") or {}
+    fraction = derived.get("fraction_of_ideal")
+    if fraction is None or ideal.get("fwd_ms") is None:
+        return []
+    phase = "fwd_bwd" if derived.get("fwd_bwd_ms") is not None else "fwd"
+    steps = _iterations(record, phase)
+    ideal_ms = ideal["fwd_ms"] + ((ideal.get("bwd_ms") or 0) if phase == "fwd_bwd" else 0)
+    interval = metrics.bootstrap_ratio([ideal_ms], steps) if steps and ideal_ms > 0 else None
+    flag = _beyond(fraction, 1.0, interval, f"fraction of ideal {_pct(fraction)} above 100 % "
+                                            f"(faster than its kernel blocks alone)")
+    return [flag] if flag else []
+
+
+def efficiency_flag(efficiency: float, interval: tuple[float, float] | None,
+                    imbalance: float | None = None) -> str | None:
+    """A CP efficiency above what the row's balance allows: 1 / imbalance (the slowest rank
+    computes ``imbalance`` × the mean share; 100 % when balanced)."""
+    bound = 1.0 / imbalance if imbalance and imbalance > 1 else 1.0
+    what = (f"CP efficiency {_pct(efficiency)} above {_pct(bound)}" +
+            (f" (1 / imbalance {imbalance:.2f})" if bound < 1 else ""))
+    return _beyond(efficiency, bound, interval, what)
+
+
+# -- timings that do not measure CP ----------------------------------------------------------
+
+# others may keep this share of the cores busy beyond what our ranks leave free (the
+# self-check's default load limit)
+BUSY_SHARE = 0.10
+
+
+def shared_cores(hostnames: Sequence[str], cpus: int) -> str | None:
+    """"N ranks share M cores" where a host runs more ranks than its usable cores."""
+    if not hostnames or not cpus:
+        return None
+    most = max(hostnames.count(h) for h in set(hostnames))
+    if most <= cpus:
+        return None
+    return f"{most} ranks share {cpus} core{'s' if cpus > 1 else ''}"
+
+
+def busy(load: dict[str, Any] | None) -> str | None:
+    """"others kept X of N cores busy" when other processes took cores the ranks needed
+    (``load``: the record's section, ``bench.load`` on rank 0's host while it timed)."""
+    if not load or not load.get("cpus") or not load.get("wall_s"):
+        return None
+    cpus = load["cpus"]
+    others = load["foreign_cpu_s"] / load["wall_s"]
+    free = max(0.0, cpus - load.get("ranks_cores", cpus))
+    if others <= free + BUSY_SHARE * cpus:
+        return None
+    return f"others kept {others:.1f} of {cpus} cores busy"
+
+
+THREADS = "ranks are threads sharing one device: nothing timed or measured"
 
 
 def not_measured(record: dict[str, Any]) -> str | None:
-    """Why the row's times and memory (and all figures from them: TFLOP/s, efficiency,
-    fraction of ideal) are not measurements of CP, or None. The tables show "-" there and
-    this reason among the row's flags. Ranks as threads (``--launcher threads``) share one
-    device, its allocator and its cores: a run there checks, it does not measure."""
-    if (record.get("env") or {}).get("launcher") == "threads":
+    """Why this row's timings do not measure CP, or None: ranks as threads sharing one
+    device, more ranks than a host's usable cores, or a machine others kept busy while it
+    timed (see the module docstring)."""
+    env = record.get("env") or {}
+    if not _measured(record) or env.get("kernel_bench"):
+        return None
+    if env.get("launcher") == "threads":
         return THREADS
-    return None
+    reasons = [r for r in (shared_cores(env.get("hostnames") or [], env.get("cpus_usable") or 0),
+                           busy(record.get("load"))) if r]
+    return f"{'; '.join(reasons)}: timings do not measure CP" if reasons else None
 
 
 def flags(record: dict[str, Any], derived: dict[str, Any]) -> list[str]:
     """Every flag of a record, given its derived figures (old records without the measured
     sections: only what their figures show)."""
-    reason = not_measured(record)
-    return ([reason] if reason else []) + peak_flags(record, derived) + \
-        comm_flags(record.get("comm")) + size_flags(record)
+    return (peak_flags(record, derived) + contradictions(record, derived)
+            + comm_flags(record.get("comm")) + size_flags(record))

@@ -125,6 +125,17 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f} GiB"
 
 
+def duration(seconds: float) -> str:
+    """A duration as the estimates print it: ``12 ms``, ``3.4 s``, ``5.6 min``, ``7.8 h``,
+    ``9.1 d``."""
+    for unit, scale, limit in (("ms", 1e-3, 1.0), ("s", 1.0, 120.0), ("min", 60.0, 7200.0),
+                               ("h", 3600.0, 172800.0)):
+        if seconds < limit:
+            value = seconds / scale
+            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.2g} {unit}"
+    return f"{seconds / 86400:.2g} d"
+
+
 # -- intervals -------------------------------------------------------------------------------
 
 def bootstrap_ratio(num: Sequence[float], den: Sequence[float], *, scale: float = 1.0,

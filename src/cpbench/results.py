@@ -13,8 +13,11 @@ A record holds what is needed to re-run it and to recompute every figure printed
   strategy resolves nothing;
 - ``status``: "ok", "OOM" or "failed", with ``error`` (and ``traceback`` when failed): how the
   build, check and timing went;
-- raw measurements: ``samples_ms`` {"fwd", "fwd_bwd"}: per rank, per timed iteration, each
-  kept as soon as it was measured (a phase that failed later leaves the earlier ones);
+- raw measurements: ``samples_ms`` {"fwd", "bwd", "fwd_bwd"}: per rank, per timed iteration,
+  each kept as soon as it was measured (a phase that failed later leaves the earlier ones);
+  each iteration's forward and backward timed on their own within one step (``bench.timer``;
+  records before it hold no "bwd", and their BWD is not derived: a difference of two medians
+  was no measurement); ``timing``: the warm-up steps run and whether their times settled;
   ``memory_bytes`` per rank, measured after the timings with its own ``memory_status`` and
   ``memory_error`` (null bytes when that step failed or ran out of memory; the timings stay);
   ``check``: per tensor max abs / max rel error and verdict;
@@ -42,7 +45,11 @@ A record holds what is needed to re-run it and to recompute every figure printed
   each distinct block's times, ``cpbench.bench.ideal``; or ``{"none": why}``), from which
   ``derived.fraction_of_ideal`` (FWD+BWD, FWD with --fwd-only) and ``fraction_of_ideal_fwd``:
   the ideal step over the measured one; ``sizes`` (per rank: the world it ran in, its CP
-  ring's size and its shard's tokens), which ``cpbench.guards`` holds to what was asked.
+  ring's size and its shard's tokens), which ``cpbench.guards`` holds to what was asked;
+  ``load`` (how busy others kept rank 0's host while the case timed: ``bench.load``) and
+  ``estimate`` (what the case was estimated to take before it ran: ``bench.estimate``).
+  ``derived.not_measured``: why the row's timings do not measure CP (``guards.not_measured``:
+  ranks sharing cores, a busy host), or null.
 The mask is part of the problem: ``config.attention.documents`` (the lengths) and
 ``window_size``; ``derived.flops_counted`` says whether FLOPs come from the seeds' formula
 (plain causal / full) or the exact attended pairs (documents, windows).
@@ -80,7 +87,7 @@ STATUSES = (OK, OOM, FAILED, TIMEOUT)  # timeout: a sweep's case ran past its li
 MEASURED = ("resolved", "error", "traceback", "samples_ms", "memory_bytes", "memory_status",
             "memory_error", "check")
 SECTIONS = ("sweep", "simulation", "upstream", "profile", "balance", "dryrun", "padding",
-            "packing", "round", "comm", "ideal", "sizes")
+            "packing", "round", "comm", "ideal", "sizes", "load", "timing", "estimate")
 # a row's key: what was asked for, not what a machine resolved it to (the device, the kernel
 # "auto" became), so a sweep checked on a login node matches records made on GPUs
 KEY_RUN_FIELDS = ("kernel", "warmup", "iters", "fwd_only", "check", "seed")
@@ -253,6 +260,7 @@ def derive(record: dict[str, Any]) -> dict[str, Any]:
     out = _figures(record)
     out["not_measured"] = guards.not_measured(record)
     out["flags"] = guards.flags(record, out)
+    out["not_measured"] = guards.not_measured(record)
     return out
 
 
@@ -277,11 +285,12 @@ def _figures(record: dict[str, Any]) -> dict[str, Any]:
                slowest_rank_fwd=metrics.slowest_rank(samples["fwd"]))
     if samples.get("fwd_bwd"):
         both = metrics.step_time(samples["fwd_bwd"])
-        bwd = both - fwd  # as seed 001's Burst lines print it
+        # timed on its own (bench.timer); an old record's FWD+BWD − FWD is not a measurement
+        bwd = metrics.step_time(samples["bwd"]) if samples.get("bwd") else None
         out.update(fwd_bwd_ms=both, bwd_ms=bwd,
                    fwd_bwd_tflops=metrics.tflops_per_gpu(out["flops_fwd_bwd"], n, both / 1e3),
                    bwd_tflops=(metrics.tflops_per_gpu(problem_flops(attention, "bwd"), n,
-                                                         bwd / 1e3) if bwd > 0 else None),
+                                                         bwd / 1e3) if bwd and bwd > 0 else None),
                    slowest_rank_fwd_bwd=metrics.slowest_rank(samples["fwd_bwd"]))
     out.update(_fractions(record.get("ideal"), out))
     if record.get("memory_bytes"):

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import re
 
+from cpbench.bench import load
 from cpbench.cli import main
-from cpbench.sim import hardware, load, selfcheck
+from cpbench.sim import hardware, selfcheck
 
 
 def test_calibrate_then_self_check(tmp_path, capsys, monkeypatch):
@@ -76,7 +77,7 @@ def test_calibrate_then_self_check(tmp_path, capsys, monkeypatch):
 
 
 class _LoadedMeter:
-    """What ``sim.load.Meter`` reports when others took a quarter of 2 cores for 10 s."""
+    """What ``bench.load.Meter`` reports when others took a quarter of 2 cores for 10 s."""
 
     def __init__(self, *args, **kwargs):
         pass

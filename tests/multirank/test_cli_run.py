@@ -45,9 +45,10 @@ def test_run_then_report_reproduces_the_table(tmp_path):
         assert block.strip("=\n") in run.stdout
     csv = _cpbench("report", str(out), "--format", "csv")
     df = pd.read_csv(io.StringIO(csv.stdout))
-    # the baseline at both ends of the run, both pooled into the efficiency
+    # the baseline at both ends of the run, both pooled into the efficiency (none where the
+    # machine's load or shared cores kept the timings from measuring CP: then it says why)
     assert list(df["strategy"]) == ["local", "zigzag", "local"]
-    assert df["cp_efficiency"].notna()[1]
+    assert df["cp_efficiency"].notna()[1] == df["not_measured"].isna().all()
 
 
 def test_torchrun_entry(tmp_path):

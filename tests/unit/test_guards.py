@@ -53,7 +53,7 @@ def test_old_records_have_no_flags():
 
 
 def test_a_flagged_row_never_wins_and_shows_in_the_table():
-    fast = _with(fake_record("zigzag", fwd_bwd=[[1.0, 1.0, 1.0]] * 4),
+    fast = _with(fake_record("zigzag", fwd=[[0.3] * 3] * 4, fwd_bwd=[[1.0, 1.0, 1.0]] * 4),
                  comm=_comm([0] * 4, [0] * 4))
     slow = fake_record("ring")
     assert [v.winner for v in verdicts([fast, slow])] == ["ring"]
@@ -81,7 +81,10 @@ def test_above_the_devices_dense_peak_is_impossible():
     assert rate < 989 and rec["derived"]["flags"] == []
     fast = _on("NVIDIA H100 80GB HBM3", "bf16", rate / 1000.0)  # 1000 × that rate
     assert fast["derived"]["fwd_bwd_tflops"] > 989.4
+    # FWD a third of the step: 857 TFLOP/s, possible; BWD, timed on its own, is judged too
     assert fast["derived"]["flags"] == [
+        f"impossible: above peak (BWD {fast['derived']['bwd_tflops']:.0f} TFLOP/s "
+        f"per device > 989.4 bf16 dense)",
         f"impossible: above peak (FWD+BWD {fast['derived']['fwd_bwd_tflops']:.0f} TFLOP/s "
         f"per device > 989.4 bf16 dense)"]
 
@@ -132,29 +135,162 @@ def test_sizes_other_than_asked_are_flagged():
 
 
 def _threaded(record: dict) -> dict:
-    """``record`` as if its ranks ran as threads on one device (with its samples kept, as
-    a later reason for not measuring may keep them)."""
-    return _with(record, env={**record["env"], "launcher": "threads"})
+    """``record`` as its ranks ran as threads on one device: nothing timed or measured."""
+    return _with(record, env={**record["env"], "launcher": "threads"}, samples_ms=None,
+                 memory_bytes=None)
 
 
 def test_rows_of_threads_show_no_figure_and_say_why():
-    base = _threaded(fake_record("local", ranks_per_problem=1, fwd=[[20.0] * 3] * 4,
-                                 fwd_bwd=[[62.0] * 3] * 4))
+    base = _threaded(fake_record("local", ranks_per_problem=1))
     row = _threaded(fake_record("zigzag", check=[]))
     assert guards.not_measured(row) == guards.THREADS
     assert row["derived"]["not_measured"] == guards.THREADS
-    assert row["derived"]["flags"] == [guards.THREADS]
     assert fake_record()["derived"]["not_measured"] is None
     cells = {r["Strategy"]: r for r in tables.rows([row, base])}
     for name in ("zigzag", "local"):
         assert [cells[name][c] for c in ("FWD (ms)", "FWD+BWD (ms)", "Memory (MB)",
                                          "TFLOPs/s", "CP Efficiency (%)")] == ["-"] * 5
-        assert cells[name]["Flags"] == guards.THREADS
+    assert f"not measuring CP: {guards.THREADS} (every row" in report.summary([row, base])
     assert report.efficiencies([row, base]) == []  # no baseline among them
-    assert tables.cell_ms(10.0, row) == "-" and tables.cell_ms(10.0, fake_record()) == "10.00"
     measured = fake_record("ring")
     assert [v.winner for v in verdicts([row, measured])] == ["ring"]
     assert "not ranked: zigzag" in best_table([row, measured])
     detail = report.detail(row)
     assert f"Times and memory: - ({guards.THREADS})" in detail
     assert "Iterations: none timed" in detail and "Forward Time" not in detail
+
+
+# -- figures that contradict each other ------------------------------------------------------
+
+def test_an_honest_row_has_no_contradiction():
+    rec = fake_record(fwd=[[10.0, 11.0, 12.0]] * 4, fwd_bwd=[[38.0, 40.0, 41.0]] * 4)
+    assert guards.contradictions(rec, rec["derived"]) == [] and rec["derived"]["flags"] == []
+
+
+def test_an_old_records_negative_backward_and_fwd_above_fwd_bwd_are_flagged():
+    # seed 001's double-ring: FWD timed cold on its own loop, above its FWD+BWD
+    old = fake_record(samples={"fwd": [[62.7, 62.7, 62.7]] * 4,
+                               "fwd_bwd": [[35.06, 35.06, 35.06]] * 4})
+    assert old["derived"]["flags"] == ["impossible: FWD 62.70 ms above FWD+BWD 35.06 ms"]
+    assert old["derived"]["bwd_ms"] is None  # never printed as -27.64
+    neg = fake_record(bwd=[[-1.0, -2.0, -1.5]] * 4)
+    assert "impossible: BWD -1.50 ms is not a time" in neg["derived"]["flags"]
+    assert "BWD -1.50 ms is not a time" in report.summary([neg])
+
+
+def test_a_backward_faster_than_its_forward_beyond_noise_is_flagged():
+    # megatron-cp: BWD 33.4 below FWD 34.7 though it does 2.5x the FLOPs
+    fwd = [[34.7, 34.9, 34.6, 34.8, 34.7]] * 4
+    bwd = [[33.4, 33.5, 33.3, 33.4, 33.6]] * 4
+    both = [[68.1, 68.4, 67.9, 68.2, 68.3]] * 4
+    rec = fake_record(fwd=fwd, bwd=bwd, fwd_bwd=both)
+    (flag,) = rec["derived"]["flags"]
+    assert flag.startswith("impossible: BWD 33.40 ms below FWD 34.70 ms though it does 2.5x")
+    # level within the noise: not judged (statistics, not a point estimate)
+    noisy = fake_record(fwd=[[30.0, 40.0, 35.0, 20.0, 45.0]] * 4,
+                        bwd=[[33.0, 50.0, 20.0, 40.0, 34.0]] * 4,
+                        fwd_bwd=[[70.0, 95.0, 60.0, 65.0, 85.0]] * 4)
+    assert noisy["derived"]["bwd_ms"] < noisy["derived"]["fwd_ms"]
+    assert noisy["derived"]["flags"] == []
+
+
+def _with_ideal(rec: dict, fwd_ms: float, bwd_ms: float) -> dict:
+    return _with(rec, ideal={"rank": 0, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "blocks": []})
+
+
+def test_a_fraction_of_ideal_above_one_is_flagged_by_its_interval():
+    # the step 30-35 ms (median 31); kernel blocks alone 10 + 20 = 30 ms: 97 %, no flag
+    ok = _with_ideal(fake_record(), 10.0, 20.0)
+    assert ok["derived"]["fraction_of_ideal"] < 1 and ok["derived"]["flags"] == []
+    # blocks alone 40 ms, every step faster: impossible
+    fast = _with_ideal(fake_record(fwd_bwd=[[30.0, 30.5, 31.0, 30.2, 30.7]] * 4), 15.0, 25.0)
+    (flag,) = fast["derived"]["flags"]
+    assert flag.startswith("fraction of ideal 131 % above 100 %") and flag.endswith(
+        "wholly past it: impossible")
+    # 32 ms alone against steps of 20-45 ms: above 1 at the median, not beyond the noise
+    noisy = _with_ideal(fake_record(fwd_bwd=[[20.0, 45.0, 31.0, 25.0, 40.0]] * 4), 12.0, 20.0)
+    (flag,) = noisy["derived"]["flags"]
+    assert flag.endswith("too noisy to quote")
+
+
+def test_efficiency_above_its_balance_bound_is_flagged_with_its_interval():
+    assert guards.efficiency_flag(0.5, (0.4, 0.6)) is None
+    assert guards.efficiency_flag(1.1, (0.693, 1.335)) == (
+        "CP efficiency 110 % above 100 %, within its interval [69 %, 134 %]: too noisy to "
+        "quote")
+    # the imbalanced ring (1.75): at most 57 %, so 110 % [69, 134] is wholly past its bound
+    assert guards.efficiency_flag(1.1, (0.693, 1.335), imbalance=1.75) == (
+        "CP efficiency 110 % above 57 % (1 / imbalance 1.75), its interval [69 %, 134 %] "
+        "wholly past it: impossible")
+
+
+def test_a_flagged_efficiency_shows_and_never_wins():
+    base = fake_record("local", ranks_per_problem=1, fwd=[[30.0, 31.0, 32.0]] * 4,
+                       fwd_bwd=[[100.0, 101.0, 99.0]] * 4)
+    ring = fake_record("ring", fwd=[[5.0, 5.1, 5.2]] * 4, fwd_bwd=[[20.0, 20.5, 19.5]] * 4)
+    ring["balance"] = {"area_per_rank": [7, 1, 1, 3], "area_per_step": None,
+                       "imbalance": 1.75}
+    ring["derived"] = results.derive(ring)
+    zigzag = fake_record("zigzag", fwd=[[8.0, 8.1, 8.2]] * 4, fwd_bwd=[[30.0, 30.5, 29.5]] * 4)
+    text = report.summary([base, ring, zigzag])
+    # ring: 100 / (4 × 20) = 125 %, its balance allows 57 %
+    line = next(x for x in text.splitlines() if x.lstrip().startswith("ring ") and "N=4" in x)
+    assert "125.0 %" in line and "flagged: CP efficiency 125 % above 57 % (1 / imbalance " \
+                                 "1.75)" in line
+    assert "flagged" not in next(x for x in text.splitlines()
+                                 if x.lstrip().startswith("zigzag ") and "N=4" in x)
+    assert [v.winner for v in verdicts([base, ring, zigzag])] == ["zigzag"]
+
+
+# -- timings that do not measure CP -----------------------------------------------------------
+
+def _env(rec: dict, **env) -> dict:
+    rec = {**rec, "env": {**rec["env"], **env}}
+    rec["derived"] = results.derive(rec)
+    return rec
+
+
+def test_ranks_sharing_cores_do_not_measure_cp():
+    shared = _env(fake_record(), hostnames=["h"] * 4, cpus_usable=2)
+    assert shared["derived"]["not_measured"] == "4 ranks share 2 cores: timings do not " \
+                                                "measure CP"
+    enough = _env(fake_record(), hostnames=["a", "a", "b", "b"], cpus_usable=2)
+    assert enough["derived"]["not_measured"] is None  # two nodes of 2 ranks, 2 cores each
+    threads = _env(fake_record(), launcher="threads", hostnames=["h"] * 4, cpus_usable=64)
+    assert "threads sharing one device" in threads["derived"]["not_measured"]
+
+
+def test_a_busy_host_does_not_measure_cp():
+    def loaded(others_s, ranks_cores=2, cpus=2):
+        return _with(fake_record(), load={"foreign_cpu_s": others_s, "wall_s": 10.0,
+                                          "cpus": cpus, "share": others_s / 10 / cpus,
+                                          "ranks_cores": ranks_cores})
+    assert loaded(1.0)["derived"]["not_measured"] is None  # 0.1 cores: within 10 % of 2
+    assert loaded(17.0)["derived"]["not_measured"] == (
+        "others kept 1.7 of 2 cores busy: timings do not measure CP")
+    # 16 cores, the ranks using 2: others may use the 14 left free
+    assert loaded(130.0, ranks_cores=2, cpus=16)["derived"]["not_measured"] is None
+    assert loaded(160.0, ranks_cores=2, cpus=16)["derived"]["not_measured"] is not None
+    # both at once: both said
+    both = _env(loaded(17.0), hostnames=["h"] * 4, cpus_usable=2)
+    assert both["derived"]["not_measured"] == (
+        "4 ranks share 2 cores; others kept 1.7 of 2 cores busy: timings do not measure CP")
+
+
+def test_rows_not_measuring_cp_keep_their_times_and_print_no_efficiency_and_never_win():
+    env = {"hostnames": ["h"] * 4, "cpus_usable": 2}
+    base = _env(fake_record("local", ranks_per_problem=1, fwd_bwd=[[99.0, 100.0, 101.0]] * 4),
+                **env)
+    zigzag = _with_ideal(_env(fake_record("zigzag"), **env), 10.0, 15.0)
+    ring = _env(fake_record("ring", fwd_bwd=[[40.0, 41.0, 42.0]] * 4), **env)
+    text = report.summary([base, zigzag, ring])
+    assert "not measuring CP: 4 ranks share 2 cores: timings do not measure CP (every row" in text
+    assert "31.00" in text  # zigzag's FWD+BWD, as measured
+    assert "CP efficiency = " not in text  # not printed for them
+    row = next(line for line in text.splitlines() if line.lstrip().startswith("zigzag"))
+    assert row.rstrip().endswith("-")  # no fraction of ideal (it was 81 %)
+    assert verdicts([base, zigzag, ring]) == []
+    assert "not ranked: zigzag" in best_table([base, zigzag, ring])
+    # one row measured beside others that were not: the reason is that row's flag
+    mixed = report.summary([fake_record("zigzag"), ring])
+    assert "4 ranks share 2 cores: not CP" in mixed and "1 of 2 rows" in mixed

@@ -29,7 +29,9 @@ def test_csv_has_one_row_per_case_with_every_column(capsys):
     for r in rows:
         assert r["status"] == "ok"
         fwd, bwd, both = (float(r[k]) for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms"))
-        assert fwd > 0 and both > 0 and bwd == pytest.approx(both - fwd)
+        # each step's FWD and BWD timed apart (two iterations: the medians are means), the
+        # step from FWD's start to BWD's end: never less than the two, never a difference
+        assert fwd > 0 and bwd > 0 and fwd + bwd <= both + 1e-9
         assert float(r["memory_mb"]) > 0 and float(r["fwd_tflops"]) > 0
     torch_rows = [r for r in rows if r["kernel"] == "torch"]
     assert all(float(r["speedup_fwd_bwd"]) == 1.0 for r in torch_rows)  # the baseline itself
@@ -53,7 +55,7 @@ def test_a_kernel_that_cannot_run_here_says_why(capsys):
     assert row["status"] == "skipped" and "cuda" in row["note"]
 
 
-def test_an_out_of_memory_case_is_an_oom_row(monkeypatch):
+def test_an_out_of_memory_case_is_an_oom_row_with_its_forward(monkeypatch):
     def closures(name, case, device, seed=0):
         def boom():
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried ...")

@@ -328,7 +328,7 @@ def test_make_bench_prints_under_100_lines(bench, tmp_path):
     lines = text.splitlines()
     assert len(lines) < 100, text
     assert "Benchmark Results for" not in text  # the blocks: --details
-    done = [line for line in lines if re.match(r"\[\d+/18\] .*: done in 1\.0 s, check PASS, "
+    done = [line for line in lines if re.match(r"\[\d+/18\] .*: done in 1 s, check PASS, "
                                                r"FWD [\d.]+ ms, FWD\+BWD [\d.]+ ms$", line)]
     assert len(done) == 18
     assert lines[-2:] == ["18 case(s): 18 done; check: 18 PASS",
@@ -363,16 +363,16 @@ def test_a_case_in_one_line():
     assert case_line(ok, 2.34) == "done in 2.3 s, check PASS, FWD 11.00 ms, FWD+BWD 31.00 ms"
     wrong = fake_record("ring", check=[{"tensor": "dq", "max_abs": 1.0, "max_rel": 0.5,
                                         "passed": False}])
-    assert case_line(wrong, 1.0).startswith("done in 1.0 s, check FAIL, FWD ")
+    assert case_line(wrong, 1.0).startswith("done in 1 s, check FAIL, FWD ")
     oom = fake_record("usp", status="OOM", error="rank 1: OutOfMemoryError: CUDA out\nmore")
-    assert case_line(oom, 3.0) == "OOM in 3.0 s, rank 1: OutOfMemoryError: CUDA out"
+    assert case_line(oom, 3.0) == "OOM in 3 s, rank 1: OutOfMemoryError: CUDA out"
     fwd_then_oom = fake_record("usp", status="OOM", error="rank 0: OutOfMemoryError",
                                samples={"fwd": [[10.0, 11.0, 12.0]] * 4, "fwd_bwd": None})
-    assert case_line(fwd_then_oom, 3.0) == ("OOM in 3.0 s, FWD 11.00 ms, FWD+BWD OOM, "
+    assert case_line(fwd_then_oom, 3.0) == ("OOM in 3 s, FWD 11.00 ms, FWD+BWD OOM, "
                                             "rank 0: OutOfMemoryError")
     mem = fake_record("ring", memory_status="OOM", memory_error="rank 1: OutOfMemoryError")
     assert case_line(mem, 1.0).endswith("FWD+BWD 31.00 ms, memory OOM")
-    assert case_line(fake_record(fwd_only=True), 1.0) == "done in 1.0 s, FWD 11.00 ms"
+    assert case_line(fake_record(fwd_only=True), 1.0) == "done in 1 s, FWD 11.00 ms"
     flagged = _with(fake_record("zigzag"), comm=_comm([0] * 4, [0] * 4))
     assert flagged["derived"]["flags"]  # a guard's: the line says so too
     assert "flagged: FWD rank 0: sent 0 B, schedule says 100 B" in case_line(flagged, 1.0)

@@ -32,7 +32,7 @@ def test_the_plan_runs_every_strategy_on_every_packing():
 
 
 def _packed(name, index, times, imbalance=1.0):
-    r = fake_record(name, fwd_bwd=[times] * 4)
+    r = fake_record(name, fwd=[[t / 3 for t in times]] * 4, fwd_bwd=[times] * 4)
     r["config"]["attention"]["documents"] = [1000 + index, 24 - index]
     r["packing"] = {"index": index, "count": 3, "seed": index, "documents": "trace:pile"}
     r["balance"] = {"area_per_rank": [1, 1, 1, 1], "area_per_step": None,

@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -272,10 +273,18 @@ def test_a_baseline_timed_at_both_ends_is_pooled_and_drift_is_flagged():
               for t in (62.0, 62.5)]
     (_, _, _, _, eff, (low, high)), = report.efficiencies([cp, *steady])
     assert eff == pytest.approx(62.25 / (4 * 31.0)) and low <= eff <= high  # median of six
-    assert "disagrees" not in report.summary([cp, *steady])
+    assert "beyond their spread" not in report.summary([cp, *steady])
     drifted = [steady[0], fake_record("local", ranks_per_problem=1,
                                       fwd_bwd=[[90.0, 91.0, 89.0]] * 4)]
     (_, _, _, _, eff, _), = report.efficiencies([cp, *drifted])
     assert eff == pytest.approx(76.0 / (4 * 31.0))  # the median of all six iterations
-    assert "local at seqlen 1024 timed 2 times disagrees beyond its spread" in \
-        report.summary([cp, *drifted])
+    text = report.summary([cp, *drifted])
+    assert "warning: local at seqlen 1024 timed 62.00, 90.00 ms, beyond their spread" in text
+    # and where it happened: both of the baseline's rows carry it (the CP row does not), a
+    # note under the narrow table
+    note = re.search(r"^\[(\d+)\] baseline drifted: timed 62.00, 90.00 ms, beyond their "
+                     r"spread", text, re.M)
+    assert note and text.count("baseline drifted") == 1
+    marked = [line for line in text.splitlines()
+              if "|" in line and f"[{note.group(1)}]" in line.split("|")[0]]
+    assert len(marked) == 2 and all("local" in line for line in marked)

@@ -16,11 +16,14 @@ from cpbench.report import dataframe, labels
 def fake_record(strategy="zigzag", *, status="ok", fwd=None, fwd_bwd=None, memory=None,
                 ranks_per_problem=4, options=None, defaults=None, seqlen=1024, check=None,
                 fwd_only=False, error=None, resolved=None, memory_status=None,
-                memory_error=None, samples=None):
-    """A record as the driver writes it (4 ranks, 2 × 2), with given per-rank samples."""
+                memory_error=None, samples=None, bwd=None):
+    """A record as the driver writes it (4 ranks, 2 × 2), with given per-rank samples (BWD:
+    by default each iteration's FWD+BWD less its FWD, as a step timed part by part gives)."""
     world = 4
     fwd = fwd if fwd is not None else [[10.0, 11.0, 12.0]] * world
     fwd_bwd = fwd_bwd if fwd_bwd is not None else [[30.0, 31.0, 35.0]] * world
+    if bwd is None:
+        bwd = [[b - f for f, b in zip(fr, br)] for fr, br in zip(fwd, fwd_bwd)]
     ok = status == "ok"
     record = {
         "schema_version": results.SCHEMA_VERSION,
@@ -37,7 +40,8 @@ def fake_record(strategy="zigzag", *, status="ok", fwd=None, fwd_bwd=None, memor
         "status": status, "error": error,
         "resolved": resolved,
         "samples_ms": samples if samples is not None else
-        ({"fwd": fwd, "fwd_bwd": None if fwd_only else fwd_bwd} if ok else None),
+        ({"fwd": fwd, **({} if fwd_only else {"bwd": bwd}),
+          "fwd_bwd": None if fwd_only else fwd_bwd} if ok else None),
         "memory_bytes": (memory or [2 ** 20] * world) if ok and not memory_status else None,
         "memory_status": memory_status, "memory_error": memory_error,
         "check": check,
@@ -98,15 +102,25 @@ def test_damaged_middle_line_and_newer_schema_are_errors(tmp_path):
 def test_derive_median_of_slowest_rank():
     fwd = [[10.0, 20.0, 30.0], [12.0, 18.0, 50.0], [11.0, 19.0, 29.0], [9.0, 21.0, 1.0]]
     both = [[40.0, 60.0, 50.0]] * 3 + [[41.0, 61.0, 51.0]]
-    r = fake_record(fwd=fwd, fwd_bwd=both, memory=[1, 2 ** 21, 3, 4])
+    bwd = [[25.0, 33.0, 30.0]] * 3 + [[24.0, 32.0, 31.0]]
+    r = fake_record(fwd=fwd, fwd_bwd=both, bwd=bwd, memory=[1, 2 ** 21, 3, 4])
     d = results.derive(r)
     assert d["fwd_ms"] == 21.0  # slowest per iteration: 12, 21, 50
     assert d["fwd_bwd_ms"] == 51.0  # 41, 61, 51
-    assert d["bwd_ms"] == 30.0  # FWD+BWD - FWD
+    assert d["bwd_ms"] == 31.0  # timed on its own: 25, 33, 31 (not FWD+BWD - FWD = 30)
     assert d["memory_mb"] == 2.0
     assert d["slowest_rank_fwd_bwd"] == 3
     assert d["fwd_bwd_tflops"] == pytest.approx(
         results.problem_flops(r["config"]["attention"], "fwd_bwd") / 4 / 0.051 / 1e12)
+
+
+def test_an_old_record_has_no_backward_by_subtraction():
+    """Records before the backward was timed on its own: FWD+BWD − FWD of two loops' medians
+    (once negative) is no measurement, so there is no BWD."""
+    old = fake_record(samples={"fwd": [[40.0, 41.0, 42.0]] * 4,
+                               "fwd_bwd": [[30.0, 31.0, 35.0]] * 4})
+    d = results.derive(old)
+    assert d["bwd_ms"] is None and d["bwd_tflops"] is None and d["fwd_bwd_ms"] == 31.0
 
 
 def test_derive_failed_and_fwd_only():

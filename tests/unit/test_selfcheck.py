@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from cpbench.sim import hardware, load, selfcheck, selfcheck_report
+from cpbench.bench import load
+from cpbench.sim import hardware, selfcheck, selfcheck_report
 from cpbench.sim.calibrate import steady
 
 BUSY = [sys.executable, "-c", "for _ in iter(int, 1): pass"]  # spins until killed
@@ -282,3 +283,26 @@ def test_the_check_refuses_a_busy_presets_machine_before_measuring(tmp_path, cap
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert "used 40 % of the cores while the preset was calibrated" in err
+
+
+@pytest.mark.skipif(not load.Meter.available(), reason="needs Linux's /proc")
+def test_the_meter_takes_the_tree_of_the_root_it_is_given():
+    """``cpbench run``'s rank 0 meters with its launcher as root: its sibling ranks (children
+    of the same forkserver or torchrun agent) are ours, the launcher's parent is not."""
+    launcher = subprocess.Popen(["sh", "-c", f"{shlex.join(BUSY)} & {shlex.join(BUSY)} & wait"])
+    ranks: list[int] = []
+    try:
+        _wait_for(launcher.pid)
+        time.sleep(0.3)  # both ranks started
+        snap = load._snapshot(launcher.pid)
+        ranks = [pid for pid in snap if load._stat(str(pid)) and
+                 load._stat(str(pid))[0] == launcher.pid]
+        assert len(ranks) == 2 and all(snap[pid][0] is False for pid in ranks)
+        assert snap[launcher.pid][0] is False and snap[os.getpid()][0] is True
+        with load.Meter(root=launcher.pid) as meter:
+            time.sleep(0.5)
+        assert meter._root == launcher.pid and meter.load is not None
+    finally:
+        launcher.kill()
+        for pid in ranks:
+            os.kill(pid, 9)

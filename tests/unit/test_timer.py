@@ -33,3 +33,78 @@ def test_median_of_slowest_rank():
 
 def test_gather_without_process_group():
     assert timer.gather_samples([1.0, 2.0]) == [[1.0, 2.0]]
+
+
+def test_each_part_of_a_step_is_timed_on_its_own():
+    """A step of FWD (20 ms) then BWD (50 ms): each iteration gives a BWD sample of its own,
+    never FWD+BWD less FWD, and the step spans both."""
+    barriers = []
+    t = timer.Timer("cpu", barrier=lambda: barriers.append(1))
+    got = t.measure_steps([lambda: time.sleep(0.02), lambda: time.sleep(0.05)],
+                          settle=timer.Settle(least=1, most=1), iters=3)
+    fwd, bwd = got.parts
+    assert len(fwd) == len(bwd) == len(got.steps) == 3 and got.warmup == 1
+    assert all(18 <= f < 45 for f in fwd) and all(45 <= b < 100 for b in bwd)
+    assert all(s >= f + b for f, b, s in zip(fwd, bwd, got.steps))
+    assert len(barriers) == 6  # the ranks line up before each part of each timed step
+
+
+def test_bwd_samples_are_what_the_backward_took_whatever_the_forward_did():
+    # a forward whose first timed iterations are slow (cold) cannot make BWD negative or
+    # shorter: the backward's samples are its own
+    fwd_ms = iter([80, 5, 5])
+    got = timer.Timer("cpu").measure_steps(
+        [lambda: time.sleep(next(fwd_ms) / 1e3), lambda: time.sleep(0.03)],
+        settle=timer.Settle(least=0, most=0), iters=3)
+    assert all(b >= 28 for b in got.parts[1]) and got.parts[0][0] >= 75
+
+
+def test_warmup_runs_until_the_step_settles():
+    # steps of 90, 60, 40, 31, 30, 30, 30 ms: settled once the last three are within 10 %
+    times = iter([90, 60, 40, 31, 30, 30, 30, 30, 30, 30])
+    got = timer.Timer("cpu").measure_steps([lambda: time.sleep(next(times) / 1e3)],
+                                           settle=timer.Settle(least=2, most=12), iters=2)
+    assert got.settled and got.warmup == 6  # 31, 30, 30 within 10 % after the sixth
+
+
+def test_warmup_is_bounded_when_the_step_never_settles():
+    times = iter([10, 40, 10, 40, 10, 40, 10, 40, 10, 40])
+    seen = []
+    got = timer.Timer("cpu").measure_steps(
+        [lambda: time.sleep(next(times) / 1e3)], settle=timer.warmup_rule(2, 3), iters=3,
+        progress=lambda what, done, most: seen.append((what, done, most)))
+    assert not got.settled and got.warmup == 5  # at most --warmup + --iters
+    # said before each step: the one about to run
+    assert seen == [("warm-up", i, 5) for i in range(1, 6)] + [("timed", i, 3)
+                                                               for i in range(1, 4)]
+
+
+def test_every_rank_decides_the_warmup_on_the_slowest_ranks_times():
+    # this rank's steps (1 ms each) settle at once; the slowest rank's, which the all-reduce
+    # (agree) returns to every rank, do not: every rank warms up to the bound alike
+    slowest = iter([90.0, 30.0, 60.0, 30.0, 60.0, 30.0])
+    got = timer.Timer("cpu", agree=lambda mine: next(slowest)).measure_steps(
+        [lambda: time.sleep(0.001)], settle=timer.Settle(least=1, most=6), iters=1)
+    assert got.warmup == 6 and not got.settled
+
+
+def test_the_settling_rule():
+    assert timer.settled([100, 31, 30, 30])
+    assert not timer.settled([100, 40, 30, 30]) and not timer.settled([30, 30])
+    assert timer.warmup_rule(0, 5) == timer.Settle(least=0, most=0)  # --warmup 0: none
+    assert timer.Settle(least=2, most=7).done([50, 10, 10, 10]) is True
+    assert timer.Settle(least=5, most=7).done([10, 10, 10]) is False  # the least first
+
+
+def test_a_steps_samples_are_gathered_and_cut_per_phase():
+    from cpbench.bench import steps
+
+    got = timer.Timed(parts=[[1.0, 2.0], [3.0, 4.0]], steps=[4.5, 6.5], warmup=2, settled=True)
+    mine = steps.flat(got)
+    other = [x + 10 for x in mine]
+    assert steps.samples_of([mine, other], iters=2) == {
+        "fwd": [[1.0, 2.0], [11.0, 12.0]], "bwd": [[3.0, 4.0], [13.0, 14.0]],
+        "fwd_bwd": [[4.5, 6.5], [14.5, 16.5]]}
+    fwd_only = timer.Timed(parts=[[1.0, 2.0]], steps=[1.0, 2.0], warmup=0, settled=False)
+    assert steps.samples_of([steps.flat(fwd_only)], iters=2) == {"fwd": [[1.0, 2.0]],
+                                                                 "fwd_bwd": None}

@@ -34,8 +34,17 @@ from typing import Any, Callable
 
 import torch
 
-from cpbench import kernels, results, strategies, topology
-from cpbench.bench import agreement, ideal, memory, profiling, recovery, sentcount, timer
+from cpbench import kernels, metrics, results, strategies, topology
+from cpbench.bench import (
+    agreement,
+    ideal,
+    memory,
+    profiling,
+    recovery,
+    sentcount,
+    steps,
+    timer,
+)
 from cpbench.bench import env as env_mod
 from cpbench.bench.check import check_strategy
 from cpbench.bench.plan import Case, Plan
@@ -66,22 +75,6 @@ def rank_inputs(strat, p: Plan, rank: int) -> dict:
             "v": rand(a.num_kv_heads, True), "dout": rand(a.heads, False)}
 
 
-def _closures(strat, x: dict) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(FWD, FWD+BWD) as zero-argument closures. The timed forward builds the autograd graph
-    exactly as in FWD+BWD (then drops it), so BWD = FWD+BWD − FWD is the backward alone."""
-    q, k, v, dout = x["q"], x["k"], x["v"], x["dout"]
-
-    def fwd():
-        strat.attention(q, k, v)
-
-    def fwd_bwd():
-        out, _ = strat.attention(q, k, v)
-        out.backward(dout)
-        q.grad = k.grad = v.grad = None
-
-    return fwd, fwd_bwd
-
-
 def _counts(run: RunConfig) -> tuple[int, int]:
     """(warmup, iters) of the plan's run, which RunConfig.resolved filled."""
     assert run.warmup is not None and run.iters is not None, "a resolved RunConfig"
@@ -110,6 +103,9 @@ class _CaseRun:
     strat: Strategy | None = None
     inputs: dict | None = None
     sent: dict = dataclasses.field(default_factory=dict)  # phase -> sentcount.StepBytes
+    pace: steps.Pace = dataclasses.field(default_factory=lambda: steps.Pace(None))
+    load: dict | None = None  # the record's sections measured while timing (rank 0)
+    timing: dict | None = None
 
     @property
     def built(self) -> Strategy:
@@ -136,24 +132,54 @@ class _CaseRun:
         return self.phase(lambda: [dataclasses.asdict(c) for c in check_strategy(
             self.built, run.seed, device=run.device, cache=ref_cache)])
 
-    def time(self) -> tuple[dict, Callable[[], None] | None]:
-        """Samples per phase, each gathered as soon as it is timed (a later failure keeps
-        them); and the closure the memory step measures."""
+    def time(self, store, key: str) -> tuple[dict, Callable[[], None] | None]:
+        """Samples per phase, each iteration's forward and backward timed apart within one
+        step (``bench.steps``), gathered once timed; and the closure the memory step
+        measures. A step that ran out of memory leaves the forward timed alone, a phase of
+        its own, so the row keeps its FWD (as an OOM in a backward always did)."""
         run = self.p.run
+        self.status("drawing this rank's inputs")
         self.inputs = self.phase(lambda: rank_inputs(self.strat, self.p, self.rank))
-        fwd, fwd_bwd = _closures(self.strat, self.inputs) if self.inputs else (None, None)
+        if self.inputs is None:
+            return {"fwd": None, "fwd_bwd": None}, None
+        fwd, fwd_keep, bwd = steps.closures(self.built, self.inputs)
         if not self.p.timed:
-            return self._untimed(fwd, fwd_bwd)
-        tm = timer.Timer(run.device, _barrier(run.device))
-        warmup, _ = _counts(run)
-        self.sent = {"fwd": sentcount.StepBytes(self.built, warmup)} if fwd else {}
-        samples = {"fwd": self._timed(tm, "FWD", fwd and self.sent["fwd"].wrap(fwd)),
-                   "fwd_bwd": None}
+            return self._untimed(fwd, steps.whole(fwd_keep, bwd))
+        warmup, iters = _counts(run)
+        self.sent = {"fwd": sentcount.StepBytes(self.built, warmup)}
         if not run.fwd_only:
-            self.sent["fwd_bwd"] = sentcount.StepBytes(self.built, warmup)
-            samples["fwd_bwd"] = self._timed(tm, "FWD+BWD", fwd_bwd and
-                                             self.sent["fwd_bwd"].wrap(fwd_bwd))
-        return samples, fwd if run.fwd_only else fwd_bwd
+            self.sent["bwd"] = sentcount.StepBytes(self.built, warmup)
+        parts = [self.sent["fwd"].wrap(fwd)] if run.fwd_only else \
+            [self.sent["fwd"].wrap(fwd_keep), self.sent["bwd"].wrap(bwd)]
+        self.status(f"timing {'FWD' if run.fwd_only else 'FWD and BWD'}")
+        tm = timer.Timer(run.device, _barrier(run.device), steps.agree_max(run.device))
+        with steps.meter(self.rank, self.p.launcher) as m:
+            got = self.phase(lambda: tm.measure_steps(
+                parts, settle=timer.warmup_rule(warmup, iters), iters=iters,
+                progress=lambda *word: self.status(self.pace.step(*word))))
+        self.load = steps.load_section(m, self.p.ranks_per_node if self.p.launcher ==
+                                       "torchrun" else self.p.world_size)
+        samples: dict = {"fwd": None, "fwd_bwd": None}
+        if got is not None:  # else the phase failed on some rank: no collective follows
+            for sent in self.sent.values():
+                sent.warmup = got.warmup  # the timed calls follow the warm-up steps run
+            self.timing = steps.timing_section(got, run, split=len(parts) > 1)
+            everyone = self.phase(lambda: timer.gather_samples(steps.flat(got), run.device))
+            samples = steps.samples_of(everyone, iters) if everyone else samples
+        elif not run.fwd_only and self.phase.status == results.OOM and not self.phase.broken:
+            samples["fwd"] = self._forward_alone(fwd, store, key)
+        return samples, fwd if run.fwd_only else steps.whole(fwd_keep, bwd)
+
+    def _forward_alone(self, fwd: Callable[[], None], store, key: str
+                       ) -> list[list[float]] | None:
+        """FWD timed alone after the step ran out of memory (a phase of its own)."""
+        run = self.p.run
+        warmup, iters = _counts(run)
+        self.status("timing FWD alone (FWD+BWD ran out of memory)")
+        ph = agreement.Agreement(run.device, store, f"{key}/fwd", self.grace_s, self.phase.case)
+        tm = timer.Timer(run.device, _barrier(run.device))
+        mine = ph(lambda: tm.measure(fwd, warmup=warmup, iters=iters))
+        return ph(lambda: timer.gather_samples(mine, run.device))
 
     def _untimed(self, fwd, fwd_bwd) -> tuple[dict, None]:
         """Ranks as threads sharing one device (``Plan.timed``): one untimed step of each
@@ -182,13 +208,6 @@ class _CaseRun:
         return (results.comm_section([r[:6] for r in everyone], how),
                 {k: [int(r[i]) for r in everyone]
                  for i, k in enumerate(("world", "cp", "local_seqlen"), 6)})
-
-    def _timed(self, tm: timer.Timer, what: str, fn) -> list[list[float]] | None:
-        run = self.p.run
-        self.status(f"timing {what}")
-        warmup, iters = _counts(run)
-        mine = self.phase(lambda: tm.measure(fn, warmup=warmup, iters=iters))
-        return self.phase(lambda: timer.gather_samples(mine, run.device))
 
     def memory(self, step: Callable[[], None] | None, store, key: str
                ) -> tuple[agreement.Agreement, list[int] | None]:
@@ -248,11 +267,8 @@ def _usable(*phases: agreement.Agreement | None) -> bool:
 def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, store=None,
              key: str = "", prefix: str = "", index: int = 1) -> tuple[dict, str | None]:
     """Every phase of case ``index`` (1-based) on this rank (collective): (the record,
-    complete on rank 0; None, or what broke: "group" or "device", a sticky CUDA error)."""
-
-    def status(text):
-        log.info("%s: %s", prefix or case.label, text, extra={"transient": True})
-
+    complete on rank 0; None, or what broke: "group" or "device", a sticky CUDA error).
+    Rank 0 shows its progress meanwhile (``report.console.Ticker``)."""
     grace_s: float | None  # None: no grace (below)
     timeout_s, grace_s = p.waits[index - 1]
     # NCCL: closing a communicator does not free the peers blocked on it; they wait out the
@@ -263,11 +279,21 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     topology.set_timeout(timeout_s)
     who = (case.label, p.keys()[index - 1])  # what a failing rank names (bench.failures)
     phase = agreement.Agreement(p.run.device, store, key, grace_s, who)
-    c = _CaseRun(p, case, rank, phase, status, grace_s, timeout_s)
+    c = _CaseRun(p, case, rank, phase, lambda text: None, grace_s, timeout_s,
+                 pace=steps.Pace(p.estimates[index - 1] if p.estimates else None))
+    with console.Ticker(prefix or case.label, left=c.pace.left) as ticker:
+        c.status = ticker.set
+        return _phases(c, env, ref_cache, store, key, index)
+
+
+def _phases(c: _CaseRun, env: dict, ref_cache: dict, store, key: str, index: int
+            ) -> tuple[dict, str | None]:
+    """run_case's phases, each agreed on; the record and what broke."""
+    p, case, rank, phase = c.p, c.case, c.rank, c.phase
     resolved, upstream = c.build()
     # --rounds K: the result does not change between rounds, only the timings: check once
     checks = c.check(ref_cache) if p.run.check and not case.round else None
-    samples, step = c.time()
+    samples, step = c.time(store, key)
     comm, sizes = c.comm()
     # ranks as threads: nothing timed, nothing measured (guards.not_measured)
     mem, memory_bytes = c.memory(step, store, key) if _usable(phase) and p.timed \
@@ -293,7 +319,8 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
         memory_status=mem.status if mem is not None else None,
         memory_error=mem.error if mem is not None else None, profile=profile,
         balance=balance, padding=padding, packing=p.packing_of(case), round=p.round_of(case),
-        comm=comm, sizes=sizes, ideal=ideal_section)
+        comm=comm, sizes=sizes, ideal=ideal_section, load=c.load, timing=c.timing,
+        estimate=c.pace.estimate.to_dict() if c.pace.estimate else None)
     broke = [ph for ph in (phase, mem, ideal_ph, prof) if ph is not None and ph.broken]
     return record, ("device" if any(ph.sticky for ph in broke) else "group") if broke else None
 
@@ -320,7 +347,8 @@ def _run_cases(p: Plan, rank: int, env: dict) -> tuple[list[dict], bool, bool]:
     records, failed = [], False
     for i, case in enumerate(p.cases, 1):
         prefix = f"[{i}/{len(p.cases)}] {case.label}"
-        log.info("%s", prefix, extra={"transient": "plain"})
+        est = p.estimates[i - 1] if p.estimates else None
+        log.info("%s%s", prefix, f": {est.line()}" if est else "")
         t0 = time.perf_counter()
         record, broken = run_case(p, case, rank, env, ref_cache, store=agreement.store(),
                                   key=str(i), prefix=prefix, index=i)
@@ -343,6 +371,9 @@ def _header(p: Plan, world: int) -> None:
              len(p.cases), world, topo.num_nodes, topo.ranks_per_node, p.kernel, p.run.device,
              ", ".join(f"{k}={v}" for k, v in p.attn.to_dict().items()
                        if v is not None))  # what is unset says nothing
+    if p.estimates:  # bench.estimate's, made before any rank started
+        log.info("estimated %s in all (%s)", metrics.duration(sum(e.case_s for e in p.estimates)),
+                 p.estimates[0].rate.text())
     if p.packed:  # the documents above are the first packing's
         log.info("%d packings of %s (seeds %d..%d), each strategy on each", len(p.packed),
                  p.documents_spec, p.run.seed, p.run.seed + len(p.packed) - 1)

@@ -2,8 +2,9 @@
 
 A target is either one of cpbench's kernel backends (``cpbench.kernels``: explicit forward
 and backward returning (out, lse)) or one of PyTorch's own SDPA backends / flex_attention
-(autograd). Each is handed to the same ``Timer`` as zero-argument closures (FWD, FWD+BWD;
-BWD = FWD+BWD − FWD), its peak memory is taken by the same meter, and its FLOPs come from
+(autograd). Each is handed to the same ``Timer`` as zero-argument closures (a step's FWD,
+then BWD on the graph or the out and lse it left, timed apart: ``Timer.measure_steps``), its
+peak memory is taken by the same meter, and its FLOPs come from
 ``cpbench.metrics``. A case whose estimated footprint exceeds the memory cap is skipped with
 that reason before anything is allocated; one that runs out of memory anyway is an OOM row,
 and one that raises anything else a failed row with its error (the grid goes on).
@@ -20,9 +21,10 @@ import torch
 
 from cpbench import kernels
 from cpbench.bench import agreement, memory
-from cpbench.bench.timer import Timer
+from cpbench.bench.timer import Timer, warmup_rule
 from cpbench.kernels.base import dtype_name
 
+# (FWD keeping what its backward needs, BWD on it): one step, each part timed on its own
 Closures = tuple[Callable[[], object], Callable[[], object]]
 
 
@@ -48,6 +50,7 @@ class Measured:
     it left the GPU unusable (a CUDA error no later call survives)."""
 
     fwd_ms: list[float] | None = None
+    bwd_ms: list[float] | None = None
     fwd_bwd_ms: list[float] | None = None
     peak_bytes: int | None = None
     status: str = "ok"
@@ -128,26 +131,31 @@ def _inputs(case: Case, device: str, bhsd: bool, seed: int) -> dict:
 def _backend_closures(backend, x: dict, case: Case) -> Closures:
     scale = 1.0 / math.sqrt(case.head_dim)
     q, k, v, dout = x["q"], x["k"], x["v"], x["dout"]
+    held: dict = {}
 
     def fwd():
-        return backend.forward(q, k, v, causal=case.causal, softmax_scale=scale)
+        held["out"] = backend.forward(q, k, v, causal=case.causal, softmax_scale=scale)
 
-    def fwd_bwd():
-        out, lse = fwd()
+    def bwd():
+        out, lse = held.pop("out")
         backend.backward(dout, q, k, v, out, lse, causal=case.causal, softmax_scale=scale)
 
-    return fwd, fwd_bwd
+    return fwd, bwd
 
 
 def _autograd_closures(call: Callable, x: dict) -> Closures:
-    """The forward builds the graph as in FWD+BWD (then drops it), as the driver's does."""
+    """The forward builds the graph, the backward runs it, as the driver's do."""
     q, k, v, dout = x["q"], x["k"], x["v"], x["dout"]
+    held: dict = {}
 
-    def fwd_bwd():
-        call(q, k, v).backward(dout)
+    def fwd():
+        held["out"] = call(q, k, v)
+
+    def bwd():
+        held.pop("out").backward(dout)
         q.grad = k.grad = v.grad = None
 
-    return (lambda: call(q, k, v)), fwd_bwd
+    return fwd, bwd
 
 
 def _sdpa_call(name: str, case: Case) -> Callable:
@@ -198,7 +206,8 @@ def forward_backward(name: str, case: Case, device: str, seed: int = 0) -> Closu
 
 
 def closures(name: str, case: Case, device: str, seed: int = 0) -> tuple[Closures, dict]:
-    """(FWD, FWD+BWD) closures of ``name`` on ``case``, and the inputs they hold."""
+    """(FWD, BWD) closures of ``name`` on ``case`` (see ``Closures``), and the inputs they
+    hold."""
     if name in _SDPA or name == FLEX:
         x = _inputs(case, device, bhsd=True, seed=seed)
         call = _sdpa_call(name, case) if name in _SDPA else _flex_call(case, device)
@@ -213,8 +222,9 @@ def closures(name: str, case: Case, device: str, seed: int = 0) -> tuple[Closure
 
 def measure(name: str, case: Case, *, device: str, warmup: int, iters: int,
             capacity_bytes: int | None, seed: int = 0) -> Measured:
-    """Time FWD and FWD+BWD, then the peak memory of one FWD+BWD; an OOM or any other
-    error keeps what came before it (status "OOM" / "failed", with the error)."""
+    """Time FWD and BWD of each step (FWD+BWD: the whole step), then the peak memory of one
+    step; an OOM or any other error keeps what came before it (status "OOM" / "failed", with
+    the error)."""
     why = unsupported_reason(name, case, device)
     if why:
         return Measured(status="skipped", reason=why)
@@ -225,25 +235,39 @@ def measure(name: str, case: Case, *, device: str, warmup: int, iters: int,
     timer = Timer(device)
     got: dict[str, Any] = {}  # Measured's fields, as far as they were reached
     # Optional: dropped on an OOM, before the next case allocates its own
-    fwd: Callable[[], object] | None
-    fwd_bwd: Callable[[], object] | None
+    fwd: Callable[[], object] | None = None
+    bwd: Callable[[], object] | None
     x: dict | None
     try:
-        (fwd, fwd_bwd), x = closures(name, case, device, seed)
-        got["fwd_ms"] = timer.measure(fwd, warmup=warmup, iters=iters)
-        got["fwd_bwd_ms"] = timer.measure(fwd_bwd, warmup=warmup, iters=iters)
+        (fwd, bwd), x = closures(name, case, device, seed)
+        timed = timer.measure_steps([fwd, bwd], settle=warmup_rule(warmup, iters), iters=iters)
+        got.update(fwd_ms=timed.parts[0], bwd_ms=timed.parts[1], fwd_bwd_ms=timed.steps)
         inputs = list(x.values())
-        got["peak_bytes"] = memory.peak_bytes(fwd_bwd, device=device, inputs=inputs)
+        step = (fwd, bwd)
+        got["peak_bytes"] = memory.peak_bytes(lambda: [f() for f in step], device=device,
+                                              inputs=inputs)
     except Exception as e:  # one kernel's failure is its row's, not the grid's
         oom = agreement.is_oom(e)
         trace = None if oom else traceback.format_exc()
-        x = fwd = fwd_bwd = None  # the inputs go before the next case allocates its own
+        if "fwd_ms" not in got and fwd is not None:  # the backward broke: time FWD alone
+            got["fwd_ms"] = _forward_alone(timer, fwd, warmup, iters)
+        x = fwd = bwd = None  # the inputs go before the next case allocates its own
         if device == "cuda":
             torch.cuda.empty_cache()
         return Measured(**got, status="OOM" if oom else "failed",
                         reason=agreement.one_line(e), traceback=trace,
                         sticky=agreement.is_sticky_cuda_error(e))
     return Measured(**got)
+
+
+def _forward_alone(timer: Timer, fwd: Callable[[], object], warmup: int, iters: int
+                   ) -> list[float] | None:
+    """FWD's samples timed alone after the step broke (ran out of memory or raised), or None
+    if the forward breaks too: the row already carries the step's error."""
+    try:
+        return timer.measure(fwd, warmup=warmup, iters=iters)
+    except Exception:  # noqa: BLE001 - the step's own error is the row's
+        return None
 
 
 def label(case: Case) -> str:

@@ -62,7 +62,8 @@ def _attention(case: kernelbench.Case) -> AttentionConfig:
 def _record(name: str, case: kernelbench.Case, m: kernelbench.Measured, run: RunConfig,
             env: dict) -> dict:
     local = strategies.get("local")
-    samples = {k: [v] for k, v in (("fwd", m.fwd_ms), ("fwd_bwd", m.fwd_bwd_ms)) if v}
+    samples = {k: [v] for k, v in (("fwd", m.fwd_ms), ("bwd", m.bwd_ms),
+                                   ("fwd_bwd", m.fwd_bwd_ms)) if v}
     return results.make_record(
         strategy="local", options=local.Options(), attention=_attention(case), run=run,
         kernel=name, world_size=1, ranks_per_node=1, ranks_per_problem=1, env=env,

@@ -8,8 +8,9 @@ that cannot fit are skipped with a note (which cases run: ``bench.cases``).
 
 Under torchrun every rank plans on its own, so every verdict must come out the same on every
 rank: each is computed from the request and fixed facts of the machine (total memory, not
-what happens to be free). The one exception is ``--out``, opened by rank 0 alone (only it
-writes); if that fails, rank 0 exits 2 and torchrun stops the others.
+what happens to be free). The exceptions are ``--out``, opened by rank 0 alone (only it
+writes), and the estimate, a probe of the kernel on rank 0 alone; if either fails, rank 0 exits
+2 and torchrun stops the others.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from cpbench import kernels, metrics, results, strategies
 from cpbench.bench import env as env_mod
-from cpbench.bench import memory, order
+from cpbench.bench import estimate, memory, order
 from cpbench.bench.cases import Case, expand_cases, request, runnable, shape
 from cpbench.config import (
     AttentionConfig,
@@ -68,6 +69,8 @@ class Plan:
     # under --packings K: each packing's problem (``attn`` is the first), and the spec
     packed: tuple[AttentionConfig, ...] = ()
     documents_spec: str | None = None
+    # per case, what it should take (bench.estimate): on the rank that prints, else empty
+    estimates: tuple[estimate.Estimate, ...] = ()
 
     def attn_of(self, case: Case) -> AttentionConfig:
         """The problem ``case`` runs: its packing's under --packings, else ``attn``."""
@@ -338,6 +341,9 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
         _reference_fits(attn, device, local_ranks, capacity, sharing)
     out = None if (run.out or "").lower() == "none" else (run.out or _default_out(run, attn))
     writer = job is None and (launcher != "torchrun" or env_mod.torchrun_world()[0] == 0)
+    # nothing is timed with ranks as threads (Plan.timed): a case's time is its check's
+    estimates = _estimates(cases, strat_of, problems, run, backend.name, topo, local_ranks,
+                           launcher) if writer and launcher != THREADS else ()
     if out is not None and writer:
         open_out(out)
     if run.profile is not None:
@@ -352,4 +358,45 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
                 waits=tuple(case_waits(attn, run, strat_of[dataclasses.replace(
                     c, round=None)].ranks_per_problem, sharing) for c in cases),
                 packed=problems if len(problems) > 1 else (),
-                documents_spec=given["documents"] if len(problems) > 1 else None)
+                documents_spec=given["documents"] if len(problems) > 1 else None,
+                estimates=estimates)
+
+
+def _estimates(cases: list[Case], strat_of: dict, problems: tuple[AttentionConfig, ...],
+               run: RunConfig, kernel: str, topo: Topology, local_ranks: int, launcher: str
+               ) -> tuple[estimate.Estimate, ...]:
+    """Each case's estimate (``bench.estimate``); UsageError for a case over the limit."""
+    # the threads each rank runs: cpbench.launch.run_ranks' default; under torchrun this
+    # process is a rank
+    threads = max(1, (os.cpu_count() or 1) // topo.world_size) if launcher == "self" else \
+        torch.get_num_threads()
+    machine = estimate.Machine(device=run.device, local_ranks=local_ranks,
+                               threads_per_rank=threads, cpus=env_mod.cpus_usable())
+    found = []
+    for c in cases:
+        strat = strat_of[dataclasses.replace(c, round=None)]
+        attn = problems[c.packing or 0]
+        imbalance = _imbalance(c, strat, attn, topo, c.kernel or kernel)
+        found.append(estimate.Problem(
+            label=c.label, attn=attn, ranks_per_problem=strat.ranks_per_problem,
+            imbalance=imbalance, kernel=c.kernel or kernel,
+            has_ideal=strat.upstream is None and not attn.documents and not attn.window_size))
+    ests = estimate.estimates(found, run, machine)
+    estimate.refuse_over(found, ests, run, machine)
+    return ests
+
+
+BALANCE_SEQLEN = 16384  # a layout's imbalance, computed at this length (it costs ~S log S)
+
+
+def _imbalance(c: Case, strat, attn: AttentionConfig, topo: Topology, kernel: str) -> float:
+    """The strategy's max / mean attended area over ranks (``Strategy.balance``); a long
+    plain sequence's from its layout at BALANCE_SEQLEN; 1.0 where it cannot say."""
+    try:
+        if not attn.documents and attn.seqlen > BALANCE_SEQLEN:
+            short = dataclasses.replace(attn, seqlen=BALANCE_SEQLEN)
+            strat = strategies.get(c.strategy)(short, topo, 0, kernel=kernels.get(kernel),
+                                               options=c.options, create_groups=False)
+        return float(strat.balance()["imbalance"])
+    except Exception:  # noqa: BLE001 - an estimate, not a check
+        return 1.0

@@ -5,7 +5,9 @@ counter in Python as it posts it: every timed iteration is counted, at one addit
 message (no sync, no dispatch mode). The upstream adapters call torch.distributed from their
 libraries' code, so their bytes come from the trace ``cpbench comm`` takes
 (``bench.commtrace``); that trace's dispatch mode costs time on every op, so it counts the
-last warm-up step (the same closure, untimed), or the first timed one without warm-up.
+last of the least warm-up steps (the same closure, untimed; more warm-up may follow until the
+step settles), or the first timed one without warm-up. The driver times a step's forward and
+backward as two closures: each is counted, and FWD+BWD is their sum, call by call.
 
 What the strategy declares (``Strategy.schedule()``: its messages' bytes per phase) goes
 beside it; ``cpbench.guards`` flags any difference.
@@ -61,9 +63,14 @@ class StepBytes:
 
         return counted_step
 
+    def timed(self) -> list[int]:
+        """Each counted timed call's bytes (after ``warmup`` calls; set it to the warm-up
+        steps run once they are known)."""
+        return self.per_call[self.warmup:] if self.own else self.per_call
+
     def counted(self) -> tuple[int, bool] | None:
         """(bytes of the last counted step, whether the timed steps differed), or None."""
-        timed = self.per_call[self.warmup:] if self.own else self.per_call
+        timed = self.timed()
         if not timed:
             return None
         return timed[-1], len(set(timed)) > 1
@@ -77,7 +84,19 @@ def how_counted(strat: Strategy, warmup: int, *, timed: bool = True) -> str:
         return f"one untimed step ({how}; ranks as threads)"
     if strat.upstream is None:
         return f"every timed step ({how})"
-    return f"the {'last warm-up' if warmup else 'first timed'} step ({how})"
+    return (f"warm-up step {warmup}" if warmup else "the first timed step") + f" ({how})"
+
+
+def _step(sent: dict[str, StepBytes], phase: str) -> tuple[int, bool] | None:
+    """A phase's (bytes, varied): FWD+BWD from its forward's and backward's calls summed
+    where the two were counted apart."""
+    if phase in sent:
+        return sent[phase].counted()
+    if phase != "fwd_bwd" or not {"fwd", "bwd"} <= set(sent):
+        return None
+    fwd, bwd = sent["fwd"].timed(), sent["bwd"].timed()
+    steps = [f + b for f, b in zip(fwd, bwd)]
+    return (steps[-1], len(set(steps)) > 1) if steps else None
 
 
 def figures(sent: dict[str, StepBytes], strat: Strategy) -> list[int]:
@@ -85,7 +104,7 @@ def figures(sent: dict[str, StepBytes], strat: Strategy) -> list[int]:
     bytes, FWD+BWD varied, declared fwd, declared bwd] (-1: not counted / not declared)."""
     mine = []
     for phase in ("fwd", "fwd_bwd"):
-        got = sent[phase].counted() if phase in sent else None
+        got = _step(sent, phase)
         mine += [-1, 0] if got is None else [got[0], int(got[1])]
     want = declared(strat)
     return mine + ([-1, -1] if want is None else [want["fwd"], want["bwd"]])

@@ -1,7 +1,16 @@
-"""Timing the distributed way (Megatron's timers, nccl-tests): warm up by count, line the ranks
-up with a barrier before every timed iteration, time each iteration on each rank, and gather
-every rank's samples. What is reported from them (the median over iterations of the slowest
-rank) is ``cpbench.metrics.step_time``.
+"""Timing the distributed way (Megatron's timers, nccl-tests): warm up, line the ranks up with
+a barrier before every timed iteration, time each iteration on each rank, and gather every
+rank's samples. What is reported from them (the median over iterations of the slowest rank)
+is ``cpbench.metrics.step_time``.
+
+``measure``: one closure, a fixed warm-up (the kernel blocks alone, calibration).
+``measure_steps``: a step made of parts (the driver's forward, then backward) timed part by
+part within every iteration: barrier, forward, sync, barrier, backward, sync. Each part's
+time is its own sample, so the backward is measured, never derived by subtracting two
+medians of separately timed loops (where a cold first loop once printed a negative
+backward); the step's time is the iteration from its first part's start to its last part's
+end on each rank. Its warm-up runs until the step time settles (``Settle``), every rank
+deciding on the same slowest-rank times, so every rank runs the same number of steps.
 
 The timer knows nothing about what it times: strategies hand it zero-argument closures.
 """
@@ -9,22 +18,74 @@ The timer knows nothing about what it times: strategies hand it zero-argument cl
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+
+# progress("warm-up" or "timed", the step about to run (1-based), steps at most)
+Progress = Callable[[str, int, int], None]
 
 
 def _noop() -> None:
     pass
 
 
+@dataclass(frozen=True)
+class Settle:
+    """When warm-up stops: after at least ``least`` steps, once the last ``window`` steps'
+    times (slowest rank) lie within ``tolerance`` of their fastest; at most ``most`` steps
+    whatever they do. ``least == most``: a fixed count."""
+
+    least: int
+    most: int
+    window: int = 3
+    tolerance: float = 0.10
+
+    def done(self, times: Sequence[float]) -> bool:
+        """Whether warm-up may stop after ``times`` (each warm-up step's time so far)."""
+        n = len(times)
+        if n < self.least:
+            return False
+        return n >= self.most or settled(times, self.window, self.tolerance)
+
+
+def settled(times: Sequence[float], window: int = 3, tolerance: float = 0.10) -> bool:
+    """Whether the last ``window`` times lie within ``tolerance`` of their fastest."""
+    last = list(times)[-window:]
+    if len(last) < window or min(last) <= 0:
+        return False
+    return (max(last) - min(last)) / min(last) <= tolerance
+
+
+def warmup_rule(warmup: int, iters: int) -> Settle:
+    """A run's warm-up: ``warmup`` (0: none) at least, and while the step time still moves,
+    up to ``iters`` more (at most doubling the case's steps)."""
+    return Settle(least=warmup, most=warmup if warmup == 0 else warmup + iters)
+
+
+@dataclass(frozen=True)
+class Timed:
+    """``measure_steps``' result on this rank: per part, each timed iteration's ms; each
+    iteration's whole step in ms; the warm-up steps run and whether their times settled."""
+
+    parts: list[list[float]]
+    steps: list[float]
+    warmup: int
+    settled: bool
+
+
 class Timer:
     """Times closures on this rank. ``device``: "cuda" (CUDA events) or "cpu" (perf_counter).
-    ``barrier``: called before every timed iteration (a process-group barrier)."""
+    ``barrier``: called before every timed iteration (a process-group barrier). ``agree``:
+    the slowest rank's value of a float (an all-reduce max), so that every rank decides the
+    warm-up's end on the same figures."""
 
-    def __init__(self, device: str, barrier: Callable[[], None] = _noop):
+    def __init__(self, device: str, barrier: Callable[[], None] = _noop,
+                 agree: Callable[[float], float] = float):
         self.device = device
         self.barrier = barrier
+        self.agree = agree
 
     def _sync(self) -> None:
         if self.device == "cuda":
@@ -35,10 +96,41 @@ class Timer:
         for _ in range(warmup):
             fn()
         self._sync()
-        samples = []
-        for _ in range(iters):
+        return [self._timed([fn])[0][0] for _ in range(iters)]
+
+    def measure_steps(self, parts: Sequence[Callable[[], object]], *, settle: Settle,
+                      iters: int, progress: Progress | None = None) -> Timed:
+        """Warm up until ``settle`` says so, then time ``iters`` steps, each part of each
+        step on its own (see the module docstring). ``progress("warm-up" | "timed", step,
+        at most)`` before every step."""
+        say = progress or (lambda what, step, most: None)
+        times: list[float] = []
+        while not settle.done(times):
+            say("warm-up", len(times) + 1, settle.most)
+            _, step = self._timed(parts, barrier=False)
+            times.append(self.agree(step))
+        self._sync()
+        per_part: list[list[float]] = [[] for _ in parts]
+        steps = []
+        for i in range(iters):
+            say("timed", i + 1, iters)
+            each, step = self._timed(parts)
+            for samples, ms in zip(per_part, each):
+                samples.append(ms)
+            steps.append(step)
+        return Timed(per_part, steps, len(times),
+                     settled(times, settle.window, settle.tolerance))
+
+    def _timed(self, parts: Sequence[Callable[[], object]], barrier: bool = True
+               ) -> tuple[list[float], float]:
+        """(each part's ms, the step's ms from the first part's start to the last's end).
+        ``barrier``: the ranks line up before every part (warm-up steps need not)."""
+        each: list[float] = []
+        first: object = None
+        for fn in parts:
             self._sync()
-            self.barrier()  # every rank starts the iteration together
+            if barrier:
+                self.barrier()  # every rank starts the part together
             if self.device == "cuda":
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
@@ -46,12 +138,17 @@ class Timer:
                 fn()
                 end.record()
                 end.synchronize()
-                samples.append(start.elapsed_time(end))
+                each.append(start.elapsed_time(end))
+                first = start if first is None else first
+                step = first.elapsed_time(end)  # type: ignore[attr-defined]
             else:
                 t0 = time.perf_counter()
                 fn()
-                samples.append((time.perf_counter() - t0) * 1e3)
-        return samples
+                t1 = time.perf_counter()
+                each.append((t1 - t0) * 1e3)
+                first = t0 if first is None else first
+                step = (t1 - first) * 1e3  # type: ignore[operator]
+        return each, step
 
 
 def gather_samples(samples: Sequence[float], device: str = "cpu") -> list[list[float]]:

@@ -103,7 +103,7 @@ def main(args) -> int:
             pass
     except (OSError, UsageError) as e:
         return cli_args.fail(PROG, e) if rank == 0 else cli_args.USAGE_ERROR
-    from cpbench.sim.load import Meter
+    from cpbench.bench.load import Meter
 
     with Meter(root=os.getppid() if torchrun else None) as meter:  # torchrun: its agent's tree
         measured = _measure(spec, torchrun, args.nproc)

@@ -304,7 +304,7 @@ def main(args) -> int:
               *upstream_checks("cuda" if on_gpu else "cpu"), *environment(), *cores(ranks)]
     for line in _lines(checks):
         sys.stdout.write(line)
-    probed = [] if args.no_probe else list(probe_checks(ranks, count))
+    probed = [] if args.no_probe else _probed(ranks, count)
     where = srun_world()
     if where is not None:  # one task per node: the probe between them
         probed += node_checks(where, "cuda" if on_gpu else "cpu")
@@ -312,6 +312,15 @@ def main(args) -> int:
         sys.stdout.write(line)
     checks += probed
     return 1 if any(level == ERROR for level, _, _ in checks) else 0
+
+
+def _probed(ranks: int, gpus: int) -> list[Check]:
+    """The probe, its progress on stderr meanwhile (starting the ranks takes seconds)."""
+    from cpbench.report import console
+
+    with console.transient_progress(), console.Ticker("doctor") as ticker:
+        ticker.set(f"probing the links between {max(2, ranks)} local ranks")
+        return list(probe_checks(ranks, gpus))
 
 
 def _lines(checks: list[Check]) -> Iterator[str]:

@@ -135,8 +135,9 @@ def _dryrun(args) -> int:
     req = request(args)
     env = dryrun.env_of(req)
     summaries, every = [], []
-    for case in req.cases:
-        rows = dryrun.run_case(req, case)
+    for i, case in enumerate(req.cases, 1):
+        with console.Ticker(f"dryrun [{i}/{len(req.cases)}] {case.label}") as ticker:
+            rows = dryrun.run_case(req, case, say=ticker.set)
         every += rows
         summaries.append(dryrun.summarize(req, case, rows))
         if args.out:

@@ -73,7 +73,8 @@ def _problem(row: dict) -> str:
 
 def verdicts(records: list[dict], min_effect: float = MIN_EFFECT) -> list[Verdict]:
     df = frame(rounds.pool(records))
-    df = df[(df["status"] == OK) & (df["ranks_per_problem"] > 1) & (df["flags"] == "")]
+    df = df[(df["status"] == OK) & (df["ranks_per_problem"] > 1) & (df["flags"] == "")
+            & df["not_measured"].isna()]
     return [_packed_verdict(rows, min_effect) if _packed(rows[0])
             else _verdict(rows, min_effect) for rows in _groups(df)]
 
@@ -149,7 +150,8 @@ def best_table(records: list[dict], fmt: str = "table",
     vs = verdicts(records, min_effect)
     flagged = _flagged(records)
     if not vs:
-        return "\n".join(["no CP rows that ran unflagged: nothing to rank", *flagged]) + "\n"
+        lines = ["no CP rows that ran unflagged: nothing to rank", *flagged]
+        return "\n".join(lines if fmt == "markdown" else prose(lines)) + "\n"
     rows = []
     for v in vs:
         margin = "-" if v.margin is None else f"{100 * v.margin:+.1f}"
@@ -175,9 +177,12 @@ _FIT = Fit(lift=("Problem", "Topology"), wrap=("Problem", "Runner-up", "Winner")
 def _flagged(records: list[dict]) -> list[str]:
     """A line per flagged row that ran: why it is not ranked."""
     df = frame(records)
-    df = df[(df["status"] == OK) & (df["ranks_per_problem"] > 1) & (df["flags"] != "")]
+    df = df[(df["status"] == OK) & (df["ranks_per_problem"] > 1)
+            & ((df["flags"] != "") | df["not_measured"].notna())]
     return [f"not ranked: {joined(r['strategy'], r['options'])} {_problem(r)} "
-            f"{r['nodes']}×{r['ranks_per_node']}: {r['flags']}" for r in df.to_dict("records")]
+            f"{r['nodes']}×{r['ranks_per_node']}: "
+            f"{'; '.join(x for x in (r['flags'], r['not_measured']) if x)}"
+            for r in df.to_dict("records")]
 
 
 def plot_winners(records: list[dict], path: str, min_effect: float = MIN_EFFECT) -> None:

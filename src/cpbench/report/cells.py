@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-from cpbench import guards
 from cpbench.results import FAILED, OK, OOM
 
 
@@ -19,18 +18,9 @@ def ms(x) -> str:
 
 
 def cell_ms(value, record: dict) -> str:
-    """A time cell: the figure, or the row's status (OOM, failed) where none was measured;
-    "-" where the row's times are not measurements (``measured``)."""
-    if missing(value) and record["status"] != OK:
-        return record["status"]
-    return measured(ms(value), guards.not_measured(record))
-
-
-def measured(cell: str, not_measured) -> str:
-    """A cell of a measured figure (a time, TFLOP/s, memory, an efficiency, the fraction of
-    ideal): "-" where the row's figures are not measurements (``guards.not_measured``; the
-    reason is among the row's flags)."""
-    return cell if missing(not_measured) else "-"
+    """A time cell: the figure, or the row's status (OOM, failed) where none was measured
+    ("-" where nothing was timed: ranks as threads time nothing)."""
+    return record["status"] if missing(value) and record["status"] != OK else ms(value)
 
 
 def tflops(x) -> str:
@@ -55,15 +45,14 @@ def figures(row: dict) -> dict[str, str]:
     --fwd-only), Memory (MB), TFLOPs/s (FWD+BWD's, FWD's with --fwd-only). A time that was
     measured shows; OOM / failed fill every other time column and TFLOPs/s."""
     status = row["status"]
-    fwd = status if missing(row["fwd_ms"]) else ms(row["fwd_ms"])
+    none = status if status != OK else "-"  # OK with no time: nothing was timed (threads)
+    fwd = none if missing(row["fwd_ms"]) else ms(row["fwd_ms"])
     both = "-" if row["fwd_only"] else \
-        status if missing(row["fwd_bwd_ms"]) else ms(row["fwd_bwd_ms"])
+        none if missing(row["fwd_bwd_ms"]) else ms(row["fwd_bwd_ms"])
     rate = status if status != OK else \
         tflops(row["fwd_tflops"] if row["fwd_only"] else row["fwd_bwd_tflops"])
-    mem = memory(row["memory_mb"], row["memory_status"])
-    if status == OK:  # (a failed row's cells say so, measured or not)
-        fwd, both, rate, mem = (measured(c, row["not_measured"]) for c in (fwd, both, rate, mem))
-    return {"FWD (ms)": fwd, "FWD+BWD (ms)": both, "Memory (MB)": mem, "TFLOPs/s": rate}
+    return {"FWD (ms)": fwd, "FWD+BWD (ms)": both,
+            "Memory (MB)": memory(row["memory_mb"], row["memory_status"]), "TFLOPs/s": rate}
 
 
 def with_unit(cell: str, unit: str) -> str:
@@ -79,8 +68,8 @@ def efficiency(row: dict) -> str:
     """A CP row's efficiency in % with its bootstrap interval: "37.9 [29.9, 53.0]"."""
     if missing(row["cp_efficiency"]):
         return "-"
-    return measured(f"{pct(row['cp_efficiency'])} [{pct(row['cp_efficiency_low'])}, "
-                    f"{pct(row['cp_efficiency_high'])}]", row["not_measured"])
+    return (f"{pct(row['cp_efficiency'])} [{pct(row['cp_efficiency_low'])}, "
+            f"{pct(row['cp_efficiency_high'])}]")
 
 
 def documents(documents: str) -> str:

@@ -8,8 +8,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
+import time
+from typing import Callable
 
 from cpbench import ranklocal
+
+# a plain progress line where the output is no terminal (a log): every 15 s at first, then
+# every tenth of the time run so far, at most every 10 min (a step of hours: ~100 lines a day)
+LOG_EVERY_S = (15.0, 600.0)
+TTY_EVERY_S = 1.0  # the status line's refresh on a terminal
 
 
 class Progress(logging.Handler):
@@ -103,3 +111,73 @@ def end_status() -> None:
             handler.stream.write("\r\033[K")
             handler.stream.flush()
             handler.pending = False
+
+
+def clock(seconds: float) -> str:
+    """``1:02:03`` / ``2:03`` for a duration; days as ``3 d 4:05:06``."""
+    s = max(0, int(round(seconds)))
+    days, s = divmod(s, 86400)
+    text = f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 or days else \
+        f"{s // 60}:{s % 60:02d}"
+    return f"{days} d {text}" if days else text
+
+
+def _tty(log: logging.Logger) -> bool:
+    return any(isinstance(h, Progress) and h.tty and h.stream is not None
+               for h in log.handlers)
+
+
+class Ticker:
+    """Progress of long work that says it often enough: ``prefix: text | elapsed 1:02 |
+    ~3:04 left``, refreshed every second on a terminal (the status line), a plain line now
+    and then elsewhere (``LOG_EVERY_S``), from a thread, so a step of hours still shows its
+    clock. ``left()``: seconds still to go, or None (unknown). Silent where the logger
+    prints nothing (ranks other than 0). ``with Ticker(...) as t: t.set("warm-up 1")``."""
+
+    def __init__(self, prefix: str, left: Callable[[], float | None] = lambda: None,
+                 logger: str = "cpbench"):
+        self.prefix, self.left, self.log = prefix, left, logging.getLogger(logger)
+        self.text = ""
+        self.t0 = self.said = time.monotonic()
+        # ranks as threads: only rank 0's ticker (its beats come from a thread of no rank)
+        self.on = self.log.isEnabledFor(logging.INFO) and ranklocal.rank() in (None, 0)
+        self.tty = _tty(self.log)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Ticker:
+        if self.on:
+            self._thread = threading.Thread(target=self._beat, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def set(self, text: str) -> None:
+        """What is under way now; shown at once on a terminal."""
+        self.text = text
+        if self.on and self.tty:
+            self._say()
+
+    def line(self) -> str:
+        elapsed = time.monotonic() - self.t0
+        left = self.left()
+        eta = "" if left is None else f" | ~{clock(left)} left"
+        return f"{self.prefix}: {self.text} | elapsed {clock(elapsed)}{eta}"
+
+    def _say(self) -> None:
+        with self._lock:
+            self.said = time.monotonic()
+            self.log.info("%s", self.line(), extra={"transient": True if self.tty else "plain"})
+
+    def _beat(self) -> None:
+        while not self._stop.wait(TTY_EVERY_S):
+            now = time.monotonic()
+            every = TTY_EVERY_S if self.tty else min(max(LOG_EVERY_S[0], (now - self.t0) / 10),
+                                                     LOG_EVERY_S[1])
+            if self.text and now - self.said >= every:
+                self._say()

@@ -1,12 +1,17 @@
 """Records as a pandas frame: one row per record, every figure derived from its raw samples
 (``results.derive``), plus each CP row's efficiency against the no-CP baseline of the same
-problem. Every table, pivot and plot is rendered from this frame."""
+problem. Every table, pivot and plot is rendered from this frame.
+
+A row whose timings do not measure CP (``guards.not_measured``: ranks sharing cores, a busy
+machine), or whose baseline's do not, has no efficiency, and no fraction of ideal; an
+efficiency above what the row's balance allows is flagged (``guards.efficiency_flag``)."""
 
 from __future__ import annotations
 
 from statistics import median
 from typing import Iterable
 
+from cpbench import guards
 from cpbench.metrics import bootstrap_ratio, slowest_per_iter
 from cpbench.report.labels import joined, options_label, window_text
 from cpbench.results import OK, derive
@@ -44,8 +49,7 @@ def _row(r: dict) -> dict:
         "memory_status": r.get("memory_status"), "memory_error": r.get("memory_error"),
         **{k: d.get(k) for k in _FIGURES},
         "flags": "; ".join(d.get("flags") or ()),  # the physics guards' (cpbench.guards)
-        # why its times and memory are not measurements (guards.not_measured), or None
-        "not_measured": d.get("not_measured"),
+        "not_measured": d.get("not_measured"),  # why its timings do not measure CP, or None
         "utc": r["env"].get("utc"), "git_sha": r["env"].get("git_sha"),
         "simulated": bool(r["env"].get("simulated")),
         # the breakdown of a profiled step (run --profile), where the record has one
@@ -73,22 +77,40 @@ def frame(records: list[dict]):
     df = to_frame(records)
     if df.empty:
         return df
-    # a row whose times are not measurements is no baseline, and has no efficiency
-    ok = (df["status"] == OK) & df["not_measured"].isna()
+    ok = df["status"] == OK
     df = df.merge(_baselines(df[ok & (df["ranks_per_problem"] == 1)]), on=PROBLEM,
                   how="left")  # keeps the records' order
     both = df["fwd_bwd_ms"].notna() & df["base_fwd_bwd_ms"].notna()
     t_cp = df["fwd_bwd_ms"].where(both, df["fwd_ms"])
     t_base = df["base_fwd_bwd_ms"].where(both, df["base_fwd_ms"])
-    cp_row = ok & (df["ranks_per_problem"] > 1)
+    # a row, or its baseline, timed where the timings do not measure CP: no efficiency
+    df["efficiency_not_measured"] = df["not_measured"].where(
+        df["not_measured"].notna(), df["base_not_measured"])
+    measured = df["efficiency_not_measured"].isna()
+    df["fraction_of_ideal"] = df["fraction_of_ideal"].where(df["not_measured"].isna())
+    cp_row = ok & (df["ranks_per_problem"] > 1) & measured
     df["cp_efficiency"] = (t_base / (df["ranks_per_problem"] * t_cp)).where(cp_row)
     df["efficiency_phase"] = both.map({True: "FWD+BWD", False: "FWD"})
     lo_hi = [_efficiency_interval(row, b) if c else (None, None)
              for row, b, c in zip(df.to_dict("records"), both, cp_row)]
     df["cp_efficiency_low"] = [lo for lo, _ in lo_hi]
     df["cp_efficiency_high"] = [hi for _, hi in lo_hi]
+    df["efficiency_flag"] = [_efficiency_flag(row) for row in df.to_dict("records")]
+    df["flags"] = ["; ".join(f for f in parts if isinstance(f, str) and f)
+                   for parts in zip(df["flags"], df["efficiency_flag"], drift_flags(df))]
     df["label"] = [joined(s, o) for s, o in zip(df["strategy"], df["options"])]
     return df
+
+
+def _efficiency_flag(row: dict) -> str | None:
+    """The row's efficiency's flag where it is above what its balance allows, or None."""
+    eff = row["cp_efficiency"]
+    if eff is None or eff != eff:  # none (NaN)
+        return None
+    low = row["cp_efficiency_low"]
+    interval = None if low is None else (low, row["cp_efficiency_high"])
+    imbalance = row["imbalance"] if row["imbalance"] == row["imbalance"] else None
+    return guards.efficiency_flag(eff, interval, imbalance)
 
 
 def _pooled(series) -> list[float] | None:
@@ -105,13 +127,16 @@ def _baselines(base_rows):
     rows = []
     for key, g in base_rows.groupby(PROBLEM, sort=False, dropna=False):
         fwd, both = _pooled(g["iters_fwd"]), _pooled(g["iters_fwd_bwd"])
+        reasons = [x for x in g["not_measured"] if x]
         rows.append({**dict(zip(PROBLEM, key)), "baseline": g["strategy"].iloc[0],
+                     "base_not_measured": reasons[0] if reasons else None,
                      "base_fwd_ms": median(fwd) if fwd else None,
                      "base_fwd_bwd_ms": median(both) if both else None,
                      "base_iters_fwd": fwd, "base_iters_fwd_bwd": both,
                      "base_each": [x for x in g["iters_fwd_bwd"] if x]
                      or [x for x in g["iters_fwd"] if x]})
-    columns = PROBLEM + ["baseline", "base_fwd_ms", "base_fwd_bwd_ms", "base_iters_fwd",
+    columns = PROBLEM + ["baseline", "base_not_measured", "base_fwd_ms", "base_fwd_bwd_ms",
+                         "base_iters_fwd",
                          "base_iters_fwd_bwd", "base_each"]
     return pd.DataFrame(rows, columns=columns)
 
@@ -138,24 +163,43 @@ def efficiencies(records: list[dict]) -> list[tuple]:
             for row in df[df["cp_efficiency"].notna()].to_dict("records")]
 
 
+def _drift(each: list[list[float]]) -> str | None:
+    """"timed A, B ms, beyond their spread" when a baseline's timings (a run's first and
+    last case) have 95 % intervals of their medians that do not overlap; else None."""
+    if len(each) < 2:
+        return None
+    spans = [bootstrap_ratio(x, [1.0]) for x in each]  # each timing's median interval
+    if max(lo for lo, _ in spans) <= min(hi for _, hi in spans):
+        return None
+    return f"timed {', '.join(f'{median(x):.2f}' for x in each)} ms, beyond their spread"
+
+
+def _drifted(df):
+    """Problem key → its baseline's drift (``_drift``), where it drifted."""
+    base = _baselines(df[(df["status"] == OK) & (df["ranks_per_problem"] == 1)])
+    found = {}
+    for row in base.to_dict("records"):
+        drift = _drift(row["base_each"])
+        if drift:
+            found[tuple(row[k] for k in PROBLEM)] = (row["baseline"], row["seqlen"], drift)
+    return found
+
+
 def baseline_drift(records: list[dict]) -> list[str]:
     """Problems whose baseline was timed more than once (a run's first and last case) with
     intervals that do not overlap: the machine's load changed during the run, and every
-    efficiency against it is suspect. One line each."""
+    efficiency against it is suspect. One line each (the baseline's rows carry the flag)."""
     df = to_frame(records)
     if df.empty:
         return []
-    base = _baselines(df[(df["status"] == OK) & (df["ranks_per_problem"] == 1)
-                         & df["not_measured"].isna()])
-    out = []
-    for row in base.to_dict("records"):
-        each = row["base_each"]
-        if len(each) < 2:
-            continue
-        spans = [bootstrap_ratio(x, [1.0]) for x in each]  # each timing's median interval
-        if max(lo for lo, _ in spans) > min(hi for _, hi in spans):
-            medians = ", ".join(f"{median(x):.2f}" for x in each)
-            out.append(f"warning: {row['baseline']} at seqlen {row['seqlen']} timed "
-                       f"{len(each)} times disagrees beyond its spread ({medians} ms): the "
-                       f"machine's load changed during the run; its efficiencies are suspect")
-    return out
+    return [f"warning: {name} at seqlen {seqlen} {drift}: the machine's load changed during "
+            f"the run; its efficiencies are suspect"
+            for name, seqlen, drift in _drifted(df).values()]
+
+
+def drift_flags(df) -> list[str]:
+    """Per row of ``df``: "baseline drifted: …" on a baseline row whose timings drifted."""
+    drifted = _drifted(df)
+    return [f"baseline drifted: {drifted[key][2]}"
+            if r["ranks_per_problem"] == 1 and r["status"] == OK and key in drifted else ""
+            for r, key in ((r, tuple(r[k] for k in PROBLEM)) for r in df.to_dict("records"))]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 
 from cpbench import guards
+from cpbench.metrics import duration
 from cpbench.profile.summary import detail_lines
 from cpbench.reference import TENSORS, Comparison
 from cpbench.report import cells
@@ -75,11 +76,23 @@ def _configuration(record: dict) -> list[str]:
     up = record.get("upstream")
     if up:
         lines.append(f"  - Upstream: {', '.join(f'{k} {v}' for k, v in up.items())}")
-    iterations = f"{run['iters']} timed after {run['warmup']} warm-up (median of the " \
-        f"slowest rank)" if not guards.not_measured(record) else \
+    iterations = f"{run['iters']} timed after {_warmup_text(record)} (median of the " \
+        f"slowest rank)" if record.get("samples_ms") or not guards.not_measured(record) else \
         "none timed (one untimed step; ranks as threads)"
     return lines + [f"  - Kernel: {record['kernel']} on {run['device']}",
                     f"  - Iterations: {iterations}"]
+
+
+def _warmup_text(record: dict) -> str:
+    """The warm-up steps run, and whether the step time had settled (``bench.timer``)."""
+    timing, run = record.get("timing"), record["config"]["run"]
+    if not timing:
+        return f"{run['warmup']} warm-up"
+    if timing["warmup"] == 0:
+        return "no warm-up"
+    how = "settled" if timing["settled"] else "not settled: its last 3 steps still " \
+        "differed by more than 10 %"
+    return f"{timing['warmup']} warm-up ({how})"
 
 
 def _performance(record: dict, d: dict) -> list[str]:
@@ -92,7 +105,7 @@ def _performance(record: dict, d: dict) -> list[str]:
         if status == FAILED or record.get("error"):
             lines.append(f"  - Error: {record.get('error')}")
         return lines
-    if d.get("not_measured"):
+    if d.get("not_measured") and d.get("fwd_ms") is None:  # ranks as threads: none timed
         return [f"  - Times and memory: - ({d['not_measured']})"]
     lines = [f"  - Forward Time: {cells.ms(d['fwd_ms'])} ms"]
     if d.get("fwd_bwd_ms") is None:
@@ -110,14 +123,19 @@ def _performance(record: dict, d: dict) -> list[str]:
 
 def _ideal_lines(record: dict, d: dict) -> list[str]:
     ideal = record.get("ideal")
+    est = record.get("estimate")
+    lines = [f"  - Estimated Beforehand: {duration(est['step_s'])} a step, "
+             f"{duration(est['case_s'])} for the case ({est['probe']})"] if est else []
+    if d.get("not_measured"):  # guards.not_measured: no fraction of ideal, no efficiency
+        return lines + [f"  - Not Measuring CP: {d['not_measured']}"]
     if not ideal:
-        return []
+        return lines
     if ideal.get("none"):
-        return [f"  - Fraction of Ideal: - ({ideal['none']})"]
+        return lines + [f"  - Fraction of Ideal: - ({ideal['none']})"]
     if ideal.get("what"):  # a simulated record's: the ideal it states
-        return [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} ("
-                f"{ideal['what']})"]
-    return [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} (rank "
+        return lines + [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} ("
+                        f"{ideal['what']})"]
+    return lines + [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} (rank "
             f"{ideal['rank']}'s {len(ideal['blocks'])} distinct kernel block(s) timed alone: "
             f"{cells.ms(ideal['fwd_ms'] + (ideal.get('bwd_ms') or 0))} ms)"]
 

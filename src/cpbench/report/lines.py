@@ -7,17 +7,20 @@ from __future__ import annotations
 
 from collections import Counter
 
+from cpbench.metrics import duration
 from cpbench.report import cells
 from cpbench.report.dataframe import to_frame
 from cpbench.results import OK
 
 
 def case_line(record: dict, seconds: float) -> str:
-    """``done in 2.3 s, check PASS, FWD 36.40 ms, FWD+BWD 116.20 ms``; a failed or OOM case
-    its error instead of figures; the row's flags after."""
+    """``done in 2.3 s (estimated 2.0 s), check PASS, FWD 36.40 ms, FWD+BWD 116.20 ms``; a
+    failed or OOM case its error instead of figures; the row's flags after."""
     row = to_frame([record]).to_dict("records")[0]
     status = record["status"]
-    parts = [f"{'done' if status == OK else status} in {seconds:.1f} s"]
+    est = record.get("estimate")  # bench.estimate's, made before the case started
+    parts = [f"{'done' if status == OK else status} in {duration(seconds)}"
+             + (f" (estimated {duration(est['case_s'])})" if est else "")]
     passed = row["check_passed"]
     if not cells.missing(passed):
         parts.append(f"check {'PASS' if passed else 'FAIL'}")

@@ -38,11 +38,12 @@ from cpbench import guards, rounds
 from cpbench.config import FORMATS
 from cpbench.report import cells, packings
 from cpbench.report.cells import cell_ms
-from cpbench.report.dataframe import baseline_drift, efficiencies, frame
+from cpbench.report.dataframe import baseline_drift, frame
 from cpbench.report.detail import detail
 from cpbench.report.labels import rank_unit, row_label
 from cpbench.report.lines import outcome_line
 from cpbench.report.render import Fit, prose, render
+from cpbench.results import OK
 
 __all__ = ["FORMATS", "cell_ms", "detail", "render", "report", "rows", "summary"]
 
@@ -75,7 +76,8 @@ def rows(records: list[dict]) -> list[dict]:
     with_docs = (df["documents"] != "-").any()
     with_balance = df["imbalance"].notna().any()
     with_packings = df["packing"].notna().any()
-    with_flags = (df["flags"] != "").any()
+    common = _common_reason(df)  # one reason for every row: said once, under the table
+    with_flags = (df["flags"] != "").any() or (df["not_measured"].notna().any() and not common)
     with_ideal = any(r.get("ideal") for r in records)  # records before it: no column
     out = []
     for row in df.to_dict("records"):
@@ -102,27 +104,61 @@ def rows(records: list[dict]) -> list[dict]:
             passed = row["check_passed"]
             out_row["Check"] = "-" if cells.missing(passed) else "PASS" if passed else "FAIL"
         if with_flags:  # the physics guards' (cpbench.guards): the row's figures are suspect
-            out_row["Flags"] = row["flags"] or "-"
-        # the kernel blocks alone over the step (bench.ideal): needs no baseline that fits
+            out_row["Flags"] = "; ".join(x for x in (
+                row["flags"], None if common else _short(row["not_measured"])) if x) or "-"
+        # the kernel blocks alone over the step (bench.ideal): needs no baseline that fits;
+        # none where the row's timings do not measure CP (report.dataframe.frame)
         if with_ideal:
-            out_row["Fraction of Ideal (%)"] = cells.measured(cells.pct(row["fraction_of_ideal"]),
-                                                              row["not_measured"])
+            out_row["Fraction of Ideal (%)"] = cells.pct(row["fraction_of_ideal"])
         out_row["CP Efficiency (%)"] = cells.efficiency(row)
         out.append(out_row)
     return out
 
 
+def _short(reason) -> str | None:
+    """A row's "not measuring CP" reason as its Flags cell says it."""
+    return None if cells.missing(reason) else f"{reason.split(':')[0]}: not CP"
+
+
+def _common_reason(df) -> str | None:
+    """The one reason every measured row's timings do not measure CP, if they share it."""
+    reasons = set(df["not_measured"][df["status"] == OK])
+    return next(iter(reasons)) if len(reasons) == 1 and None not in reasons and \
+        not any(cells.missing(r) for r in reasons) else None
+
+
+def not_measured_lines(records: list[dict]) -> list[str]:
+    """Under the table: why rows' timings do not measure CP (``guards.not_measured``), and
+    that their CP efficiency and fraction of ideal are not printed."""
+    df = frame(records)
+    if df.empty or not df["not_measured"].notna().any():
+        return []
+    common = _common_reason(df)
+    if common:
+        return [f"not measuring CP: {common} (every row; CP efficiency and fraction of ideal "
+                f"not printed)"]
+    n = int(df["not_measured"].notna().sum())
+    which = "every row" if n == len(df) else f"{n} of {len(df)} rows"
+    return [f"not measuring CP: {which} (see Flags): their timings, and every efficiency "
+            f"against them, do not measure CP; CP efficiency and fraction of ideal not printed"]
+
+
 def _efficiency_lines(records: list[dict]) -> list[str]:
-    effs = efficiencies(records)
+    df = frame(records)
+    effs = [] if df.empty else df[df["cp_efficiency"].notna()].to_dict("records")
     if not effs:
         return []
-    phases = {e[3] for e in effs}
+    phases = {e["efficiency_phase"] for e in effs}
     out = [f"CP efficiency = T_local / (N · T_cp), {' or '.join(sorted(phases))}, against "
-           f"{effs[0][2]} (95 % bootstrap interval of the per-iteration samples):"]
-    width = max(len(label) for label, *_ in effs)
-    for label, n, _, _, eff, interval in effs:
-        span = f"  [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]" if interval else ""
-        out.append(f"  {label:<{width}}  N={n:<3} {100 * eff:6.1f} %{span}")
+           f"{effs[0]['baseline']} (95 % bootstrap interval of the per-iteration samples):"]
+    width = max(len(e["label"]) for e in effs)
+    for e in effs:
+        low, high = e["cp_efficiency_low"], e["cp_efficiency_high"]
+        span = "" if cells.missing(low) else f"  [{100 * low:.1f}, {100 * high:.1f}]"
+        out.append(f"  {e['label']:<{width}}  N={int(e['ranks_per_problem']):<3} "
+                   f"{100 * e['cp_efficiency']:6.1f} %{span}"
+                   + (f"  flagged: {e['efficiency_flag']}"
+                      if isinstance(e["efficiency_flag"], str) else ""))
     return out + baseline_drift(records)
 
 
@@ -160,7 +196,8 @@ def summary(records: list[dict], fmt: str = "table") -> str:
                       for r in rows(records)]
         lines = [f"Benchmark Summary{simulated_note(records)}:",
                  *render(None, table_rows, fmt, fit(records))]
-        for extra in (_efficiency_lines(records), rounds.drift_lines(records, case_text)):
+        for extra in (not_measured_lines(records), _efficiency_lines(records),
+                      rounds.drift_lines(records, case_text)):
             lines += ["", *prose(extra)] if extra else []
         lines += prose([f"no dense peak known for {name}: its rows have no above-peak guard"
                         for name in guards.unguarded(records)])
@@ -168,8 +205,9 @@ def summary(records: list[dict], fmt: str = "table") -> str:
     if fmt == "markdown":
         note = simulated_note(records)
         lines = [f"*Benchmark Summary{note}*", ""] if note else []
+        under = not_measured_lines(records)
         return "\n".join(lines + render(None, rows(records), "markdown", fit(records))
-                         + packings.lines(records, fmt)) + "\n"
+                         + (["", *under] if under else []) + packings.lines(records, fmt)) + "\n"
     data = _data(records)
     if fmt == "json":
         records_out = [{k: (None if cells.missing(v) else v) for k, v in row.items()}
@@ -193,10 +231,11 @@ def _data(records: list[dict]):
             "kv_heads", "head_dim", "causal", "documents", "window", "world", "nodes",
             "gpus_per_node", "cp", "kernel", "status", "fwd_ms", "bwd_ms", "fwd_bwd_ms",
             "memory_mb", "tflops", "imbalance", "padded_tokens", "padding_fraction",
-            "packing", "documents_spec", "check", "not_measured",
+            "packing", "documents_spec", "check",
             "cp_efficiency", "cp_efficiency_low", "cp_efficiency_high", "fraction_of_ideal",
             "exposed_comm_pct",
-            "exposed_comm_ms", "flags", "error", "memory_status", "memory_error"]
+            "exposed_comm_ms", "flags", "not_measured", "error", "memory_status",
+            "memory_error"]
     return df[cols]
 
 

@@ -41,6 +41,7 @@ from cpbench import metrics
 from cpbench.bench import env as env_mod
 from cpbench.bench import kernelbench
 from cpbench.bench.timer import Timer, gather_samples
+from cpbench.report import console
 
 TINY = 16  # tokens: the overhead probe
 MESSAGE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -68,7 +69,8 @@ def _best_ms(fn, spec: Spec, timer: Timer, iters: int | None = None) -> float:
     return min(metrics.slowest_per_iter(gather_samples(samples, spec.device)))
 
 
-def kernel_times(spec: Spec, timer: Timer) -> dict[bool, dict[int, tuple[float, float]]]:
+def kernel_times(spec: Spec, timer: Timer, say=lambda text: None
+                 ) -> dict[bool, dict[int, tuple[float, float]]]:
     """Causal? → side → (FWD ms, BWD ms) of the ``auto`` kernel on a square block, each call
     timed alone, every rank at once; the tiny overhead block is full only. Round robin: each
     pass times every block once (the tiny one 10 times), so a burst of load from outside
@@ -86,7 +88,8 @@ def kernel_times(spec: Spec, timer: Timer) -> dict[bool, dict[int, tuple[float, 
             timer.measure(fn, warmup=spec.warmup, iters=0)
     flush = _cache_flush(spec.device)
     samples: dict[tuple, tuple[list, list]] = {p: ([], []) for p in points}
-    for _ in range(spec.iters):
+    for i in range(spec.iters):
+        say(f"kernel curve: pass {i + 1}/{spec.iters} over {len(points)} blocks")
         for p in points:
             reps = 10 if p[1] == TINY else 1
             for fn, kept in zip(closures[p], samples[p]):
@@ -341,6 +344,21 @@ def verdict(ok: bool, device: str) -> torch.Tensor:
     return flag
 
 
+def _measured(rank: int, world: int, spec: Spec, timer: Timer, say) -> tuple:
+    """One try: (probe before, kernel curve, sharing, memory passes, links, probe after)."""
+    say("the probe before")
+    before = _probe(rank, spec, timer)
+    kernel = kernel_times(spec, timer, say=say)
+    say("ranks sharing the device")
+    shared = sharing(spec, timer, rank, world)
+    say("memory passes")
+    passes = memory_passes(spec, timer)
+    say("links")
+    links = link_times(spec, timer, rank, world)
+    say("the probe after")
+    return before, kernel, shared, passes, links, _probe(rank, spec, timer)
+
+
 def rank_calibrate(rank: int, world: int, spec: Spec) -> dict | None:
     """Every rank measures; rank 0 returns what was measured (the others None). A probe
     before and after (``probe_ms``) must read the same machine: a virtual machine's host
@@ -348,23 +366,23 @@ def rank_calibrate(rank: int, world: int, spec: Spec) -> dict | None:
     slower); then everything is measured again, up to ``TRIES`` times, and the preset says
     when it could not be measured steady."""
     timer = Timer(spec.device, _barrier)
-    tries = 0
-    while tries < TRIES:
-        tries += 1
-        before = _probe(rank, spec, timer)
-        kernel = kernel_times(spec, timer)
-        shared = sharing(spec, timer, rank, world)
-        passes = memory_passes(spec, timer)
-        links = link_times(spec, timer, rank, world)
-        after = _probe(rank, spec, timer)
-        flags = verdict(rank != 0 or steady(before, after), spec.device)
-        if rank == 0:
-            print(f"calibrate: try {tries}: probe busy/alone {before[0]:.1f}/{before[1]:.1f} ms "
-                  f"before, {after[0]:.1f}/{after[1]:.1f} ms after: "
-                  f"{'steady' if flags.item() else 'the machine changed'}",
-                  file=sys.stderr, flush=True)
-        if flags.item():
-            break
+    console.setup(rank, "json")  # rank 0's progress on stderr; the preset goes to stdout
+    with console.Ticker("calibrate") as ticker:
+        tries = 0
+        while tries < TRIES:
+            tries += 1
+            got = _measured(rank, world, spec, timer, lambda text, n=tries: ticker.set(
+                f"try {n}: {text}"))
+            before, kernel, shared, passes, links, after = got
+            flags = verdict(rank != 0 or steady(before, after), spec.device)
+            if rank == 0:
+                console.end_status()
+                print(f"calibrate: try {tries}: probe busy/alone {before[0]:.1f}/"
+                      f"{before[1]:.1f} ms before, {after[0]:.1f}/{after[1]:.1f} ms after: "
+                      f"{'steady' if flags.item() else 'the machine changed'}",
+                      file=sys.stderr, flush=True)
+            if flags.item():
+                break
     if rank != 0:
         return None
     env = env_mod.capture(device=spec.device, launcher="calibrate",

@@ -47,7 +47,7 @@ def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
         error=(f"needs {gib(p.memory_bytes)} per GPU, {hw.name} has "
                f"{gib(p.capacity_bytes)}" if oom else None),
         # a predicted OOM has no time: nothing would have run to completion
-        samples_ms=None if oom else {"fwd": [[p.fwd_s * 1e3]],
+        samples_ms=None if oom else {"fwd": [[p.fwd_s * 1e3]], "bwd": [[p.bwd_s * 1e3]],
                                      "fwd_bwd": [[p.fwd_bwd_s * 1e3]]},
         memory_bytes=[int(p.memory_bytes)], memory_status=results.OOM if oom else None,
         balance=strat and strat.balance(), padding=strat and strat.padding(),

@@ -70,8 +70,9 @@ def _simulated(req: Request, case: Case) -> float | None:
         return None
 
 
-def run_case(req: Request, case: Case) -> list[dict]:
-    """One row per rank run, each naming the ranks alike to it."""
+def run_case(req: Request, case: Case, say=None) -> list[dict]:
+    """One row per rank run, each naming the ranks alike to it. ``say``: what is under way
+    (a progress line; default the status line alone)."""
     kernel = case.kernel or req.kernel
     alike = dryrun.distinct_ranks(case.strategy, case.options, req.attn, req.topo,
                                   kernel_name=kernel)
@@ -79,8 +80,11 @@ def run_case(req: Request, case: Case) -> list[dict]:
         alike = {r: [r] for r in req.ranks}
     rows = []
     for i, (rank, same) in enumerate(alike.items(), 1):
-        log.info("%s: rank %d (%d of %d)", case.label, rank, i, len(alike),
-                 extra={"transient": True})
+        if say is not None:
+            say(f"rank {rank} ({i} of {len(alike)})")
+        else:
+            log.info("%s: rank %d (%d of %d)", case.label, rank, i, len(alike),
+                     extra={"transient": True})
         r = dryrun.dry_rank(case.strategy, case.options, req.attn, req.topo, rank,
                             kernel_name=kernel, device=req.device, fwd_only=req.fwd_only)
         declared = dryrun.schedule_bytes(case.strategy, case.options, req.attn, req.topo,

@@ -26,7 +26,7 @@ What makes the verdict repeatable on a shared virtual machine:
   measured: a host that now runs both ranks on one core's hyperthreads, or a slower clock,
   moves every time. A measurement whose probes moved beyond ``drift_limit`` is taken again
   (up to ``TRIES`` times), then dropped and said;
-- the load meter (``sim.load``), read around each length and kept in its records
+- the load meter (``bench.load``), read around each length and kept in its records
   (``env.selfcheck``): when other processes took more than ``load_limit`` of the cores while
   a length was measured, or while the preset was calibrated, the check prints its table but
   refuses to score; re-reading saved records (``--measured``) applies the same rule to the
@@ -47,12 +47,12 @@ from dataclasses import dataclass, field
 from cpbench import metrics, results, strategies
 from cpbench.bench import entry
 from cpbench.bench import plan as planning
+from cpbench.bench.load import Load, Meter
 from cpbench.config import AttentionConfig, RunConfig
 from cpbench.errors import UsageError
 from cpbench.report import labels
 from cpbench.sim import model
 from cpbench.sim.hardware import Hardware
-from cpbench.sim.load import Load, Meter
 from cpbench.sim.provenance import HELD_OUT, IN_SAMPLE
 from cpbench.topology import Topology
 

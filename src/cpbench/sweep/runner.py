@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from cpbench import results
+from cpbench import metrics, results
 from cpbench.bench import failures
 from cpbench.bench.plan import failure_record
 from cpbench.config import flag
@@ -223,15 +223,21 @@ class _Runner:
                 self.say(f"sweep: no failure store ({e}); failures are read from the logs")
         start, durations, failed = time.monotonic(), [], False
         for i, case in enumerate(todo):
+            # what its launch's own plan estimated here (bench.estimate), where it could
+            est = sum(e.case_s for e in case.plan.estimates) if case.plan.estimates else None
+            guess = f", estimated {metrics.duration(est)}" if est is not None else ""
             self.say(f"[{case.index}/{n}] {case.label}: running ({i + 1} of {len(todo)} to "
-                     f"run)", transient=True)
+                     f"run{guess})", transient=True)
             t0 = time.monotonic()
             outcome, log_path = self._case(case)
             failed |= any(s != results.OK for s in outcome)
             durations.append(time.monotonic() - t0)
             eta = sum(durations) / len(durations) * (len(todo) - i - 1)
             summary = "ok" if all(s == results.OK for s in outcome) else ", ".join(outcome)
-            self.say(f"[{case.index}/{n}] {case.label}: {summary} in {durations[-1]:.1f} s | "
+            self.say(f"[{case.index}/{n}] {case.label}: {summary} in {durations[-1]:.1f} s"
+                     + (f" (estimated {metrics.duration(est)}, its launch's start-up not "
+                        f"counted)" if est is not None else "")
+                     + " | "
                      f"elapsed {_clock(time.monotonic() - start)} | ~{_clock(eta)} left"
                      + (f" | log {log_path}" if summary != "ok" else ""))
         self.say(f"sweep: {len(todo)} case(s) run, {n - len(todo)} skipped; records in "

@@ -1,10 +1,12 @@
-"""How busy the machine was with work not ours, while the self-check measured.
+"""How busy the machine was with work not ours, while we measured.
 
-A self-check scores the model against times measured on this machine; another process taking
-a core in the meantime moves the times, not the model. The meter samples ``/proc`` in a thread:
-the CPU time of every process outside our own tree (this process and what it starts, ranks of
-a forkserver included) and the time the hypervisor stole, as a share of the machine's cores
-over the wall time. Linux only; elsewhere it reports nothing and the self-check says so.
+A self-check scores the model against times measured on this machine, and ``cpbench run``
+times CP on it; another process taking a core in the meantime moves the times, not the model
+or the strategy. The meter samples ``/proc`` in a thread: the CPU time of every process outside
+our own tree (the root process and what it starts, ranks of a forkserver included; the run's
+rank 0 takes its launcher, torchrun's agent or the forkserver, as root) and the time the
+hypervisor stole, as a share of the machine's cores over the wall time. Linux only; elsewhere
+it reports nothing and the caller says so.
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ class Load:
     def share(self) -> float:
         """Of all the cores over the wall time, the share others used."""
         return self.foreign_cpu_s / max(self.wall_s * self.cpus, 1e-9)
+
+    @property
+    def cores(self) -> float:
+        """How many cores others kept busy on average."""
+        return self.foreign_cpu_s / max(self.wall_s, 1e-9)
+
+    def to_dict(self) -> dict:
+        """The record's ``load`` section."""
+        return {"foreign_cpu_s": round(self.foreign_cpu_s, 3), "wall_s": round(self.wall_s, 3),
+                "cpus": self.cpus, "share": round(self.share, 4)}
 
 
 def _stat(pid: str) -> tuple[int, float] | None:
@@ -76,12 +88,11 @@ def _snapshot(root: int) -> dict[int, tuple[bool, float]]:
 class Meter:
     """``with Meter() as m: ...`` then ``m.load``: others' CPU while the block ran, sampled
     every ``period`` seconds (a process that starts and ends between two samples is missed).
-    ``root``: the process whose tree is ours (default this one; under torchrun its agent,
-    whose children are the other local ranks)."""
+    ``root``: the process whose tree is ours (default: this one)."""
 
     def __init__(self, period: float = 0.5, root: int | None = None):
         self.period = period
-        self._root_pid = root
+        self.root = root
         self.load: Load | None = None
         self._stop = threading.Event()
 
@@ -92,7 +103,7 @@ class Meter:
     def __enter__(self) -> Meter:
         if not self.available():
             return self
-        self._root = self._root_pid or os.getpid()
+        self._root = os.getpid() if self.root is None else self.root
         self._t0, self._steal0 = time.monotonic(), _steal_s()
         self._last = _snapshot(self._root)
         self._foreign = 0.0

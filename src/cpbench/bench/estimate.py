@@ -1,0 +1,272 @@
+"""What a case will take, said before it runs, and a run refused when that is too long.
+
+The kernel's rate on this machine comes from a probe: the plan's kernel backend runs one
+full (non-causal) block's forward and backward, at the case's heads, head dim and dtype, on
+the device, sized to take ``PROBE_S`` (a quick probe; a second, larger one where the case comes
+near the limit, since small blocks run below the kernel's rate). A case's step is then its
+FLOPs (``metrics``: the mask's attended pairs, backward 2.5× the forward) on its slowest rank
+(the mean rank's share × the strategy's imbalance) at that rate, the rank's share of the
+device: on CPU the local ranks share the cores the probe had to itself. Communication, the
+merge and the layout are not counted: the estimate is a floor on big problems' steps, not a
+prediction (``cpbench simulate`` predicts; ``cpbench dryrun`` sizes memory).
+
+The case: its warm-up (the least) and timed steps, the memory step, ``--check``'s step and
+float64 reference, ``--profile``'s steps and the kernel blocks timed alone (``bench.ideal``),
+and a fixed allowance for its set-up (``CASE_SETUP_S``).
+
+Under torchrun only rank 0 estimates (and may refuse, exit 2, before any collective; torchrun
+then stops the other ranks): a probe's time differs between ranks, and ranks that each
+decided on their own could disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from cpbench import kernels, metrics
+from cpbench.bench import ideal
+from cpbench.config import DTYPES, AttentionConfig, RunConfig
+from cpbench.errors import UsageError
+from cpbench.metrics import duration
+
+# seconds one probe's forward + backward should take: the quick one, the refined one
+PROBE_S = {"cpu": (0.05, 0.3), "cuda": (0.002, 0.05)}
+# FLOP/s the probe's side is chosen by (the probe measures the real one)
+NOMINAL_FLOPS = {"cpu": 20e9, "cuda": 200e12}
+SIDES = (128, 32768)  # the probe's least and largest block side
+# a case estimated above this share of the limit, or above REFINE_S, is probed again, larger
+REFINE_ABOVE, REFINE_S = 0.25, 60.0
+REFERENCE_SLOWDOWN = 8.0  # --check's float64 reference against the kernel's own rate
+PROFILED_STEPS = 3  # bench.profiling's
+# a case's set-up, whatever its size (its groups, gathers, agreements), and the first case's
+# in a process besides (the first exchanges, the memory meter's first use): rough allowances,
+# from 2 busy cores (1-3 s a case, 8-20 s the first)
+CASE_SETUP_S, FIRST_CASE_S = 2.0, 5.0
+
+
+@dataclass(frozen=True)
+class Rate:
+    """The probe's result: FLOP/s of the forward and the backward on one block."""
+
+    fwd: float
+    bwd: float
+    side: int
+    kernel: str
+    threads: int  # the probe's CPU threads
+
+    def text(self) -> str:
+        return (f"{self.kernel} at {self.fwd / 1e12:.3g} / {self.bwd / 1e12:.3g} TFLOP/s "
+                f"fwd / bwd on a probed {self.side}-block")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A case's estimate: one step (FWD+BWD, or FWD with --fwd-only) of its slowest rank,
+    the whole case, and the rate both come from."""
+
+    step_s: float
+    case_s: float
+    rate: Rate
+
+    def line(self) -> str:
+        return f"estimated {duration(self.step_s)} a step, {duration(self.case_s)} for the case"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record's ``estimate`` section."""
+        return {"step_s": self.step_s, "case_s": self.case_s, "probe": self.rate.text()}
+
+
+def _block_seconds(backend, device: str, side: int, heads: int, kv_heads: int,
+                   head_dim: int, dtype: torch.dtype) -> tuple[float, float]:
+    """(forward s, backward s) of one full block: its second call (the first pays the
+    kernel's set-up)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(h):
+        return torch.randn(1, side, h, head_dim, generator=gen, device=device, dtype=dtype)
+
+    q, k, v, dout = rand(heads), rand(kv_heads), rand(kv_heads), rand(heads)
+    scale = head_dim ** -0.5
+    best = (math.inf, math.inf)
+    for i in range(2):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out, lse = backend.forward(q, k, v, causal=False, softmax_scale=scale)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        backend.backward(dout, q, k, v, out, lse, causal=False, softmax_scale=scale)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if i:  # the first call pays the kernel's set-up
+            best = (min(best[0], t1 - t0), min(best[1], t2 - t1))
+    return best
+
+
+def probe_side(device: str, heads: int, head_dim: int, target_s: float, largest: int) -> int:
+    """The power-of-two block side whose forward + backward would take ``target_s`` at the
+    nominal rate, within ``SIDES`` and at most ``largest`` (the case's own block)."""
+    per_pair = metrics.pairs_flops(1, batch=1, heads=heads, head_dim=head_dim, mode="fwd_bwd")
+    side = 2 ** round(math.log2(math.sqrt(target_s * NOMINAL_FLOPS[device] / per_pair)))
+    return int(min(max(SIDES[0], side), SIDES[1], max(largest, SIDES[0])))
+
+
+@functools.lru_cache(maxsize=64)
+def probe(kernel: str, device: str, dtype: str, heads: int, kv_heads: int, head_dim: int,
+          side: int) -> Rate:
+    """The kernel's FLOP/s on one full block of ``side`` (cached per process). On CPU on one
+    thread: a rank's share is then counted in cores (``Machine.share``), and a parallel
+    region's threads waiting on each other while other work holds a core, which the ranks'
+    single threads do not, cannot slow the probe."""
+    backend = kernels.get(kernel)
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    try:
+        t_fwd, t_bwd = _block_seconds(backend, device, side, heads, kv_heads, head_dim,
+                                      DTYPES[dtype])
+    finally:
+        torch.set_num_threads(threads)
+    fwd = metrics.pairs_flops(side * side, batch=1, heads=heads, head_dim=head_dim)
+    return Rate(fwd=fwd / t_fwd, bwd=fwd * metrics.BWD_FACTOR / t_bwd, side=side,
+                kernel=kernel, threads=1 if device == "cpu" else threads)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the ranks of a run share: the device, the local ranks and each one's threads."""
+
+    device: str
+    local_ranks: int
+    threads_per_rank: int
+    cpus: int
+
+    def share(self, rate: Rate) -> float:
+        """A rank's part of what the probe had (on CPU the local ranks share the cores)."""
+        if self.device == "cuda":
+            return 1.0
+        return min(self.threads_per_rank, self.cpus / self.local_ranks) / max(rate.threads, 1)
+
+
+def case_estimate(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
+                  imbalance: float, rate: Rate, machine: Machine, *, has_ideal: bool
+                  ) -> Estimate:
+    """The step and the case (see the module docstring)."""
+    def flops(mode: str) -> float:
+        return metrics.problem_flops(batch=attn.batch, seqlen=attn.seqlen, heads=attn.heads,
+                                     head_dim=attn.head_dim, causal=attn.causal,
+                                     documents=attn.documents, window=attn.window_size,
+                                     mode=mode)[0]
+
+
+    rank = imbalance / ranks_per_problem  # the slowest rank's part of the problem
+    alone = flops("fwd") * rank / rate.fwd + (0.0 if run.fwd_only else
+                                              flops("bwd") * rank / rate.bwd)
+    step = alone / machine.share(rate)
+    assert run.warmup is not None and run.iters is not None, "a resolved RunConfig"
+    steps = run.warmup + run.iters + 1 + (PROFILED_STEPS if run.profile else 0)
+    case = CASE_SETUP_S + steps * step
+    if run.check:
+        case += step + flops("fwd_bwd") * REFERENCE_SLOWDOWN / rate.fwd
+    if has_ideal:  # rank 0's blocks alone, forward and backward, each warmed up and timed
+        case += alone * (min(max(1, run.warmup), ideal.MAX_WARMUP)
+                         + min(max(1, run.iters), ideal.MAX_ITERS))
+    return Estimate(step_s=step, case_s=case, rate=rate)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One case as the estimate sees it: its label, problem, ranks, imbalance, kernel."""
+
+    label: str
+    attn: AttentionConfig
+    ranks_per_problem: int
+    imbalance: float
+    kernel: str
+    has_ideal: bool
+
+
+def estimate(pr: Problem, run: RunConfig, machine: Machine, *, refined: bool = False
+             ) -> Estimate:
+    a = pr.attn
+    largest = max(1, a.seqlen // max(pr.ranks_per_problem, 1))
+    side = probe_side(machine.device, a.heads, a.head_dim,
+                      PROBE_S[machine.device][1 if refined else 0], largest)
+    rate = probe(pr.kernel, machine.device, a.dtype, a.heads, a.num_kv_heads, a.head_dim, side)
+    return case_estimate(a, run, pr.ranks_per_problem, pr.imbalance, rate, machine,
+                         has_ideal=pr.has_ideal)
+
+
+def estimates(problems: Sequence[Problem], run: RunConfig, machine: Machine
+              ) -> tuple[Estimate, ...]:
+    """Each case's estimate: the quick probe's, or the larger probe's for a long case or one
+    near or over ``run.max_minutes`` (by the quick probe, or already at the nominal rate: then
+    one probe)."""
+    limit_s = run.max_minutes * 60
+    bar = min(REFINE_S, REFINE_ABOVE * limit_s) if limit_s else REFINE_S
+    out = []
+    for i, pr in enumerate(problems):
+        long = _nominal(pr, run, machine).case_s > bar
+        est = estimate(pr, run, machine, refined=long)
+        if not long and est.case_s > bar:
+            est = estimate(pr, run, machine, refined=True)
+        out.append(est if i else dataclasses.replace(est, case_s=est.case_s + FIRST_CASE_S))
+    return tuple(out)
+
+
+def _nominal(pr: Problem, run: RunConfig, machine: Machine) -> Estimate:
+    """The estimate at the nominal rate, no probe."""
+    nominal = NOMINAL_FLOPS[machine.device]
+    rate = Rate(fwd=nominal, bwd=nominal, side=0, kernel=pr.kernel, threads=machine.cpus)
+    return case_estimate(pr.attn, run, pr.ranks_per_problem, pr.imbalance, rate, machine,
+                         has_ideal=pr.has_ideal)
+
+
+def refuse_over(problems: Sequence[Problem], ests: Sequence[Estimate], run: RunConfig,
+                machine: Machine) -> None:
+    """UsageError, one line, when a case's estimate is over ``--max-minutes`` (0: no limit):
+    the longest such case, its estimate and what to do instead."""
+    limit_s = run.max_minutes * 60
+    over = [(pr, est) for pr, est in zip(problems, ests) if limit_s and est.case_s > limit_s]
+    if not over:
+        return
+    pr, est = max(over, key=lambda pair: pair[1].case_s)
+    many = f"{len(over)} of {len(problems)} cases are over the limit; the longest, " \
+        if len(over) > 1 else ""
+    seqlen = pr.attn.seqlen
+    fits = _fitting_seqlen(pr, est, run, machine)
+    names = ",".join(dict.fromkeys(p.label.split(" ")[0] for p, _ in over))
+    raise UsageError(
+        f"{many}{pr.label} at seqlen {seqlen}: {est.line()} on this machine "
+        f"({est.rate.text()}), over --max-minutes {run.max_minutes:g}; "
+        + (f"try --seqlen {fits[0]} (~{duration(fits[1])}), " if fits else "")
+        + f"or predict it without running: `cpbench simulate --strategy {names} --seqlen "
+        f"{seqlen}` (time on a GPU preset), `cpbench dryrun --strategy {names} --seqlen "
+        f"{seqlen}` (memory); or --max-minutes 0 to run it anyway")
+
+
+def _fitting_seqlen(pr: Problem, est: Estimate, run: RunConfig, machine: Machine
+                    ) -> tuple[int, float] | None:
+    """The largest power-of-two --seqlen below the case's whose estimate fits the limit
+    (time grows about as S²; the case's imbalance kept), and its estimate; None when none
+    from 1k up does, or the problem is documents (its lengths fix the sequence)."""
+    if pr.attn.documents:
+        return None
+    limit_s = run.max_minutes * 60
+    seqlen = 2 ** int(math.log2(pr.attn.seqlen * math.sqrt(limit_s / est.case_s)))
+    while seqlen >= 1024:
+        smaller = dataclasses.replace(pr, attn=dataclasses.replace(pr.attn, seqlen=seqlen))
+        got = estimate(smaller, run, machine, refined=True)
+        if got.case_s + FIRST_CASE_S <= limit_s:  # were it the run's first case
+            return seqlen, got.case_s + FIRST_CASE_S
+        seqlen //= 2
+    return None

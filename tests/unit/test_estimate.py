@@ -1,0 +1,124 @@
+"""The estimate before every case (``bench.estimate``): its arithmetic on a given rate, the
+refusal over --max-minutes with what to do instead, and the headline request refused from the
+command line within seconds, exit 2, before anything runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cpbench import metrics
+from cpbench.bench import estimate
+from cpbench.bench.plan import plan
+from cpbench.config import AttentionConfig, RunConfig
+from cpbench.errors import UsageError
+
+RATE = estimate.Rate(fwd=20e9, bwd=10e9, side=1024, kernel="sdpa-cpu", threads=1)
+ATTN = AttentionConfig(batch=1, seqlen=8192, heads=8, head_dim=64, dtype="fp32", causal=True)
+RUN = RunConfig(strategy=("zigzag",), warmup=2, iters=5).resolved("cpu")
+CPU = estimate.Machine(device="cpu", local_ranks=2, threads_per_rank=1, cpus=2)
+
+
+def _flops(mode: str) -> float:
+    return metrics.attention_flops(batch=1, seqlen_q=8192, seqlen_k=8192, heads=8,
+                                   head_dim=64, causal=True, mode=mode)
+
+
+def test_a_step_is_the_slowest_ranks_flops_at_its_share_of_the_probed_rate():
+    est = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
+    # each of 2 ranks half the FLOPs, each on one of the 2 cores, as the probe's one thread
+    alone = _flops("fwd") / 2 / 20e9 + _flops("bwd") / 2 / 10e9
+    assert est.step_s == pytest.approx(alone)
+    # set-up, then warm-up, timed and memory steps
+    assert est.case_s == pytest.approx(estimate.CASE_SETUP_S + est.step_s * (2 + 5 + 1))
+    # an imbalanced layout: the slowest rank does 1.75 × the mean share
+    assert estimate.case_estimate(ATTN, RUN, 2, 1.75, RATE, CPU, has_ideal=False
+                                  ).step_s == pytest.approx(1.75 * est.step_s)
+    # 4 ranks on the 2 cores: a quarter of the machine each
+    four = estimate.Machine(device="cpu", local_ranks=4, threads_per_rank=1, cpus=2)
+    assert estimate.case_estimate(ATTN, RUN, 4, 1.0, RATE, four, has_ideal=False
+                                  ).step_s == pytest.approx(est.step_s)  # 1/4 work, 1/4 rate
+    # one rank of 2 threads (torchrun's one process): both cores
+    one = estimate.Machine(device="cpu", local_ranks=1, threads_per_rank=2, cpus=2)
+    assert estimate.case_estimate(ATTN, RUN, 1, 1.0, RATE, one, has_ideal=False
+                                  ).step_s == pytest.approx(alone)  # 2x the work, 2 cores
+    # GPUs: each rank its own device, the probe's whole rate
+    gpu = estimate.Machine(device="cuda", local_ranks=8, threads_per_rank=1, cpus=2)
+    assert estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, gpu, has_ideal=False
+                                  ).step_s == pytest.approx(alone)
+
+
+def test_the_case_counts_its_check_the_ideal_and_fwd_only():
+    plain = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
+    ideal = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=True)
+    assert ideal.case_s == pytest.approx(plain.case_s + plain.step_s * (2 + 5))
+    checked = estimate.case_estimate(ATTN, RunConfig(strategy=("zigzag",), check=True
+                                                     ).resolved("cpu"),
+                                     2, 1.0, RATE, CPU, has_ideal=False)
+    assert checked.case_s > plain.case_s + plain.step_s  # the step and the float64 reference
+    fwd = estimate.case_estimate(ATTN, RunConfig(strategy=("zigzag",), fwd_only=True
+                                                 ).resolved("cpu"),
+                                 2, 1.0, RATE, CPU, has_ideal=False)
+    assert fwd.step_s == pytest.approx(_flops("fwd") / 2 / 20e9)
+
+
+def test_durations_read_as_people_say_them():
+    assert [metrics.duration(s) for s in (0.0123, 3.4, 336, 4 * 3600, 3.5 * 86400)] == [
+        "12 ms", "3.4 s", "5.6 min", "4 h", "3.5 d"]
+
+
+def test_over_the_limit_is_refused_in_one_line_with_what_to_do(monkeypatch):
+    monkeypatch.setattr(estimate, "probe", lambda *a: RATE)  # a fixed rate: the sums below
+    run = RunConfig(strategy=("zigzag",), nproc=2, out="none")
+    with pytest.raises(UsageError) as e:
+        plan(run, {"seqlen": 524288}, {}, launcher="self")
+    text = str(e.value)
+    assert "\n" not in text and "zigzag (dkv_group=shared) at seqlen 524288: estimated" in text
+    assert "over --max-minutes 10" in text and "--max-minutes 0 to run it anyway" in text
+    assert "`cpbench simulate --strategy zigzag --seqlen 524288`" in text
+    assert "`cpbench dryrun --strategy zigzag --seqlen 524288`" in text
+    # the largest power-of-two length that fits, with its own estimate
+    suggested = int(text.split("try --seqlen ")[1].split(" ")[0])
+    fits = plan(RunConfig(strategy=("zigzag",), nproc=2, out="none"), {"seqlen": suggested},
+                {}, launcher="self")
+    assert fits.estimates[0].case_s <= 600
+    over = plan(RunConfig(strategy=("zigzag",), nproc=2, out="none", max_minutes=0),
+                {"seqlen": 2 * suggested}, {}, launcher="self")
+    assert over.estimates[0].case_s > 600  # twice the length would not have fitted
+    # --max-minutes 0: no limit, the estimate still made
+    p = plan(RunConfig(strategy=("zigzag",), nproc=2, out="none", max_minutes=0),
+             {"seqlen": 524288}, {}, launcher="self")
+    assert p.estimates[0].case_s > 3600
+
+
+def test_max_minutes_must_not_be_negative():
+    with pytest.raises(UsageError, match="--max-minutes must be >= 0"):
+        RunConfig(strategy=("zigzag",), max_minutes=-1)
+
+
+def test_the_probe_measures_this_machine():
+    rate = estimate.probe("sdpa-cpu", "cpu", "fp32", 2, 2, 16, 256)
+    assert rate.side == 256 and rate.fwd > 1e6 and rate.bwd > 1e6  # FLOP/s, from a clock
+    assert rate.threads == 1  # on one thread
+    assert estimate.probe_side("cpu", 8, 64, 0.3, 1 << 20) == 1024
+    assert estimate.probe_side("cpu", 8, 64, 0.3, 300) == 300  # never past the case's block
+
+
+def test_the_headline_request_is_refused_within_seconds(tmp_path):
+    """`cpbench run --strategy zigzag --seqlen 524288` on this CPU machine: hours a step. One
+    line on stderr with the estimate and what to do, exit 2, no ranks started, no file."""
+    out = tmp_path / "never-written.jsonl"
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "cpbench.cli", "run", "--strategy", "zigzag",
+                           "--seqlen", "524288", "--nproc", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cpbench run: error: zigzag")
+    assert "estimated" in lines[0] and "--max-minutes 0" in lines[0]
+    assert done.stdout == "" and not out.exists()  # before anything ran or was written
+    assert took < 60, took  # seconds on an idle machine; bounded loosely on a shared one
