@@ -1,3 +1,4 @@
+import logging
 import os
 import sys
 
@@ -19,6 +20,18 @@ def own_modules():
         if name.split(".")[0] in ("flash_attn", "flash_attn_interface", "ring_flash_attn",
                                   "yunchang"):
             del sys.modules[name]
+
+
+@pytest.fixture(autouse=True)
+def _cpbench_loggers():
+    """A command run in this process configures cpbench's loggers once (report.console),
+    with handlers on the streams of that moment (a test's captured stdout, closed after
+    it): restored after each test, so a later one logs where logging would."""
+    loggers = [logging.getLogger(name) for name in ("cpbench", "cpbench.out")]
+    saved = [(lg.handlers[:], lg.propagate, lg.level, lg.filters[:]) for lg in loggers]
+    yield
+    for lg, (handlers, propagate, level, filters) in zip(loggers, saved):
+        lg.handlers, lg.propagate, lg.level, lg.filters = handlers, propagate, level, filters
 
 
 def pytest_collection_modifyitems(config, items):

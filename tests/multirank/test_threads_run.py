@@ -7,6 +7,7 @@ ends its case, named, and the next case runs."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,7 @@ def _run(tmp_path, *flags) -> tuple[int, list[dict]]:
 def _passed(records: list[dict]) -> None:
     bad = [(r["config"]["strategy"], r["status"], r["error"], r["derived"]["flags"])
            for r in records if r["status"] != "ok" or r["derived"]["check_passed"] is not True
-           or r["derived"]["flags"] != [guards.THREADS]]
+           or r["derived"]["flags"] != []]
     assert not bad, bad
     for r in records:  # nothing measured; the one untimed step's bytes counted
         assert r["samples_ms"] is None and r["memory_bytes"] is None, r["config"]["strategy"]
@@ -54,7 +55,8 @@ def test_every_strategy_passes_as_threads_bf16_gqa(tmp_path, capsys, own_modules
     assert all(r["comm"]["sent_bytes"]["fwd_bwd"][0] > 0 for r in records
                if r["ranks_per_problem"] > 1)
     summary = text[text.index("Benchmark Summary:"):]
-    assert guards.THREADS in summary and "skipped te-p2p cannot run here" in text
+    assert guards.THREADS in summary  # said once, under the table
+    assert re.search(r"^skipped (.*, )?te-p2p[ ,].*cannot run here", text, re.M)
     assert "ranks as threads on one cpu" in text
 
 

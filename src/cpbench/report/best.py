@@ -181,7 +181,7 @@ def _flagged(records: list[dict]) -> list[str]:
             & ((df["flags"] != "") | df["not_measured"].notna())]
     return [f"not ranked: {joined(r['strategy'], r['options'])} {_problem(r)} "
             f"{r['nodes']}×{r['ranks_per_node']}: "
-            f"{'; '.join(x for x in (r['flags'], r['not_measured']) if x)}"
+            f"{'; '.join(x for x in (r['flags'], r['not_measured']) if isinstance(x, str) and x)}"
             for r in df.to_dict("records")]
 
 
