@@ -304,12 +304,12 @@ def test_burstengine_usp_rows_are_simulated_as_its_benchmark_ran_them():
     hop (docs/upstream/burstengine_usp.md). Scored as a zigzag ring they would compare another
     schedule with the published time."""
     burst_csv = ROOT / "configs" / "validation" / "burstengine_runs_a800.csv"
-    for csv, count in ((SEED_CSV, 6), (burst_csv, 4)):
-        usp = [r for r in validate.load(csv) if r.strategy == "usp" and r.scored]
-        assert len(usp) == count, csv
+    for table, count in ((SEED_CSV, 6), (burst_csv, 4)):
+        usp = [r for r in validate.load(table) if r.strategy == "usp" and r.scored]
+        assert len(usp) == count, table
         for r in usp:
             assert (r.options.ring_impl, r.options.burstengine_dkv_hop, r.options.ring_window) \
-                == ("double-ring", True, 0), (csv, r.implementation, r.options)
+                == ("double-ring", True, 0), (table, r.implementation, r.options)
             assert r.options.placement == ("ring-first" if "Ring First" in r.implementation
                                            else "head-first")
 
