@@ -16,6 +16,7 @@ this checkout's src/ first on PYTHONPATH.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -102,16 +103,32 @@ def kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT / SIGTERM recorded, not raised, while the body runs; the list says if one came."""
+    came: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    before = {s: signal.signal(s, lambda signum, _f: came.append(signum)) for s in held}
+    try:
+        yield came
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 def run_command(cmd: steps.Command, log, limit_s: float, say) -> dict:
     """Run one command into the step's log under ``limit_s``; its result (and output)."""
     log.write(f"$ {shlex.join(cmd.argv)}\n")
     log.flush()
     start_at = log.tell()
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd.argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                            env=child_env(cmd.env), start_new_session=True)
+    with _signals_held() as pending:  # a stop inside Popen would orphan the started child
+        proc = subprocess.Popen(cmd.argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env=child_env(cmd.env), start_new_session=True)
     status = "ok"
     try:
+        if pending:
+            raise KeyboardInterrupt
         while True:
             left = limit_s - (time.monotonic() - t0)
             try:

@@ -239,6 +239,33 @@ def test_pytest_output_is_read_per_test_and_when_unfinished():
     assert cut["headline"] == "pytest did not finish; so far 1 failed, 1 passed"
 
 
+def test_a_stop_while_the_command_starts_kills_the_started_child(tmp_path, monkeypatch):
+    """SIGTERM landing inside Popen (child forked, Popen not yet returned) must not orphan the
+    child: the stop is held until the process is known, then its group is killed."""
+    import os
+    import signal
+    import subprocess
+
+    started: list[int] = []
+    real_popen = subprocess.Popen
+
+    def popen_then_signal(*a, **k):
+        proc = real_popen(*a, **k)
+        started.append(proc.pid)
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered before Popen's caller sees the process
+        return proc
+
+    monkeypatch.setattr(gpu_check.subprocess, "Popen", popen_then_signal)
+    before = signal.signal(signal.SIGTERM, gpu_check._interrupt)
+    try:
+        with open(tmp_path / "log", "w") as log, pytest.raises(KeyboardInterrupt):
+            gpu_check.run_command(steps.Command("sleep", ["sleep", "60"], 60), log, 60,
+                                  lambda line: None)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert started and not _alive(started[0])
+
+
 def test_sigterm_ends_the_run_with_its_child_and_keeps_what_was_measured(tmp_path):
     """A command limit above the run's (a lent machine's) stops it: the running command's
     group goes, the steps done stay in summary.json, the one running says interrupted."""
