@@ -260,7 +260,6 @@ def derive(record: dict[str, Any]) -> dict[str, Any]:
     out = _figures(record)
     out["not_measured"] = guards.not_measured(record)
     out["flags"] = guards.flags(record, out)
-    out["not_measured"] = guards.not_measured(record)
     return out
 
 

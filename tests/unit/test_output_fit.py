@@ -377,3 +377,34 @@ def test_a_case_in_one_line():
     assert flagged["derived"]["flags"]  # a guard's: the line says so too
     assert "flagged: FWD rank 0: sent 0 B, schedule says 100 B" in case_line(flagged, 1.0)
     assert outcome_line([ok, wrong, oom]) == "3 case(s): 2 done, 1 OOM; check: 1 PASS, 1 FAIL"
+
+
+def test_plot_draws_flagged_rates_as_marks_and_says_not_cp(bench):
+    """A flagged row (guards: FWD above FWD+BWD) is no point on its line but a labelled mark
+    at 0; rows whose timings do not measure CP (4 ranks on 2 cores) say so in the title."""
+    pytest.importorskip("matplotlib")
+    import copy
+
+    import matplotlib.pyplot as plt
+
+    from cpbench.report import plot
+
+    def drawn(records):
+        fig = plot.figure(records)
+        texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+        points = sum(len(line.get_xdata()) for ax in fig.axes for line in ax.get_lines())
+        title = fig._suptitle.get_text().replace("\n", " ")
+        plt.close(fig)
+        return texts, points, title
+
+    texts, points, title = drawn(bench)
+    assert "flagged" not in texts and "timings do not measure CP (4 ranks share 2 cores)" in title
+    records = copy.deepcopy(bench)
+    zigzag = next(r for r in records if r["config"]["strategy"] == "zigzag")
+    samples = zigzag["samples_ms"]
+    samples["fwd"] = [[3 * t for t in rank] for rank in samples["fwd_bwd"]]
+    for r in records:
+        r["env"]["cpus_usable"] = 16
+    texts2, points2, title2 = drawn(records)
+    assert texts2.count("flagged") == 1 and points2 == points - 1
+    assert "do not measure CP" not in title2

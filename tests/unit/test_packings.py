@@ -93,3 +93,24 @@ def test_a_sweep_forwards_packings(tmp_path):
     (case,) = cfg.cases
     assert [c.packing for c in case.plan.cases] == [0, 0, 1, 1]
     assert "--packings" in " ".join(sweep.command(cfg, case, str(tmp_path / "o.jsonl")))
+
+
+def test_the_table_over_packings_leaves_flagged_times_out_and_says_not_cp():
+    from cpbench.report import packings
+
+    fine = [_packed("zigzag", i, [20.0 + i, 20.1 + i, 20.2 + i, 20.1 + i, 20.0 + i])
+            for i in range(2)]
+    bad = _packed("zigzag", 2, [5.0, 5.1, 5.0, 5.2, 5.1])
+    bad["samples_ms"]["fwd"] = [[50.0, 50.2, 50.1, 50.3, 50.2]] * 4  # FWD above FWD+BWD
+    bad["derived"] = results.derive(bad)
+    assert bad["derived"]["flags"]
+    (row,) = packings.rows(fine + [bad])
+    assert (row["Packings"], row["Min (ms)"], row["Max (ms)"]) == ("2", "20.10", "21.10")
+    assert row["Flags"] == "1 flagged left out"
+    shared = [_packed("ring", i, [30.0] * 5) for i in range(2)]
+    for r in shared:
+        r["env"].update(hostnames=["h"] * 4, cpus_usable=2)
+        r["derived"] = results.derive(r)
+    assert all(r["derived"]["not_measured"] for r in shared)
+    rows = {r["Strategy"]: r for r in packings.rows(fine + shared)}
+    assert rows["ring"]["Flags"].endswith("not CP") and rows["zigzag"]["Flags"] == "-"

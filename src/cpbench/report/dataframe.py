@@ -49,6 +49,7 @@ def _row(r: dict) -> dict:
         "memory_status": r.get("memory_status"), "memory_error": r.get("memory_error"),
         **{k: d.get(k) for k in _FIGURES},
         "flags": "; ".join(d.get("flags") or ()),  # the physics guards' (cpbench.guards)
+        "guard_flags": "; ".join(d.get("flags") or ()),  # those alone: the baseline's not added
         "not_measured": d.get("not_measured"),  # why its timings do not measure CP, or None
         "utc": r["env"].get("utc"), "git_sha": r["env"].get("git_sha"),
         "simulated": bool(r["env"].get("simulated")),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from statistics import median
 
+from cpbench.report.cells import missing
 from cpbench.report.dataframe import frame
 from cpbench.report.labels import joined
 from cpbench.report.render import Fit, render
@@ -43,6 +44,8 @@ def per_strategy(records: list[dict]) -> list[dict]:
             "label": label, "problem": problem, "row": row, "packings": {}})
         entry["packings"][int(row["packing"])] = {
             "time": _time(row), "imbalance": row["imbalance"],
+            "flagged": bool(row["guard_flags"]),
+            "not_measured": None if missing(row["not_measured"]) else row["not_measured"],
             "padding": row["padding_fraction"],
             "iters": row["iters_fwd"] if row["fwd_only"] else row["iters_fwd_bwd"]}
     return list(out.values())
@@ -55,17 +58,29 @@ def _finite(values) -> list[float]:
 def rows(records: list[dict]) -> list[dict]:
     """Display rows: per strategy, its median over packings and the spread."""
     out = []
-    for e in per_strategy(records):
+    entries = per_strategy(records)
+    with_flags = any(x["flagged"] or x["not_measured"] for e in entries
+                     for x in e["packings"].values())
+    for e in entries:
         p = e["packings"].values()
-        times = [x["time"] for x in p]
+        # a flagged time (cpbench.guards: impossible or too noisy) is no spread to quote
+        times = [x["time"] for x in p if not x["flagged"]]
+        left_out = len(p) - len(times)
         imb, pad = _finite(x["imbalance"] for x in p), _finite(x["padding"] for x in p)
-        out.append({
+        row = {
             "Strategy": e["label"], "Documents": e["row"]["documents_spec"],
             "Packings": str(len(times)),
-            "Median (ms)": f"{median(times):.2f}",
-            "Min (ms)": f"{min(times):.2f}", "Max (ms)": f"{max(times):.2f}",
+            "Median (ms)": f"{median(times):.2f}" if times else "-",
+            "Min (ms)": f"{min(times):.2f}" if times else "-",
+            "Max (ms)": f"{max(times):.2f}" if times else "-",
             "Imbalance": f"{min(imb):.2f} - {max(imb):.2f}" if imb else "-",
-            "Padding": f"{100 * median(pad):.2f} %" if pad else "-"})
+            "Padding": f"{100 * median(pad):.2f} %" if pad else "-"}
+        if with_flags:
+            reasons = sorted({x["not_measured"].split(":")[0] for x in p if x["not_measured"]})
+            row["Flags"] = "; ".join(
+                ([f"{left_out} flagged left out"] if left_out else [])
+                + [f"{r}: not CP" for r in reasons]) or "-"
+        out.append(row)
     return out
 
 

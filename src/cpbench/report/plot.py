@@ -93,7 +93,10 @@ def figure(records: list[dict], title_note: str | None = None):
     mixed = df["simulated"].nunique() > 1  # a prediction beside the measured row
     df = df.assign(series=[lab + (" (simulated)" if mixed and sim else "")
                            for lab, sim in zip(df["label"], df["simulated"])])
-    df["rate"] = df["fwd_tflops"].where(df["fwd_only"], df["fwd_bwd_tflops"])
+    # a flagged rate (cpbench.guards: impossible or too noisy) is a mark at 0, not a point
+    df["rate"] = df["fwd_tflops"].where(df["fwd_only"], df["fwd_bwd_tflops"]) \
+        .where(df["guard_flags"] == "")
+    df["mark"] = df["status"].where((df["status"] != OK) | (df["guard_flags"] == ""), "flagged")
     unit = rank_unit(records)
     layout = panels(df)
     styles = {name: line_style(i, plt) for name, i in _style_indices(layout).items()}
@@ -118,10 +121,16 @@ def figure(records: list[dict], title_note: str | None = None):
     a = df.iloc[0]
     title = (f"{a['dtype']}, B={a['batch']}, H={a['heads']}, D={a['head_dim']}, "
              f"{'causal' if a['causal'] else 'full'}"
-             + (f" ({title_note})" if title_note else ""))
+             + (f" ({title_note})" if title_note else "") + _not_cp(df))
     fig.suptitle(textwrap.fill(title, 90), fontsize=10)  # wrapped: never cut off
     fig.tight_layout()
     return fig
+
+
+def _not_cp(df) -> str:
+    """The title's word that rows' timings do not measure CP (``guards.not_measured``)."""
+    reasons = sorted({r.split(":")[0] for r in df["not_measured"] if isinstance(r, str) and r})
+    return f"; timings do not measure CP ({'; '.join(reasons)})" if reasons else ""
 
 
 def _style_indices(layout: list[tuple[str, list[str]]]) -> dict[str, int]:
@@ -144,7 +153,7 @@ def _style_indices(layout: list[tuple[str, list[str]]]) -> dict[str, int]:
 
 
 def _panel(ax, df, series: list[str], styles: dict) -> None:
-    """One panel: a line per series, OOM and failed cases as red marks at 0, labelled;
+    """One panel: a line per series, OOM, failed and flagged cases as red marks at 0, labelled;
     its legend under it (the axes keep their size whatever the number of lines)."""
     marks = []  # (seqlen, status, colour) of the cases with no rate, drawn last
     for name in series:
@@ -152,10 +161,10 @@ def _panel(ax, df, series: list[str], styles: dict) -> None:
         ok = g[(g["status"] == OK) & g["rate"].notna()]
         ax.plot(ok["seqlen"], ok["rate"], label=name, **styles[name])
         bad = g[(g["status"] != OK) | g["rate"].isna()]
-        marks += [(s, st, styles[name]["color"]) for s, st in zip(bad["seqlen"], bad["status"])]
+        marks += [(s, st, styles[name]["color"]) for s, st in zip(bad["seqlen"], bad["mark"])]
     if marks:
         ax.scatter([m[0] for m in marks], [0] * len(marks), marker="x", s=70, color="red",
-                   zorder=3, clip_on=False, label="OOM / failed (at 0)")
+                   zorder=3, clip_on=False, label="OOM / failed / flagged (at 0)")
         stacked: dict = {}
         for s, status, colour in marks:  # one label per case, stacked where they share a Seq Len
             k = stacked[s] = stacked.get(s, -1) + 1
