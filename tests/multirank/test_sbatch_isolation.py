@@ -70,7 +70,7 @@ def test_sbatch_records_an_oom_the_job_could_not_and_runs_the_next_strategy(tmp_
     assert done.returncode == 1, said  # a case did not end ok
     log = Path(oom["sweep"]["log"]).read_text()
     # rank 1 said it before waiting; the job then ended without a record from inside
-    assert "cpbench: rank 1 failed (OOM) in test-oom-in-ring (dkv_group=shared): " \
+    assert "cpbench: rank 1 failed (OOM) in test-oom-in-ring: " \
            "OutOfMemoryError" in log
     assert "--rdzv-id=77-1" in log.splitlines()[0]
     assert records[1]["derived"]["fwd_bwd_ms"] > 0

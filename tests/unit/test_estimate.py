@@ -76,7 +76,7 @@ def test_over_the_limit_is_refused_in_one_line_with_what_to_do(monkeypatch):
     with pytest.raises(UsageError) as e:
         plan(run, {"seqlen": 524288}, {}, launcher="self")
     text = str(e.value)
-    assert "\n" not in text and "zigzag (dkv_group=shared) at seqlen 524288: estimated" in text
+    assert "\n" not in text and "zigzag at seqlen 524288: estimated" in text
     assert "over --max-minutes 10" in text and "--max-minutes 0 to run it anyway" in text
     assert "`cpbench simulate --strategy zigzag --seqlen 524288`" in text
     assert "`cpbench dryrun --strategy zigzag --seqlen 524288`" in text

@@ -36,7 +36,12 @@ class Case:
 
     @property
     def label(self) -> str:
-        fields = dataclasses.asdict(self.options)
+        """The strategy and the options it runs with that differ from its defaults (a line
+        per case fits a terminal; the record keeps every option)."""
+        default = type(self.options)()
+        fields = {f.name: getattr(self.options, f.name)
+                  for f in dataclasses.fields(self.options)
+                  if getattr(self.options, f.name) != getattr(default, f.name)}
         text = f"{self.strategy} ({', '.join(f'{k}={v}' for k, v in fields.items())})" \
             if fields else self.strategy
         text = text if self.packing is None else f"{text} [packing {self.packing}]"
