@@ -331,8 +331,10 @@ def test_make_bench_prints_under_100_lines(bench, tmp_path):
     done = [line for line in lines if re.match(r"\[\d+/18\] .*: done in 1 s, check PASS, "
                                                r"FWD [\d.]+ ms, FWD\+BWD [\d.]+ ms$", line)]
     assert len(done) == 18
-    assert lines[-2:] == ["18 case(s): 18 done; check: 18 PASS",
-                          f"records: {p.out}  (re-render: cpbench report {p.out})"]
+    assert max(len(line) for line in lines) <= 120  # long lines folded, continued by "  "
+    unfolded = re.sub(r"\n  (?=\S)", " ", text).splitlines()
+    assert unfolded[-2:] == ["18 case(s): 18 done; check: 18 PASS",
+                             f"records: {p.out}  (re-render: cpbench report {p.out})"]
     assert len(results.read(p.out)) == 18  # the records keep everything
     assert json.loads(Path(p.out).read_text().splitlines()[0])["samples_ms"]
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import textwrap
 import threading
 import time
 from typing import Callable
 
 from cpbench import ranklocal
+from cpbench.report.render import terminal_width
 
 # a plain progress line where the output is no terminal (a log): every 15 s at first, then
 # every tenth of the time run so far, at most every 10 min (a step of hours: ~100 lines a day)
@@ -25,11 +27,12 @@ class Progress(logging.Handler):
     status line; elsewhere (logs, pipes) they are dropped, or printed as a plain line when
     marked ``transient="plain"``."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, wrap: bool = False):
         super().__init__()
         self.stream = stream
         self.tty = stream.isatty()
         self.pending = False
+        self.wrap = wrap  # progress lines folded to the terminal's width (tables fit already)
 
     def emit(self, record):
         if self.stream is None:
@@ -41,8 +44,8 @@ class Progress(logging.Handler):
 
     def _write(self, msg, record):
         transient = getattr(record, "transient", False)
-        if transient and self.tty:
-            self.stream.write("\r\033[K" + msg)
+        if transient and self.tty:  # one line, or \r no longer returns to its start
+            self.stream.write("\r\033[K" + msg[:terminal_width() - 1])
             self.pending = True
             self.stream.flush()
             return
@@ -51,8 +54,17 @@ class Progress(logging.Handler):
         if self.pending:
             self.stream.write("\r\033[K")
             self.pending = False
-        self.stream.write(msg + "\n")
+        self.stream.write((folded(msg) if self.wrap else msg) + "\n")
         self.stream.flush()
+
+
+def folded(msg: str) -> str:
+    """Each line over the terminal's width (120 columns off a terminal) folded at spaces,
+    its continuations indented by two; words are never cut."""
+    cols = terminal_width()
+    return "\n".join(textwrap.fill(line, cols, subsequent_indent="  ", break_long_words=False,
+                                   break_on_hyphens=False) if len(line) > cols else line
+                     for line in msg.split("\n"))
 
 
 def _rank_zero(record: logging.LogRecord) -> bool:
@@ -74,7 +86,7 @@ def setup(rank: int, fmt: str) -> None:
         logger.handlers.clear()
         logger.propagate = False
         if rank == 0:
-            handler = Progress(stream)
+            handler = Progress(stream, wrap=logger is log)
             handler.setFormatter(logging.Formatter("%(message)s"))
             handler.addFilter(_rank_zero)
             logger.addHandler(handler)
@@ -90,7 +102,7 @@ def transient_progress(stream=None):
     lines; logging is as it was afterwards (for commands that run in the caller's process,
     e.g. ``simulate``)."""
     log = logging.getLogger("cpbench")
-    handler = Progress(stream or sys.stderr)
+    handler = Progress(stream or sys.stderr, wrap=True)
     handler.setFormatter(logging.Formatter("%(message)s"))
     level = log.level
     log.addHandler(handler)
