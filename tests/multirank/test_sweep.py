@@ -4,6 +4,7 @@ recorded and passed over, a re-run that launches nothing, ``--rerun-failed``, Ct
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -46,7 +47,9 @@ def test_failures_recorded_then_resume_then_rerun_failed(tmp_path):
     assert "did not finish" in failed["error"] and "(--deadline)" in failed["error"]
     assert failed["env"]["launcher"] == "self" and "sweep" not in failed
     assert "timeout of 0.5 s" in timed_out["error"]
-    lines = first.stdout.splitlines()  # not a tty: one plain line per case, no \r
+    # not a tty: one plain line per case, no \r, folded at 120 columns (continued by "  ")
+    assert max(len(line) for line in first.stdout.splitlines()) <= 120
+    lines = re.sub(r"\n  (?=\S)", " ", first.stdout).splitlines()
     assert [line.split(":")[0] for line in lines[:3]] == ["[1/3] strategy=ring seed=1 "
                                                           "deadline=0.5", "[2/3] strategy=ring "
                                                           "seed=2 timeout=0.5",
