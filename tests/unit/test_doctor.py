@@ -193,3 +193,27 @@ def test_after_a_sticky_error_later_kernels_on_the_device_are_not_blamed(probe_c
     assert got["kernel torch"][0] == "error" and "illegal memory access" in got["kernel torch"][1]
     assert "not run on cpu: an earlier kernel left its CUDA context unusable" in \
         got["kernel sdpa-cpu"][1]
+
+
+def test_an_upstream_library_refused_here_is_a_warning_and_a_broken_one_an_error(monkeypatch):
+    """A refusal (a flash-attn installed on a machine with no GPU: the libraries cannot run
+    here) is what the machine lacks, a warning; any other exception is a broken install."""
+    from cpbench.bench import preflight
+    from cpbench.errors import UsageError
+
+    monkeypatch.setattr(preflight, "installed", lambda package: True)
+
+    def refused(package, classes, device):
+        raise UsageError("a flash-attn is installed here, and it does not run on CPU")
+
+    monkeypatch.setattr(preflight, "upstream_import", refused)
+    levels = {what: (level, detail) for level, what, detail in doctor.upstream_checks("cpu")}
+    level, detail = levels["lib ring-flash-attn"]
+    assert level == "warn" and "cannot run on cpu here: a flash-attn is installed" in detail
+
+    def broken(package, classes, device):
+        raise ImportError("undefined symbol: _ZN3c10")
+
+    monkeypatch.setattr(preflight, "upstream_import", broken)
+    levels = {what: (level, detail) for level, what, detail in doctor.upstream_checks("cpu")}
+    assert levels["lib ring-flash-attn"][0] == "error"

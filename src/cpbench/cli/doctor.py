@@ -191,6 +191,10 @@ def upstream_checks(device: str) -> Iterator[Check]:
             continue
         try:
             how = upstream_import(package, classes, device)
+        except UsageError as e:  # sound, but not on this machine (e.g. flash-attn and no GPU)
+            yield WARN, what, f"{version}: cannot run on {device} here: {e} ({names} would be " \
+                              "refused)"
+            continue
         except Exception as e:  # installed, and broken: its strategies would fail at build
             yield ERROR, what, f"{version} does not import: {one_line(e)} ({names} would fail)"
             continue
