@@ -64,16 +64,21 @@ def test_here_without_gpus_exits_0_and_says_why(probe_calls, capsys, monkeypatch
     assert probe_calls[0][1] == ("cpu",) and probe_calls[0][2]["backend"] == "gloo"
 
 
-def test_a_gpu_node_with_more_ranks_than_gpus_is_an_error(probe_calls, capsys, monkeypatch):
+def _gpu_node(monkeypatch, count: int, capability: tuple[int, int], name: str) -> None:
+    """A mocked CUDA node of ``count`` GPUs; it runs no kernel and imports no library (what
+    they do is tested apart)."""
     monkeypatch.setattr(torch.version, "cuda", "12.4")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (8, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: name)
     monkeypatch.setattr(doctor, "versions", lambda: iter([]))
-    # a mocked GPU runs no kernel and imports no library: what they do is tested apart
     monkeypatch.setattr(doctor, "_smoke", lambda backend, device, dead: None)
     monkeypatch.setattr(doctor, "upstream_checks", lambda device: iter([]))
+
+
+def test_a_gpu_node_with_more_ranks_than_gpus_is_an_error(probe_calls, capsys, monkeypatch):
+    _gpu_node(monkeypatch, 4, (8, 0), "NVIDIA A100-SXM4-80GB")
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     assert cli.main(["doctor"]) == 1
@@ -90,14 +95,7 @@ def test_a_gpu_node_with_more_ranks_than_gpus_is_an_error(probe_calls, capsys, m
 @pytest.mark.parametrize("fa3_installed", [False, True])
 def test_an_sm90_gpu_says_fa3_can_run_only_where_it_imports(probe_calls, capsys, monkeypatch,
                                                              fa3_installed):
-    monkeypatch.setattr(torch.version, "cuda", "12.4")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(doctor, "versions", lambda: iter([]))
-    monkeypatch.setattr(doctor, "_smoke", lambda backend, device, dead: None)
-    monkeypatch.setattr(doctor, "upstream_checks", lambda device: iter([]))
+    _gpu_node(monkeypatch, 1, (9, 0), "NVIDIA H100 80GB HBM3")
     if fa3_installed:  # here it is not: the real check below finds no module
         monkeypatch.setattr(doctor, "_fa3_import_error", lambda: None)
     cli.main(["doctor", "--no-probe"])
