@@ -90,17 +90,22 @@ def child_env(extra: dict) -> dict:
 
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGTERM the command's whole process group (torchrun's workers, threads' ranks), then
-    SIGKILL what is left after a grace period."""
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+    SIGKILL it whatever happened (a rank may outlive its launcher, or ignore SIGTERM), and
+    wait briefly until it is gone: cpbench.sweep.runner.kill_group, here without cpbench."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
         try:
-            os.killpg(proc.pid, sig)
+            os.killpg(proc.pid, 0)
         except ProcessLookupError:
             return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager

@@ -239,6 +239,26 @@ def test_pytest_output_is_read_per_test_and_when_unfinished():
     assert cut["headline"] == "pytest did not finish; so far 1 failed, 1 passed"
 
 
+def test_a_rank_that_ignores_sigterm_goes_with_its_group(tmp_path):
+    """The launcher exits on SIGTERM but a rank under it ignores it: the group is SIGKILLed
+    whatever happened, so no rank keeps the GPU for the next step."""
+    import subprocess
+
+    pid_file = tmp_path / "rank.pid"
+    rank = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('ready', flush=True); time.sleep(60)")
+    launcher = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+                f"{rank!r}], stdout=subprocess.PIPE, text=True); p.stdout.readline(); "
+                f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    gpu_check.kill_group(proc)
+    assert not _alive(int(pid_file.read_text()))
+
+
 def test_a_stop_while_the_command_starts_kills_the_started_child(tmp_path, monkeypatch):
     """SIGTERM landing inside Popen (child forked, Popen not yet returned) must not orphan the
     child: the stop is held until the process is known, then its group is killed."""
