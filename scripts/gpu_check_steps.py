@@ -215,9 +215,13 @@ def plan_memory(ctx):
 
 def fa2_workspace_bytes(batch: int, seqlen: int, heads: int, head_dim: int) -> int:
     """FA2's backward buffers outside any tensor it returns: dq_accum in fp32,
-    b·⌈s⌉₁₂₈·h·⌈d⌉₃₂, and softmax_d, b·h·⌈s⌉₁₂₈ fp32 (flash_api.cpp mha_bwd)."""
-    s128, d32 = -(-seqlen // 128) * 128, -(-head_dim // 32) * 32
-    return 4 * batch * s128 * heads * d32 + 4 * batch * heads * s128
+    b·⌈s⌉₁₂₈·h·⌈d⌉ (d to 32 up to 128, else to 64), and softmax_d, b·h·⌈s⌉₁₂₈ fp32
+    (flash_api.cpp mha_bwd). cpbench.kernels.fa2_workspace.backward_bytes without GQA, here
+    without torch; a test holds the two equal."""
+    s128 = -(-seqlen // 128) * 128
+    step = 32 if head_dim <= 128 else 64
+    d = -(-head_dim // step) * step
+    return 4 * batch * s128 * heads * d + 4 * batch * heads * s128
 
 
 def read_memory(ctx, results) -> dict:

@@ -207,7 +207,11 @@ def test_memory_findings_set_the_run_beside_its_dry_run(tmp_path):
     found = steps.read_memory(ctx, [])
     assert found["ratio"] == pytest.approx(0.871) and found["difference_mib"] == -129.0
     assert found["fa2_workspace_bytes"] == 129 * mib  # 16K x 16 heads x 128: the issue's
-    assert steps.fa2_workspace_bytes(2, 129, 1, 72) == 4 * 2 * 256 * 96 + 4 * 2 * 256
+    from cpbench.kernels import fa2_workspace
+
+    for b, s, h, d in ((2, 129, 1, 72), (1, 16384, 16, 128), (3, 1000, 8, 136), (1, 64, 2, 256)):
+        assert steps.fa2_workspace_bytes(b, s, h, d) == fa2_workspace.backward_bytes(
+            batch=b, seqlen_q=s, seqlen_k=s, heads=h, kv_heads=h, head_dim=d, element_size=2)
     assert "check PASS" in found["run_note"]
     assert "Dry run / run: 0.871 (-129.0 MiB)" in "\n".join(report.memory_section(found))
 
