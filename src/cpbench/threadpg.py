@@ -222,6 +222,8 @@ class ThreadedGroup(mt.ProcessLocalGroup):
         self._sent: collections.Counter = collections.Counter()
         self._received: collections.Counter = collections.Counter()
 
+    keeps_own_timeout = True  # topology.set_timeout calls set_timeout (torch's setter cannot)
+
     def set_timeout(self, timeout: timedelta) -> None:
         self.timeout_s = timeout.total_seconds()
 

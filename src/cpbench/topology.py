@@ -238,7 +238,9 @@ def set_timeout(seconds: float) -> None:
     timeout = timedelta(seconds=seconds)
 
     def set_on(pg: Any) -> None:
-        if hasattr(pg, "set_timeout"):  # a group that keeps its own (cpbench.threadpg)
+        # a group that keeps its own (cpbench.threadpg); torch's groups have a set_timeout
+        # too, and keep the private setter they have always had here
+        if getattr(type(pg), "keeps_own_timeout", False):
             pg.set_timeout(timeout)
         elif setter is not None:  # else every group keeps the timeout it was made with
             setter(timeout, pg)

@@ -141,3 +141,17 @@ def test_ring_first_default_when_no_ring_dividing_the_heads_fits_a_node():
     assert usp_default_degree(topo, rings, heads=40, placement="ring-first") == 1
     # one that fits is still preferred: with 16 heads a ring of 8 (Ulysses 16) stays in a node
     assert usp_default_degree(topo, rings, heads=16, placement="ring-first") == 16
+
+
+def test_set_timeout_reaches_torch_groups_through_its_setter(one_rank_world, monkeypatch):
+    """torch's groups have a set_timeout of their own: they still take c10d's setter (the
+    path cpbench has always used on gloo and NCCL); only cpbench.threadpg's keep their own."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from cpbench import topology
+
+    new_groups(one_rank_world, "ring", 0, [[0]])
+    seen = []
+    monkeypatch.setattr(c10d, "_set_pg_timeout", lambda timeout, pg: seen.append((timeout, pg)))
+    topology.set_timeout(42)
+    assert len(seen) == 2 and all(t.total_seconds() == 42 for t, _ in seen)

@@ -27,14 +27,25 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
     return tuple(parse_size(t) for t in text.split(",") if t.strip()) or (parse_size(text),)
 
 
-def add_parser(sub) -> None:
-    from cpbench.sim import hardware
+_PRESETS = "(the hardware presets)"  # the epilog's place holder, filled when help prints
 
-    p = cli_args.command(sub, "simulate", __doc__, main,
-                         formatter_class=cli_args.KeepLines,
-                         epilog="hardware presets (--hardware NAME; configs/hardware/NAME.yaml):"
-                                "\n" + "\n".join(f"  {name:<12} {line}"
-                                                   for name, line in hardware.preset_lines()))
+
+class _PresetsHelp(cli_args.KeepLines):
+    """simulate's help, its epilog the presets: read from their files only when the help is
+    printed, not each time a process builds the parser (every rank of every run)."""
+
+    def add_text(self, text):
+        if text == _PRESETS:
+            from cpbench.sim import hardware
+
+            text = "hardware presets (--hardware NAME; configs/hardware/NAME.yaml):\n" + \
+                "\n".join(f"  {name:<12} {line}" for name, line in hardware.preset_lines())
+        super().add_text(text)
+
+
+def add_parser(sub) -> None:
+    p = cli_args.command(sub, "simulate", __doc__, main, formatter_class=_PresetsHelp,
+                         epilog=_PRESETS)
     attention = p.add_argument_group("attention problem (default: seed 001's)")
     for setting in attention_settings():
         if setting.name == "seqlen":
