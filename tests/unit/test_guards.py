@@ -158,6 +158,11 @@ def test_rows_of_threads_show_no_figure_and_say_why():
     detail = report.detail(row)
     assert f"Times and memory: - ({guards.THREADS})" in detail
     assert "Iterations: none timed" in detail and "Forward Time" not in detail
+    # a failed case on shared cores has no samples either: its ranks were no threads
+    shared = _with(fake_record("ring", status="failed", error="rank 1: boom"),
+                   env={"hostnames": ["h"] * 4, "cpus_usable": 2})
+    assert guards.not_measured(shared) not in (None, guards.THREADS)  # not CP, not threads
+    assert "ranks as threads" not in report.detail(shared)
 
 
 # -- figures that contradict each other ------------------------------------------------------

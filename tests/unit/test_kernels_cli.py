@@ -184,3 +184,23 @@ def test_flex_compiled_forward_on_cpu_is_attention_without_the_unfused_warning(r
         q.double(), k.double(), v.double(), is_causal=True)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
     assert not [w for w in recwarn if "without torch.compile" in str(w.message)]
+
+
+def test_flex_closures_compile_with_a_forward_then_a_backward(monkeypatch):
+    """closures() runs flex's compiles up front: a forward, then the backward of that
+    forward (the backward alone has no graph to run)."""
+    calls = []
+
+    def fake_flex(case, device):
+        def call(q, k, v):
+            calls.append("fwd")
+            return q * k + v
+        return call
+
+    monkeypatch.setattr(kernelbench, "_flex_call", fake_flex)
+    case = kernelbench.Case(seqlen=64, heads=2, head_dim=16, dtype=torch.float32, causal=True)
+    (fwd, bwd), x = kernelbench.closures(kernelbench.FLEX, case, "cpu")
+    assert calls == ["fwd"] and x["q"].grad is None  # compiled and run back, grads cleared
+    fwd()
+    bwd()
+    assert calls == ["fwd", "fwd"]

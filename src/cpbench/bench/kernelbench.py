@@ -211,10 +211,11 @@ def closures(name: str, case: Case, device: str, seed: int = 0) -> tuple[Closure
     if name in _SDPA or name == FLEX:
         x = _inputs(case, device, bhsd=True, seed=seed)
         call = _sdpa_call(name, case) if name in _SDPA else _flex_call(case, device)
-        fwd, fwd_bwd = _autograd_closures(call, x)
-        if name == FLEX:
-            fwd_bwd()  # the compiles (forward and backward) here, whatever the warm-up
-        return (fwd, fwd_bwd), x
+        fwd, bwd = _autograd_closures(call, x)
+        if name == FLEX:  # the compiles (forward and backward) here, whatever the warm-up
+            fwd()
+            bwd()
+        return (fwd, bwd), x
     backend = kernels.get(resolved_name(name, case, device))
     x = _inputs(case, device, bhsd=False, seed=seed)
     return _backend_closures(backend, x, case), x

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import statistics
 
-from cpbench import guards
 from cpbench.metrics import duration
 from cpbench.profile.summary import detail_lines
 from cpbench.reference import TENSORS, Comparison
@@ -76,9 +75,9 @@ def _configuration(record: dict) -> list[str]:
     up = record.get("upstream")
     if up:
         lines.append(f"  - Upstream: {', '.join(f'{k} {v}' for k, v in up.items())}")
-    iterations = f"{run['iters']} timed after {_warmup_text(record)} (median of the " \
-        f"slowest rank)" if record.get("samples_ms") or not guards.not_measured(record) else \
-        "none timed (one untimed step; ranks as threads)"
+    threads = (record.get("env") or {}).get("launcher") == "threads"
+    iterations = "none timed (one untimed step; ranks as threads)" if threads else \
+        f"{run['iters']} timed after {_warmup_text(record)} (median of the slowest rank)"
     return lines + [f"  - Kernel: {record['kernel']} on {run['device']}",
                     f"  - Iterations: {iterations}"]
 
