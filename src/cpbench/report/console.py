@@ -8,13 +8,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-import textwrap
 import threading
 import time
 from typing import Callable
 
 from cpbench import ranklocal
-from cpbench.report.render import terminal_width
+from cpbench.report.render import prose, terminal_width
 
 # a plain progress line where the output is no terminal (a log): every 15 s at first, then
 # every tenth of the time run so far, at most every 10 min (a step of hours: ~100 lines a day)
@@ -59,12 +58,8 @@ class Progress(logging.Handler):
 
 
 def folded(msg: str) -> str:
-    """Each line over the terminal's width (120 columns off a terminal) folded at spaces,
-    its continuations indented by two; words are never cut."""
-    cols = terminal_width()
-    return "\n".join(textwrap.fill(line, cols, subsequent_indent="  ", break_long_words=False,
-                                   break_on_hyphens=False) if len(line) > cols else line
-                     for line in msg.split("\n"))
+    """``msg`` with each line over the width folded at spaces (``render.prose``)."""
+    return "\n".join(prose(msg.split("\n")))
 
 
 def _rank_zero(record: logging.LogRecord) -> bool:

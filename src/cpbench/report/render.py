@@ -95,7 +95,8 @@ def prose(lines: list[str]) -> list[str]:
             out.append(line)
             continue
         lead = " " * (len(line) - len(line.lstrip()))
-        out += textwrap.wrap(line, limit, subsequent_indent=lead + "  ", break_on_hyphens=False)
+        out += textwrap.wrap(line, limit, subsequent_indent=lead + "  ", break_on_hyphens=False,
+                             break_long_words=False)  # a path or a command stays whole
     return out
 
 
