@@ -88,7 +88,7 @@ def test_a_busy_calibration_and_a_clamped_reading_are_said_in_the_preset(tmp_pat
     path = tmp_path / "busy.yaml"
     path.write_text(text)
     assert hardware.load(str(path)).calibration_load == pytest.approx(0.31)
-    assert "BUSY: above the limit; the self-check will not score against this preset" in text
+    assert "BUSY: above calibrate's limit; the self-check refuses a share above its own" in text
     line = next(x for x in text.splitlines() if x.startswith("overlapped:"))
     assert "CLAMPED: measured -0.42, the model takes >= 0" in line
     line = next(x for x in text.splitlines() if x.startswith("idle_speedup:"))

@@ -134,8 +134,8 @@ def _load_warning(load: dict | None) -> list[str]:
     if load["busy"]:
         return [f"other processes used {load['share'] * 100:.0f} % of the cores while it "
                 f"measured (limit {load['limit'] * 100:.0f} %, --load-limit): the preset is "
-                "marked busy and simulate --self-check will not score against it; calibrate "
-                "again on an idle machine"]
+                "marked busy; simulate --self-check refuses a preset whose share is above its "
+                "own --load-limit; calibrate again on an idle machine"]
     return []
 
 

@@ -122,11 +122,11 @@ def clamp_lines(measured: dict) -> list[str]:
 
 def _load_lines(load: dict | None, when: str) -> list[str]:
     """The load meter's reading while calibrate measured: ``cpbench simulate --self-check``
-    refuses to score against a preset taken on a busy machine (``busy: true``) or without
-    a reading."""
+    refuses to score against a preset without a reading or whose ``share`` is above the
+    self-check's own ``--load-limit``; ``busy`` is calibrate's verdict under its limit."""
     if load is None:
         return ["# load: not read (the load meter needs Linux's /proc)"]
-    mark = ("  # BUSY: above the limit; the self-check will not score against this preset"
+    mark = ("  # BUSY: above calibrate's limit; the self-check refuses a share above its own"
             if load["busy"] else "")
     return [f"# the share of the cores other processes used while it measured, {when}, "
             f"and the limit (calibrate --load-limit):",
