@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ class Sent:
 
 
 _TRACE: contextvars.ContextVar[list[Sent] | None] = contextvars.ContextVar("trace", default=None)
+_INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("inside", default=False)
 
 
 @contextlib.contextmanager
@@ -148,6 +150,45 @@ class RingComm:
         self._reqs = []
 
 
+def in_collective() -> bool:
+    """Whether this thread is inside one of our collectives. A tensor an op touches there
+    that the caller did not make is the backend's own: gloo's reduce-scatter reduces a copy
+    of its input and splits it in ``wait``. ``bench.memory`` leaves those out, as it does
+    gloo's other buffers (a GPU's NCCL has no such copy, and the dry run none)."""
+    return _INSIDE.get()
+
+
+class _Collective:
+    """Marks a collective (its post, or its wait) as ``in_collective``; given the buffer it
+    writes, counted before the post, leaves only once the process group has let go of it:
+    gloo's worker thread drops a finished collective (and the buffers it holds) a moment
+    after waking its caller, and buffers freed then, on that thread, at a time the scheduler
+    picks, made the CPU peak vary between runs by a buffer or two. Bounded: a backend that
+    holds on longer (NCCL until its watchdog looks; on a GPU the caching allocator decides
+    anyway) is not waited for."""
+
+    def __init__(self, out: torch.Tensor | None = None) -> None:
+        self.out, self.held = out, () if out is None else _holders(out)
+
+    def __enter__(self) -> None:
+        self.token = _INSIDE.set(True)
+
+    def __exit__(self, *exc) -> None:
+        _INSIDE.reset(self.token)
+        if self.out is None or self.out.device.type != "cpu" or exc[0] is not None:
+            return
+        deadline = time.monotonic() + 0.05
+        while any(now > was for now, was in zip(_holders(self.out), self.held)) \
+                and time.monotonic() < deadline:
+            time.sleep(0)
+
+
+def _holders(t: torch.Tensor) -> tuple[int, int]:
+    """Who holds ``t``: references to it, and tensors (views) on its storage."""
+    uses = t._use_count()  # type: ignore[attr-defined]
+    return uses, torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
 def _wire(t: torch.Tensor) -> torch.Tensor:
     # gloo's collectives lack some reduced-precision types; they travel as raw bytes.
     if t.dtype in (torch.bfloat16, torch.float16) and t.device.type == "cpu":
@@ -168,7 +209,8 @@ def all_to_all(x: torch.Tensor, group: Group, *, scatter_dim: int, gather_dim: i
     xs = xs.contiguous()
     out = torch.empty_like(xs)
     _record("a2a", group, nbytes(xs) * (n - 1) // n)
-    dist.all_to_all_single(out, xs, group=group.pg)  # in its dtype: what a GPU run sends
+    with _Collective(out):
+        dist.all_to_all_single(out, xs, group=group.pg)  # in its dtype: what a GPU run sends
     # out[j] is member j's chunk, in x's dim order: lay the chunks side by side on gather_dim.
     return torch.cat(out.unbind(0), dim=gather_dim)
 
@@ -205,10 +247,13 @@ def all_gather_seq_async(x_bs: torch.Tensor, group: Group):
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _record("ag", group, nbytes(x) * (n - 1))  # to each of the n-1 others
     # in its own dtype (gloo gathers bf16 / fp16), as ring-flash-attn's gathers travel
-    work = dist.all_gather_into_tensor(out, x, group=group.pg, async_op=True)
+    let_go = _Collective(out)  # out's holders before the post (work holds it until dropped)
+    with _Collective():
+        work = [dist.all_gather_into_tensor(out, x, group=group.pg, async_op=True)]
 
     def wait() -> torch.Tensor:
-        work.wait()
+        with let_go:
+            work.pop().wait()
         return out.unflatten(0, (n, -1)).movedim(0, 1).flatten(1, 2)
 
     return wait
@@ -223,5 +268,6 @@ def reduce_scatter_seq(x_bs: torch.Tensor, group: Group) -> torch.Tensor:
     parts = x_bs.unflatten(1, (n, -1)).movedim(1, 0).contiguous()
     out = torch.empty(parts.shape[1:], dtype=x_bs.dtype, device=x_bs.device)
     _record("rs", group, nbytes(parts) * (n - 1) // n)
-    dist.reduce_scatter_tensor(out, parts.flatten(0, 1), group=group.pg)
+    with _Collective(out):
+        dist.reduce_scatter_tensor(out, parts.flatten(0, 1), group=group.pg)
     return out

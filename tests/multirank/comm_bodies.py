@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 from cpbench import comm
+from cpbench.bench import memory
 from cpbench.topology import Topology, contiguous_groups, new_groups, strided_groups
 
 
@@ -57,3 +59,29 @@ def fail_on_rank_1(rank, world):
 
 def sleep_forever(rank, world):
     time.sleep(3600)
+
+
+def metered_collectives(rank, world, repeats):
+    """What the CPU meter sees of comm's collectives: (frees of a counted storage on another
+    thread, over ``repeats`` rounds of all three; a reduce-scatter's peak; the bytes it
+    needs: its input, the input's chunks made contiguous, its result)."""
+    g = new_groups(Topology(world_size=world, ranks_per_node=1), "all", rank,
+                   [list(range(world))])
+    x = torch.randn(2, 64 * world, 4, 8)  # batch 2: the reduce-scatter's chunks are a copy
+    meter, here, elsewhere = memory.StorageMeter(), threading.current_thread(), []
+    freed = meter._freed
+
+    def on_free(key):
+        if threading.current_thread() is not here and key in meter.live:
+            elsewhere.append(meter.live[key])
+        freed(key)
+
+    meter._freed = on_free  # type: ignore[method-assign]
+    with meter:
+        for _ in range(repeats):
+            comm.all_to_all(x, g, scatter_dim=1, gather_dim=2)
+            comm.all_gather_seq(x, g)
+            comm.reduce_scatter_seq(x, g)
+    rs = memory.peak_bytes(lambda: comm.reduce_scatter_seq(x, g), device="cpu", inputs=[x])
+    need = 2 * comm.nbytes(x) + comm.nbytes(x) // world
+    return elsewhere, rs, need

@@ -12,8 +12,11 @@ step, counts its *storage* once (views share it), and uncounts it when the stora
 storage). What the CPU figure counts: the storages of the tensors handed in as the step's
 inputs, plus every storage an aten op created, read or wrote during the step (from its first
 use until it is freed), at the moment their live sum peaked. Not counted: scratch memory a
-kernel allocates outside tensors, buffers inside gloo, Python objects, allocator
-overhead/fragmentation, nor a wrapper subclass's data-less storage (its inner tensors count).
+kernel allocates outside tensors, buffers inside gloo (tensors first seen inside one of
+``comm``'s collectives included: gloo's reduce-scatter splits its own copy of the input in
+``wait``), Python objects, allocator overhead/fragmentation, nor a wrapper subclass's
+data-less storage (its inner tensors count). A storage can be freed on another thread
+(gloo's worker drops a finished collective there), so the count is kept under a lock.
 It is therefore comparable across strategies on CPU (same inputs, same kernels) but not byte
 for byte with the GPU figure. On fake CUDA tensors (the dry run) the meter also adds, while a
 FlashAttention-2 backward op runs, the buffers that kernel allocates inside its C++ call
@@ -22,6 +25,7 @@ FlashAttention-2 backward op runs, the buffers that kernel allocates inside its 
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Callable, Iterable
 
@@ -29,6 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from cpbench import comm
 from cpbench.bench.env import meminfo_bytes
 from cpbench.kernels import fa2_workspace
 
@@ -39,6 +44,7 @@ class StorageMeter(TorchDispatchMode):
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
+        self.lock = threading.Lock()
 
     def track(self, t: torch.Tensor) -> None:
         if is_traceable_wrapper_subclass(t):
@@ -49,19 +55,23 @@ class StorageMeter(TorchDispatchMode):
             return
         storage = t.untyped_storage()
         key, nbytes = storage._cdata, storage.nbytes()
-        if nbytes == 0 or key in self.live:
-            return
-        self.live[key] = nbytes
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        with self.lock:
+            if nbytes == 0 or key in self.live:
+                return
+            self.live[key] = nbytes
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
         weakref.finalize(storage, self._freed, key)
 
     def _freed(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
+        with self.lock:
+            self.current -= self.live.pop(key, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if comm.in_collective():  # the backend's own tensors, or the caller's (already seen)
+            return out
         for t in tree_flatten((out, args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
                 self.track(t)
