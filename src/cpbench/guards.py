@@ -18,7 +18,10 @@ A flag keeps the row in every table (its text beside it) and in the record
   interval of their per-iteration ratio), a fraction of ideal above 1; and, from the report's
   join with its baseline, a CP efficiency above what its balance allows (``efficiency_flag``).
   A figure above its bound beyond its 95 % interval is impossible; above it within its
-  interval, too noisy to quote: both flagged.
+  interval, too noisy to quote: both flagged;
+- a cold median (``cold``): no warm-up step ran and fewer than 3 steps were timed, so the
+  median holds the first step's one-off costs (allocations, kernel selection, first
+  connections).
 
 Apart from the flags, ``not_measured``: why a row's timings, honest as clock readings, do not
 measure CP (ranks as threads on one device, ranks sharing cores, a machine others kept busy).
@@ -257,8 +260,19 @@ def not_measured(record: dict[str, Any]) -> str | None:
     return f"{'; '.join(reasons)}: timings do not measure CP" if reasons else None
 
 
+def cold(record: dict[str, Any]) -> list[str]:
+    """A median the first, cold step can move: no warm-up, and under 3 timed steps (from 3 on
+    the median sets one slow step aside)."""
+    timing, iters = record.get("timing"), record["config"]["run"].get("iters")
+    if not _measured(record) or not timing or timing["warmup"] or not record.get("samples_ms") \
+            or iters is None or iters >= 3:
+        return []
+    return [f"cold: no warm-up, and the median of {iters} step{'s' * (iters > 1)} holds the "
+            f"first one's one-off costs (--warmup 1 or more)"]
+
+
 def flags(record: dict[str, Any], derived: dict[str, Any]) -> list[str]:
     """Every flag of a record, given its derived figures (old records without the measured
     sections: only what their figures show)."""
     return (peak_flags(record, derived) + contradictions(record, derived)
-            + comm_flags(record.get("comm")) + size_flags(record))
+            + comm_flags(record.get("comm")) + size_flags(record) + cold(record))

@@ -140,8 +140,15 @@ def test_a_kernel_with_a_wrong_result_is_an_error(monkeypatch):
         out, lse = good.forward(q, k, v, **kw)
         return out + 0.1, lse
 
-    with pytest.raises(RuntimeError, match="wrong result"):
+    with pytest.raises(RuntimeError, match="wrong result: out max"):
         kernel_smoke(dataclasses.replace(good, forward=off), "cpu")
+
+    def off_grads(*args, **kw):  # the backward is held to the float64 reference too
+        dq, dk, dv = good.backward(*args, **kw)
+        return dq, dk * 1.01, dv
+
+    with pytest.raises(RuntimeError, match=r"wrong result: dk max .* as --check\)"):
+        kernel_smoke(dataclasses.replace(good, backward=off_grads), "cpu")
     assert kernel_smoke(good, "cpu").startswith("ran a forward and backward (128 tokens")
 
 

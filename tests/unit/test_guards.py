@@ -299,3 +299,23 @@ def test_rows_not_measuring_cp_keep_their_times_and_print_no_efficiency_and_neve
     # one row measured beside others that were not: the reason is that row's flag
     mixed = report.summary([fake_record("zigzag"), ring])
     assert "4 ranks share 2 cores: not CP" in mixed and "1 of 2 rows" in mixed
+
+
+def _timed(warmup: int, iters: int) -> dict:
+    rec = fake_record(fwd=[[10.0] * iters] * 4, fwd_bwd=[[30.0] * iters] * 4)
+    rec["config"]["run"].update(warmup=warmup, iters=iters)
+    return _with(rec, timing={"warmup": warmup, "settled": warmup > 0, "warmup_least": warmup})
+
+
+def test_a_median_the_cold_first_step_can_move_is_flagged_and_never_wins():
+    cold = _timed(0, 1)
+    assert cold["derived"]["flags"] == [
+        "cold: no warm-up, and the median of 1 step holds the first one's one-off costs "
+        "(--warmup 1 or more)"]
+    assert _timed(0, 2)["derived"]["flags"][0].startswith("cold: no warm-up, and the median "
+                                                          "of 2 steps")
+    # a warm-up, or 3 steps (the median sets one slow step aside): not cold
+    assert _timed(1, 1)["derived"]["flags"] == _timed(0, 3)["derived"]["flags"] == []
+    warm = fake_record("ring", fwd=[[20.0] * 3] * 4, fwd_bwd=[[60.0] * 3] * 4)
+    assert [v.winner for v in verdicts([cold, warm])] == ["ring"]  # cold was faster
+    assert "cold: no warm-up" in report.summary([cold, warm])
