@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["--seqlen", "256", "--heads", "2", "--head-dim", "16", "--warmup", "0",
+SMALL = ["--seqlen", "256", "--heads", "2", "--head-dim", "16", "--warmup", "1",
          "--iters", "2", "--check"]
 
 
