@@ -263,9 +263,11 @@ def not_measured(record: dict[str, Any]) -> str | None:
 def cold(record: dict[str, Any]) -> list[str]:
     """A median the first, cold step can move: no warm-up, and under 3 timed steps (from 3 on
     the median sets one slow step aside)."""
-    timing, iters = record.get("timing"), record["config"]["run"].get("iters")
-    if not _measured(record) or not timing or timing["warmup"] or not record.get("samples_ms") \
-            or iters is None or iters >= 3:
+    timing = record.get("timing")
+    if not _measured(record) or not timing or timing["warmup"] or not record.get("samples_ms"):
+        return []
+    iters = (record["config"].get("run") or {}).get("iters")
+    if iters is None or iters >= 3:
         return []
     return [f"cold: no warm-up, and the median of {iters} step{'s' * (iters > 1)} holds the "
             f"first one's one-off costs (--warmup 1 or more)"]
