@@ -44,7 +44,7 @@ class Progress(logging.Handler):
     def _write(self, msg, record):
         transient = getattr(record, "transient", False)
         if transient and self.tty:  # one line, or \r no longer returns to its start
-            self.stream.write("\r\033[K" + msg[:terminal_width() - 1])
+            self.stream.write("\r\033[K" + fitted(msg, transient=True))
             self.pending = True
             self.stream.flush()
             return
@@ -53,12 +53,15 @@ class Progress(logging.Handler):
         if self.pending:
             self.stream.write("\r\033[K")
             self.pending = False
-        self.stream.write((folded(msg) if self.wrap else msg) + "\n")
+        self.stream.write((fitted(msg) if self.wrap else msg) + "\n")
         self.stream.flush()
 
 
-def folded(msg: str) -> str:
-    """``msg`` with each line over the width folded at spaces (``render.prose``)."""
+def fitted(msg: str, transient: bool = False) -> str:
+    """``msg`` within the terminal's width: a status line cut to one line (or ``\\r`` no longer
+    returns to its start), any other with each line folded at spaces (``render.prose``)."""
+    if transient:
+        return msg[:terminal_width() - 1]
     return "\n".join(prose(msg.split("\n")))
 
 

@@ -27,8 +27,7 @@ from cpbench.bench.plan import failure_record
 from cpbench.config import flag
 from cpbench.errors import UsageError
 from cpbench.launch import free_port
-from cpbench.report.console import folded
-from cpbench.report.render import terminal_width
+from cpbench.report.console import fitted
 from cpbench.sweep.config import Sweep, SweepCase
 
 # SIGTERM to SIGKILL: longer than torchrun's own worker shutdown (its agent gives workers
@@ -168,7 +167,7 @@ class _Console:
     def __call__(self, text: str, transient: bool = False) -> None:
         if transient and not self.tty:
             return
-        text = text[:terminal_width() - 1] if transient else folded(text)  # fits the terminal
+        text = fitted(text, transient)
         self.stream.write(("\r\033[K" if self.tty else "") + text + ("" if transient else "\n"))
         self.stream.flush()
 
