@@ -159,26 +159,26 @@ def in_collective() -> bool:
 
 
 class _Collective:
-    """Marks a collective (its post, or its wait) as ``in_collective``; given the buffer it
-    writes, counted before the post, leaves only once the process group has let go of it:
-    gloo's worker thread drops a finished collective (and the buffers it holds) a moment
-    after waking its caller, and buffers freed then, on that thread, at a time the scheduler
-    picks, made the CPU peak vary between runs by a buffer or two. Bounded: a backend that
-    holds on longer (NCCL until its watchdog looks; on a GPU the caching allocator decides
-    anyway) is not waited for."""
+    """Marks a collective (its post, or its wait) as ``in_collective``; given the buffers
+    this module made for it, counted before the post, leaves only once the process group has
+    let go of them: gloo's worker thread drops a finished collective (and the buffers it
+    holds) a moment after waking its caller, and buffers freed then, on that thread, at a
+    time the scheduler picks, made the CPU peak vary between runs by a buffer or two.
+    Bounded: a backend that holds on longer is not waited for. On a GPU nothing is counted
+    or waited for (the caching allocator decides when memory returns)."""
 
-    def __init__(self, out: torch.Tensor | None = None) -> None:
-        self.out, self.held = out, () if out is None else _holders(out)
+    def __init__(self, *buffers: torch.Tensor) -> None:
+        self.before = [(t, _holders(t)) for t in buffers if t.device.type == "cpu"]
 
     def __enter__(self) -> None:
         self.token = _INSIDE.set(True)
 
     def __exit__(self, *exc) -> None:
         _INSIDE.reset(self.token)
-        if self.out is None or self.out.device.type != "cpu" or exc[0] is not None:
+        if not self.before or exc[0] is not None:
             return
         deadline = time.monotonic() + 0.05
-        while any(now > was for now, was in zip(_holders(self.out), self.held)) \
+        while any(now > was for t, held in self.before for now, was in zip(_holders(t), held)) \
                 and time.monotonic() < deadline:
             time.sleep(0)
 
@@ -209,7 +209,7 @@ def all_to_all(x: torch.Tensor, group: Group, *, scatter_dim: int, gather_dim: i
     xs = xs.contiguous()
     out = torch.empty_like(xs)
     _record("a2a", group, nbytes(xs) * (n - 1) // n)
-    with _Collective(out):
+    with _Collective(out, xs):
         dist.all_to_all_single(out, xs, group=group.pg)  # in its dtype: what a GPU run sends
     # out[j] is member j's chunk, in x's dim order: lay the chunks side by side on gather_dim.
     return torch.cat(out.unbind(0), dim=gather_dim)
@@ -247,7 +247,9 @@ def all_gather_seq_async(x_bs: torch.Tensor, group: Group):
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _record("ag", group, nbytes(x) * (n - 1))  # to each of the n-1 others
     # in its own dtype (gloo gathers bf16 / fp16), as ring-flash-attn's gathers travel
-    let_go = _Collective(out)  # out's holders before the post (work holds it until dropped)
+    # out's holders before the post (the work holds it until dropped; x is the caller's,
+    # who may make views of it meanwhile; the work lets go of both at once)
+    let_go = _Collective(out)
     with _Collective():
         work = [dist.all_gather_into_tensor(out, x, group=group.pg, async_op=True)]
 
@@ -268,6 +270,6 @@ def reduce_scatter_seq(x_bs: torch.Tensor, group: Group) -> torch.Tensor:
     parts = x_bs.unflatten(1, (n, -1)).movedim(1, 0).contiguous()
     out = torch.empty(parts.shape[1:], dtype=x_bs.dtype, device=x_bs.device)
     _record("rs", group, nbytes(parts) * (n - 1) // n)
-    with _Collective(out):
+    with _Collective(out, parts):
         dist.reduce_scatter_tensor(out, parts.flatten(0, 1), group=group.pg)
     return out
