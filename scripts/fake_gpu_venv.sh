@@ -4,8 +4,9 @@
 # Python files without their CUDA build, and a stand-in for the compiled module
 # flash_attn_2_cuda. No GPU is used: fake CUDA tensors need a CUDA build, nothing more.
 # The registry has torch below 2.13 only as CUDA builds (several GB with their CUDA
-# libraries): pip keeps the wheels it downloads in its cache (~/.cache/pip), so a second
-# build on the same machine downloads nothing.
+# libraries), and pip's own cache keeps none of them here: the first build downloads torch and
+# what it needs into a wheel cache outside the checkout (CPBENCH_WHEEL_CACHE, default
+# ~/.cache/cpbench/wheels), later builds on the machine (CI's fresh clone too) install from it.
 # Usage: scripts/fake_gpu_venv.sh PYTHON VENV TORCH_VERSION
 set -euo pipefail
 PYTHON="${1:?usage: fake_gpu_venv.sh PYTHON VENV TORCH_VERSION}"
@@ -20,7 +21,13 @@ test -x "$PY" || "$PYTHON" -m venv "$VENV"
 "$PY" -m pip install -q "setuptools>=68" packaging
 # Pinned, and installed first: cpbench's torch range is then satisfied and pip never swaps it
 # for the CPU build (ensure_torch.sh's) or a newer CUDA wheel.
-"$PY" -m pip install -q "torch==$TORCH"
+WHEELS="${CPBENCH_WHEEL_CACHE:-$HOME/.cache/cpbench/wheels}/torch-$TORCH"
+if [[ ! -f "$WHEELS/.complete" ]]; then
+  echo "fake_gpu_venv: caching torch $TORCH and its CUDA libraries in $WHEELS (once)"
+  "$PY" -m pip download -q -d "$WHEELS" "torch==$TORCH"
+  touch "$WHEELS/.complete"
+fi
+"$PY" -m pip install -q --no-index --find-links "$WHEELS" "torch==$TORCH"
 "$PY" -m pip install -q -e '.[test]'
 "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH' or not torch.version.cuda)" \
   || { echo "fake_gpu_venv: torch is not the $TORCH CUDA build" >&2; exit 1; }
