@@ -98,6 +98,22 @@ def use_count(t: torch.Tensor) -> int | None:
     return None if count is None else int(count())
 
 
+def fake_store() -> Any:
+    """The store of torch's ``fake`` process group (the dry run's world of one real rank):
+    ``torch.testing._internal.distributed.fake_pg.FakeStore``, the same in 2.5-2.15."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def fake_tensor_mode() -> Any:
+    """Fake tensors that real ones may meet (a strategy's cached masks and indices):
+    ``FakeTensorMode(allow_non_fake_inputs=True)``, the same in 2.5-2.15."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
 # --- aten ops -------------------------------------------------------------------------------
 
 def aten_op_lacks(name: str, keywords: tuple[str, ...] = ()) -> str | None:
