@@ -148,8 +148,8 @@ def compare(a_records: list[dict], b_records: list[dict], *, alpha: float = 0.05
         raise UsageError(f"none of the {len(cases)} cases in both runs has a phase timed in "
                          f"both (failed or OOM); nothing to compare")
     why = {case.key: why_not(case) for case in cases}
-    uncompared = [Uncompared(case.label, case.key, phase, tuple(a), tuple(b), why[case.key])
-                  for case, phase, a, b in timed if why[case.key]]
+    uncompared = [Uncompared(case.label, case.key, phase, tuple(a), tuple(b), reason)
+                  for case, phase, a, b in timed if (reason := why[case.key])]
     pending = [t for t in timed if not why[t[0].key]]
     tests = _tests(pending, alpha, min_effect, seed, resamples) if pending else []
     parts: list[PartChange] = []

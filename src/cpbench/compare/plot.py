@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 
 from cpbench.compare import cells
-from cpbench.compare.analysis import NOT_COMPARABLE, PHASES, Comparison, PhaseTest
+from cpbench.compare.analysis import NOT_COMPARABLE, PHASES, Comparison, PhaseTest, Uncompared
 from cpbench.report.plot import require_matplotlib
 
 COLUMNS = 4  # panels per row: two cases' FWD and FWD+BWD
@@ -21,7 +21,8 @@ def plot(cmp: Comparison, path: str) -> None:
     """Write the distributions of every compared (case, phase) to ``path`` (format from its
     suffix)."""
     plt = require_matplotlib()
-    panels = [*cmp.tests, *cmp.uncompared]  # those not comparable: their times, no ratio
+    # those not comparable: their times, no ratio
+    panels: list[PhaseTest | Uncompared] = [*cmp.tests, *cmp.uncompared]
     cols = min(COLUMNS, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.3 * cols, 3.4 * rows), dpi=120,
