@@ -381,6 +381,22 @@ def test_a_case_in_one_line():
     assert outcome_line([ok, wrong, oom]) == "3 case(s): 2 done, 1 OOM; check: 1 PASS, 1 FAIL"
 
 
+def test_the_check_summary_names_the_flags_of_what_passed():
+    """A strategy that ran without CP (one rank doing the work) passes its check: the run's
+    line says so, as its table does."""
+    from cpbench.report.lines import outcome_line
+
+    passed = [{"tensor": "out", "max_abs": 1e-6, "max_rel": 1e-7, "passed": True}]
+    ok = fake_record("zigzag", check=passed)
+    cp_off = _with(fake_record("test-cp-off", check=passed),
+                   sizes={"world": [4] * 4, "cp": [1] * 4, "local_seqlen": [1024] * 4})
+    silent = _with(fake_record("ring", check=passed), comm=_comm([0] * 4, [0] * 4))
+    assert outcome_line([ok]) == "1 case(s): 1 done; check: 1 PASS"
+    assert outcome_line([ok, cp_off, silent]) == (
+        "3 case(s): 3 done; check: 3 PASS (2 flagged: test-cp-off: CP over 1 ranks, asked for "
+        "4 (+1 more); ring: FWD rank 0: sent 0 B, schedule says 100 B (+1 more))")
+
+
 def test_plot_draws_flagged_rates_as_marks_and_says_not_cp(bench):
     """A flagged row (guards: FWD above FWD+BWD) is no point on its line but a labelled mark
     at 0; so are rows whose timings do not measure CP (4 ranks on 2 cores), the title saying
