@@ -27,6 +27,12 @@ Apart from the flags, ``not_measured``: why a row's timings, honest as clock rea
 measure CP (ranks as threads on one device, ranks sharing cores, a machine others kept busy).
 Such a row keeps its times with the reason beside them, never wins, and has no CP efficiency
 or fraction of ideal printed.
+
+One rule for every printer (``withhold``): a flagged row, or one that does not measure CP,
+keeps its times and memory (facts of the machine) and withholds its figures derived as CP
+performance (``CP_FIGURES``: TFLOP/s, fraction of ideal, CP efficiency, the slowest rank);
+``results.derive`` moves them under ``derived.withheld``, so every table, line, plot and
+file prints "-" where the row's note says why, and no flag quotes a figure it withholds.
 """
 
 from __future__ import annotations
@@ -68,18 +74,22 @@ def _measured(record: dict[str, Any]) -> bool:
 
 def peak_flags(record: dict[str, Any], derived: dict[str, Any]) -> list[str]:
     """"impossible: above peak" where a measured phase's TFLOP/s per device exceeds it (BWD
-    only where it was timed on its own, not an old record's difference of medians)."""
+    only where it was timed on its own, not an old record's difference of medians). The flag
+    quotes the phase's time and the least the peak allows, never the rate it withholds."""
     if not _measured(record):
         return []
     dtype = record["config"]["attention"].get("dtype")
     peak = peak_tflops((record.get("env") or {}).get("device_name"), dtype)
     if peak is None:
         return []
-    return [f"impossible: above peak ({phase} {rate:.0f} TFLOP/s per device > {peak:g} "
-            f"{dtype} dense)" for phase, rate in (("FWD", derived.get("fwd_tflops")),
-                                                  ("BWD", derived.get("bwd_tflops")),
-                                                  ("FWD+BWD", derived.get("fwd_bwd_tflops")))
-            if rate is not None and rate > peak]
+    found = []
+    for phase, rate, ms in (("FWD", "fwd_tflops", "fwd_ms"), ("BWD", "bwd_tflops", "bwd_ms"),
+                            ("FWD+BWD", "fwd_bwd_tflops", "fwd_bwd_ms")):
+        if derived.get(rate) is not None and derived[rate] > peak:
+            least = derived[ms] * derived[rate] / peak  # the time at the device's peak
+            found.append(f"impossible: above peak ({phase} {derived[ms]:.3g} ms, under the "
+                         f"{least:.3g} ms its {peak:g} TFLOP/s {dtype} dense peak allows)")
+    return found
 
 
 def unguarded(records: list[dict[str, Any]]) -> list[str]:
@@ -146,16 +156,16 @@ def size_flags(record: dict[str, Any]) -> list[str]:
 def _beyond(value: float, bound: float, interval: tuple[float, float] | None, what: str,
             above: bool = True) -> str | None:
     """A flag when ``value`` is past ``bound`` (above, or below with ``above=False``): its
-    interval wholly past it, impossible; else too noisy to quote."""
+    interval wholly past it, impossible; else too noisy to quote. ``what`` says it in
+    figures the row keeps (times): the flag quotes no figure it withholds."""
     past = value > bound if above else value < bound
     if not past:
         return None
     if interval is None:
         return f"{what}: impossible"
     wholly = interval[0] > bound if above else interval[1] < bound
-    span = f"[{_pct(interval[0])}, {_pct(interval[1])}]"
-    return (f"{what}, its interval {span} wholly past it: impossible" if wholly else
-            f"{what}, within its interval {span}: too noisy to quote")
+    return (f"{what}, its 95 % interval wholly past it: impossible" if wholly else
+            f"{what}, within its 95 % interval: too noisy to quote")
 
 
 def _pct(x: float) -> str:
@@ -198,18 +208,24 @@ def _ideal_flags(record: dict[str, Any], derived: dict[str, Any]) -> list[str]:
     steps = _iterations(record, phase)
     ideal_ms = ideal["fwd_ms"] + ((ideal.get("bwd_ms") or 0) if phase == "fwd_bwd" else 0)
     interval = metrics.bootstrap_ratio([ideal_ms], steps) if steps and ideal_ms > 0 else None
-    flag = _beyond(fraction, 1.0, interval, f"fraction of ideal {_pct(fraction)} above 100 % "
-                                            f"(faster than its kernel blocks alone)")
+    flag = _beyond(fraction, 1.0, interval,
+                   f"fraction of ideal above 100 % ({phase.upper().replace('_', '+')} "
+                   f"{derived[phase + '_ms']:.2f} ms, faster than its kernel blocks alone: "
+                   f"{ideal_ms:.2f} ms)")
     return [flag] if flag else []
 
 
 def efficiency_flag(efficiency: float, interval: tuple[float, float] | None,
-                    imbalance: float | None = None) -> str | None:
+                    imbalance: float | None, times: tuple[str, float, float, int]) -> str | None:
     """A CP efficiency above what the row's balance allows: 1 / imbalance (the slowest rank
-    computes ``imbalance`` × the mean share; 100 % when balanced)."""
+    computes ``imbalance`` × the mean share; 100 % when balanced). ``times``: (phase, the
+    row's time, its baseline's, N), the figures the flag quotes in place of the efficiency."""
     bound = 1.0 / imbalance if imbalance and imbalance > 1 else 1.0
-    what = (f"CP efficiency {_pct(efficiency)} above {_pct(bound)}" +
-            (f" (1 / imbalance {imbalance:.2f})" if bound < 1 else ""))
+    phase, t_cp, t_base, n = times
+    least = t_base / (n * bound)  # the time at that efficiency
+    what = (f"CP efficiency above {_pct(bound)} ({phase} {t_cp:.2f} ms, under the "
+            f"{least:.2f} ms that the baseline's {t_base:.2f} ms over {n} ranks allows"
+            + (f" at imbalance {imbalance:.2f})" if bound < 1 else ")"))
     return _beyond(efficiency, bound, interval, what)
 
 
@@ -278,3 +294,31 @@ def flags(record: dict[str, Any], derived: dict[str, Any]) -> list[str]:
     sections: only what their figures show)."""
     return (peak_flags(record, derived) + contradictions(record, derived)
             + comm_flags(record.get("comm")) + size_flags(record) + cold(record))
+
+
+# -- the one rule every printer applies ------------------------------------------------------
+
+# the figures derived as CP performance: none of them is quoted for a flagged row or one whose
+# timings do not measure CP (times and memory are facts of the machine: they stay)
+CP_FIGURES = ("fwd_tflops", "bwd_tflops", "fwd_bwd_tflops", "fraction_of_ideal",
+              "fraction_of_ideal_fwd", "slowest_rank_fwd", "slowest_rank_fwd_bwd",
+              "cp_efficiency", "cp_efficiency_low", "cp_efficiency_high")
+
+
+def withheld_reason(derived: dict[str, Any]) -> str | None:
+    """Why a row's CP figures are withheld: its flags, or why it does not measure CP."""
+    reasons = [*(derived.get("flags") or ()), *filter(None, [derived.get("not_measured")])]
+    return "; ".join(reasons) or None
+
+
+def withhold(derived: dict[str, Any]) -> dict[str, Any]:
+    """``derived`` with its CP figures (``CP_FIGURES``) moved under ``withheld`` where the
+    row is flagged or does not measure CP: a reader of the record sees them marked, and
+    every printer reads None ("-")."""
+    if not withheld_reason(derived):
+        return derived
+    out = dict(derived)
+    kept = {k: out.pop(k) for k in CP_FIGURES if out.get(k) is not None}
+    if kept:
+        out["withheld"] = kept
+    return out

@@ -49,7 +49,9 @@ A record holds what is needed to re-run it and to recompute every figure printed
   ``load`` (how busy others kept rank 0's host while the case timed: ``bench.load``) and
   ``estimate`` (what the case was estimated to take before it ran: ``bench.estimate``).
   ``derived.not_measured``: why the row's timings do not measure CP (``guards.not_measured``:
-  ranks sharing cores, a busy host), or null.
+  ranks sharing cores, a busy host), or null. Where a row is flagged or does not measure CP,
+  its figures derived as CP performance (TFLOP/s, fraction of ideal, the slowest rank) are
+  not among ``derived``'s figures but under ``derived.withheld`` (``guards.withhold``).
 The mask is part of the problem: ``config.attention.documents`` (the lengths) and
 ``window_size``; ``derived.flops_counted`` says whether FLOPs come from the seeds' formula
 (plain causal / full) or the exact attended pairs (documents, windows).
@@ -260,7 +262,7 @@ def derive(record: dict[str, Any]) -> dict[str, Any]:
     out = _figures(record)
     out["not_measured"] = guards.not_measured(record)
     out["flags"] = guards.flags(record, out)
-    return out
+    return guards.withhold(out)  # a flagged or not-CP row's CP figures under "withheld"
 
 
 def _figures(record: dict[str, Any]) -> dict[str, Any]:

@@ -11,8 +11,13 @@ has no send / recv. ``ThreadedGroup`` keeps its data movers and its per-thread w
   has the last member to arrive move the data, so a collective is complete once every member
   has posted it;
 - sends through a mailbox: a send copies its tensor at once (its buffer is free at once),
-  the matching receive (the n-th from that peer, group and tag) copies the message into its
-  buffer when waited on; ``batch_isend_irecv`` posts them one by one;
+  the matching receive (the n-th from that peer, group and tag in this case) copies the
+  message into its buffer when waited on; ``batch_isend_irecv`` posts them one by one. The
+  mailbox is strict where NCCL is not (on a GPU a mismatch corrupts data, silently): a
+  buffer of another shape or dtype than its message raises, naming both ranks, shapes and
+  dtypes; messages are keyed by the case (``threadmail.begin_case``), so none crosses to the
+  next case on the groups a run keeps; ``threadmail.end_case`` fails the case whose mail was
+  left undelivered or whose receives never completed;
 - waits at most the group's timeout (``set_timeout``, which ``topology.set_timeout`` calls),
   then raises ``CollectiveError`` naming the waiting rank, the op, the group and the ranks
   that never came; a mismatched op (one rank's all_gather against another's all_reduce)
@@ -181,7 +186,7 @@ class _Received(dist.Work):
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self.copied:
             return True
-        g, (_, src, _, tag, n) = self.group, self.key
+        g, (_, src, _, tag, _, n) = self.group, self.key
         what = f"recv from rank {g.global_rank(src)} on ranks {g.members()} (tag {tag})"
         why = self.world.wait_for(g, lambda: self.key in self.world.mail,
                                   lambda: f"message {n + 1} from rank {g.global_rank(src)} "
@@ -190,6 +195,13 @@ class _Received(dist.Work):
             raise CollectiveError(f"rank {g.global_rank(g.rank())}: {what}: {why}")
         with self.world.cond:
             message = self.world.mail.pop(self.key)
+        self.group.waiting.discard(self)
+        if message.shape != self.buf.shape or message.dtype != self.buf.dtype:
+            raise CollectiveError(
+                f"rank {g.global_rank(g.rank())}: {what}: rank {g.global_rank(src)} sent "
+                f"{tuple(message.shape)} {message.dtype}, the buffer is "
+                f"{tuple(self.buf.shape)} {self.buf.dtype}: a receive's buffer must match "
+                f"its message (NCCL does not check; on a GPU this corrupts data)")
         self.buf.copy_(message)
         _stream_done([self.buf])  # the copy is done before the message is freed
         self.copied = True
@@ -223,6 +235,7 @@ class ThreadedGroup(mt.ProcessLocalGroup):
         self.posted = 0
         self._sent: collections.Counter = collections.Counter()
         self._received: collections.Counter = collections.Counter()
+        self.waiting: set[_Received] = set()  # receives posted, not yet copied
 
     keeps_own_timeout = True  # topology.set_timeout calls set_timeout (torch's setter cannot)
 
@@ -272,7 +285,8 @@ class ThreadedGroup(mt.ProcessLocalGroup):
         return self._post("barrier", _Nothing(), None)
 
     def send(self, tensors, dst: int, tag: int = 0):
-        key = (self.pg_name, self.rank(), dst, tag)
+        # keyed by the case: a message never reaches a receive of another case
+        key = (self.pg_name, self.rank(), dst, tag, case())
         self._sent[key] += 1
         message = tensors[0].detach().clone()
         _stream_done([message])  # copied before another thread reads it
@@ -282,9 +296,11 @@ class ThreadedGroup(mt.ProcessLocalGroup):
         return _Sent()
 
     def recv(self, tensors, src: int, tag: int = 0):
-        key = (self.pg_name, src, self.rank(), tag)
+        key = (self.pg_name, src, self.rank(), tag, case())
         self._received[key] += 1
-        return _Received(self.world, self, (*key, self._received[key] - 1), tensors[0])
+        work = _Received(self.world, self, (*key, self._received[key] - 1), tensors[0])
+        self.waiting.add(work)
+        return work
 
     def recv_anysource(self, tensors, tag: int = 0):
         raise CollectiveError("the threaded process group receives from a named rank only")
@@ -360,6 +376,20 @@ def leave_world(why: str) -> None:
     """This rank gives up on its world (every wait in it fails) and will form the next."""
     _local.launch.world(_local.generation).abort(why)
     _local.generation += 1
+
+
+def case() -> int:
+    """The case this rank thread is in (``threadmail.begin_case``); its messages' key."""
+    return getattr(_local, "case", 0)
+
+
+def set_case(index: int) -> None:
+    _local.case = index
+
+
+def current_world() -> World:
+    """This rank thread's world (its formation of the process group)."""
+    return _local.launch.world(_local.generation)
 
 
 def finish() -> None:

@@ -47,18 +47,54 @@ def test_a_strategy_that_sends_nothing_is_flagged_and_never_wins(tmp_path):
     assert cp_off["sizes"] == {"world": [2, 2], "cp": [1, 1], "local_seqlen": [256, 256]}
     assert cp_off["derived"]["flags"] == ["CP over 1 ranks, asked for 2",
                                           "the shards hold 512 tokens, the 1 problem(s) 256"]
+    # the flagged rows marked [n] (their reasons numbered under the table), after any marks
+    # of the machine's load while it ran
     table = run.stdout[run.stdout.index("Benchmark Summary:"):]
-    # the flagged rows marked [n], the reasons numbered under the table (narrow by default)
-    assert re.search(r"^ +test-silent-zigzag \[1,2\] +\|", table, re.M)
-    assert "\n[1] FWD rank 0: sent 0 B, schedule says" in table
-    best = _cpbench("report", str(out), "--best")
-    assert best.returncode == 0, best.stderr
-    ranked = best.stdout.split("not ranked:")[0]
-    assert "test-silent-zigzag" not in ranked
-    # zigzag wins, unless the machine's load or shared cores kept it from measuring CP
-    assert ("zigzag" in ranked) == (zigzag["derived"]["not_measured"] is None)
-    assert "not ranked: test-silent-zigzag" in best.stdout
-    assert "test-cp-off" not in ranked and "not ranked: test-cp-off" in best.stdout
+    assert re.search(r"^ +test-silent-zigzag \[\d+,\d+(,\d+)?\] +\|", table, re.M)
+    assert re.search(r"\n\[\d\] FWD rank 0: sent 0 B, schedule says", table)
+    # report --best on these records, as an idle and as a busy machine's meter would have
+    # read them (the stubbed load section): both paths run on any host
+    for load, zigzag_wins in ((IDLE, True), (BUSY, False)):
+        stubbed = _stubbed(out, tmp_path / "stubbed.jsonl", load)
+        best = _cpbench("report", str(stubbed), "--best")
+        assert best.returncode == 0, best.stderr
+        ranked = best.stdout.split("not ranked:")[0]
+        assert "test-silent-zigzag" not in ranked and "test-cp-off" not in ranked
+        table = _cpbench("report", str(stubbed)).stdout  # the marks: the flags' alone
+        assert re.search(r"^ +test-silent-zigzag \[1,2\] +\|", table, re.M)
+        assert "\n[1] FWD rank 0: sent 0 B, schedule says" in table
+        assert "not ranked: test-silent-zigzag" in best.stdout
+        assert "not ranked: test-cp-off" in best.stdout
+        assert ("zigzag" in ranked) == zigzag_wins
+        assert ("not ranked: zigzag" in best.stdout) == (not zigzag_wins)
+
+
+# what rank 0's load meter records over a case: idle, and two busy loops on the 2 cores
+IDLE = {"foreign_cpu_s": 0.0, "wall_s": 10.0, "cpus": 2, "share": 0.0, "ranks_cores": 2}
+BUSY = {"foreign_cpu_s": 19.0, "wall_s": 10.0, "cpus": 2, "share": 0.95, "ranks_cores": 2}
+
+
+def _stubbed(path: Path, to: Path, load: dict) -> Path:
+    """The run's records as a 2-core machine with ``load`` would have written them: the
+    guards read the record's ``load`` and cores (``guards.not_measured``), not the host."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in records:
+        r["load"] = load
+        r["env"]["cpus_usable"] = 2  # the 2 ranks on one host: one core each
+    to.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return to
+
+
+def test_a_cp_off_strategy_that_passes_its_check_is_named_in_the_summary():
+    """Ranks as threads: the CP-off strategy computes the right answer (each rank the whole
+    problem), its check passes, and the run's last line names its flag."""
+    run = _cpbench("run", "--launcher", "threads", "--strategy", "test-cp-off", "--nproc",
+                   "2", "--check", *SMALL, "--out", "none")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 case(s): 1 done; check: 1 PASS (1 flagged: test-cp-off: CP over 1 ranks, " \
+           "asked for 2 (+1 more))" in run.stdout
+
+
 
 
 def test_every_cp_row_prints_its_fraction_of_ideal(tmp_path):
@@ -69,23 +105,26 @@ def test_every_cp_row_prints_its_fraction_of_ideal(tmp_path):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     for r in records:  # the slowest rank's blocks, as declared, each timed once
         assert r["ideal"]["rank"] in (0, 1) and r["ideal"]["fwd_ms"] > 0
-        assert 0 < r["derived"]["fraction_of_ideal"] < 10
+        fraction = {**r["derived"], **r["derived"].get("withheld", {})}["fraction_of_ideal"]
+        assert 0 < fraction < 10  # kept, under a mark where the row withholds it
     # each detail block: the fraction, or why the row's timings do not measure CP
     assert run.stdout.count("  - Fraction of Ideal: ") + \
         run.stdout.count("  - Not Measuring CP: ") == 2
-    table = run.stdout[run.stdout.index("Benchmark Summary:"):].splitlines()
-    header = [c.strip() for c in table[3].split("|")]  # under the shared columns' line
-    assert "Ideal (%)" in header  # the narrow table's name, the unit in the header
-    col = header.index("Ideal (%)")
-    # a figure, or "-" where the row's timings do not measure CP (a machine others load)
-    shown = [r["derived"]["not_measured"] is None for r in records]
-    for line, measured in zip(table[5:7], shown):
-        cell = [c.strip() for c in line.split("|")][col]
-        assert (0 < float(cell) < 1000) if measured else cell == "-"
-    md = _cpbench("report", str(out), "--format", "markdown").stdout.splitlines()
-    header = [c.strip() for c in md[0].split("|")]
-    # beside the CP efficiency
-    assert header.index("CP Efficiency (%)") == header.index("Fraction of Ideal (%)") + 1
-    for line, measured in zip(md[2:4], shown):
-        cell = line.split("|")[header.index("Fraction of Ideal (%)")].strip()
-        assert (float(cell) > 0) if measured else cell == "-"
+    # the records re-rendered as an idle and as a busy machine's meter would have read them
+    for load, measured in ((IDLE, True), (BUSY, False)):
+        stubbed = _stubbed(out, tmp_path / "stubbed.jsonl", load)
+        table = _cpbench("report", str(stubbed)).stdout
+        table = table[table.index("Benchmark Summary:"):].splitlines()
+        header = [c.strip() for c in table[3].split("|")]  # under the shared columns' line
+        assert "Ideal (%)" in header  # the narrow table's name, the unit in the header
+        col = header.index("Ideal (%)")
+        for line in table[5:7]:
+            cell = [c.strip() for c in line.split("|")][col]
+            assert (0 < float(cell) < 1000) if measured else cell == "-"
+        md = _cpbench("report", str(stubbed), "--format", "markdown").stdout.splitlines()
+        header = [c.strip() for c in md[0].split("|")]
+        # beside the CP efficiency
+        assert header.index("CP Efficiency (%)") == header.index("Fraction of Ideal (%)") + 1
+        for line in md[2:4]:
+            cell = line.split("|")[header.index("Fraction of Ideal (%)")].strip()
+            assert (float(cell) > 0) if measured else cell == "-"

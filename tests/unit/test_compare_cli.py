@@ -5,6 +5,7 @@ machine): a shuffled copy is the same, a ×1.2 copy is slower, bad input is one 
 import copy
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,51 @@ def test_a_baseline_timed_at_both_ends_of_a_run_pools_its_samples():
     assert pooled["samples_ms"]["fwd"] == [[1.0, 2.0, 3.0], [1.5, 2.5, 3.5]]
     alone, = match.latest([first, last, other_run]).values()  # a later run replaces it
     assert alone["samples_ms"]["fwd"] == [[9.0], [9.5]]
+
+
+# a load section as rank 0's meter reads it with two busy loops on the 2 cores
+BUSY = {"foreign_cpu_s": 19.0, "wall_s": 10.0, "cpus": 2, "share": 0.95, "ranks_cores": 2}
+
+
+def _busy(records: list[dict], which=lambda r: True) -> list[dict]:
+    out = copy.deepcopy(records)
+    for r in out:
+        if which(r):
+            r["load"] = BUSY
+    return out
+
+
+def test_runs_that_do_not_measure_cp_get_no_verdict_and_say_why(tmp_path, capsys):
+    """Both runs timed while others kept the cores busy: a ×1.2 copy, slower on an idle
+    machine, is not comparable, each row saying why; the findings count them."""
+    a = _write(tmp_path / "a.jsonl", _busy(_records()))
+    b = _write(tmp_path / "b.jsonl", _busy(_map_samples(_records(), _scaled(1.2))))
+    assert cpbench_compare(a, b) == 0
+    out = capsys.readouterr().out
+    assert "slower 0, faster 0, same 0, unclear 0, insufficient 0, not comparable 6" in out
+    # each row marked with its reasons, numbered under the table
+    assert len(re.findall(r"\[S=1K\] \[1,2\] .*\| not comparable", out)) == 6
+    assert "[1] A: others kept 1.9 of 2 cores busy: timings do not measure CP\n" in out
+    assert "[2] B: others kept 1.9 of 2 cores busy: timings do not measure CP\n" in out
+    assert "6 (case, phase)s are not comparable" in out
+    rows = _json(capsys, a, b)
+    assert len(rows) == 6 and {r["verdict"] for r in rows} == {"not comparable"}
+    for r in rows:  # the times are kept, no ratio is given
+        assert r["ratio"] is None and r["median_b_ms"] == pytest.approx(1.2 * r["median_a_ms"])
+        assert r["reason"].startswith("A: others kept 1.9 of 2 cores busy: timings do not "
+                                      "measure CP; B: others kept")
+    assert cpbench_compare(a, b, "--format", "markdown") == 0
+    assert "*not comparable*" in capsys.readouterr().out
+
+
+def test_one_busy_side_leaves_the_other_cases_tested(tmp_path, capsys):
+    """B's zigzag alone timed on a busy machine: its rows are not comparable, the others get
+    their verdicts (slower, the ×1.2), Holm over those alone."""
+    b_records = _busy(_map_samples(_records(), _scaled(1.2)),
+                      lambda r: r["config"]["strategy"] == "zigzag")
+    b = _write(tmp_path / "b.jsonl", b_records)
+    rows = _json(capsys, FIXTURE, b)
+    by = {(r["case"].split()[0], r["phase"]): r for r in rows}
+    assert {by[("zigzag", p)]["verdict"] for p in ("fwd", "fwd_bwd")} == {"not comparable"}
+    assert by[("zigzag", "fwd")]["reason"].startswith("B: others kept 1.9 of 2 cores busy")
+    assert {r["verdict"] for k, r in by.items() if k[0] != "zigzag"} == {"slower"}

@@ -99,10 +99,15 @@ def test_max_minutes_must_not_be_negative():
         RunConfig(strategy=("zigzag",), max_minutes=-1)
 
 
-def test_the_probe_measures_this_machine():
-    rate = estimate.probe("sdpa-cpu", "cpu", "fp32", 2, 2, 16, 256)
-    assert rate.side == 256 and rate.fwd > 1e6 and rate.bwd > 1e6  # FLOP/s, from a clock
-    assert rate.threads == 1  # on one thread
+def test_the_probe_is_the_blocks_flops_over_its_second_calls_times():
+    """The real kernel on a 256-block, read on a stub clock: the first call (its set-up)
+    takes 1 s a phase, the second 10 ms forward and 25 ms backward."""
+    ticks = iter([0.0, 1.0, 2.0, 10.0, 10.010, 10.035])
+    rate = estimate.probe("sdpa-cpu", "cpu", "fp32", 2, 2, 16, 256, clock=lambda: next(ticks))
+    # 4 · 256² pairs · 2 heads · 16 = 8 388 608 FLOPs forward, 2.5 × that backward
+    assert rate.fwd == pytest.approx(8_388_608 / 0.010)
+    assert rate.bwd == pytest.approx(2.5 * 8_388_608 / 0.025)
+    assert rate.side == 256 and rate.threads == 1  # on one thread
     assert estimate.probe_side("cpu", 8, 64, 0.3, 1 << 20) == 1024
     assert estimate.probe_side("cpu", 8, 64, 0.3, 300) == 300  # never past the case's block
 

@@ -381,9 +381,26 @@ def test_a_case_in_one_line():
     assert outcome_line([ok, wrong, oom]) == "3 case(s): 2 done, 1 OOM; check: 1 PASS, 1 FAIL"
 
 
+def test_the_check_summary_names_the_flags_of_what_passed():
+    """A strategy that ran without CP (one rank doing the work) passes its check: the run's
+    line says so, as its table does."""
+    from cpbench.report.lines import outcome_line
+
+    passed = [{"tensor": "out", "max_abs": 1e-6, "max_rel": 1e-7, "passed": True}]
+    ok = fake_record("zigzag", check=passed)
+    cp_off = _with(fake_record("test-cp-off", check=passed),
+                   sizes={"world": [4] * 4, "cp": [1] * 4, "local_seqlen": [1024] * 4})
+    silent = _with(fake_record("ring", check=passed), comm=_comm([0] * 4, [0] * 4))
+    assert outcome_line([ok]) == "1 case(s): 1 done; check: 1 PASS"
+    assert outcome_line([ok, cp_off, silent]) == (
+        "3 case(s): 3 done; check: 3 PASS (2 flagged: test-cp-off: CP over 1 ranks, asked for "
+        "4 (+1 more); ring: FWD rank 0: sent 0 B, schedule says 100 B (+1 more))")
+
+
 def test_plot_draws_flagged_rates_as_marks_and_says_not_cp(bench):
     """A flagged row (guards: FWD above FWD+BWD) is no point on its line but a labelled mark
-    at 0; rows whose timings do not measure CP (4 ranks on 2 cores) say so in the title."""
+    at 0; so are rows whose timings do not measure CP (4 ranks on 2 cores), the title saying
+    why."""
     pytest.importorskip("matplotlib")
     import copy
 
@@ -399,8 +416,11 @@ def test_plot_draws_flagged_rates_as_marks_and_says_not_cp(bench):
         plt.close(fig)
         return texts, points, title
 
+    # 4 ranks on 2 cores: no rate is a point (guards.withhold), each case a mark; the
+    # baseline, timed at both ends beyond their spread, is flagged (drifted)
     texts, points, title = drawn(bench)
-    assert "flagged" not in texts and "timings do not measure CP (4 ranks share 2 cores)" in title
+    assert points == 0 and "timings do not measure CP (4 ranks share 2 cores)" in title
+    assert texts.count("not CP") == 16 and texts.count("flagged") == 1
     records = copy.deepcopy(bench)
     zigzag = next(r for r in records if r["config"]["strategy"] == "zigzag")
     samples = zigzag["samples_ms"]
@@ -408,5 +428,6 @@ def test_plot_draws_flagged_rates_as_marks_and_says_not_cp(bench):
     for r in records:
         r["env"]["cpus_usable"] = 16
     texts2, points2, title2 = drawn(records)
-    assert texts2.count("flagged") == 1 and points2 == points - 1
+    # measured: the 16 CP cases are points but zigzag, now flagged beside the baseline
+    assert texts2.count("flagged") == 2 and "not CP" not in texts2 and points2 == 15
     assert "do not measure CP" not in title2

@@ -208,6 +208,17 @@ class Agreement:
         self.error = f"rank {rank}: {msg}; then a collective failed ({broke})"
 
 
+def first_traceback(*phases: Agreement | None) -> str | None:
+    """The traceback of the first phase that failed (an OOM keeps none)."""
+    return next((ph.traceback for ph in phases
+                 if ph is not None and ph.status == results.FAILED), None)
+
+
+def usable(*phases: Agreement | None) -> bool:
+    """Whether every phase given went well and left the group usable."""
+    return all(ph is None or (ph.status == results.OK and not ph.broken) for ph in phases)
+
+
 def cleanup() -> None:
     """Free what a failed or finished phase left (before the next allocation)."""
     gc.collect()

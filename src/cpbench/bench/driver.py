@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from cpbench import kernels, metrics, results, strategies, topology
+from cpbench import kernels, metrics, results, strategies, threadmail, topology
 from cpbench.bench import (
     agreement,
     ideal,
@@ -254,16 +254,6 @@ class _CaseRun:
         return prof, profiling.section(everyone, paths)
 
 
-def _traceback(*phases: agreement.Agreement | None) -> str | None:
-    """The traceback of the first phase that failed (an OOM keeps none)."""
-    return next((ph.traceback for ph in phases
-                 if ph is not None and ph.status == results.FAILED), None)
-
-
-def _usable(*phases: agreement.Agreement | None) -> bool:
-    return all(ph is None or (ph.status == results.OK and not ph.broken) for ph in phases)
-
-
 def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, store=None,
              key: str = "", prefix: str = "", index: int = 1) -> tuple[dict, str | None]:
     """Every phase of case ``index`` (1-based) on this rank (collective): (the record,
@@ -277,6 +267,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     # once, as on gloo)
     grace_s = grace_s if p.run.device == "cpu" or not p.timed else None
     topology.set_timeout(timeout_s)
+    threadmail.begin_case()  # ranks as threads: this case's messages are its own
     who = (case.label, p.keys()[index - 1])  # what a failing rank names (bench.failures)
     phase = agreement.Agreement(p.run.device, store, key, grace_s, who)
     c = _CaseRun(p, case, rank, phase, lambda text: None, grace_s, timeout_s,
@@ -295,14 +286,15 @@ def _phases(c: _CaseRun, env: dict, ref_cache: dict, store, key: str, index: int
     checks = c.check(ref_cache) if p.run.check and not case.round else None
     samples, step = c.time(store, key)
     comm, sizes = c.comm()
+    phase(threadmail.end_case)  # ranks as threads: no mail left undelivered
     # ranks as threads: nothing timed, nothing measured (guards.not_measured)
-    mem, memory_bytes = c.memory(step, store, key) if _usable(phase) and p.timed \
+    mem, memory_bytes = c.memory(step, store, key) if agreement.usable(phase) and p.timed \
         else (None, None)
     # a failed memory step leaves the group usable (it is agreed on); a broken one does not
-    ideal_ph, ideal_section = c.ideal(store, key) if _usable(phase) and p.timed and not (
+    ideal_ph, ideal_section = c.ideal(store, key) if agreement.usable(phase) and p.timed and not (
         mem and mem.broken) else (None, None)
     prof, profile = c.profile(step, store, key, index) \
-        if p.run.profile and _usable(phase) and not any(
+        if p.run.profile and agreement.usable(phase) and not any(
             ph and ph.broken for ph in (mem, ideal_ph)) else (None, None)
     ranks_per_problem = c.strat.ranks_per_problem if c.strat is not None else p.world_size
     balance = c.strat.balance() if c.strat is not None and rank == 0 else None
@@ -313,7 +305,7 @@ def _phases(c: _CaseRun, env: dict, ref_cache: dict, store, key: str, index: int
         strategy=case.strategy, options=case.options, attention=p.attn_of(case), run=p.run,
         kernel=p.kernel_of(case), world_size=p.world_size, ranks_per_node=p.ranks_per_node,
         ranks_per_problem=ranks_per_problem, env=env, status=phase.status,
-        error=phase.error, traceback=_traceback(phase, mem, prof), resolved=resolved,
+        error=phase.error, traceback=agreement.first_traceback(phase, mem, prof), resolved=resolved,
         check=checks, upstream=upstream,
         samples_ms=samples if any(samples.values()) else None, memory_bytes=memory_bytes,
         memory_status=mem.status if mem is not None else None,

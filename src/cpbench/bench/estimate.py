@@ -26,7 +26,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -84,9 +84,10 @@ class Estimate:
 
 
 def _block_seconds(backend, device: str, side: int, heads: int, kv_heads: int,
-                   head_dim: int, dtype: torch.dtype) -> tuple[float, float]:
+                   head_dim: int, dtype: torch.dtype,
+                   clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
     """(forward s, backward s) of one full block: its second call (the first pays the
-    kernel's set-up)."""
+    kernel's set-up), read on ``clock`` (a test gives its own)."""
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(h):
@@ -98,15 +99,15 @@ def _block_seconds(backend, device: str, side: int, heads: int, kv_heads: int,
     for i in range(2):
         if device == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = clock()
         out, lse = backend.forward(q, k, v, causal=False, softmax_scale=scale)
         if device == "cuda":
             torch.cuda.synchronize()
-        t1 = time.perf_counter()
+        t1 = clock()
         backend.backward(dout, q, k, v, out, lse, causal=False, softmax_scale=scale)
         if device == "cuda":
             torch.cuda.synchronize()
-        t2 = time.perf_counter()
+        t2 = clock()
         if i:  # the first call pays the kernel's set-up
             best = (min(best[0], t1 - t0), min(best[1], t2 - t1))
     return best
@@ -122,7 +123,7 @@ def probe_side(device: str, heads: int, head_dim: int, target_s: float, largest:
 
 @functools.lru_cache(maxsize=64)
 def probe(kernel: str, device: str, dtype: str, heads: int, kv_heads: int, head_dim: int,
-          side: int) -> Rate:
+          side: int, clock: Callable[[], float] = time.perf_counter) -> Rate:
     """The kernel's FLOP/s on one full block of ``side`` (cached per process). On CPU on one
     thread: a rank's share is then counted in cores (``Machine.share``), and a parallel
     region's threads waiting on each other while other work holds a core, which the ranks'
@@ -133,7 +134,7 @@ def probe(kernel: str, device: str, dtype: str, heads: int, kv_heads: int, head_
         torch.set_num_threads(1)
     try:
         t_fwd, t_bwd = _block_seconds(backend, device, side, heads, kv_heads, head_dim,
-                                      DTYPES[dtype])
+                                      DTYPES[dtype], clock)
     finally:
         torch.set_num_threads(threads)
     fwd = metrics.pairs_flops(side * side, batch=1, heads=heads, head_dim=head_dim)

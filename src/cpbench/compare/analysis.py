@@ -1,5 +1,7 @@
 """One comparison of run A with run B: match the cases, test every (case, phase), correct the
-p-values across all of them, judge each, and compare the profiles where both runs have one."""
+p-values across all of them, judge each, and compare the profiles where both runs have one.
+A case either side of which is flagged or does not measure CP (the guards' one rule,
+``guards.withhold``) is not tested: "not comparable", with the reason."""
 
 from __future__ import annotations
 
@@ -8,12 +10,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cpbench import metrics, rounds
+from cpbench import guards, metrics, rounds
 from cpbench.compare import match, stats
 from cpbench.compare.profile import PartChange, compare_parts, ranked
 from cpbench.errors import UsageError
 from cpbench.report.tables import case_text
-from cpbench.results import OK
+from cpbench.results import OK, derive
 
 PHASES = {"fwd": "FWD", "fwd_bwd": "FWD+BWD"}  # record key → the name the tables print
 
@@ -46,6 +48,29 @@ class PhaseTest:
         return float(np.median(self.samples_b))
 
 
+NOT_COMPARABLE = "not comparable"
+
+
+@dataclass(frozen=True)
+class Uncompared:
+    """One (case, phase) timed in both runs whose either side is flagged or does not measure
+    CP (``guards.withheld_reason``): its times are shown, no ratio, test or verdict."""
+    case: str
+    key: str
+    phase: str
+    samples_a: tuple[float, ...]
+    samples_b: tuple[float, ...]
+    reason: str
+
+    @property
+    def median_a(self) -> float:
+        return float(np.median(self.samples_a))
+
+    @property
+    def median_b(self) -> float:
+        return float(np.median(self.samples_b))
+
+
 @dataclass(frozen=True)
 class Comparison:
     """Everything a report of the comparison prints."""
@@ -59,6 +84,7 @@ class Comparison:
     min_effect: float
     level: float = stats.LEVEL
     counts: dict = field(default_factory=dict)  # records and cases per run
+    uncompared: list[Uncompared] = field(default_factory=list)  # no verdict, and why
 
     def changed_environment(self) -> list[tuple[str, str, str]]:
         return [row for row in self.environment if row[1] != row[2]]
@@ -89,6 +115,14 @@ def _pending(cases: list[match.Case], notes: list[str]) -> list[tuple]:
     return out
 
 
+def why_not(case: match.Case) -> str | None:
+    """Why a case gets no verdict: a side flagged or not measuring CP (the guards' one rule,
+    ``guards.withhold``: its timings do not say what the strategy costs), else None."""
+    reasons = [f"{side}: {why}" for side, record in (("A", case.a), ("B", case.b))
+               if (why := guards.withheld_reason(derive(record)))]
+    return "; ".join(reasons) or None
+
+
 def _rng(seed: int, key: str, phase: str) -> np.random.Generator:
     # one stream per test, from the case itself: a test's interval does not depend on which
     # other cases the files hold or in which order
@@ -109,10 +143,34 @@ def compare(a_records: list[dict], b_records: list[dict], *, alpha: float = 0.05
     notes: list[str] = [f"{side}: {line.strip()}" for side, recs in (("A", a_records),
                                                                      ("B", b_records))
                         for line in rounds.drift_lines(recs, case_text)[1:]]
-    pending = _pending(cases, notes)
-    if not pending:
+    timed = _pending(cases, notes)
+    if not timed:
         raise UsageError(f"none of the {len(cases)} cases in both runs has a phase timed in "
                          f"both (failed or OOM); nothing to compare")
+    why = {case.key: why_not(case) for case in cases}
+    uncompared = [Uncompared(case.label, case.key, phase, tuple(a), tuple(b), reason)
+                  for case, phase, a, b in timed if (reason := why[case.key])]
+    pending = [t for t in timed if not why[t[0].key]]
+    tests = _tests(pending, alpha, min_effect, seed, resamples) if pending else []
+    parts: list[PartChange] = []
+    for case in cases:
+        changes, note = compare_parts(case.label, case.a, case.b)
+        parts += changes
+        notes += [note] if note else []
+    counts = {"records_a": len(a_records), "records_b": len(b_records),
+              "cases_a": len(cases) + len(only_a), "cases_b": len(cases) + len(only_b),
+              "matched": len(cases)}
+    # the environment of the records compared: a stale record of a re-run case does not count
+    env = match.environment(list(match.latest(a_records).values()),
+                            list(match.latest(b_records).values()))
+    return Comparison(tests, only_a, only_b, env, ranked(parts), notes, alpha, min_effect,
+                      counts=counts, uncompared=uncompared)
+
+
+def _tests(pending: list[tuple], alpha: float, min_effect: float, seed: int,
+           resamples: int) -> list[PhaseTest]:
+    """Each comparable (case, phase): its interval, p-value, Holm's correction over all of
+    them, and its verdict."""
     intervals = [stats.median_ratio_ci(a, b, rng=_rng(seed, case.key, phase),
                                        resamples=resamples)
                  for case, phase, a, b in pending]
@@ -126,21 +184,8 @@ def compare(a_records: list[dict], b_records: list[dict], *, alpha: float = 0.05
     need = stats.iterations_to_resolve(
         [float(r) for r, _, _ in intervals], low, high,
         [max(len(a), len(b)) for _, _, a, b in pending], min_effect=min_effect)
-    tests = [PhaseTest(case.label, case.key, phase, tuple(a), tuple(b), float(ratio),
-                       float(lo), float(hi), float(pv), float(pa), str(v),
-                       float(k) if v == stats.UNCLEAR else None)
-             for (case, phase, a, b), (ratio, lo, hi), pv, pa, v, k
-             in zip(pending, intervals, p, p_adj, judged, need)]
-    parts: list[PartChange] = []
-    for case in cases:
-        changes, note = compare_parts(case.label, case.a, case.b)
-        parts += changes
-        notes += [note] if note else []
-    counts = {"records_a": len(a_records), "records_b": len(b_records),
-              "cases_a": len(cases) + len(only_a), "cases_b": len(cases) + len(only_b),
-              "matched": len(cases)}
-    # the environment of the records compared: a stale record of a re-run case does not count
-    env = match.environment(list(match.latest(a_records).values()),
-                            list(match.latest(b_records).values()))
-    return Comparison(tests, only_a, only_b, env, ranked(parts), notes, alpha, min_effect,
-                      counts=counts)
+    return [PhaseTest(case.label, case.key, phase, tuple(a), tuple(b), float(ratio),
+                      float(lo), float(hi), float(pv), float(pa), str(v),
+                      float(k) if v == stats.UNCLEAR else None)
+            for (case, phase, a, b), (ratio, lo, hi), pv, pa, v, k
+            in zip(pending, intervals, p, p_adj, judged, need)]

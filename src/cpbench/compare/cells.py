@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from cpbench.compare import stats
-from cpbench.compare.analysis import PHASES, Comparison, PhaseTest
+from cpbench.compare.analysis import NOT_COMPARABLE, PHASES, Comparison, PhaseTest, Uncompared
 from cpbench.compare.profile import PartChange
 
 TOP_FINDINGS = 3
@@ -61,6 +61,22 @@ def test_row(t: PhaseTest) -> dict[str, str]:
             "Verdict": verdict(t)}
 
 
+def uncompared_row(u: Uncompared) -> dict[str, str]:
+    """A (case, phase) with no verdict as the verdict table prints it: its times, and why."""
+    return {"Case": u.case, "Phase": PHASES[u.phase], "n A": str(len(u.samples_a)),
+            "n B": str(len(u.samples_b)), "A median (ms)": ms(u.median_a),
+            "B median (ms)": ms(u.median_b), "B/A": "-", f"{percent(stats.LEVEL)} CI": "-",
+            "p": "-", "p (Holm)": "-", "Verdict": NOT_COMPARABLE, "Why": u.reason}
+
+
+def rows(cmp: Comparison) -> list[dict[str, str]]:
+    """The verdict table's rows: the tests, then the (case, phase)s not comparable, with a
+    Why column where there are some (the terminal numbers its reasons under the table)."""
+    why = {"Why": "-"} if cmp.uncompared else {}
+    return [{**test_row(t), **why} for t in cmp.tests] + \
+        [uncompared_row(u) for u in cmp.uncompared]
+
+
 def resolve(k: float | None) -> str:
     """The iterations an unclear test needs, as a note: "~140 iters", "never (ratio on the
     band's edge)"."""
@@ -97,7 +113,7 @@ def rule_text(cmp: Comparison) -> str:
 def verdict_line(cmp: Comparison) -> str:
     counts = cmp.verdict_counts()
     return "Verdicts: " + ", ".join(f"{v} {counts[v]}" for v in stats.VERDICTS) + \
-        f" ({rule_text(cmp)})"
+        f", {NOT_COMPARABLE} {len(cmp.uncompared)} ({rule_text(cmp)})"
 
 
 def _b(text: str, bold: bool) -> str:
@@ -124,6 +140,10 @@ def timing_findings(cmp: Comparison, bold: bool = True) -> list[str]:
                         if math.isfinite(need) else
                         "at least one has its ratio on the band's edge (no iteration count "
                         "resolves it): widen or narrow --min-effect."))
+    if cmp.uncompared:  # the guards' one rule: no verdict on what does not measure CP
+        lines.append(f"- {len(cmp.uncompared)} (case, phase)s are {NOT_COMPARABLE}: a side is "
+                     f"flagged or does not measure CP (why: beside them, Why), so no "
+                     f"verdict; re-run them on an idle machine with the flags' fixes.")
     insufficient = [t for t in cmp.tests if t.verdict == stats.INSUFFICIENT]
     if insufficient:
         sizes = sorted({(len(t.samples_a), len(t.samples_b)) for t in insufficient})

@@ -34,7 +34,7 @@ def _summary(cmp: Comparison) -> list[str]:
                      "Change (%)": f"{(b / a - 1) * 100:+.2f}%"})
     out = ["## 1. High-Level Performance Summary", ""] + render(None, rows, "markdown")
     out += ["", cells.verdict_line(cmp), ""]
-    out += render(None, [cells.test_row(t) for t in cmp.tests], "markdown")
+    out += render(None, cells.rows(cmp), "markdown")
     unmatched = unmatched_lines(cmp)
     out += [""] + [f"- {line}" for line in unmatched] if unmatched else []
     out += [""] + [f"- Note: {n}" for n in cmp.notes] if cmp.notes else []
@@ -66,6 +66,9 @@ def _overview(cmp: Comparison) -> str:
     else:
         text = (f"None of the {len(cmp.tests)} (case, phase) tests shows a change beyond noise "
                 f"and the ±{cells.percent(cmp.min_effect)} band.")
+    if cmp.uncompared:
+        text += (f" {len(cmp.uncompared)} (case, phase)s are not comparable (a side flagged or "
+                 f"not measuring CP): no verdict, the reason in the table.")
     unclear = sum(t.verdict == stats.UNCLEAR for t in cmp.tests)
     if unclear:  # "no change shown" is not "shown unchanged"
         text += (f" {unclear} of them are unclear: their data neither show a change nor rule "
@@ -118,7 +121,9 @@ def _legend(cmp: Comparison) -> list[str]:
         "shown), with about how many iterations a side would resolve it at the observed "
         "spread; *insufficient* when the "
         "iteration counts cannot give p < α after Holm even with every B iteration ranked "
-        "beyond every A iteration (smallest p = 2 / C(n_A + n_B, n_A)).",
+        "beyond every A iteration (smallest p = 2 / C(n_A + n_B, n_A)); *not comparable* "
+        "when a side's row is flagged or does not measure CP (cpbench's guards): no test, no "
+        "ratio, the reason given.",
         "- **Time Rank**: iterations sorted slowest first; **Δ**: B − A at the same rank.",
         "- **β**: a profiled part's share of the step time (%, mean over profiled iterations). "
         "**Δβ (ppt)**: β_B − β_A in percentage points.",

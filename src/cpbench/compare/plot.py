@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 
 from cpbench.compare import cells
-from cpbench.compare.analysis import PHASES, Comparison
+from cpbench.compare.analysis import NOT_COMPARABLE, PHASES, Comparison, PhaseTest, Uncompared
 from cpbench.report.plot import require_matplotlib
 
 COLUMNS = 4  # panels per row: two cases' FWD and FWD+BWD
@@ -21,12 +21,14 @@ def plot(cmp: Comparison, path: str) -> None:
     """Write the distributions of every compared (case, phase) to ``path`` (format from its
     suffix)."""
     plt = require_matplotlib()
-    cols = min(COLUMNS, len(cmp.tests))
-    rows = math.ceil(len(cmp.tests) / cols)
+    # those not comparable: their times, no ratio
+    panels: list[PhaseTest | Uncompared] = [*cmp.tests, *cmp.uncompared]
+    cols = min(COLUMNS, len(panels))
+    rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.3 * cols, 3.4 * rows), dpi=120,
                              squeeze=False)
     jitter = np.random.default_rng(0)  # the dots' spread only: fixed, so re-plots match
-    for ax, t in zip(axes.ravel(), cmp.tests):
+    for ax, t in zip(axes.ravel(), panels):
         for x, (side, values) in enumerate((("A", t.samples_a), ("B", t.samples_b))):
             ax.boxplot([values], positions=[x], widths=0.5, showfliers=False,
                        medianprops={"color": COLOURS[side], "linewidth": 2})
@@ -36,10 +38,11 @@ def plot(cmp: Comparison, path: str) -> None:
         ax.set_xlim(-0.6, 1.6)
         ax.set_ylabel(f"{PHASES[t.phase]} step time (ms)", fontsize=8)
         ax.tick_params(labelsize=7)
-        ax.set_title(f"{textwrap.fill(t.case, 40)}\n{PHASES[t.phase]}: B/A ×{t.ratio:.3f} "
-                     f"[{t.ci_low:.3f}, {t.ci_high:.3f}] {t.verdict}", fontsize=7)
+        said = (f"B/A ×{t.ratio:.3f} [{t.ci_low:.3f}, {t.ci_high:.3f}] {t.verdict}"
+                if isinstance(t, PhaseTest) else NOT_COMPARABLE)
+        ax.set_title(f"{textwrap.fill(t.case, 40)}\n{PHASES[t.phase]}: {said}", fontsize=7)
         ax.grid(True, axis="y", alpha=0.3)
-    for ax in axes.ravel()[len(cmp.tests):]:
+    for ax in axes.ravel()[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(f"Per-iteration step times (slowest rank), A vs B; ratio of medians with its "
                  f"{cells.percent(cmp.level)} interval", fontsize=9)

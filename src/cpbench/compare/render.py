@@ -7,14 +7,14 @@ import math
 import textwrap
 
 from cpbench.compare import cells
-from cpbench.compare.analysis import Comparison
+from cpbench.compare.analysis import NOT_COMPARABLE, Comparison
 from cpbench.report.render import Fit, prose, render
 
 WIDTH = 100
 TOP_PARTS = 10  # the terminal shows the most suspicious parts; markdown shows them all
 # narrow tables (report.render): the raw p-value goes before the Holm-corrected one that
 # decides; the parts keep their shares and scores before the per-part times and z-scores
-TESTS_FIT = Fit(drop=("p", "n A", "n B"), wrap=("Case", "Verdict"),
+TESTS_FIT = Fit(drop=("p", "n A", "n B"), wrap=("Case", "Verdict"), notes=("Why",),
                 short={"A median (ms)": "A (ms)", "B median (ms)": "B (ms)"})
 PARTS_FIT = Fit(drop=("U-test p(β)", "Z-Score(log_μ)", "Z-Score(β)", "μ_A (ms)", "μ_B (ms)"),
                 wrap=("Case", "Part"), short={"Suspicion Score": "Score"})
@@ -57,7 +57,7 @@ def table(cmp: Comparison, files_a: list[str], files_b: list[str]) -> str:
     out += environment_lines(cmp)
     unmatched = unmatched_lines(cmp)
     out += [""] + unmatched if unmatched else []
-    out += [""] + render(None, [cells.test_row(t) for t in cmp.tests], "table", TESTS_FIT)
+    out += [""] + render(None, cells.rows(cmp), "table", TESTS_FIT)
     out += prose([cells.verdict_line(cmp)])
     findings = prose(cells.timing_findings(cmp, bold=False))
     out += ["", "Key findings:"] + findings if findings else []
@@ -78,7 +78,8 @@ def _finite(x: float) -> float | None:
 
 
 def records(cmp: Comparison) -> list[dict]:
-    """One dict per (case, phase): the fields ``--format json`` promises, and more."""
+    """One dict per (case, phase): the fields ``--format json`` promises, and more (a (case,
+    phase) not comparable: its times, verdict "not comparable" and its ``reason``)."""
     return [{"case": t.case, "phase": t.phase, "key": json.loads(t.key),
              "n_a": len(t.samples_a), "n_b": len(t.samples_b),
              "median_a_ms": t.median_a, "median_b_ms": t.median_b,
@@ -88,7 +89,13 @@ def records(cmp: Comparison) -> list[dict]:
              "iters_to_resolve": None if t.iters_to_resolve is None
              else _finite(t.iters_to_resolve),
              "alpha": cmp.alpha, "min_effect": cmp.min_effect}
-            for t in cmp.tests]
+            for t in cmp.tests] + [
+        {"case": u.case, "phase": u.phase, "key": json.loads(u.key), "n_a": len(u.samples_a),
+         "n_b": len(u.samples_b), "median_a_ms": u.median_a, "median_b_ms": u.median_b,
+         "ratio": None, "ci_low": None, "ci_high": None, "ci_level": cmp.level,
+         "p_value": None, "p_adjusted": None, "verdict": NOT_COMPARABLE, "reason": u.reason,
+         "iters_to_resolve": None, "alpha": cmp.alpha, "min_effect": cmp.min_effect}
+        for u in cmp.uncompared]
 
 
 def json_text(cmp: Comparison) -> str:

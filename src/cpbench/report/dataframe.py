@@ -4,7 +4,8 @@ problem. Every table, pivot and plot is rendered from this frame.
 
 A row whose timings do not measure CP (``guards.not_measured``: ranks sharing cores, a busy
 machine), or whose baseline's do not, has no efficiency, and no fraction of ideal; an
-efficiency above what the row's balance allows is flagged (``guards.efficiency_flag``)."""
+efficiency above what the row's balance allows is flagged (``guards.efficiency_flag``), and a
+flagged row's CP figures are None in the frame, as ``guards.withhold`` has them."""
 
 from __future__ import annotations
 
@@ -88,8 +89,8 @@ def frame(records: list[dict]):
     df["efficiency_not_measured"] = df["not_measured"].where(
         df["not_measured"].notna(), df["base_not_measured"])
     measured = df["efficiency_not_measured"].isna()
-    df["fraction_of_ideal"] = df["fraction_of_ideal"].where(df["not_measured"].isna())
-    cp_row = ok & (df["ranks_per_problem"] > 1) & measured
+    # a flagged row's CP figures are withheld (guards.withhold): its efficiency too
+    cp_row = ok & (df["ranks_per_problem"] > 1) & measured & (df["guard_flags"] == "")
     df["cp_efficiency"] = (t_base / (df["ranks_per_problem"] * t_cp)).where(cp_row)
     df["efficiency_phase"] = both.map({True: "FWD+BWD", False: "FWD"})
     lo_hi = [_efficiency_interval(row, b) if c else (None, None)
@@ -99,6 +100,12 @@ def frame(records: list[dict]):
     df["efficiency_flag"] = [_efficiency_flag(row) for row in df.to_dict("records")]
     df["flags"] = ["; ".join(f for f in parts if isinstance(f, str) and f)
                    for parts in zip(df["flags"], df["efficiency_flag"], drift_flags(df))]
+    # the flags the join added (an efficiency past its bound, a drifted baseline) withhold
+    # the row's CP figures as the record's own do (guards.withhold)
+    withheld = (df["flags"] != "") | df["not_measured"].notna()
+    for column in guards.CP_FIGURES:
+        if column in df:
+            df[column] = df[column].where(~withheld)  # NaN: cells print "-"
     df["label"] = [joined(s, o) for s, o in zip(df["strategy"], df["options"])]
     return df
 
@@ -111,7 +118,11 @@ def _efficiency_flag(row: dict) -> str | None:
     low = row["cp_efficiency_low"]
     interval = None if low is None else (low, row["cp_efficiency_high"])
     imbalance = row["imbalance"] if row["imbalance"] == row["imbalance"] else None
-    return guards.efficiency_flag(eff, interval, imbalance)
+    both = row["efficiency_phase"] == "FWD+BWD"
+    times = (row["efficiency_phase"], row["fwd_bwd_ms"] if both else row["fwd_ms"],
+             row["base_fwd_bwd_ms"] if both else row["base_fwd_ms"],
+             int(row["ranks_per_problem"]))
+    return guards.efficiency_flag(eff, interval, imbalance, times)
 
 
 def _pooled(series) -> list[float] | None:

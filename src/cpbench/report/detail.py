@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 
+from cpbench import guards
 from cpbench.metrics import duration
 from cpbench.profile.summary import detail_lines
 from cpbench.reference import TENSORS, Comparison
@@ -107,17 +108,22 @@ def _performance(record: dict, d: dict) -> list[str]:
     if d.get("not_measured") and d.get("fwd_ms") is None:  # ranks as threads: none timed
         return [f"  - Times and memory: - ({d['not_measured']})"]
     lines = [f"  - Forward Time: {cells.ms(d['fwd_ms'])} ms"]
-    if d.get("fwd_bwd_ms") is None:
-        return lines + [f"  - Memory Usage: {_memory_text(record, d)}",
-                        f"  - Performance: {cells.tflops(d['fwd_tflops'])} TFLOPs/s (forward)",
-                        f"  - Slowest Rank: {d['slowest_rank_fwd']}", *_ideal_lines(record, d)]
-    return lines + [f"  - Backward Time: {cells.ms(d['bwd_ms'])} ms",
-                    f"  - Forward+Backward Time: {cells.ms(d['fwd_bwd_ms'])} ms",
-                    f"  - Memory Usage: {_memory_text(record, d)}",
-                    f"  - Performance: {cells.tflops(d['fwd_bwd_tflops'])} TFLOPs/s (forward "
-                    f"{cells.tflops(d['fwd_tflops'])}, backward {cells.tflops(d['bwd_tflops'])})",
-                    f"  - Slowest Rank: {d['slowest_rank_fwd_bwd']}",
-                    *_ideal_lines(record, d)]
+    if d.get("fwd_bwd_ms") is not None:
+        lines += [f"  - Backward Time: {cells.ms(d['bwd_ms'])} ms",
+                  f"  - Forward+Backward Time: {cells.ms(d['fwd_bwd_ms'])} ms"]
+    lines.append(f"  - Memory Usage: {_memory_text(record, d)}")
+    if guards.withheld_reason(d):  # guards.withhold: no CP figure for such a row
+        why = "does not measure CP" if d.get("not_measured") else "flagged, below"
+        lines.append(f"  - Performance, Slowest Rank: - (not quoted: the row {why})")
+    elif d.get("fwd_bwd_ms") is None:
+        lines += [f"  - Performance: {cells.tflops(d['fwd_tflops'])} TFLOPs/s (forward)",
+                  f"  - Slowest Rank: {d['slowest_rank_fwd']}"]
+    else:
+        lines += [f"  - Performance: {cells.tflops(d['fwd_bwd_tflops'])} TFLOPs/s (forward "
+                  f"{cells.tflops(d['fwd_tflops'])}, backward "
+                  f"{cells.tflops(d.get('bwd_tflops'))})",
+                  f"  - Slowest Rank: {d['slowest_rank_fwd_bwd']}"]
+    return lines + _ideal_lines(record, d)
 
 
 def _ideal_lines(record: dict, d: dict) -> list[str]:
@@ -131,6 +137,8 @@ def _ideal_lines(record: dict, d: dict) -> list[str]:
         return lines
     if ideal.get("none"):
         return lines + [f"  - Fraction of Ideal: - ({ideal['none']})"]
+    if guards.withheld_reason(d):
+        return lines + ["  - Fraction of Ideal: - (not quoted: the row is flagged, below)"]
     if ideal.get("what"):  # a simulated record's: the ideal it states
         return lines + [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} ("
                         f"{ideal['what']})"]

@@ -10,7 +10,8 @@ from collections import Counter
 from cpbench.metrics import duration
 from cpbench.report import cells
 from cpbench.report.dataframe import to_frame
-from cpbench.results import OK
+from cpbench.report.labels import row_label
+from cpbench.results import OK, derive
 
 
 def case_line(record: dict, seconds: float) -> str:
@@ -39,16 +40,31 @@ def case_line(record: dict, seconds: float) -> str:
 
 
 def outcome_line(records: list[dict]) -> str:
-    """The run in a line: cases by status, checks by verdict."""
+    """The run in a line: cases by status, checks by verdict, the flagged passes named."""
     if not records:
         return "no case ran"
     status = Counter("done" if r["status"] == OK else r["status"] for r in records)
     text = f"{len(records)} case(s): " + ", ".join(f"{n} {s}" for s, n in status.items())
-    checked = [r["derived"].get("check_passed") for r in records if r.get("check")]
-    if checked:
-        failed = checked.count(False)  # FAIL printed only where there is one (grep FAIL)
-        text += f"; check: {checked.count(True)} PASS" + (f", {failed} FAIL" if failed else "")
+    checked = [r for r in records if r.get("check")]
+    verdicts = [r["derived"].get("check_passed") for r in checked]
+    if verdicts:
+        failed = verdicts.count(False)  # FAIL printed only where there is one (grep FAIL)
+        text += f"; check: {verdicts.count(True)} PASS" + _flagged(checked) + \
+            (f", {failed} FAIL" if failed else "")
     return text
+
+
+def _flagged(checked: list[dict]) -> str:
+    """" (2 flagged: ring: CP over 1 ranks, asked for 2; …)": the passes the table flags (a
+    strategy that ran without CP passes its check and is no plain PASS); each row's first
+    flag, and how many more."""
+    found = [(row_label(r), flags) for r in checked if r["derived"].get("check_passed")
+             and (flags := derive(r)["flags"])]
+    if not found:
+        return ""
+    return f" ({len(found)} flagged: " + "; ".join(
+        f"{who}: {flags[0]}" + (f" (+{len(flags) - 1} more)" if len(flags) > 1 else "")
+        for who, flags in found) + ")"
 
 
 def skipped_lines(reasons: list[str]) -> list[str]:

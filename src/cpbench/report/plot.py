@@ -93,10 +93,12 @@ def figure(records: list[dict], title_note: str | None = None):
     mixed = df["simulated"].nunique() > 1  # a prediction beside the measured row
     df = df.assign(series=[lab + (" (simulated)" if mixed and sim else "")
                            for lab, sim in zip(df["label"], df["simulated"])])
-    # a flagged rate (cpbench.guards: impossible or too noisy) is a mark at 0, not a point
-    df["rate"] = df["fwd_tflops"].where(df["fwd_only"], df["fwd_bwd_tflops"]) \
-        .where(df["guard_flags"] == "")
-    df["mark"] = df["status"].where((df["status"] != OK) | (df["guard_flags"] == ""), "flagged")
+    # a withheld rate (guards.withhold: a flagged row, or one not measuring CP) is a mark at
+    # 0, not a point
+    df["rate"] = df["fwd_tflops"].where(df["fwd_only"], df["fwd_bwd_tflops"])
+    df["mark"] = df["status"].where(df["status"] != OK, [
+        "flagged" if flags else "not CP" if isinstance(why, str) else OK
+        for flags, why in zip(df["flags"], df["not_measured"])])
     unit = rank_unit(records)
     layout = panels(df)
     styles = {name: line_style(i, plt) for name, i in _style_indices(layout).items()}
@@ -153,8 +155,8 @@ def _style_indices(layout: list[tuple[str, list[str]]]) -> dict[str, int]:
 
 
 def _panel(ax, df, series: list[str], styles: dict) -> None:
-    """One panel: a line per series, OOM, failed and flagged cases as red marks at 0, labelled;
-    its legend under it (the axes keep their size whatever the number of lines)."""
+    """One panel: a line per series, OOM, failed, flagged and not-CP cases as red marks at 0,
+    labelled; its legend under it (the axes keep their size whatever the number of lines)."""
     marks = []  # (seqlen, status, colour) of the cases with no rate, drawn last
     for name in series:
         g = df[df["series"] == name].sort_values("seqlen")
@@ -164,7 +166,7 @@ def _panel(ax, df, series: list[str], styles: dict) -> None:
         marks += [(s, st, styles[name]["color"]) for s, st in zip(bad["seqlen"], bad["mark"])]
     if marks:
         ax.scatter([m[0] for m in marks], [0] * len(marks), marker="x", s=70, color="red",
-                   zorder=3, clip_on=False, label="OOM / failed / flagged (at 0)")
+                   zorder=3, clip_on=False, label="OOM / failed / flagged / not CP (at 0)")
         stacked: dict = {}
         for s, status, colour in marks:  # one label per case, stacked where they share a Seq Len
             k = stacked[s] = stacked.get(s, -1) + 1

@@ -193,6 +193,8 @@ def ratio_cell(den: dict | None, num: dict | None, phase: str) -> str:
     bootstrap 95 % interval from the per-iteration samples; "-" unless both ran."""
     if not (den and num and den["status"] == num["status"] == OK):
         return "-"
+    if any(r["flags"] or isinstance(r["not_measured"], str) for r in (den, num)):
+        return "-"  # a rate withheld (guards.withhold) is no ratio either
     a, b = den[f"iters_{phase}"], num[f"iters_{phase}"]
     if not isinstance(a, list) or not isinstance(b, list) or not a or not b:
         return "-"

@@ -129,18 +129,27 @@ def _common_reason(df) -> str | None:
 
 def not_measured_lines(records: list[dict]) -> list[str]:
     """Under the table: why rows' timings do not measure CP (``guards.not_measured``), and
-    that their CP efficiency and fraction of ideal are not printed."""
+    that their CP figures are not printed (``guards.withhold``)."""
     df = frame(records)
     if df.empty or not df["not_measured"].notna().any():
         return []
     common = _common_reason(df)
     if common:
-        return [f"not measuring CP: {common} (every row; CP efficiency and fraction of ideal "
-                f"not printed)"]
+        return [f"not measuring CP: {common} (every row; TFLOP/s, CP efficiency and fraction "
+                f"of ideal not printed)"]
     n = int(df["not_measured"].notna().sum())
     which = "every row" if n == len(df) else f"{n} of {len(df)} rows"
     return [f"not measuring CP: {which} (see Flags): their timings, and every efficiency "
-            f"against them, do not measure CP; CP efficiency and fraction of ideal not printed"]
+            f"against them, do not measure CP; their TFLOP/s, CP efficiency and fraction of "
+            f"ideal not printed"]
+
+
+def flagged_lines(records: list[dict]) -> list[str]:
+    """Under the table: that flagged rows' CP figures are not printed (``guards.withhold``)."""
+    df = frame(records)
+    n = 0 if df.empty else int((df["flags"] != "").sum())
+    return [f"flagged: {n} row{'s' * (n > 1)} (see Flags): {'their' if n > 1 else 'its'} "
+            f"TFLOP/s, CP efficiency and fraction of ideal not printed"] if n else []
 
 
 def _efficiency_lines(records: list[dict]) -> list[str]:
@@ -196,7 +205,8 @@ def summary(records: list[dict], fmt: str = "table") -> str:
                       for r in rows(records)]
         lines = [f"Benchmark Summary{simulated_note(records)}:",
                  *render(None, table_rows, fmt, fit(records))]
-        for extra in (not_measured_lines(records), _efficiency_lines(records),
+        for extra in (flagged_lines(records) + not_measured_lines(records),
+                      _efficiency_lines(records),
                       rounds.drift_lines(records, case_text)):
             lines += ["", *prose(extra)] if extra else []
         lines += prose([f"no dense peak known for {name}: its rows have no above-peak guard"
@@ -205,7 +215,7 @@ def summary(records: list[dict], fmt: str = "table") -> str:
     if fmt == "markdown":
         note = simulated_note(records)
         lines = [f"*Benchmark Summary{note}*", ""] if note else []
-        under = not_measured_lines(records)
+        under = flagged_lines(records) + not_measured_lines(records)
         return "\n".join(lines + render(None, rows(records), "markdown", fit(records))
                          + (["", *under] if under else []) + packings.lines(records, fmt)) + "\n"
     data = _data(records)

@@ -15,7 +15,7 @@ from cpbench.report.dataframe import PROBLEM
 from cpbench.report.labels import rank_unit, ranks_text, row_label
 from cpbench.report.render import Fit
 from cpbench.report.sweep import latest_frame, ratio_cell
-from cpbench.results import OK
+from cpbench.results import OK, derive
 
 _SAME = [c for c in PROBLEM if c != "kernel"] + ["fwd_only"]  # kernels: sdpa-cpu vs flash-attn-cpu
 
@@ -52,10 +52,12 @@ def _ms(record: dict, phase: str) -> float | None:
 def _row(own: dict, up: dict, phase: str) -> dict:
     a, b = _ms(own, phase), _ms(up, phase)
     key = phase.removesuffix("_ms")
-    iters = {"status": OK}
-    ratio = ratio_cell({**iters, f"iters_{key}": _iterations(up, key)},
-                       {**iters, f"iters_{key}": _iterations(own, key)}, key) \
-        if a and b else "-"
+    def side(r: dict) -> dict:  # its flags: a withheld row gives no ratio (ratio_cell)
+        d = derive(r)
+        return {"status": OK, "flags": "; ".join(d["flags"]),
+                "not_measured": d["not_measured"], f"iters_{key}": _iterations(r, key)}
+
+    ratio = ratio_cell(side(up), side(own), key) if a and b else "-"
     return {"Seq Len": str(own["config"]["attention"]["seqlen"]),
             "cpbench": row_label(own), f"{_TITLE[phase]} (ms)": cells.cell_ms(a, own),
             "upstream": row_label(up), f"upstream {_TITLE[phase]} (ms)": cells.cell_ms(b, up),
