@@ -345,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.budget > 0:
         return _usage(f"--budget must be a positive number of seconds, got {args.budget}")
     utc = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    out = Path(args.out or ROOT / "runs" / f"gpu-check-{utc.replace(':', '')}")
+    # absolute: the steps' commands run in the checkout, and a relative DIR there would be
+    # another folder than this process's (their records would land outside the results)
+    out = Path(args.out or ROOT / "runs" / f"gpu-check-{utc.replace(':', '')}").absolute()
     try:
         clear_results(out)
         (out / "logs").mkdir(parents=True, exist_ok=True)

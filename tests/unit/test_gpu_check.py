@@ -129,6 +129,21 @@ def test_compact_packs_the_logs_and_a_rerun_replaces_only_its_own_files(tmp_path
     assert (foreign / "logs" / "x").exists()
 
 
+def test_a_relative_out_holds_every_file_the_steps_write(tmp_path, monkeypatch):
+    """The steps' commands run in the checkout: a relative --out is made absolute first, so
+    what they write under it lands in the same folder as the summary (a lent machine hands
+    back only that folder)."""
+    _fake_steps(monkeypatch)
+    writes = "import sys; open(sys.argv[1], 'w').write('{}')"
+    monkeypatch.setattr(steps, "STEPS", steps.STEPS[:1] + [steps.Step(
+        "writer", "writes a record", 30, lambda c: [steps.Command(
+            "w", [sys.executable, "-c", writes, str(c.logs / "02-writer.jsonl")], 30)])])
+    monkeypatch.chdir(tmp_path)
+    assert gpu_check.main(["--out", "results"]) == 0
+    assert (tmp_path / "results" / "logs" / "02-writer.jsonl").exists()
+    assert (tmp_path / "results" / "records.jsonl").read_text() == "{}\n"
+
+
 def test_each_cuda_step_says_why_it_is_skipped_without_a_gpu(tmp_path):
     for env, prefix in ((CPU_ENV, "no CUDA: torch 2.13.0+cpu is a build without CUDA"),
                         (FAKE_ENV, "no CUDA GPU: torch 2.14.1+cu130 is a CUDA build")):
