@@ -7,12 +7,11 @@ Standard library only: cpbench and torch run in the subprocesses."""
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import gpu_check_read as read
 import gpu_check_report as report
 
 # (lengths, batch) per command: 16K tokens a call as the published benchmark up to 16K, B = 1
@@ -64,19 +63,6 @@ class Step:
     read: Callable | None = None  # (ctx, results) -> findings (a dict, "headline" first)
 
 
-def records(path: Path) -> list[dict]:
-    """The JSONL records a command wrote (none if it wrote none; a torn line is skipped)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
 def _gpu(ctx) -> str | None:
     return None if ctx.mode == "gpu" else ctx.why_not
 
@@ -123,19 +109,6 @@ def plan_env(ctx) -> list[Command]:
     return cmds
 
 
-def read_env(ctx, results) -> dict:
-    info: dict = {}
-    for r in results:
-        for line in r["text"].splitlines():
-            if line.startswith("GPU_CHECK_ENV "):
-                info.update(json.loads(line.split(" ", 1)[1]))
-        if r["label"] == "driver" and r["rc"] == 0 and r["text"].strip():
-            info["driver"] = r["text"].strip().splitlines()[0].split(",")[1].strip()
-    where = info.get("gpu") or ("no CUDA" if not info.get("cuda") else "CUDA build, no GPU")
-    info["headline"] = f"{where}; torch {info.get('torch', 'not importable')}"
-    return info
-
-
 # --- sdpa against float64 (tests/unit/test_sdpa_cuda.py)
 
 SDPA_TESTS = "tests/unit/test_sdpa_cuda.py"
@@ -143,25 +116,6 @@ SDPA_TESTS = "tests/unit/test_sdpa_cuda.py"
 
 def plan_sdpa(ctx):
     return _gpu(ctx) or [Command("pytest sdpa", ctx.pytest("-v", "-m", "gpu", SDPA_TESTS), 35)]
-
-
-def read_pytest(ctx, results) -> dict:
-    """Verdicts per test (from -v lines), the failures' messages and pytest's last line (or,
-    where pytest did not finish, the verdicts counted so far)."""
-    text = "\n".join(r["text"] for r in results)
-    verdicts = dict(re.findall(r"::(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", text))
-    failed = re.findall(r"^(?:FAILED|ERROR) \S+?::(\S+)(?: - (.*))?$", text, re.M)
-    last = [ln.strip("= ") for ln in text.splitlines()
-            if re.match(r"=* ?\d+ (passed|failed|skipped|error|deselected)", ln)]
-    if last:
-        tally = last[-1]
-    else:
-        counts = {v: list(verdicts.values()).count(v) for v in set(verdicts.values())}
-        tally = ("pytest did not finish; so far " + ", ".join(
-            f"{n} {v.lower()}" for v, n in sorted(counts.items())) if counts else
-            "no pytest summary line (see the log)")
-    return {"headline": tally, "verdicts": verdicts,
-            "failed": {name: (msg or "")[:300] for name, msg in failed}}
 
 
 # --- cpbench kernels beside FA2's published figures
@@ -191,21 +145,8 @@ def plan_kernels(ctx):
         "--out", str(_kernels_out(ctx))), 40) for lengths, batch in KERNEL_RUNS]
 
 
-def kernel_rows(recs: list[dict]) -> list[dict]:
-    rows = []
-    for r in recs:
-        a, d = r["config"]["attention"], r.get("derived") or {}
-        row = {"kernel": r["kernel"], "seqlen": a["seqlen"], "batch": a["batch"],
-               "causal": a["causal"], "status": r["status"]}
-        for phase in ("fwd", "bwd", "fwd_bwd"):
-            row[f"{phase}_tflops"] = d.get(f"{phase}_tflops")
-            row[f"{phase}_published"] = report.published(phase, a["causal"], a["seqlen"])
-        rows.append(row)
-    return sorted(rows, key=lambda x: (x["kernel"], not x["causal"], x["seqlen"]))
-
-
 def read_kernels(ctx, results) -> dict:
-    rows = kernel_rows(records(_kernels_out(ctx)))
+    rows = read.kernel_rows(read.records(_kernels_out(ctx)))
     device = (ctx.env or {}).get("gpu", "cuda")
     found = {"kernel": ", ".join(sorted({r["kernel"] for r in rows})) or "sdpa",
              "device": device, "heads": KERNEL_HEADS, "warmup": KERNEL_WARMUP,
@@ -264,8 +205,8 @@ def fa2_workspace_bytes(batch: int, seqlen: int, heads: int, head_dim: int) -> i
 
 
 def read_memory(ctx, results) -> dict:
-    run = records(_memory_out(ctx, "run"))
-    dry = records(_memory_out(ctx, "dryrun"))
+    run = read.records(_memory_out(ctx, "run"))
+    dry = read.records(_memory_out(ctx, "dryrun"))
     flags = MEMORY_CPU if ctx.mode == "none" else MEMORY_GPU
     found: dict = {"case": " ".join(["local", *flags])}
     if run:
@@ -312,25 +253,18 @@ def plan_threads(ctx):
                     THREADS_CAP_S) for variant, n in THREADS_ORDER]
 
 
-def _verdict(r: dict) -> str:
-    passed = (r.get("derived") or {}).get("check_passed")
-    if r["status"] == "ok" and passed is not None:
-        return "PASS" if passed else "FAIL"
-    return r["status"] + (f": {str(r['error'])[:60]}" if r.get("error") else "")
-
-
 def read_threads(ctx, results) -> dict:
     cells: dict[str, dict[str, str]] = {}
     columns = []
     for variant, n in sorted(THREADS_ORDER, key=lambda x: (list(THREADS_VARIANTS).index(x[0]),
                                                           x[1])):
-        recs = records(_threads_out(ctx, variant, n))
+        recs = read.records(_threads_out(ctx, variant, n))
         if not recs:
             continue
         col = f"{variant} n={n}"
         columns.append(col)
         for r in recs:
-            cells.setdefault(r["config"]["strategy"], {})[col] = _verdict(r)
+            cells.setdefault(r["config"]["strategy"], {})[col] = read.verdict(r)
     verdicts = [v for row in cells.values() for v in row.values()]
     passed = sum(v == "PASS" for v in verdicts)
     head = (f"{passed} of {len(verdicts)} strategy cases PASS over {len(columns)} runs"
@@ -344,14 +278,6 @@ def read_threads(ctx, results) -> dict:
 
 def plan_doctor(ctx):
     return [Command("doctor", ctx.cpbench("doctor"), 60)]
-
-
-def read_doctor(ctx, results) -> dict:
-    text = "\n".join(r["text"] for r in results)
-    levels = re.findall(r"^(ok|warn|error)\s", text, re.M)
-    errors = [ln for ln in text.splitlines() if ln.startswith("error")]
-    tally = ", ".join(f"{levels.count(x)} {x}" for x in ("ok", "warn", "error"))
-    return {"headline": tally, "errors": errors}
 
 
 # the threads step runs what this file runs (--strategy all under threads on the GPU), at the
@@ -380,19 +306,6 @@ def plan_calibrate(ctx):
                                         "--compare-presets", str(measured), ctx.preset()], 20)]
 
 
-def read_calibrate(ctx, results) -> dict:
-    for r in results:
-        for line in r["text"].splitlines():
-            if line.startswith("GPU_CHECK_PRESETS "):
-                found = json.loads(line.split(" ", 1)[1])
-                fwd = [x for x in found["rows"] if x["curve"] == "fwd"]
-                found["headline"] = (f"fwd at {report._size(int(fwd[-1]['side']))}: measured "
-                                     f"{fwd[-1]['measured']:.0f} TFLOP/s, {found['published']} "
-                                     f"{fwd[-1]['published']:.0f}" if fwd else "")
-                return found
-    return {"headline": "no preset to compare (see the log)"}
-
-
 # --- the fake-GPU tests with this torch
 
 
@@ -407,30 +320,19 @@ def plan_fake_gpu(ctx):
                     env)]
 
 
-def read_fake_gpu(ctx, results) -> dict:
-    found = read_pytest(ctx, results)
-    text = "\n".join(r["text"] for r in results)
-    reasons = re.findall(r"^SKIPPED \[(\d+)\] \S+: (.*)$", text, re.M)
-    skipped: dict[str, int] = {}
-    for n, why in reasons:
-        skipped[why] = skipped.get(why, 0) + int(n)
-    found["skipped"] = skipped
-    return found
-
-
 STEPS = [
     Step("env", "environment: GPU, driver, torch, CUDA, cuDNN, NCCL, triton", 30, plan_env,
-         read_env),
-    Step("sdpa", "sdpa (torch's FA2) against float64 on CUDA", 35, plan_sdpa, read_pytest),
+         read.read_env),
+    Step("sdpa", "sdpa (torch's FA2) against float64 on CUDA", 35, plan_sdpa, read.read_pytest),
     Step("threads", "every strategy under --launcher threads, 4 and 8 ranks, --check",
          THREADS_CAP_S, plan_threads, read_threads),
     Step("memory", "1-rank run of local and its dry run: memory", 40, plan_memory, read_memory),
     Step("kernels", "cpbench kernels beside FA2's published H100 figures", 40, plan_kernels,
          read_kernels),
-    Step("doctor", "cpbench doctor", 25, plan_doctor, read_doctor),
+    Step("doctor", "cpbench doctor", 25, plan_doctor, read.read_doctor),
     Step("calibrate", "cpbench calibrate beside the published preset", 40, plan_calibrate,
-         read_calibrate),
+         read.read_calibrate),
     Step("gpu-tests", "the other GPU tests one GPU can run (pytest -m gpu)", 20, plan_gpu_tests,
-         read_pytest),
-    Step("fake-gpu", "tests/fake_gpu with this torch", None, plan_fake_gpu, read_fake_gpu),
+         read.read_pytest),
+    Step("fake-gpu", "tests/fake_gpu with this torch", None, plan_fake_gpu, read.read_fake_gpu),
 ]

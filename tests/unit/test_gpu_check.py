@@ -18,6 +18,7 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import gpu_check  # noqa: E402
 import gpu_check_report as report  # noqa: E402
+import gpu_check_runner as runner  # noqa: E402
 import gpu_check_steps as steps  # noqa: E402
 
 CPU_ENV = {"torch": "2.13.0+cpu", "cuda": None, "cuda_available": False}
@@ -60,7 +61,7 @@ def test_a_command_past_its_limit_is_killed_with_its_children(tmp_path):
             "time.sleep(60)")
     step = steps.Step("slow", "a slow step", 60, lambda c: [_py(code, 2), _py("print(7)", 30)])
     t0 = time.monotonic()
-    result = gpu_check.run_step(step, 1, _ctx(tmp_path, CPU_ENV), time.monotonic() + 60,
+    result = runner.run_step(step, 1, _ctx(tmp_path, CPU_ENV), time.monotonic() + 60,
                                 lambda line: None)
     assert time.monotonic() - t0 < 30
     assert [c["status"] for c in result["commands"]] == ["timeout", "ok"]
@@ -76,7 +77,7 @@ def test_a_command_refused_as_bad_usage_stops_its_step_only(tmp_path):
     usage = "import sys; print('error: unrecognized arguments: --launcher', file=sys.stderr); " \
             "sys.exit(2)"
     step = steps.Step("t", "threads", 60, lambda c: [_py(usage, 30, "n=2"), _py("1", 30, "n=4")])
-    result = gpu_check.run_step(step, 5, _ctx(tmp_path, CPU_ENV), time.monotonic() + 60,
+    result = runner.run_step(step, 5, _ctx(tmp_path, CPU_ENV), time.monotonic() + 60,
                                 lambda line: None)
     assert [c["status"] for c in result["commands"]] == ["failed", "skipped"]
     assert result["reason"] == ("n=2: exit 2: error: unrecognized arguments: --launcher; 1 "
@@ -87,7 +88,7 @@ def test_a_command_refused_as_bad_usage_stops_its_step_only(tmp_path):
 def _fake_steps(monkeypatch):
     env = 'print("GPU_CHECK_ENV " + __import__("json").dumps(%r))' % CPU_ENV
     monkeypatch.setattr(steps, "STEPS", [
-        steps.Step("env", "env", 30, lambda c: [_py(env, 30)], steps.read_env),
+        steps.Step("env", "env", 30, lambda c: [_py(env, 30)], steps.read.read_env),
         steps.Step("broken", "fails", 30, lambda c: [
             _py("import sys; print('boom: no such thing', file=sys.stderr); sys.exit(3)", 30),
             _py("print('after')", 30)]),
@@ -143,7 +144,7 @@ def test_only_reruns_one_step_under_the_whole_budget(tmp_path, monkeypatch):
     env = 'print("GPU_CHECK_ENV " + __import__("json").dumps(%r))' % GPU_ENV
     two_s = "import time; time.sleep(2)"
     monkeypatch.setattr(steps, "STEPS", [
-        steps.Step("env", "env", 30, lambda c: [_py(env, 30)], steps.read_env),
+        steps.Step("env", "env", 30, lambda c: [_py(env, 30)], steps.read.read_env),
         steps.Step("limited", "a command past its limit", 30, lambda c: [_py(two_s, 1)]),
         steps.Step("capped", "a step past its cap", 6, lambda c: [_py(two_s, 30, "first"),
                                                                  _py("print(1)", 30, "then")]),
@@ -309,11 +310,11 @@ def test_pytest_output_is_read_per_test_and_when_unfinished():
     done = ("tests/u.py::test_a[cuda-b1] PASSED [ 50%]\ntests/u.py::test_b FAILED [100%]\n"
             "FAILED tests/u.py::test_b - AssertionError: dq: max abs 1.0e-01  FAIL\n"
             "========== 1 failed, 1 passed in 3.2s ==========\n")
-    found = steps.read_pytest(None, [{"text": done}])
+    found = steps.read.read_pytest(None, [{"text": done}])
     assert found["headline"] == "1 failed, 1 passed in 3.2s"
     assert found["verdicts"] == {"test_a[cuda-b1]": "PASSED", "test_b": "FAILED"}
     assert found["failed"] == {"test_b": "AssertionError: dq: max abs 1.0e-01  FAIL"}
-    cut = steps.read_pytest(None, [{"text": done.split("FAILED tests")[0] + "tests/u.py::c "}])
+    cut = steps.read.read_pytest(None, [{"text": done.split("FAILED tests")[0] + "tests/u.py::c "}])
     assert cut["headline"] == "pytest did not finish; so far 1 failed, 1 passed"
 
 
@@ -333,7 +334,7 @@ def test_a_rank_that_ignores_sigterm_goes_with_its_group(tmp_path):
     while not pid_file.exists() or not pid_file.read_text():
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    gpu_check.kill_group(proc)
+    runner.kill_group(proc)
     assert not _alive(int(pid_file.read_text()))
 
 
@@ -353,11 +354,11 @@ def test_a_stop_while_the_command_starts_kills_the_started_child(tmp_path, monke
         os.kill(os.getpid(), signal.SIGTERM)  # delivered before Popen's caller sees the process
         return proc
 
-    monkeypatch.setattr(gpu_check.subprocess, "Popen", popen_then_signal)
-    before = signal.signal(signal.SIGTERM, gpu_check._interrupt)
+    monkeypatch.setattr(runner.subprocess, "Popen", popen_then_signal)
+    before = signal.signal(signal.SIGTERM, runner.interrupt)
     try:
         with open(tmp_path / "log", "w") as log, pytest.raises(KeyboardInterrupt):
-            gpu_check.run_command(steps.Command("sleep", ["sleep", "60"], 60), log, 60,
+            runner.run_command(steps.Command("sleep", ["sleep", "60"], 60), log, 60,
                                   lambda line: None)
     finally:
         signal.signal(signal.SIGTERM, before)
@@ -378,7 +379,7 @@ import gpu_check, gpu_check_steps as steps
 versions = steps.Command("v", [sys.executable, "-c", {env_code!r}], 30)
 hang = steps.Command("sleep", [sys.executable, "-c", "import time; time.sleep(300)",
                               {str(out)!r}], 300)
-steps.STEPS = [steps.Step("env", "env", 30, lambda c: [versions], steps.read_env),
+steps.STEPS = [steps.Step("env", "env", 30, lambda c: [versions], steps.read.read_env),
                steps.Step("hang", "hangs", 300, lambda c: [hang])]
 sys.exit(gpu_check.main(["--out", {str(out)!r}]))
 """
