@@ -8,11 +8,22 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.cpbench-installed
 
 # The fake-GPU venv (make test-fake-gpu): a CUDA build of torch, needed for fake CUDA tensors
-# (no GPU is used), apart from .venv so the main suite keeps the CPU build.
+# (no GPU is used), apart from .venv so the main suite keeps the CPU build. Its torch is the
+# one-GPU machine's (2.11), so fake CUDA rehearses it; the floor's venv is the same build of
+# the oldest torch supported (docs/torch-versions.md).
 FG_VENV ?= .venv-fake-gpu
+FG_TORCH ?= 2.11.0
 FG_STAMP := $(FG_VENV)/.cpbench-fake-gpu-installed
+FLOOR_VENV ?= .venv-torch-floor
+FLOOR_TORCH ?= 2.5.1
+FLOOR_STAMP := $(FLOOR_VENV)/.cpbench-fake-gpu-installed
+# the tests that touch version-dependent code, run under each of those torches
+# (make test-torch-matrix; the main venv's torch runs them in make test)
+TORCH_LAYER := tests/unit/test_torchcompat.py tests/unit/test_threadpg.py \
+	tests/unit/test_dryrun.py tests/unit/test_gpu_check.py tests/multirank/test_threads_run.py \
+	tests/multirank/test_strategies.py tests/multirank/test_upstream.py tests/fake_gpu
 
-.PHONY: bench test test-fast test-gpu test-fake-gpu gpu-check lint install clean
+.PHONY: bench test test-fast test-gpu test-fake-gpu test-torch-matrix gpu-check lint install clean
 
 $(STAMP): pyproject.toml scripts/ensure_torch.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,11 +53,21 @@ test-gpu: $(STAMP)
 # cpbench's CUDA paths (flash-attn, strategies on the fake process group) on fake CUDA
 # tensors: shapes, dtypes, bytes sent; no numbers. See docs/testing.md.
 $(FG_STAMP): pyproject.toml scripts/fake_gpu_venv.sh tests/fake_gpu/stub/flash_attn_2_cuda.py
-	scripts/fake_gpu_venv.sh $(PYTHON) $(FG_VENV)
+	scripts/fake_gpu_venv.sh $(PYTHON) $(FG_VENV) $(FG_TORCH)
 	touch $(FG_STAMP)
+
+$(FLOOR_STAMP): pyproject.toml scripts/fake_gpu_venv.sh tests/fake_gpu/stub/flash_attn_2_cuda.py
+	scripts/fake_gpu_venv.sh $(PYTHON) $(FLOOR_VENV) $(FLOOR_TORCH)
+	touch $(FLOOR_STAMP)
 
 test-fake-gpu: $(FG_STAMP)
 	CPBENCH_FAKE_GPU_VENV=1 $(FG_VENV)/bin/python -m pytest -q tests/fake_gpu
+
+# the version layer under the one-GPU machine's torch and under the floor (each says which)
+test-torch-matrix: $(FG_STAMP) $(FLOOR_STAMP)
+	@for py in $(FG_VENV)/bin/python $(FLOOR_VENV)/bin/python; do \
+	  echo "torch matrix: $$($$py -c 'import torch; print("torch", torch.__version__)')"; \
+	  CPBENCH_FAKE_GPU_VENV=1 $$py -m pytest -q $(TORCH_LAYER) || exit 1; done
 
 # What one GPU can show, in under 8 minutes, offline (docs/gpu-check.md): each step a
 # subprocess under its own timeout; without a GPU the CUDA steps say "skipped: no CUDA".
@@ -73,4 +94,4 @@ lint: $(STAMP)
 		scripts/fake_gpu_venv.sh .ci/run
 
 clean:
-	rm -rf $(VENV) $(FG_VENV) .pytest_cache
+	rm -rf $(VENV) $(FG_VENV) $(FLOOR_VENV) .pytest_cache

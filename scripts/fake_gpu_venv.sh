@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Build the fake-GPU venv of `make test-fake-gpu`: a CUDA build of torch (fake CUDA tensors
-# need one; no GPU is used), cpbench editable with its test deps, flash-attn's Python files
-# without their CUDA build, and a stand-in for the compiled module flash_attn_2_cuda.
-# Usage: scripts/fake_gpu_venv.sh PYTHON VENV
+# Build a venv of a CUDA build of torch for the fake-GPU layer and the torch matrix
+# (docs/testing.md, docs/torch-versions.md): cpbench editable with its test deps, flash-attn's
+# Python files without their CUDA build, and a stand-in for the compiled module
+# flash_attn_2_cuda. No GPU is used: fake CUDA tensors need a CUDA build, nothing more.
+# The registry has torch below 2.13 only as CUDA builds (several GB with their CUDA
+# libraries), and pip's own cache keeps none of them here: the first build downloads torch and
+# what it needs into a wheel cache outside the checkout (CPBENCH_WHEEL_CACHE, default
+# ~/.cache/cpbench/wheels), later builds on the machine (CI's fresh clone too) install from it.
+# Usage: scripts/fake_gpu_venv.sh PYTHON VENV TORCH_VERSION
 set -euo pipefail
-PYTHON="${1:?usage: fake_gpu_venv.sh PYTHON VENV}"
-VENV="${2:?usage: fake_gpu_venv.sh PYTHON VENV}"
+PYTHON="${1:?usage: fake_gpu_venv.sh PYTHON VENV TORCH_VERSION}"
+VENV="${2:?usage: fake_gpu_venv.sh PYTHON VENV TORCH_VERSION}"
+TORCH="${3:?usage: fake_gpu_venv.sh PYTHON VENV TORCH_VERSION}"
 PY="$VENV/bin/python"
 cd "$(dirname "$0")/.."
 
@@ -13,12 +19,18 @@ test -x "$PY" || "$PYTHON" -m venv "$VENV"
 # flash-attn's setup.py runs with --no-build-isolation below, so the venv's own setuptools
 # builds it (a fresh venv's is too old for its bdist_wheel) and it needs packaging.
 "$PY" -m pip install -q "setuptools>=68" packaging
-# Pinned, and installed first: cpbench's torch>=2.3 is then satisfied and pip never swaps it
+# Pinned, and installed first: cpbench's torch range is then satisfied and pip never swaps it
 # for the CPU build (ensure_torch.sh's) or a newer CUDA wheel.
-"$PY" -m pip install -q "torch==2.14.1"
+WHEELS="${CPBENCH_WHEEL_CACHE:-$HOME/.cache/cpbench/wheels}/torch-$TORCH"
+if [[ ! -f "$WHEELS/.complete" ]]; then
+  echo "fake_gpu_venv: caching torch $TORCH and its CUDA libraries in $WHEELS (once)"
+  "$PY" -m pip download -q -d "$WHEELS" "torch==$TORCH"
+  touch "$WHEELS/.complete"
+fi
+"$PY" -m pip install -q --no-index --find-links "$WHEELS" "torch==$TORCH"
 "$PY" -m pip install -q -e '.[test]'
-"$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.14.1' or not torch.version.cuda)" \
-  || { echo "fake_gpu_venv: torch is not the 2.14.1 CUDA build" >&2; exit 1; }
+"$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH' or not torch.version.cuda)" \
+  || { echo "fake_gpu_venv: torch is not the $TORCH CUDA build" >&2; exit 1; }
 # flash-attn's Python interface only: SKIP_CUDA_BUILD compiles nothing, FORCE_BUILD stops its
 # setup.py from trying to download a prebuilt wheel from GitHub. --no-deps: its one runtime
 # dependency besides torch is einops.

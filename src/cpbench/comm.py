@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from cpbench import ranklocal
+from cpbench import ranklocal, torchcompat
 from cpbench.topology import Group
 
 
@@ -185,7 +185,7 @@ class _Collective:
 
 def _holders(t: torch.Tensor) -> tuple[int, int]:
     """Who holds ``t``: references to it, and tensors (views) on its storage."""
-    uses = t._use_count()  # type: ignore[attr-defined]
+    uses = torchcompat.use_count(t) or 0
     return uses, torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 

@@ -41,6 +41,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.testing._internal.distributed import multi_threaded_pg as mt
 
+from cpbench import torchcompat
+
 BACKEND = "cpbench-threaded"
 
 _local = threading.local()
@@ -297,6 +299,12 @@ class ThreadedGroup(mt.ProcessLocalGroup):
         return _NO_BACKEND
 
 
+# c10d's all_to_all_single calls ``alltoall_base`` up to torch 2.12 (torchcompat): torch's
+# threaded group's own would wait forever, never abort and never sync streams
+for _method in torchcompat.ALL_TO_ALL_SINGLE_METHODS:
+    setattr(ThreadedGroup, _method, ThreadedGroup.all_to_all_single)
+
+
 class _NoBackend:
     """What torch asks of a group's device backend, answered for the threaded group."""
 
@@ -324,13 +332,12 @@ def installed() -> Iterator[None]:
     """Around a launch, in the launching thread: every thread its own torch.distributed
     world (torch's ThreadLocalWorld) and group names (functional collectives resolve
     groups by name); the process as it was afterwards."""
-    isolate = torch._C._distributed_c10d._set_thread_isolation_mode  # type: ignore[attr-defined]
     mt._install_threaded_pg()
-    isolate(True)
+    torchcompat.set_thread_isolation(True)
     try:
         yield
     finally:
-        isolate(False)
+        torchcompat.set_thread_isolation(False)
         mt._uninstall_threaded_pg()
 
 

@@ -203,9 +203,12 @@ def test_auto_checks_the_fa3_builds_api_generation(fake_flash):
     assert kernels.resolve("auto", **{**fp16_d256, "head_dim": 128}).name == "flash-attn3"
 
 
-def test_auto_on_cuda_never_falls_back_to_the_reference(fake_flash):
-    """A broken install keeps its real exception; fp32 says why; neither picks torch."""
+def test_auto_on_cuda_never_falls_back_to_the_reference(fake_flash, monkeypatch):
+    """A broken install keeps its real exception; fp32 says why; neither picks torch. On a
+    CPU build of torch (sdpa cannot run: a CUDA build would take it, as the next test shows)."""
     from cpbench.kernels import flash_attn as fa
+
+    monkeypatch.setattr(torch.version, "cuda", None)
 
     fake_flash["broken"] = {
         fa.FA2_MODULE: OSError("libcudart.so.12: cannot open shared object file"),
@@ -298,6 +301,7 @@ def test_without_flash_attn_auto_runs_the_adapters_on_torchs_fa2(name, monkeypat
 
 
 def test_auto_gives_torch_ring_torchs_flash_op_on_cuda(fake_flash, monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build first: sdpa cannot run
     assert _adapter_kernel("torch-ring", "flash-attn3", auto=True)[0].name == "flash-attn3"
     monkeypatch.setattr(torch.version, "cuda", "12.4")  # now sdpa can run
     backend, note = _adapter_kernel("torch-ring", "flash-attn", auto=True)

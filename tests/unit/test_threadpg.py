@@ -200,6 +200,46 @@ def test_a_collective_never_posted_times_out_naming_rank_and_op():
     assert found and found[1] == found[2] and found[1] != "1", str(e.value)
 
 
+def _all_to_all(world):
+    dist.all_to_all_single(torch.empty(world), torch.ones(world))
+
+
+def _all_gather(world):
+    dist.all_gather_into_tensor(torch.empty(world), torch.ones(1))
+
+
+def _reduce_scatter(world):
+    dist.reduce_scatter_tensor(torch.empty(1), torch.ones(world))
+
+
+@pytest.mark.parametrize("post,op", [(_all_to_all, "all_to_all_single"),
+                                     (_all_gather, "all_gather"),
+                                     (_reduce_scatter, "reduce_scatter")])
+def test_every_tensor_collective_is_bounded_and_aborts(post, op):
+    """Each entry point c10d has for these (its names differ across torch versions:
+    torchcompat) reaches cpbench's group: a collective one rank never posts times out
+    naming it, and a rank that fails first frees its peers at once (torch 2.11's stock
+    ``alltoall_base`` waited forever)."""
+    def skipped(rank, world):
+        if rank != 1:
+            post(world)
+
+    with pytest.raises(RankError) as e:
+        _run(skipped, collective_timeout=1.0)
+    assert f"{op} on ranks [0, 1, 2, 3]: timed out after 1 s: rank(s) 1 never posted it" \
+        in str(e.value), str(e.value)
+
+    def failing(rank, world):
+        if rank == 1:
+            raise ValueError("boom on purpose")
+        post(world)
+
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as e:
+        _run(failing, collective_timeout=300.0)
+    assert "rank 1 failed" in str(e.value) and time.monotonic() - t0 < 30
+
+
 def test_a_message_never_sent_times_out_naming_the_receive():
     def body(rank, world):
         if rank == 0:

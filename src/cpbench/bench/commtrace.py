@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cpbench import ranklocal
+from cpbench import ranklocal, torchcompat
 
 # the wrapped functions and how many bytes each sends, from (input nbytes, group size)
 _SENDS = {
@@ -142,9 +142,8 @@ _PATCHED = ("isend", "send", "all_to_all_single", "all_gather", "all_gather_into
 
 
 # the functional collectives torch's FlexAttention CP calls (_cp_custom_ops.py), by the
-# functional op each issues
-_FUNCOL = {"all_gather_single": "all_gather_into_tensor",
-           "reduce_scatter_single": "reduce_scatter_tensor"}
+# functional op each issues: their names depend on the torch (torchcompat)
+_FUNCOL = torchcompat.flex_cp_collectives()
 
 
 def _wrap_funcol(rec: _Recorder, name: str, original):

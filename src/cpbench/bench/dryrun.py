@@ -40,7 +40,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cpbench import kernels, results, strategies
+from cpbench import kernels, results, strategies, torchcompat
 from cpbench.bench import fakecuda, fakegrad
 from cpbench.bench.commtrace import Event, traced
 from cpbench.bench.memory import StorageMeter
@@ -123,12 +123,11 @@ def where(exc: BaseException) -> str:
 def fake_world(rank: int, world: int):
     """This process as ``rank`` of ``world`` on torch's fake backend (no peers exist)."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         forget_groups()
         dist.destroy_process_group()
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=world, store=torchcompat.fake_store())
     try:
         yield
     finally:
@@ -216,8 +215,6 @@ def _step(strat: Strategy, x: dict, device: str, fwd_only: bool, r: RankResult) 
 def dry_rank(name: str, options, attn: AttentionConfig, topo: Topology, rank: int, *,
              kernel_name: str, device: str, fwd_only: bool = False) -> RankResult:
     """Rank ``rank``'s real code of one case on fake tensors (see the module docstring)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     r = RankResult(rank)
     cls = strategies.get(name)
     cuda = fakecuda.streams() if device == "cuda" else contextlib.nullcontext()
@@ -226,7 +223,7 @@ def dry_rank(name: str, options, attn: AttentionConfig, topo: Topology, rank: in
     with fake_world(rank, topo.world_size), cuda, _fusers_off():
         try:
             strat = cls(attn, topo, rank, kernel=kernels.get(kernel_name), options=options)
-            with _host_planning(strat), FakeTensorMode(allow_non_fake_inputs=True):
+            with _host_planning(strat), torchcompat.fake_tensor_mode():
                 x = _inputs(strat, attn, device)
                 out, _ = strat.attention(x["q"], x["k"], x["v"])  # warm-up: caches, set-up
                 del out, _

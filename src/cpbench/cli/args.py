@@ -182,6 +182,10 @@ def problem(args) -> tuple[dict, dict]:
 
 
 def request(args) -> tuple[RunConfig, dict, dict]:
+    from cpbench import torchcompat
+
+    if torchcompat.VERSION < torchcompat.FLOOR:  # before anything is built or launched
+        raise UsageError(torchcompat.out_of_range() or "")
     run, _, _ = split(given(args))
     return (RunConfig(**run), *problem(args))
 

@@ -58,11 +58,15 @@ def local_ranks(given: int | None, environ=os.environ, gpus: int = 0) -> int:
 def versions() -> Iterator[Check]:
     import torch
 
+    from cpbench import torchcompat
     from cpbench.bench import env
 
     nccl = env.nccl_version()
-    yield OK, "torch", (f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none'} "
-                        f"(this build), NCCL {nccl or 'none'}")
+    why = torchcompat.out_of_range()
+    level = OK if why is None else ERROR if torchcompat.VERSION < torchcompat.FLOOR else WARN
+    yield level, "torch", why or (f"torch {torch.__version__}, CUDA "
+                                  f"{torch.version.cuda or 'none'} (this build), NCCL "
+                                  f"{nccl or 'none'}; supported {torchcompat.supported()}")
 
 
 def gpus(ranks: int) -> Iterator[Check]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from cpbench import torchcompat
 from cpbench.kernels.base import check_shapes, cuda_flash, flash_ready
 
 _OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
@@ -37,9 +38,9 @@ _GIVEN = ("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", 
 
 def import_error() -> str | None:
     """Why this torch cannot run the kernel: a CPU-only build has the ops but no CUDA kernel."""
-    missing = [op for op in _OPS if not hasattr(torch.ops.aten, op)]
-    if missing:
-        return f"torch {torch.__version__} has no aten.{missing[0]}"
+    for op in _OPS:
+        if why := torchcompat.aten_op_lacks(op):
+            return why
     if torch.version.cuda is None:
         return f"torch {torch.__version__} is a build without CUDA"
     return None

@@ -17,6 +17,7 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 
+from cpbench import torchcompat
 from cpbench.errors import Skipped, UsageError
 
 # the kernels beneath flash-attn's interface, per device: on CPU the interface runs the aten
@@ -31,12 +32,14 @@ FLASH_KERNELS: dict[str, tuple[str, ...]] = {"cpu": ("sdpa-cpu", "flash-attn-cpu
 class Upstream:
     """The published library an adapter strategy runs: its distribution (for the version),
     the module to import, cpbench's own strategy of the same algorithm (``twin``, for
-    ``cpbench report --compare upstream``), and whether it runs on CUDA only."""
+    ``cpbench report --compare upstream``), whether it runs on CUDA only, and the oldest
+    torch that has it (``torch_since``, for torch's own)."""
 
     package: str
     module: str
     twin: str | None = None
     cuda_only: bool = False
+    torch_since: tuple[int, int] | None = None
 
     def version(self) -> str | None:
         try:
@@ -46,6 +49,9 @@ class Upstream:
 
     def unavailable(self, device: str) -> str | None:
         """Why it cannot run on ``device`` here (None: it can)."""
+        what = f"torch's {self.module.rsplit('.', 1)[-1]}"
+        if self.torch_since and (why := torchcompat.needs(self.torch_since, what)):
+            return why
         if self.cuda_only and device != "cuda":
             return f"{self.package} runs on CUDA GPUs only (this run is on {device})"
         try:

@@ -30,6 +30,7 @@ from types import SimpleNamespace
 
 import torch
 
+from cpbench import torchcompat
 from cpbench.errors import Skipped, UsageError
 from cpbench.strategies import register
 from cpbench.strategies._upstream import no_schedule
@@ -38,7 +39,7 @@ from cpbench.strategies.layout import contiguous_index, nearest_multiple
 
 BALANCERS = ("head-tail", "per-document", "ptrr", "none")
 BLOCK = 128  # torch.nn.attention.flex_attention._DEFAULT_SPARSE_BLOCK_SIZE
-_CP = "torch.distributed.tensor.experimental._context_parallel"
+_CP = torchcompat.CP_PACKAGE
 
 
 def _cp():
@@ -92,7 +93,8 @@ class TorchFlex(Strategy):
     name = "torch-flex"
     description = ("PyTorch native context parallel for FlexAttention: K/V all-gathered, "
                    "its load balancers (head-tail, per-document, PTRR)")
-    upstream = Upstream("torch", _CP, twin="llama3", cuda_only=True)
+    upstream = Upstream("torch", _CP, twin="llama3", cuda_only=True,
+                        torch_since=torchcompat.CP_SINCE)
     masks = frozenset({"documents", "window"})
     compiles = True  # FlexAttention (and its block mask) run through torch.compile
     # each rank thread would compile FlexAttention at once, and torch.compile is not
@@ -111,6 +113,8 @@ class TorchFlex(Strategy):
 
     @classmethod
     def unavailable(cls, device: str) -> str | None:
+        if why := torchcompat.needs(torchcompat.CP_SINCE, "FlexAttention context parallel"):
+            return why
         if not hasattr(_cp(), "_PTRRLoadBalancer"):
             return f"torch {torch.__version__} has no FlexAttention context parallel"
         if device != "cuda":

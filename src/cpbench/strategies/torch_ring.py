@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cpbench import torchcompat
 from cpbench.kernels.sdpa import backward_extras
 from cpbench.strategies import register
 from cpbench.strategies._upstream import check_kernel, device_of, no_schedule
@@ -34,7 +35,7 @@ from cpbench.strategies.base import Strategy, Upstream, option, save_for_backwar
 from cpbench.strategies.layout import check_divisible, contiguous_index
 
 ROTATE = ("allgather", "alltoall")
-_MODULE = "torch.distributed.tensor.experimental._context_parallel._attention"
+_MODULE = f"{torchcompat.CP_PACKAGE}._attention"
 
 
 def _ops(device: str):
@@ -110,7 +111,8 @@ class TorchRing(Strategy):
     name = "torch-ring"
     description = ("PyTorch native context parallel: its templated ring attention "
                    "(head-tail load balance when causal)")
-    upstream = Upstream("torch", "torch.distributed.tensor.experimental", twin="zigzag")
+    upstream = Upstream("torch", torchcompat.CP_PACKAGE, twin="zigzag",
+                        torch_since=torchcompat.CP_SINCE)
     # the op it calls is these kernels; not flash-attn, which it never calls: a row recorded
     # as flash-attn would name a kernel that did not run (auto hands it sdpa on CUDA)
     accepted_kernels = {"cpu": ("sdpa-cpu",), "cuda": ("sdpa",)}

@@ -8,7 +8,7 @@ C++ decides is decided the same way here: (b, s, h, d) inputs with a contiguous 
 (total, h, d) with int32 ``cu_seqlens`` for varlen; causal and windows bottom-right, bounds
 >= seqlen_k dropped, causal setting right = 0; GQA; lse (b, h, sq) fp32 dense, (h, total_q)
 varlen (``unpadded_lse``); out = 0 and lse = +inf where seqlen_k == 0. Schemas read from
-torch 2.13 and 2.14 (identical); ``import_error`` names what an older torch lacks.
+torch 2.13 and 2.14 (identical); ``import_error`` names what a torch lacks (torchcompat).
 
 What torch's op cannot do is refused by the caller (``_internal``): dropout, ALiBi (its
 backward takes none), softcap, paged KV, ``leftpad_k``; ``deterministic=True`` only under
@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from cpbench import torchcompat
+
 Tensor = torch.Tensor
 _FWD, _BWD = "_flash_attention_forward", "_flash_attention_backward"
 _KEYWORDS = ("scale", "window_size_left", "window_size_right")  # what this passes by name
@@ -45,13 +47,8 @@ def runs(q: Tensor) -> bool:
 def import_error() -> str | None:
     """Why this torch cannot carry flash-attn's interface on CUDA (None: it can)."""
     for name in (_FWD, _BWD):
-        packet = getattr(torch.ops.aten, name, None)
-        if packet is None:
-            return f"torch {torch.__version__} has no aten.{name}"
-        have = {a.name for a in packet.default._schema.arguments}
-        missing = [k for k in _KEYWORDS if k not in have]
-        if missing:
-            return f"torch {torch.__version__}'s aten.{name} takes no {missing[0]}"
+        if why := torchcompat.aten_op_lacks(name, _KEYWORDS):
+            return why
     if torch.version.cuda is None:
         return f"torch {torch.__version__} is a build without CUDA"
     return None

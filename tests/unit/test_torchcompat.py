@@ -1,0 +1,102 @@
+"""torchcompat's table against the torch installed: each entry names what this torch really has
+(read from its own sources), and a torch outside the range is refused in one line. CI runs this
+under the floor, 2.11 and the main venv's torch (make test-torch-matrix)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from cpbench import strategies, threadpg, torchcompat
+
+
+def test_this_torch_is_in_the_range_ci_tests():
+    assert torchcompat.FLOOR <= torchcompat.VERSION <= torchcompat.CEILING
+    assert torchcompat.out_of_range() is None
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    assert torchcompat.VERSION == (major, minor)
+
+
+def test_pyproject_states_the_same_range():
+    text = open("pyproject.toml").read()
+    low, high = torchcompat.FLOOR, torchcompat.CEILING
+    assert f'"torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}"' in text
+
+
+@pytest.mark.parametrize("version,verdict", [((2, 3), "older than cpbench's floor, torch 2.5"),
+                                             ((2, 16), "newer than the newest tested, 2.15")])
+def test_out_of_range_says_so_in_one_line(monkeypatch, version, verdict):
+    monkeypatch.setattr(torchcompat, "VERSION", version)
+    why = torchcompat.out_of_range()
+    assert verdict in why and "\n" not in why and len(why) <= 120
+
+
+def test_needs_names_the_torch_it_needs(monkeypatch):
+    monkeypatch.setattr(torchcompat, "VERSION", (2, 9))
+    assert torchcompat.needs((2, 10), "torch-flex") == \
+        f"torch-flex needs torch >= 2.10 (this is torch {torch.__version__})"
+    assert torchcompat.needs((2, 9), "torch-flex") is None
+
+
+def test_flex_cp_collectives_are_the_ones_torch_calls():
+    """The names exist here, and torch's FlexAttention CP (where this torch has it) calls
+    exactly them."""
+    names = torchcompat.flex_cp_collectives()
+    assert set(names.values()) == {"all_gather_into_tensor", "reduce_scatter_tensor"}
+    assert all(callable(getattr(funcol, n)) for n in names)
+    ops = torchcompat.import_optional(f"{torchcompat.CP_PACKAGE}._cp_custom_ops")
+    if ops is not None:  # 2.10 on
+        called = set(re.findall(r"funcol\.(\w+)\(", inspect.getsource(ops)))
+        assert called == set(names), called
+
+
+def test_the_threaded_group_takes_every_all_to_all_name_c10d_calls():
+    called = set(re.findall(r"group\.(\w+)\(", inspect.getsource(dist.all_to_all_single)))
+    assert called & set(torchcompat.ALL_TO_ALL_SINGLE_METHODS) == called - {"rank", "size"}
+    for name in torchcompat.ALL_TO_ALL_SINGLE_METHODS:
+        assert getattr(threadpg.ThreadedGroup, name) is threadpg.ThreadedGroup.all_to_all_single
+
+
+def test_torchs_context_parallel_is_there_from_its_version_on():
+    has = torchcompat.import_optional(torchcompat.CP_PACKAGE) is not None
+    assert has == (torchcompat.VERSION >= torchcompat.CP_SINCE)
+    for name in ("torch-ring", "torch-flex"):
+        why = strategies.get(name).unavailable("cuda")
+        assert (why is not None and "needs torch >= 2.10" in why) == (not has), why
+
+
+def test_use_count_counts_holders_of_the_tensor():
+    t = torch.ones(1, requires_grad=True)
+    before = torchcompat.use_count(t)
+    z = t * t  # its backward saves t (twice)
+    assert before is not None and torchcompat.use_count(t) > before
+    del z
+    assert torchcompat.use_count(t) == before
+
+
+def test_aten_op_lacks_names_the_op_or_the_argument():
+    assert torchcompat.aten_op_lacks("_flash_attention_forward", ("window_size_left",)) is None
+    assert "has no aten.no_such_op" in torchcompat.aten_op_lacks("no_such_op")
+    why = torchcompat.aten_op_lacks("_flash_attention_forward", ("no_such_arg",))
+    assert why.endswith("takes no no_such_arg")
+
+
+def test_a_run_below_the_floor_is_refused_before_anything_starts(monkeypatch, capsys):
+    from cpbench.cli import main
+
+    monkeypatch.setattr(torchcompat, "VERSION", (2, 3))
+    assert main(["run", "--strategy", "zigzag", "--nproc", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and len(err[0]) <= 120 and "floor, torch 2.5" in err[0], err
+
+
+def test_importlib_finds_nothing_for_a_module_torch_lacks():
+    assert torchcompat.import_optional("torch.no_such_module") is None
+    assert torchcompat.import_optional("torch.distributed") is importlib.import_module(
+        "torch.distributed")
