@@ -100,3 +100,15 @@ def test_importlib_finds_nothing_for_a_module_torch_lacks():
     assert torchcompat.import_optional("torch.no_such_module") is None
     assert torchcompat.import_optional("torch.distributed") is importlib.import_module(
         "torch.distributed")
+
+
+@pytest.mark.parametrize("name", ["torch-ring", "torch-flex"])
+def test_a_strategy_an_older_torch_lacks_is_refused_in_one_line(monkeypatch, capsys, name):
+    monkeypatch.setattr(torchcompat, "VERSION", (2, 9))
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")  # the longest such version
+    from cpbench.cli import main
+
+    assert main(["run", "--strategy", name, "--nproc", "2", "--seqlen", "1k"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and len(err[0]) <= 120, err
+    assert err[0].endswith("needs torch >= 2.10 (this is torch 2.9.1+cu128)"), err

@@ -49,8 +49,7 @@ class Upstream:
 
     def unavailable(self, device: str) -> str | None:
         """Why it cannot run on ``device`` here (None: it can)."""
-        what = f"torch's {self.module.rsplit('.', 1)[-1]}"
-        if self.torch_since and (why := torchcompat.needs(self.torch_since, what)):
+        if self.torch_since and (why := torchcompat.needs(self.torch_since, "it")):
             return why
         if self.cuda_only and device != "cuda":
             return f"{self.package} runs on CUDA GPUs only (this run is on {device})"

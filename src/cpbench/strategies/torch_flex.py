@@ -113,7 +113,7 @@ class TorchFlex(Strategy):
 
     @classmethod
     def unavailable(cls, device: str) -> str | None:
-        if why := torchcompat.needs(torchcompat.CP_SINCE, "FlexAttention context parallel"):
+        if why := torchcompat.needs(torchcompat.CP_SINCE, "FlexAttention CP"):
             return why
         if not hasattr(_cp(), "_PTRRLoadBalancer"):
             return f"torch {torch.__version__} has no FlexAttention context parallel"
