@@ -184,7 +184,7 @@ def plan_memory(ctx):
                     *MEMORY_CPU, "--out", str(dry_out)), 60)]
     dry = Command("dryrun local (fake cuda)", ctx.cpbench(
         "dryrun", *one, "--device", "cuda", "--nodes", "1", "--gpus-per-node", "1",
-        "--hardware", ctx.preset(), *MEMORY_GPU, "--out", str(dry_out)), 20)
+        "--hardware", ctx.preset(), *MEMORY_GPU, "--out", str(dry_out)), 60)
     if ctx.mode == "fake":
         return [dry]
     run = Command("run local (1 GPU, torchrun)", ctx.torchrun(
