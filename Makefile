@@ -69,11 +69,12 @@ test-torch-matrix: $(FG_STAMP) $(FLOOR_STAMP)
 	  echo "torch matrix: $$($$py -c 'import torch; print("torch", torch.__version__)')"; \
 	  CPBENCH_FAKE_GPU_VENV=1 $$py -m pytest -q $(TORCH_LAYER) || exit 1; done
 
-# What one GPU can show, in under 8 minutes, offline (docs/gpu-check.md): each step a
-# subprocess under its own timeout; without a GPU the CUDA steps say "skipped: no CUDA".
-# NO_VENV=1 (or VENV=): the machine's own $(PYTHON) and torch, nothing built or installed (an
-# offline GPU box: `make gpu-check NO_VENV=1`; the fake-GPU venv's fake-CUDA steps: NO_VENV=1
-# PYTHON=.venv-fake-gpu/bin/python); GPU_CHECK_FLAGS: more flags (e.g. --out DIR --compact).
+# What one GPU can show, in 6 minutes, offline (docs/gpu-check.md): each step a subprocess
+# under its cap; without a GPU the CUDA steps say "skipped: no CUDA". On a GPU machine, no make
+# needed: `python3 scripts/gpu_check.py --compact --out DIR` (its own torch, no venv).
+# NO_VENV=1 (or VENV=): the machine's own $(PYTHON) and torch, nothing built or installed (the
+# fake-GPU venv's fake-CUDA steps: NO_VENV=1 PYTHON=.venv-fake-gpu/bin/python);
+# GPU_CHECK_FLAGS: more flags (e.g. --out DIR --compact, --only STEP).
 GPU_CHECK_FLAGS ?=
 ifeq ($(strip $(VENV)),)
 NO_VENV := 1

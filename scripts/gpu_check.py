@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""What one GPU can show of cpbench, in under 8 minutes, offline, with the machine's own torch
+"""What one GPU can show of cpbench, in 6 minutes, offline, with the machine's own torch
 (`make gpu-check`; docs/gpu-check.md). Each step runs as subprocesses under its own timeout,
 in priority order, and the run goes on after a failure; the results folder holds one log per
 step, every record (records.jsonl) and summary.md / summary.json, rewritten after each step.
 Without a GPU the CUDA steps say "skipped: no CUDA" and the rest run; with only a CUDA build
 of torch (the fake-GPU venv) its fake-CUDA steps run too.
 
-    python3 scripts/gpu_check.py [--out DIR] [--compact] [--budget S] [--steps a,b]
-    python3 scripts/gpu_check.py --report DIR      # print a results folder's summary
+    python3 scripts/gpu_check.py --compact --out DIR  # a lent GPU machine: DIR is $OUT
+    python3 scripts/gpu_check.py [--out DIR] [--budget S] [--steps a,b | --only STEP]
+    python3 scripts/gpu_check.py --report DIR         # print a results folder's summary
 
 Standard library only (any Python >= 3.10): cpbench and torch run in the subprocesses, with
 this checkout's src/ first on PYTHONPATH.
@@ -16,13 +17,10 @@ this checkout's src/ first on PYTHONPATH.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tarfile
 import time
@@ -30,12 +28,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check_report as report  # noqa: E402
+import gpu_check_runner as runner  # noqa: E402
 import gpu_check_steps as steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_BUDGET_S = 450  # 7.5 minutes: under 8 with the start and the packing
+# A lent GPU machine gives 15 minutes in all, 10 a command, and its own start takes a few:
+# a whole run (6 minutes) and the start fit in 10, and the 5 left hold a fresh start and one
+# step again (--only, 3 minutes). The steps' caps on a GPU add up to the whole run's budget.
+DEFAULT_BUDGET_S = 360
+ONLY_BUDGET_S = 180
 MIN_STEP_S = 15  # a step is not started with less left than this
-HEARTBEAT_S = 30
 
 
 class Context:
@@ -45,6 +47,7 @@ class Context:
     def __init__(self, python: str, out: Path):
         self.python, self.out, self.root = python, out, ROOT
         self.logs = out / "logs"
+        self.only = False  # --only: one step, under the run's budget alone
         self.mode, self.env = "none", {}
         self.why_not = "no CUDA: the environment step has not run"
 
@@ -61,6 +64,11 @@ class Context:
                             f"(fake CUDA tensors only)")
         else:
             self.why_not = f"no CUDA: torch {torch} is a build without CUDA"
+
+    def number(self, key: str) -> int:
+        """The step's place in the run (1-based): its log's and its records' prefix, so the
+        records merge in step order."""
+        return [s.key for s in steps.STEPS].index(key) + 1
 
     def has(self, program: str) -> bool:
         return shutil.which(program) is not None
@@ -79,155 +87,6 @@ class Context:
         """The published simulator preset nearest this GPU."""
         gpu = self.env.get("gpu") or ""
         return "h200-sxm" if "H200" in gpu else "a800-sxm" if "A800" in gpu else "h100-sxm"
-
-
-def child_env(extra: dict) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_NCCL_ASYNC_ERROR_HANDLING="1", **extra)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH"))
-                                        if p)
-    return env
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the command's whole process group (torchrun's workers, threads' ranks), then
-    SIGKILL it whatever happened (a rank may outlive its launcher, or ignore SIGTERM), and
-    wait briefly until it is gone: cpbench.sweep.runner.kill_group, here without cpbench."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-
-
-@contextlib.contextmanager
-def _signals_held():
-    """SIGINT / SIGTERM recorded, not raised, while the body runs; the list says if one came."""
-    came: list[int] = []
-    held = (signal.SIGINT, signal.SIGTERM)
-    before = {s: signal.signal(s, lambda signum, _f: came.append(signum)) for s in held}
-    try:
-        yield came
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
-
-
-def run_command(cmd: steps.Command, log, limit_s: float, say) -> dict:
-    """Run one command into the step's log under ``limit_s``; its result (and output)."""
-    log.write(f"$ {shlex.join(cmd.argv)}\n")
-    log.flush()
-    start_at = log.tell()
-    t0 = time.monotonic()
-    with _signals_held() as pending:  # a stop inside Popen would orphan the started child
-        proc = subprocess.Popen(cmd.argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env=child_env(cmd.env), start_new_session=True)
-    status = "ok"
-    try:
-        if pending:
-            raise KeyboardInterrupt
-        while True:
-            left = limit_s - (time.monotonic() - t0)
-            try:
-                proc.wait(timeout=max(0.1, min(HEARTBEAT_S, left)))
-                break
-            except subprocess.TimeoutExpired:
-                if time.monotonic() - t0 >= limit_s:
-                    status = "timeout"
-                    kill_group(proc)
-                    break
-                say(f"      ... {time.monotonic() - t0:.0f} s: {_last_line(log.name)}")
-    except BaseException:
-        kill_group(proc)
-        raise
-    seconds = time.monotonic() - t0
-    rc = proc.returncode
-    if status == "ok" and rc != 0:
-        status = "failed"
-    log.write(f"\n# {status}: exit {rc} after {seconds:.1f} s (limit {limit_s:.0f} s)\n\n")
-    log.flush()
-    with open(log.name, "rb") as f:
-        f.seek(start_at)
-        text = f.read().decode(errors="replace")
-    return {"label": cmd.label, "command": shlex.join(cmd.argv), "rc": rc, "status": status,
-            "seconds": round(seconds, 1), "limit_s": round(limit_s), "text": text}
-
-
-def _last_line(path: str) -> str:
-    with open(path, "rb") as f:
-        f.seek(max(0, os.path.getsize(path) - 4000))
-        lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
-    return lines[-1][:100] if lines else "(no output yet)"
-
-
-def run_step(step: steps.Step, index: int, ctx: Context, deadline: float, say) -> dict:
-    """One step: its commands in turn, each under min(its own limit, the step's, the run's)."""
-    log_name = f"{index:02d}-{step.key}.log"
-    result = {"key": step.key, "title": step.title, "status": "ok", "reason": "",
-              "seconds": 0.0, "log": f"logs/{log_name}", "commands": [], "findings": {}}
-    planned = step.plan(ctx)
-    if isinstance(planned, str):
-        result.update(status="skipped", reason=planned, log="")
-        return result
-    t0 = time.monotonic()
-    step_end = min(deadline, t0 + step.timeout_s)
-    with open(ctx.logs / log_name, "w") as log:
-        log.write(f"# {step.title}\n")
-        for cmd in planned:
-            remaining = step_end - time.monotonic()
-            refused = [r for r in result["commands"] if r["rc"] == 2]
-            if remaining < 5 or refused:
-                why = "out of time" if remaining < 5 else (
-                    f"'{refused[0]['label']}' was refused (exit 2: bad usage), see the log")
-                result["commands"].append({"label": cmd.label, "command": shlex.join(cmd.argv),
-                                           "rc": None, "status": "skipped", "reason": why,
-                                           "text": ""})
-                continue
-            left = min(cmd.timeout_s, remaining)
-            say(f"    $ {cmd.label} (limit {left:.0f} s)")
-            result["commands"].append(run_command(cmd, log, left, say))
-    result["seconds"] = round(time.monotonic() - t0, 1)
-    result["status"] = _worst([c["status"] for c in result["commands"]])
-    result["reason"] = _why(result["commands"])
-    if step.read is not None:
-        try:
-            result["findings"] = step.read(ctx, result["commands"])
-        except Exception as e:  # a finding unread is said, never a lost run
-            result["findings"] = {"headline": f"could not read the results: "
-                                              f"{type(e).__name__}: {e}"}
-    for c in result["commands"]:
-        c.pop("text", None)
-    return result
-
-
-def _why(commands: list[dict]) -> str:
-    """The first bad command and the last line it printed (its error), and what was skipped."""
-    parts = []
-    bad = [c for c in commands if c["status"] in ("timeout", "failed")]
-    if bad:
-        c = bad[0]
-        what = f"past its {c['limit_s']} s" if c["status"] == "timeout" else f"exit {c['rc']}"
-        lines = [ln for ln in c["text"].splitlines() if ln.strip() and not ln.startswith("# ")]
-        parts.append(f"{c['label']}: {what}" + (f": {lines[-1].strip()[:160]}" if lines else ""))
-    skipped = [c for c in commands if c["status"] == "skipped"]
-    if skipped:
-        parts.append(f"{len(skipped)} command(s) skipped: {skipped[0]['reason']}")
-    return "; ".join(parts)
-
-
-def _worst(statuses: list[str]) -> str:
-    for bad in ("timeout", "failed"):
-        if bad in statuses:
-            return bad
-    return "partial" if "skipped" in statuses else "ok"
 
 
 def write_summary(out: Path, summary: dict) -> None:
@@ -308,12 +167,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", metavar="DIR", help="results folder (default runs/gpu-check-<utc>)")
     p.add_argument("--python", default=sys.executable,
                    help="the interpreter whose torch the steps use (default this one)")
-    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, metavar="SECONDS",
+    p.add_argument("--budget", type=float, metavar="SECONDS",
                    help=f"the whole run's time; steps left are 'skipped: out of time' "
-                        f"(default {DEFAULT_BUDGET_S})")
-    p.add_argument("--steps", metavar="KEY[,KEY...]",
-                   help="run only these (env always runs): "
-                        + ", ".join(s.key for s in steps.STEPS))
+                        f"(default {DEFAULT_BUDGET_S}, with --only {ONLY_BUDGET_S})")
+    keys = ", ".join(s.key for s in steps.STEPS)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--steps", metavar="KEY[,KEY...]",
+                       help=f"run only these, each under its cap (env always runs): {keys}")
+    which.add_argument("--only", metavar="STEP",
+                       help="rerun one step alone (after env), under the whole budget rather "
+                            "than its cap and its commands' limits")
     p.add_argument("--compact", action="store_true",
                    help="pack the logs into logs.tar.gz: at most 5 files, none deeper than DIR")
     p.add_argument("--report", metavar="DIR", help="print DIR's summary and exit")
@@ -338,20 +201,27 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(report.render(json.loads(path.read_text())))
         return 0
     keys = [s.key for s in steps.STEPS]
-    chosen = set(keys) if not args.steps else {k.strip() for k in args.steps.split(",")}
+    chosen = ({args.only.strip()} if args.only else set(keys) if not args.steps
+              else {k.strip() for k in args.steps.split(",")})
     if chosen - set(keys):
         return _usage(f"unknown step {sorted(chosen - set(keys))[0]!r}; choose from "
                       f"{', '.join(keys)}")
+    if args.budget is None:
+        args.budget = ONLY_BUDGET_S if args.only else DEFAULT_BUDGET_S
     if not args.budget > 0:
         return _usage(f"--budget must be a positive number of seconds, got {args.budget}")
     utc = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    out = Path(args.out or ROOT / "runs" / f"gpu-check-{utc.replace(':', '')}")
+    # absolute: the steps' commands run in the checkout, and a relative DIR there would be
+    # another folder than this process's (their records would land outside the results)
+    out = Path(args.out or ROOT / "runs" / f"gpu-check-{utc.replace(':', '')}").absolute()
     try:
         clear_results(out)
         (out / "logs").mkdir(parents=True, exist_ok=True)
     except OSError as e:
         return _usage(f"cannot use {out}: {e}")
-    return run_all(Context(args.python, out), chosen | {"env"}, args, utc)
+    ctx = Context(args.python, out)
+    ctx.only = bool(args.only)
+    return run_all(ctx, chosen | {"env"}, args, utc)
 
 
 def _say(line: str) -> None:
@@ -366,7 +236,7 @@ def run_all(ctx: Context, chosen: set[str], args, utc: str) -> int:
                "steps": [{"key": s.key, "title": s.title, "status": "not run", "seconds": 0.0,
                           "reason": "the run ended before this step"} for s in steps.STEPS]}
     _say(f"gpu-check: {len(steps.STEPS)} steps, budget {args.budget:.0f} s, results in {ctx.out}")
-    before = signal.signal(signal.SIGTERM, _interrupt)
+    before = signal.signal(signal.SIGTERM, runner.interrupt)
     try:
         rc = _run_steps(ctx, chosen, args.budget, summary)
     finally:
@@ -396,20 +266,17 @@ def _run_steps(ctx: Context, chosen: set[str], budget: float, summary: dict) -> 
     return 0
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def _one(step: steps.Step, i: int, ctx: Context, chosen: set[str], deadline: float) -> dict:
     n = len(steps.STEPS)
     base = {"key": step.key, "title": step.title, "seconds": 0.0, "log": "", "findings": {}}
     if step.key not in chosen:
-        result = {**base, "status": "skipped", "reason": "not chosen (--steps)"}
+        flag = "--only" if ctx.only else "--steps"
+        result = {**base, "status": "skipped", "reason": f"not chosen ({flag})"}
     elif deadline - time.monotonic() < MIN_STEP_S:
         result = {**base, "status": "skipped", "reason": "out of time"}
     else:
         _say(f"[{i + 1}/{n}] {step.title}")
-        result = run_step(step, i + 1, ctx, deadline, _say)
+        result = runner.run_step(step, i + 1, ctx, deadline, _say)
     why = f": {result['reason']}" if result.get("reason") else ""
     head = (result.get("findings") or {}).get("headline")
     _say(f"[{i + 1}/{n}] {step.key}: {result['status']}{why} ({result['seconds']:.0f} s)"

@@ -9,14 +9,11 @@ build (the main venv, `make test`) nothing here is collected.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from optional_libs import IN_FAKE_GPU_VENV, require
 
 CUDA_BUILD = torch.version.cuda is not None
-# set by `make test-fake-gpu`: there flash-attn must import (no skipping for want of it)
-IN_FAKE_GPU_VENV = os.environ.get("CPBENCH_FAKE_GPU_VENV") == "1"
 
 if not CUDA_BUILD:
     collect_ignore_glob = ["*"]  # fake CUDA tensors need a CUDA build of torch
@@ -63,10 +60,12 @@ def fake_pg():
 
 @pytest.fixture
 def flash_attn():
-    """flash-attn's interface module; required in the fake-GPU venv, else skipped without it."""
+    """flash-attn's interface module; required in the fake-GPU venv, else skipped without it
+    ("flash-attn not installed"; an installed one that does not import says why)."""
     if IN_FAKE_GPU_VENV:
         import flash_attn.flash_attn_interface as fi
         return fi
+    require("flash-attn")
     return pytest.importorskip("flash_attn.flash_attn_interface")
 
 

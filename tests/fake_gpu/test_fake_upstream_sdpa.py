@@ -16,6 +16,7 @@ from collections import Counter
 
 import pytest
 import torch
+from optional_libs import require
 
 from cpbench import kernels, strategies
 from cpbench.bench import dryrun, fakegrad
@@ -157,8 +158,9 @@ def test_forward_and_backward_through_the_library(name, options, no_flash_attn, 
     checks it is flash-attn's (b, h, s) fp32)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    fake_pg(3, N)
     cls = strategies.get(name)
+    require(cls.upstream.package)  # the library's own code is what runs here
+    fake_pg(3, N)
     opts = dryrun.case_options(name, options) if options else None
     st = cls(ATTN, TOPO, 3, kernel=kernels.get("sdpa"), options=opts)
     assert fac.is_cpu_interface(sys.modules["flash_attn"])
@@ -217,6 +219,7 @@ def test_dry_run_of_every_rank_on_sdpa_is_the_run_on_flash_attn(name, attn, flas
     """``cpbench dryrun``'s engine, every rank: on sdpa without flash-attn each runs forward
     and backward and sends the same bytes per phase, collective and group as on flash-attn
     (the library's own code above either), or stops where it stops on flash-attn."""
+    require(strategies.get(name).upstream.package)
     opts = strategies.get(name).Options()
     on_fa = [dryrun.dry_rank(name, opts, attn, SMALL, rank, kernel_name="flash-attn",
                              device="cuda") for rank in range(SMALL.world_size)]

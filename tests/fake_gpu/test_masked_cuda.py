@@ -12,10 +12,12 @@ import types
 
 import pytest
 import torch
+from optional_libs import require
 
 if not torch.version.cuda:
     pytest.skip("needs a CUDA build of torch (fake CUDA tensors)", allow_module_level=True)
 
+require("flash-attn")
 # flash-attn's Python files import its CUDA extension; its fake implementations need none
 sys.modules.setdefault("flash_attn_2_cuda", types.ModuleType("flash_attn_2_cuda"))
 pytest.importorskip("flash_attn.flash_attn_interface")
