@@ -23,9 +23,12 @@ def model_errors(attn, topo, *, kernel: str, device: str, names=OWN) -> tuple[in
             continue
         ranks = dryrun.distinct_ranks(case.strategy, case.options, attn, topo,
                                       kernel_name=kernel)
-        peak = max(dryrun.dry_rank(case.strategy, case.options, attn, topo, r,
-                                   kernel_name=kernel, device=device).peak_fwd_bwd_bytes
-                   for r in ranks)
+        done = [dryrun.dry_rank(case.strategy, case.options, attn, topo, r,
+                                kernel_name=kernel, device=device) for r in ranks]
+        failed = [r for r in done if r.peak_fwd_bwd_bytes is None]
+        assert not failed, f"{case.label}: rank {failed[0].rank} {failed[0].status}: " \
+                           f"{failed[0].error}"  # its reason, not max() over None
+        peak = max(r.peak_fwd_bwd_bytes for r in done)
         compared += 1
         if abs(estimate / peak - 1) > 0.10:
             off.append(f"{case.label}: model {estimate / peak - 1:+.0%}")
