@@ -130,6 +130,69 @@ def aten_op_lacks(name: str, keywords: tuple[str, ...] = ()) -> str | None:
     return None
 
 
+# aten's CPU flash kernel with fewer K/V heads than query heads (GQA): its backward corrupts
+# the heap up to 2.8 (2.5.1, 2.6.0, 2.7.1 and 2.8.0 abort or free an invalid pointer within
+# twenty calls; 2.9.1 on match expanded heads). Below, K/V heads are expanded for the call and
+# dK / dV summed back per group: the same maths, with the memory of full K/V heads.
+CPU_FLASH_GQA_SINCE = (2, 9)
+_CPU_FLASH = "_scaled_dot_product_flash_attention_for_cpu"
+
+
+def _expanded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, Any, int]:
+    groups = q.shape[1] // k.shape[1]  # (b, h, s, d): heads on dim 1
+    return k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), groups
+
+
+def cpu_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any,
+                      **kwargs: Any) -> Any:
+    """``aten._scaled_dot_product_flash_attention_for_cpu`` on (b, h, s, d) tensors."""
+    if VERSION < CPU_FLASH_GQA_SINCE and k.shape[1] != q.shape[1]:
+        k, v, _ = _expanded(q, k, v)
+    return getattr(torch.ops.aten, _CPU_FLASH)(q, k, v, *args, **kwargs)
+
+
+def cpu_flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       *args: Any, **kwargs: Any) -> Any:
+    """Its backward: (dq, dk, dv), dk and dv with k's heads."""
+    op = getattr(torch.ops.aten, _CPU_FLASH + "_backward")
+    if VERSION >= CPU_FLASH_GQA_SINCE or k.shape[1] == q.shape[1]:
+        return op(dout, q, k, v, *args, **kwargs)
+    ke, ve, groups = _expanded(q, k, v)
+    dq, dk, dv = op(dout, q, ke, ve, *args, **kwargs)
+
+    def summed(g: torch.Tensor) -> torch.Tensor:  # in fp32 at least, as the kernel sums
+        wide = torch.promote_types(g.dtype, torch.float32)
+        return g.unflatten(1, (k.shape[1], groups)).to(wide).sum(2).to(g.dtype)
+
+    return dq, summed(dk), summed(dv)
+
+
+# Autograd over fake CUDA tensors where no CUDA driver exists (the dry run on fake CUDA, the
+# fake-GPU tests): up to 2.9 recording a node asks the driver for the current stream, and the
+# process aborts ("CUDA driver version is insufficient", 2.5.1 to 2.9.1 seen); 2.10 on records
+# it. With a GPU every torch in the range can.
+FAKE_CUDA_AUTOGRAD_SINCE = (2, 10)
+
+
+def fake_cuda_autograd() -> str | None:
+    """Why this torch cannot run a backward on fake CUDA tensors here (None: it can)."""
+    if VERSION >= FAKE_CUDA_AUTOGRAD_SINCE or torch.cuda.is_available():
+        return None
+    return needs(FAKE_CUDA_AUTOGRAD_SINCE, "fake CUDA without a GPU")
+
+
+# c10d's collectives on fake tensors (the dry run: every rank's code on the fake process
+# group): no fake implementation up to 2.10 (2.5.1, 2.8.0, 2.9.1 and 2.10.0 raise
+# UnsupportedOperatorException for c10d.broadcast_ / send / alltoall_base); 2.11 on have one
+FAKE_COLLECTIVES_SINCE = (2, 11)
+
+
+def dry_run_unavailable(device: str) -> str | None:
+    """Why the dry run cannot run on ``device`` with this torch (None: it can)."""
+    return needs(FAKE_COLLECTIVES_SINCE, "the dry run") or (
+        fake_cuda_autograd() if device == "cuda" else None)
+
+
 # --- modules that moved ---------------------------------------------------------------------
 
 # torch's own context parallel as torch-ring and torch-flex run it: this package, with its

@@ -112,3 +112,16 @@ def test_a_strategy_an_older_torch_lacks_is_refused_in_one_line(monkeypatch, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and len(err[0]) <= 120, err
     assert err[0].endswith("needs torch >= 2.10 (this is torch 2.9.1+cu128)"), err
+
+
+def test_the_dry_run_below_its_torch_is_refused_in_one_line(monkeypatch, capsys):
+    """Below 2.11 c10d's collectives have no fake implementation (and below 2.10 autograd on
+    fake CUDA aborts the process): the dry run says so before it starts."""
+    monkeypatch.setattr(torchcompat, "VERSION", (2, 10))
+    from cpbench.cli import main
+
+    assert main(["dryrun", "--device", "cpu", "--strategy", "zigzag", "--nodes", "1",
+                 "--gpus-per-node", "2", "--seqlen", "1k"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and len(err[0]) <= 120, err
+    assert "the dry run needs torch >= 2.11" in err[0], err

@@ -215,6 +215,8 @@ def _step(strat: Strategy, x: dict, device: str, fwd_only: bool, r: RankResult) 
 def dry_rank(name: str, options, attn: AttentionConfig, topo: Topology, rank: int, *,
              kernel_name: str, device: str, fwd_only: bool = False) -> RankResult:
     """Rank ``rank``'s real code of one case on fake tensors (see the module docstring)."""
+    if why := torchcompat.dry_run_unavailable(device):
+        raise UsageError(why)  # on fake CUDA torch would abort the process, not raise
     r = RankResult(rank)
     cls = strategies.get(name)
     cuda = fakecuda.streams() if device == "cuda" else contextlib.nullcontext()

@@ -76,6 +76,10 @@ def _device(args) -> str:
         raise UsageError("--device cuda needs a CUDA build of torch (this one is CPU-only: "
                          f"{torch.__version__}); use --device cpu, or the fake-GPU venv of "
                          "make test-fake-gpu")
+    from cpbench import torchcompat
+
+    if why := torchcompat.dry_run_unavailable(device):
+        raise UsageError(f"{why}; or use cpbench simulate")
     return device
 
 

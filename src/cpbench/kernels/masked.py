@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cpbench import torchcompat
 from cpbench.errors import UsageError
 from cpbench.kernels import masked_varlen
 from cpbench.kernels.base import KernelBackend
@@ -97,7 +98,7 @@ def _aten(x) -> bool:
 
 def _masked_forward(q, k, v, bias, scale):
     if _aten(q):
-        out, lse = getattr(torch.ops.aten, _FWD)(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, False,
+        out, lse = torchcompat.cpu_flash_forward(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, False,
                                                  attn_mask=bias.to(q.dtype), scale=scale)
         return _bhsd(out), lse.float()
     ke, ve = (x.repeat_interleave(q.shape[2] // x.shape[2], 2).float() for x in (k, v))
@@ -109,7 +110,7 @@ def _masked_forward(q, k, v, bias, scale):
 
 def _masked_backward(dout, q, k, v, out, lse, bias, scale):
     if _aten(q):
-        grads = getattr(torch.ops.aten, _BWD)(
+        grads = torchcompat.cpu_flash_backward(
             _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out.to(q.dtype)),
             lse.float().contiguous(), 0.0, False, attn_mask=bias.to(q.dtype), scale=scale)
         return tuple(_bhsd(g) for g in grads)

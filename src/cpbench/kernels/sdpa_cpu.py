@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from cpbench import torchcompat
 from cpbench.kernels.base import KernelBackend, check_shapes
 
 _FWD = "_scaled_dot_product_flash_attention_for_cpu"
@@ -29,7 +30,7 @@ def _bhsd(x_bshd: torch.Tensor) -> torch.Tensor:
 
 def forward(q, k, v, *, causal: bool, softmax_scale: float):
     check_shapes(q, k, v, causal, causal_unequal=True)
-    out_bhsd, lse_bhs = getattr(torch.ops.aten, _FWD)(
+    out_bhsd, lse_bhs = torchcompat.cpu_flash_forward(
         _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=softmax_scale
     )
     return out_bhsd.transpose(1, 2), lse_bhs
@@ -37,7 +38,7 @@ def forward(q, k, v, *, causal: bool, softmax_scale: float):
 
 def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
     check_shapes(q, k, v, causal, causal_unequal=True)
-    dq, dk, dv = getattr(torch.ops.aten, _BWD)(
+    dq, dk, dv = torchcompat.cpu_flash_backward(
         _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out.to(q.dtype)),
         lse.float().contiguous(), 0.0, causal, scale=softmax_scale,
     )

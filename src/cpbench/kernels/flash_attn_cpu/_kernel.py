@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cpbench import torchcompat
+
 _FWD = "_scaled_dot_product_flash_attention_for_cpu"
 _BWD = "_scaled_dot_product_flash_attention_for_cpu_backward"
 INF = float("inf")
@@ -98,7 +100,7 @@ def forward(q, k, v, softmax_scale: float, left: int | None, right: int | None):
     if plan.nothing_visible:  # mha_fwd with seqlen_k == 0 also writes out 0, lse +inf
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), INF, dtype=torch.float32)
         return torch.zeros_like(q, memory_format=torch.contiguous_format), lse
-    out, lse = getattr(torch.ops.aten, _FWD)(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, plan.is_causal,
+    out, lse = torchcompat.cpu_flash_forward(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, plan.is_causal,
                                              attn_mask=plan.mask, scale=softmax_scale)
     out, lse = _bhsd(out).contiguous(), lse.float()  # flash-attn returns out dense in bshd
     if plan.empty_rows is not None:
@@ -116,7 +118,7 @@ def backward(dout, q, k, v, out, lse, softmax_scale: float, left: int | None, ri
     if plan.nothing_visible:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
-    grads = getattr(torch.ops.aten, _BWD)(
+    grads = torchcompat.cpu_flash_backward(
         _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, 0.0, plan.is_causal,
         attn_mask=plan.mask, scale=softmax_scale)
     return tuple(_bhsd(g) for g in grads)
