@@ -17,11 +17,11 @@ FG_STAMP := $(FG_VENV)/.cpbench-fake-gpu-installed
 FLOOR_VENV ?= .venv-torch-floor
 FLOOR_TORCH ?= 2.5.1
 FLOOR_STAMP := $(FLOOR_VENV)/.cpbench-fake-gpu-installed
-# the tests that touch version-dependent code, run under each of those torches
-# (make test-torch-matrix; the main venv's torch runs them in make test)
+# the tests that touch version-dependent code, run under each of those torches, then
+# tests/fake_gpu (make test-torch-matrix; the main venv's torch runs them in make test)
 TORCH_LAYER := tests/unit/test_torchcompat.py tests/unit/test_threadpg.py \
 	tests/unit/test_dryrun.py tests/unit/test_gpu_check.py tests/multirank/test_threads_run.py \
-	tests/multirank/test_strategies.py tests/multirank/test_upstream.py tests/fake_gpu
+	tests/multirank/test_strategies.py tests/multirank/test_upstream.py
 
 .PHONY: bench test test-fast test-gpu test-fake-gpu test-torch-matrix gpu-check lint install clean
 
@@ -60,14 +60,19 @@ $(FLOOR_STAMP): pyproject.toml scripts/fake_gpu_venv.sh tests/fake_gpu/stub/flas
 	scripts/fake_gpu_venv.sh $(PYTHON) $(FLOOR_VENV) $(FLOOR_TORCH)
 	touch $(FLOOR_STAMP)
 
+# flash-attn's Python files and the stand-in for its compiled module lie in VENV/flash-attn-stub,
+# on PYTHONPATH for tests/fake_gpu only (scripts/fake_gpu_venv.sh says why)
 test-fake-gpu: $(FG_STAMP)
-	CPBENCH_FAKE_GPU_VENV=1 $(FG_VENV)/bin/python -m pytest -q tests/fake_gpu
+	CPBENCH_FAKE_GPU_VENV=1 PYTHONPATH=$(FG_VENV)/flash-attn-stub \
+	  $(FG_VENV)/bin/python -m pytest -q tests/fake_gpu
 
 # the version layer under the one-GPU machine's torch and under the floor (each says which)
 test-torch-matrix: $(FG_STAMP) $(FLOOR_STAMP)
-	@for py in $(FG_VENV)/bin/python $(FLOOR_VENV)/bin/python; do \
+	@for venv in $(FG_VENV) $(FLOOR_VENV); do py=$$venv/bin/python; \
 	  echo "torch matrix: $$($$py -c 'import torch; print("torch", torch.__version__)')"; \
-	  CPBENCH_FAKE_GPU_VENV=1 $$py -m pytest -q $(TORCH_LAYER) || exit 1; done
+	  $$py -m pytest -q $(TORCH_LAYER) || exit 1; \
+	  CPBENCH_FAKE_GPU_VENV=1 PYTHONPATH=$$venv/flash-attn-stub $$py -m pytest -q tests/fake_gpu \
+	    || exit 1; done
 
 # What one GPU can show, in 6 minutes, offline (docs/gpu-check.md): each step a subprocess
 # under its cap; without a GPU the CUDA steps say "skipped: no CUDA". On a GPU machine, no make

@@ -33,11 +33,16 @@ fi
   || { echo "fake_gpu_venv: torch is not the $TORCH CUDA build" >&2; exit 1; }
 # flash-attn's Python interface only: SKIP_CUDA_BUILD compiles nothing, FORCE_BUILD stops its
 # setup.py from trying to download a prebuilt wheel from GitHub. --no-deps: its one runtime
-# dependency besides torch is einops.
+# dependency besides torch is einops. It goes into a folder of its own ($VENV/flash-attn-stub),
+# on PYTHONPATH only for tests/fake_gpu: the CPU layers the torch matrix runs in the same venv
+# need a machine without flash-attn (the upstream strategies refuse CPU beside one).
 "$PY" -m pip install -q einops
+STUB="$VENV/flash-attn-stub"
+rm -rf "$STUB"
 FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE FLASH_ATTENTION_FORCE_BUILD=TRUE \
-  "$PY" -m pip install -q --no-deps --no-build-isolation "flash-attn==2.8.3"
-SITE="$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
-cp tests/fake_gpu/stub/flash_attn_2_cuda.py "$SITE/flash_attn_2_cuda.py"
-"$PY" -c "import flash_attn, flash_attn_2_cuda; assert flash_attn_2_cuda.CPBENCH_FAKE_GPU_STUB"
-echo "fake_gpu_venv: $VENV ready (torch $("$PY" -c 'import torch; print(torch.__version__)'), flash-attn $("$PY" -c 'import flash_attn; print(flash_attn.__version__)'))"
+  "$PY" -m pip install -q --no-deps --no-build-isolation --target "$STUB" "flash-attn==2.8.3"
+cp tests/fake_gpu/stub/flash_attn_2_cuda.py "$STUB/flash_attn_2_cuda.py"
+PYTHONPATH="$STUB" "$PY" -c "import flash_attn, flash_attn_2_cuda; assert flash_attn_2_cuda.CPBENCH_FAKE_GPU_STUB"
+"$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('flash_attn') is not None)" \
+  || { echo "fake_gpu_venv: flash-attn is installed in $VENV itself; rm -r $VENV and rerun" >&2; exit 1; }
+echo "fake_gpu_venv: $VENV ready (torch $("$PY" -c 'import torch; print(torch.__version__)'), flash-attn $(PYTHONPATH="$STUB" "$PY" -c 'import flash_attn; print(flash_attn.__version__)') in $STUB)"
