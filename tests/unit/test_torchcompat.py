@@ -125,3 +125,26 @@ def test_the_dry_run_below_its_torch_is_refused_in_one_line(monkeypatch, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and len(err[0]) <= 120, err
     assert "the dry run needs torch >= 2.11" in err[0], err
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.bfloat16, 2e-2)])
+def test_the_gqa_shim_of_older_torch_is_the_same_maths(monkeypatch, dtype, tol):
+    """Below 2.9 the CPU flash op gets K/V heads expanded and dK / dV summed back: against
+    the op's own GQA on this torch (right from 2.9), on fresh random inputs."""
+    if torchcompat.VERSION < torchcompat.CPU_FLASH_GQA_SINCE:
+        pytest.skip("this torch's own GQA is the one that corrupts the heap")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    q, k, v = (torch.randn(1, h, 32, 16, generator=g, dtype=dtype) for h in (8, 2, 2))
+    dout = torch.randn(1, 8, 32, 16, generator=g, dtype=dtype)
+
+    def run():
+        out, lse = torchcompat.cpu_flash_forward(q, k, v, 0.0, True, scale=0.25)
+        grads = torchcompat.cpu_flash_backward(dout, q, k, v, out, lse, 0.0, True, scale=0.25)
+        return (out, *grads)
+
+    native = run()
+    monkeypatch.setattr(torchcompat, "VERSION", (2, 8))
+    shimmed = run()
+    assert [t.shape for t in shimmed] == [t.shape for t in native]
+    for a, b in zip(shimmed, native):
+        assert (a.double() - b.double()).abs().max() <= tol * b.double().abs().max()
