@@ -3,8 +3,9 @@
 scripts/fake_gpu_venv.sh copies this file beside flash-attn's Python files in
 VENV/flash-attn-stub (on PYTHONPATH for tests/fake_gpu only), so that flash-attn's interface
 imports without its CUDA build. flash-attn >= 2.7 registers fake implementations of its custom
-ops: under FakeTensorMode those answer and this module is never reached. Anything else that reaches it (a real tensor, or a function without a fake
-implementation) raises: a real call can never silently pass.
+ops: under FakeTensorMode those answer and this module is never reached. Anything else that
+reaches it (a real tensor, or a function without a fake implementation) raises: a real call
+can never silently pass.
 """
 
 from __future__ import annotations
