@@ -81,8 +81,8 @@ def flex_cp_collectives() -> dict[str, str]:
 ALL_TO_ALL_SINGLE_METHODS = ("alltoall_base", "all_to_all_single")
 
 # batch_isend_irecv asks a plain group (2.5-2.13) or its device backend (2.14 on, through
-# ``_get_backend``) whether it coalesces: a Python group answers both ways.
-ASKS_BACKEND_TO_COALESCE = (2, 14)
+# ``_get_backend``) whether it coalesces: the threaded group answers both ways
+# (``threadpg.ThreadedGroup._get_backend``), on every torch of the range.
 
 
 def set_thread_isolation(on: bool) -> None:
