@@ -348,6 +348,7 @@ def installed() -> Iterator[None]:
     """Around a launch, in the launching thread: every thread its own torch.distributed
     world (torch's ThreadLocalWorld) and group names (functional collectives resolve
     groups by name); the process as it was afterwards."""
+    torchcompat.complete_threaded_world(mt)
     mt._install_threaded_pg()
     torchcompat.set_thread_isolation(True)
     try:

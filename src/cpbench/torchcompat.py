@@ -85,6 +85,15 @@ ALL_TO_ALL_SINGLE_METHODS = ("alltoall_base", "all_to_all_single")
 # (``threadpg.ThreadedGroup._get_backend``), on every torch of the range.
 
 
+def complete_threaded_world(mt: Any) -> None:
+    """torch 2.11's ``destroy_process_group`` reads ``_world.comms``, which its own threaded
+    world (``multi_threaded_pg.ThreadLocalWorld``) lacks until 2.12: a threaded group could not
+    be torn down or formed again there. Each thread's world gets the list it expects."""
+    if not hasattr(mt.ThreadLocalWorld, "comms"):
+        mt.ThreadLocalWorld.comms = property(
+            lambda self: self._get_world().__dict__.setdefault("comms", []))
+
+
 def set_thread_isolation(on: bool) -> None:
     """torch's per-thread distributed world switch (every torch in the range: 2.5 on)."""
     torch._C._distributed_c10d._set_thread_isolation_mode(on)  # type: ignore[attr-defined]
