@@ -55,8 +55,9 @@ def needs(version: tuple[int, int], what: str) -> str | None:
 
 # --- functional collectives -------------------------------------------------------------
 # torch's FlexAttention CP (tensor/experimental/_context_parallel/_cp_custom_ops.py) gathers
-# K/V and reduce-scatters dK/dV through these functional collectives: by the names below from
-# 2.13 on, by the older names (which 2.13 keeps as wrappers, so only one name is traced) before.
+# K/V and reduce-scatters dK/dV through these functional collectives: by the first names from
+# 2.13 on, by the older ones in 2.10-2.12 (read from _cp_custom_ops.py of each; it does not
+# exist before 2.10). Only the names it calls are traced, never both.
 _FLEX_CP_FUNCOL = {(2, 13): {"all_gather_single": "all_gather_into_tensor",
                              "reduce_scatter_single": "reduce_scatter_tensor"},
                    FLOOR: {"all_gather_tensor": "all_gather_into_tensor",
