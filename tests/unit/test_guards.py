@@ -336,3 +336,35 @@ def test_a_median_the_cold_first_step_can_move_is_flagged_and_never_wins():
     warm = fake_record("ring", fwd=[[20.0] * 3] * 4, fwd_bwd=[[60.0] * 3] * 4)
     assert [v.winner for v in verdicts([cold, warm])] == ["ring"]  # cold was faster
     assert "cold: no warm-up" in report.summary([cold, warm])
+
+
+def _warmed(steps: list[float], settled: bool, warmup: int = 7) -> dict:
+    """A row whose slowest rank's FWD+BWD steps are ``steps`` (FWD a third of each)."""
+    rec = fake_record("ring", fwd=[[s / 3 for s in steps]] * 4, fwd_bwd=[list(steps)] * 4)
+    rec["config"]["run"].update(warmup=2, iters=len(steps))
+    return _with(rec, timing={"warmup": warmup, "settled": settled, "warmup_least": 2,
+                              "warmup_most": 2 + len(steps)})
+
+
+def test_an_unsettled_warm_up_is_flagged_only_where_the_timed_steps_still_fell():
+    # this machine's ring at 1K on 4 ranks: never settled, the timed steps still falling
+    falling = _warmed([262.4, 245.6, 98.3, 108.4, 114.3], settled=False)
+    # first 2: median 254.00; last 3: median 108.40
+    assert falling["derived"]["flags"] == [
+        "unsettled: 7 warm-up steps, timed FWD+BWD still fell 254.00 to 108.40 ms "
+        "(first 2, last 3)"]
+    assert "fwd_bwd_tflops" in falling["derived"]["withheld"]
+    # never settled, but the timed steps level within noise (most rows of a small machine)
+    assert _warmed([88.7, 192.7, 94.1, 92.7, 292.2], settled=False)["derived"]["flags"] == []
+    assert _warmed([372.2, 260.5, 246.4, 250.0, 263.1], settled=False)["derived"]["flags"] == []
+    # settled, or too few timed steps to tell a trend from noise: no flag
+    assert _warmed([262.4, 245.6, 98.3, 108.4, 114.3], settled=True)["derived"]["flags"] == []
+    assert _warmed([262.4, 98.3, 108.4], settled=False)["derived"]["flags"] == []
+
+
+def test_an_unsettled_row_never_wins_report_best():
+    falling = _warmed([262.4, 245.6, 98.3, 108.4, 114.3], settled=False)  # median 114.3
+    level = fake_record("zigzag", fwd=[[50.0] * 5] * 4, fwd_bwd=[[150.0] * 5] * 4)
+    assert [v.winner for v in verdicts([falling, level])] == ["zigzag"]
+    assert "\n[1] unsettled: 7 warm-up steps, timed" in report.summary([falling, level])
+    assert [r["Flags"] for r in tables.rows([falling, level])][0].startswith("unsettled: 7")
