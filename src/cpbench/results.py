@@ -40,11 +40,14 @@ A record holds what is needed to re-run it and to recompute every figure printed
   steps differed, and what the strategy's schedule declares per phase: ``comm_section``).
   ``derived.flags``: the physics guards' findings (``cpbench.guards``), and
   ``derived.not_measured``: why the row's times and memory are not measurements (ranks as
-  threads on one device), else null; ``ideal`` (the
-  slowest rank's kernel blocks timed alone: ``rank``, its ideal ``fwd_ms`` / ``bwd_ms`` and
-  each distinct block's times, ``cpbench.bench.ideal``; or ``{"none": why}``), from which
+  threads on one device), else null; ``ideal`` (``cpbench.ideal``,
+  the one definition, ``definition: "share"``: the kernel alone on each GPU's share, one block
+  of S / N tokens timed alone or priced, ``times`` N over: ``fwd_ms`` / ``bwd_ms``, the
+  ``block``, ``tokens_per_gpu``; or ``{"none": why}``), from which
   ``derived.fraction_of_ideal`` (FWD+BWD, FWD with --fwd-only) and ``fraction_of_ideal_fwd``:
-  the ideal step over the measured one; ``sizes`` (per rank: the world it ran in, its CP
+  the ideal step over the measured one (an older record's ideal, with a ``rank``: the slowest
+  rank's blocks, is read, gives no fraction and is marked ``derived.ideal_superseded``);
+  ``sizes`` (per rank: the world it ran in, its CP
   ring's size and its shard's tokens), which ``cpbench.guards`` holds to what was asked;
   ``load`` (how busy others kept rank 0's host while the case timed: ``bench.load``) and
   ``estimate`` (what the case was estimated to take before it ran: ``bench.estimate``).
@@ -75,6 +78,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from cpbench import guards, metrics
+from cpbench import ideal as ideal_def
 from cpbench.errors import UsageError
 
 if TYPE_CHECKING:
@@ -245,9 +249,12 @@ def _flops(attention: dict[str, Any], mode: str) -> tuple[float, str]:
 
 
 def _fractions(ideal: dict[str, Any] | None, d: dict[str, Any]) -> dict[str, Any]:
-    """The ideal step (its kernel blocks alone) over the measured step, per phase."""
+    """The ideal step (``cpbench.ideal``: the kernel alone on each GPU's share) over the
+    measured step, per phase; none for an older record's ideal of another definition."""
     if not ideal or ideal.get("fwd_ms") is None:
         return {}
+    if ideal_def.superseded(ideal):
+        return {"ideal_superseded": ideal_def.SUPERSEDED}
     out = {"fraction_of_ideal_fwd": ideal["fwd_ms"] / d["fwd_ms"]}
     if ideal.get("bwd_ms") is not None and d.get("fwd_bwd_ms"):
         out["fraction_of_ideal"] = (ideal["fwd_ms"] + ideal["bwd_ms"]) / d["fwd_bwd_ms"]

@@ -103,8 +103,9 @@ def test_every_cp_row_prints_its_fraction_of_ideal(tmp_path):
                    "--out", str(out), "--details")
     assert run.returncode == 0, run.stdout + run.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    for r in records:  # the slowest rank's blocks, as declared, each timed once
-        assert r["ideal"]["rank"] in (0, 1) and r["ideal"]["fwd_ms"] > 0
+    for r in records:  # one block of S / 2 timed alone, twice over (cpbench.ideal)
+        assert r["ideal"]["times"] == 2 and r["ideal"]["block"]["rows"] == 256 // 2
+        assert r["ideal"]["fwd_ms"] == 2 * r["ideal"]["block"]["fwd_ms"] > 0
         fraction = {**r["derived"], **r["derived"].get("withheld", {})}["fraction_of_ideal"]
         assert 0 < fraction < 10  # kept, under a mark where the row withholds it
     # each detail block: the fraction, or why the row's timings do not measure CP

@@ -54,7 +54,9 @@ def test_a_step_is_the_slowest_ranks_flops_at_its_share_of_the_probed_rate():
 def test_the_case_counts_its_check_the_ideal_and_fwd_only():
     plain = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
     ideal = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=True)
-    assert ideal.case_s == pytest.approx(plain.case_s + plain.step_s * (2 + 5))
+    # the ideal: one block of S / 2 (a quarter of the problem's FLOPs, half a rank's step on
+    # one core), warmed up 2 and timed 5 times
+    assert ideal.case_s == pytest.approx(plain.case_s + plain.step_s / 2 * (2 + 5))
     checked = estimate.case_estimate(ATTN, RunConfig(strategy=("zigzag",), check=True
                                                      ).resolved("cpu"),
                                      2, 1.0, RATE, CPU, has_ideal=False)

@@ -209,19 +209,21 @@ def test_a_backward_faster_than_its_forward_beyond_noise_is_flagged():
 
 
 def _with_ideal(rec: dict, fwd_ms: float, bwd_ms: float) -> dict:
-    return _with(rec, ideal={"rank": 0, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "blocks": []})
+    return _with(rec, ideal={"definition": "share", "times": 4, "fwd_ms": fwd_ms,
+                             "bwd_ms": bwd_ms})
 
 
 def test_a_fraction_of_ideal_above_one_is_flagged_by_its_interval():
-    # the step 30-35 ms (median 31); kernel blocks alone 10 + 20 = 30 ms: 97 %, no flag
+    # the step 30-35 ms (median 31); the ideal 10 + 20 = 30 ms: 97 %, no flag
     ok = _with_ideal(fake_record(), 10.0, 20.0)
     assert ok["derived"]["fraction_of_ideal"] < 1 and ok["derived"]["flags"] == []
-    # blocks alone 40 ms, every step faster: impossible; the flag quotes times, the
+    # the ideal 40 ms, every step faster: impossible; the flag quotes times, the
     # fraction (131 %) withheld
     fast = _with_ideal(fake_record(fwd_bwd=[[30.0, 30.5, 31.0, 30.2, 30.7]] * 4), 15.0, 25.0)
     (flag,) = fast["derived"]["flags"]
-    assert flag == ("fraction of ideal above 100 % (FWD+BWD 30.50 ms, faster than its kernel "
-                    "blocks alone: 40.00 ms), its 95 % interval wholly past it: impossible")
+    assert flag == ("fraction of ideal above 100 % (FWD+BWD 30.50 ms, faster than its ideal, the "
+                    "kernel alone on its share: 40.00 ms), its 95 % interval wholly past it: "
+                    "impossible")
     assert fast["derived"]["withheld"]["fraction_of_ideal"] == 40 / 30.5
     assert "fraction_of_ideal" not in fast["derived"] and "131" not in flag
     # 32 ms alone against steps of 20-45 ms: above 1 at the median, not beyond the noise

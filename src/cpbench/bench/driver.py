@@ -10,7 +10,7 @@
    ``--check`` against the float64 reference, build this rank's input shard straight from
    the seed, time FWD and gather its samples, time FWD+BWD and gather its samples (each
    timed step's bytes counted: ``bench.sentcount``), then measure peak memory
-   (``bench.memory``), time the kernel blocks alone (``bench.ideal``) and, with
+   (``bench.memory``), time the ideal block alone (``bench.ideal``) and, with
    ``--profile``, profile a few steps (``bench.profiling``), each a step of its own (a
    failure there keeps the timings); on rank 0 append the record and print.
 
@@ -221,15 +221,15 @@ class _CaseRun:
         return mem, mem(lambda: [int(v[0]) for v in timer.gather_samples([peak], dev)])
 
     def ideal(self, store, key: str) -> tuple[agreement.Agreement, dict]:
-        """The case's kernel blocks timed alone on rank 0 (``bench.ideal``; the others wait,
+        """The case's ideal block timed alone on rank 0 (``bench.ideal``; the others wait,
         so nothing shares its device or CPUs) as a phase of its own: the record's
         ``ideal`` section, or why there is none."""
-        self.status("timing the kernel blocks alone")
+        self.status("timing the ideal block alone")
         p, run, case = self.p, self.p.run, self.case
         ph = agreement.Agreement(run.device, store, f"{key}/ideal", self.grace_s, self.phase.case)
         warmup, iters = _counts(run)
         section = ph(lambda: ideal.measure(
-            case.strategy, case.options, p.attn_of(case), p.topo, p.kernel_of(case),
+            p.attn_of(case), self.built.ranks_per_problem, p.kernel_of(case),
             device=run.device, warmup=warmup, iters=iters, fwd_only=run.fwd_only)
             if self.rank == 0 else None)
         return ph, section if ph.status == results.OK else {"none": f"{ph.status}: {ph.error}"}

@@ -178,8 +178,9 @@ def case_estimate(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
     case = CASE_SETUP_S + steps * step
     if run.check:
         case += step + flops("fwd_bwd") * REFERENCE_SLOWDOWN / rate.fwd
-    if has_ideal:  # rank 0's blocks alone, forward and backward, each warmed up and timed
-        case += alone * (min(max(1, run.warmup), ideal.MAX_WARMUP)
+    if has_ideal:  # rank 0's ideal block alone (1 / N² of the problem), warmed up and timed
+        block = (flops("fwd") / rate.fwd + flops("bwd") / rate.bwd) / ranks_per_problem ** 2
+        case += block * (min(max(1, run.warmup), ideal.MAX_WARMUP)
                          + min(max(1, run.iters), ideal.MAX_ITERS))
     return Estimate(step_s=step, case_s=case, rate=rate)
 

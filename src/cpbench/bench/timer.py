@@ -3,7 +3,7 @@ a barrier before every timed iteration, time each iteration on each rank, and ga
 rank's samples. What is reported from them (the median over iterations of the slowest rank)
 is ``cpbench.metrics.step_time``.
 
-``measure``: one closure, a fixed warm-up (the kernel blocks alone, calibration).
+``measure``: one closure, a fixed warm-up (the ideal block alone, calibration).
 ``measure_steps``: a step made of parts (the driver's forward, then backward) timed part by
 part within every iteration: barrier, forward, sync, barrier, backward, sync. Each part's
 time is its own sample, so the backward is measured, never derived by subtracting two

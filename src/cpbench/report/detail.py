@@ -139,12 +139,11 @@ def _ideal_lines(record: dict, d: dict) -> list[str]:
         return lines + [f"  - Fraction of Ideal: - ({ideal['none']})"]
     if guards.withheld_reason(d):
         return lines + ["  - Fraction of Ideal: - (not quoted: the row is flagged, below)"]
-    if ideal.get("what"):  # a simulated record's: the ideal it states
-        return lines + [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} ("
-                        f"{ideal['what']})"]
-    return lines + [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} (rank "
-            f"{ideal['rank']}'s {len(ideal['blocks'])} distinct kernel block(s) timed alone: "
-            f"{cells.ms(ideal['fwd_ms'] + (ideal.get('bwd_ms') or 0))} ms)"]
+    if d.get("ideal_superseded"):
+        return lines + [f"  - Fraction of Ideal: - ({d['ideal_superseded']})"]
+    return lines + [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} ("
+                    f"{ideal.get('what')}: {cells.ms(ideal['fwd_ms'] + (ideal.get('bwd_ms') or 0))}"
+                    f" ms)"]
 
 
 def _balance_lines(record: dict) -> list[str]:
