@@ -17,7 +17,11 @@ A record holds what is needed to re-run it and to recompute every figure printed
   each kept as soon as it was measured (a phase that failed later leaves the earlier ones);
   each iteration's forward and backward timed on their own within one step (``bench.timer``;
   records before it hold no "bwd", and their BWD is not derived: a difference of two medians
-  was no measurement); ``timing``: the warm-up steps run and whether their times settled;
+  was no measurement); ``timing``: the warm-up steps run and whether their times settled,
+  and ``step``: how the step's parts were timed, "back-to-back" (FWD then BWD with no sync or
+  barrier between them, as a training step and the seeds' scripts run them: ``bench.timer``);
+  a record whose BWD was timed on its own without it held the harness's sync and barrier
+  between FWD and BWD inside FWD+BWD, and is marked ``derived.step_synced``;
   ``memory_bytes`` per rank, measured after the timings with its own ``memory_status`` and
   ``memory_error`` (null bytes when that step failed or ran out of memory; the timings stay);
   ``check``: per tensor max abs / max rel error and verdict;
@@ -248,6 +252,10 @@ def _flops(attention: dict[str, Any], mode: str) -> tuple[float, str]:
         mode=mode)
 
 
+# an older record's mark: its FWD+BWD holds what the harness added between the parts
+STEP_SYNCED = "FWD+BWD holds the harness's sync and barrier between FWD and BWD (older record)"
+
+
 def _fractions(ideal: dict[str, Any] | None, d: dict[str, Any]) -> dict[str, Any]:
     """The ideal step (``cpbench.ideal``: the kernel alone on each GPU's share) over the
     measured step, per phase; none for an older record's ideal of another definition."""
@@ -300,6 +308,8 @@ def _figures(record: dict[str, Any]) -> dict[str, Any]:
                    bwd_tflops=(metrics.tflops_per_gpu(problem_flops(attention, "bwd"), n,
                                                          bwd / 1e3) if bwd and bwd > 0 else None),
                    slowest_rank_fwd_bwd=metrics.slowest_rank(samples["fwd_bwd"]))
+        if samples.get("bwd") and not (record.get("timing") or {}).get("step"):
+            out["step_synced"] = STEP_SYNCED
     out.update(_fractions(record.get("ideal"), out))
     if record.get("memory_bytes"):
         out["memory_mb"] = max(record["memory_bytes"]) / metrics.MB

@@ -79,8 +79,9 @@ def _configuration(record: dict) -> list[str]:
     threads = (record.get("env") or {}).get("launcher") == "threads"
     iterations = "none timed (one untimed step; ranks as threads)" if threads else \
         f"{run['iters']} timed after {_warmup_text(record)} (median of the slowest rank)"
+    synced = (record.get("derived") or {}).get("step_synced")
     return lines + [f"  - Kernel: {record['kernel']} on {run['device']}",
-                    f"  - Iterations: {iterations}"]
+                    f"  - Iterations: {iterations}" + (f"; {synced}" if synced else "")]
 
 
 def _warmup_text(record: dict) -> str:
