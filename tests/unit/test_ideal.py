@@ -9,7 +9,11 @@ from test_results import fake_record
 
 from cpbench import ideal, results
 from cpbench.bench import ideal as bench_ideal
-from cpbench.config import AttentionConfig
+from cpbench.config import AttentionConfig, RunConfig
+
+
+def _run(warmup: int, iters: int) -> RunConfig:
+    return RunConfig(strategy=("zigzag",), warmup=warmup, iters=iters).resolved("cpu")
 
 
 def test_the_share_is_s_over_n_tokens_n_times_over():
@@ -26,8 +30,7 @@ def test_the_share_is_s_over_n_tokens_n_times_over():
 
 def test_no_ideal_for_masks():
     windowed = AttentionConfig(seqlen=1024, heads=4, head_dim=16, window_size=(128, 0))
-    assert "masked" in bench_ideal.measure(windowed, 2, "sdpa-cpu", device="cpu", warmup=1,
-                                           iters=1, fwd_only=False)["none"]
+    assert "masked" in bench_ideal.measure(windowed, 2, "sdpa-cpu", _run(1, 1))["none"]
     assert ideal.none_reason(AttentionConfig(seqlen=1024, heads=4, head_dim=16)) is None
 
 
@@ -61,17 +64,17 @@ def test_run_times_one_block_of_the_share_and_counts_it_n_times(monkeypatch):
 
     monkeypatch.setattr(bench_ideal, "_time_block", fake)
     attn = AttentionConfig(seqlen=1024, heads=4, head_dim=16)
-    got = bench_ideal.measure(attn, 2, "sdpa-cpu", device="cpu", warmup=5, iters=50,
-                              fwd_only=False)
+    got = bench_ideal.measure(attn, 2, "sdpa-cpu", _run(5, 50))
     assert calls == [(512, 3, 20)]  # capped: the other ranks wait on rank 0
     assert (got["fwd_ms"], got["bwd_ms"]) == (3.0, 8.0)
+    fwd_only = RunConfig(strategy=("zigzag",), fwd_only=True).resolved("cpu")
+    assert bench_ideal.measure(attn, 2, "sdpa-cpu", fwd_only)["bwd_ms"] is None
 
 
 def test_a_real_block_is_timed_and_is_the_ideal_of_local():
     """The real kernel: local's one block (the whole problem) timed, once over."""
     attn = AttentionConfig(seqlen=256, heads=2, head_dim=16)
-    got = bench_ideal.measure(attn, 1, "sdpa-cpu", device="cpu", warmup=1, iters=2,
-                              fwd_only=False)
+    got = bench_ideal.measure(attn, 1, "sdpa-cpu", _run(1, 2))
     block = got["block"]
     assert (block["rows"], block["keys"], block["causal"], block["heads"]) == (256, 256, True, 2)
     assert (got["fwd_ms"], got["bwd_ms"]) == (block["fwd_ms"], block["bwd_ms"])

@@ -12,7 +12,7 @@ import torch
 
 from cpbench import kernels
 from cpbench.bench.timer import Timer
-from cpbench.config import AttentionConfig
+from cpbench.config import AttentionConfig, RunConfig
 from cpbench.ideal import none_reason, section, share
 
 # the other ranks wait in a collective while rank 0 times: its timeout is ten pessimistic
@@ -44,15 +44,16 @@ def _time_block(kernel: str, attn: AttentionConfig, tokens: int, device: str, *,
     return statistics.median(fwd), statistics.median(bwd)
 
 
-def measure(attn: AttentionConfig, ranks: int, kernel: str, *, device: str, warmup: int,
-            iters: int, fwd_only: bool) -> dict:
-    """The record's ``ideal`` section: the block of each rank's share timed alone, its times
-    ``ranks`` times over; or ``{"none": why}``."""
+def measure(attn: AttentionConfig, ranks: int, kernel: str, run: RunConfig) -> dict:
+    """The record's ``ideal`` section: the block of each rank's share timed alone on
+    ``run``'s device (warmed up and timed as it asks, within ``MAX_WARMUP`` and
+    ``MAX_ITERS``), its times ``ranks`` times over; or ``{"none": why}``."""
     why = none_reason(attn)
     if why:
         return {"none": why}
+    assert run.warmup is not None and run.iters is not None, "a resolved RunConfig"
     tokens, _ = share(attn, ranks)
-    fwd, bwd = _time_block(kernel, attn, tokens, device,
-                           warmup=min(max(1, warmup), MAX_WARMUP),
-                           iters=min(max(1, iters), MAX_ITERS))
-    return section(attn, ranks, fwd, None if fwd_only else bwd)
+    fwd, bwd = _time_block(kernel, attn, tokens, run.device,
+                           warmup=min(max(1, run.warmup), MAX_WARMUP),
+                           iters=min(max(1, run.iters), MAX_ITERS))
+    return section(attn, ranks, fwd, None if run.fwd_only else bwd)

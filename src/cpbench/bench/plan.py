@@ -25,7 +25,7 @@ import torch
 
 from cpbench import kernels, metrics, results, strategies
 from cpbench.bench import env as env_mod
-from cpbench.bench import estimate, ideal, memory, order
+from cpbench.bench import estimate, eta, ideal, memory, order
 from cpbench.bench.cases import Case, expand_cases, request, runnable, shape
 from cpbench.config import (
     AttentionConfig,
@@ -381,9 +381,7 @@ def _estimates(cases: list[Case], strat_of: dict, problems: tuple[AttentionConfi
             label=c.label, attn=attn, ranks_per_problem=strat.ranks_per_problem,
             imbalance=imbalance, kernel=c.kernel or kernel,
             has_ideal=ideal.none_reason(attn) is None))
-    ests = estimate.estimates(found, run, machine)
-    estimate.refuse_over(found, ests, run, machine)
-    return ests
+    return eta.planned(found, run, machine, launcher)
 
 
 BALANCE_SEQLEN = 16384  # a layout's imbalance, computed at this length (it costs ~S log S)
