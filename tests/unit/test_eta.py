@@ -95,3 +95,16 @@ def test_what_is_left_is_re_estimated_from_what_the_cases_took():
     record: dict = {}
     assert tally.done(2, record, 33.0) == 33.0 and record["estimate"]["took_s"] == 33.0
     assert eta.Tally(()).before(0) is None and eta.Tally(()).after(0, 1.0) is None
+
+
+def test_the_detail_block_says_the_plan_the_re_estimate_and_what_it_took():
+    from test_results import fake_record
+
+    from cpbench import report
+
+    rec = fake_record()
+    tally = eta.Tally(_planned(10.0, 20.0))
+    tally.after(0, 15.0)
+    rec["estimate"] = {**tally.after(1, 27.0), "probe": "a probe"}
+    assert ("  - Estimated Beforehand: 2 s a step, 20 s for the case; 30 s re-estimated after "
+            "the cases before it, took 27 s (a probe)") in report.detail(rec)

@@ -127,11 +127,20 @@ def _performance(record: dict, d: dict) -> list[str]:
     return lines + _ideal_lines(record, d)
 
 
+def _revised(est: dict) -> str:
+    """"; 35 s re-estimated after the cases before it, took 30 s" (``bench.eta``)."""
+    if est.get("took_s") is None:
+        return ""
+    return (f"; {duration(est['revised_s'])} re-estimated after the cases before it, took "
+            f"{duration(est['took_s'])}")
+
+
 def _ideal_lines(record: dict, d: dict) -> list[str]:
     ideal = record.get("ideal")
     est = record.get("estimate")
     lines = [f"  - Estimated Beforehand: {duration(est['step_s'])} a step, "
-             f"{duration(est['case_s'])} for the case ({est['probe']})"] if est else []
+             f"{duration(est['case_s'])} for the case" + _revised(est) + f" ({est['probe']})"
+             ] if est else []
     if d.get("not_measured"):  # guards.not_measured: no fraction of ideal, no efficiency
         return lines + [f"  - Not Measuring CP: {d['not_measured']}"]
     if not ideal:
