@@ -108,3 +108,36 @@ def test_the_detail_block_says_the_plan_the_re_estimate_and_what_it_took():
     rec["estimate"] = {**tally.after(1, 27.0), "probe": "a probe"}
     assert ("  - Estimated Beforehand: 2 s a step, 20 s for the case; 30 s re-estimated after "
             "the cases before it, took 27 s (a probe)") in report.detail(rec)
+
+
+def test_on_a_gpu_the_simulators_preset_prices_what_is_beyond_the_kernel(monkeypatch):
+    from cpbench.sim import comm_estimate, hardware, model
+    from cpbench.strategies.zigzag import Zigzag
+    from cpbench.topology import Topology
+
+    assert [comm_estimate.preset_for(n) for n in (
+        "NVIDIA H200", "NVIDIA GB200", "NVIDIA B200", "NVIDIA A100-SXM4-80GB", "Tesla V100",
+        None)] == ["h200-sxm", "gb200-nvl72", "b200", "a100-sxm", None, None]
+    comm = comm_estimate.for_device("NVIDIA H800")
+    attn = AttentionConfig(seqlen=65536, heads=32, kv_heads=8, head_dim=128, dtype="bf16")
+    topo = Topology(world_size=8, ranks_per_node=8)
+    p = model.predict("zigzag", Zigzag.Options(), attn, topo, hardware.load("h800-sxm"))
+    assert comm("zigzag", Zigzag.Options(), attn, topo) == (p.fwd_s - p.fwd_compute_s,
+                                                             p.bwd_s - p.bwd_compute_s)
+    # the estimate's step: the kernel's share, then what the preset adds (fwd-only: its FWD)
+    gpu = estimate.Machine(device="cuda", local_ranks=8, threads_per_rank=1, cpus=16)
+    run = RunConfig(strategy=("zigzag",), warmup=2, iters=5).resolved("cuda")
+    bare = estimate.case_estimate(attn, run, 8, 1.0, RATE, gpu, has_ideal=False)
+    priced = estimate.case_estimate(attn, run, 8, 1.0, RATE, gpu, has_ideal=False,
+                                    extra=(0.25, 0.5))
+    assert priced.step_s == pytest.approx(bare.step_s + 0.75)
+    # and the first line says which preset, or that none matched
+    monkeypatch.setattr(estimate, "probe", lambda *a, **k: RATE)
+    pr = estimate.Problem(label="zigzag", attn=attn, ranks_per_problem=8, imbalance=1.0,
+                          kernel="sdpa", has_ideal=False, extra_s=(0.25, 0.5))
+    run = RunConfig(strategy=("zigzag",), max_minutes=0).resolved("cuda")
+    (named,) = eta.planned([pr], run, gpu, "torchrun", meter=lambda: _Meter(0.0), age_s=1.0,
+                           comm=comm)
+    assert "beyond the kernel: the simulator's h800-sxm preset" in eta.total_line([named])
+    (none,) = eta.planned([pr], run, gpu, "torchrun", meter=lambda: _Meter(0.0), age_s=1.0)
+    assert "beyond the kernel: not counted, no simulator preset" in eta.total_line([none])

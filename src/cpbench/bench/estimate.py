@@ -80,6 +80,7 @@ class Estimate:
     rate: Rate
     start_s: float = 0.0  # the command's start-up, on the first case's (``bench.eta``)
     busy: str = ""  # what the load meter saw others take, on the first case's
+    comm_from: str = ""  # the simulator's preset that priced what is beyond the kernel
 
     def line(self) -> str:
         return f"estimated {duration(self.step_s)} a step, {duration(self.case_s)} for the case"
@@ -191,9 +192,10 @@ def loaded(machine: Machine, others_cores: float | None) -> Machine:
 
 
 def case_estimate(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
-                  imbalance: float, rate: Rate, machine: Machine, *, has_ideal: bool
-                  ) -> Estimate:
-    """The step and the case (see the module docstring)."""
+                  imbalance: float, rate: Rate, machine: Machine, *, has_ideal: bool,
+                  extra: tuple[float, float] = (0.0, 0.0)) -> Estimate:
+    """The step and the case (see the module docstring). ``extra``: (FWD s, BWD s) a step
+    spends beyond its kernel on a GPU, the simulator's (``Problem.extra_s``)."""
     def flops(mode: str) -> float:
         return metrics.problem_flops(batch=attn.batch, seqlen=attn.seqlen, heads=attn.heads,
                                      head_dim=attn.head_dim, causal=attn.causal,
@@ -204,7 +206,7 @@ def case_estimate(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
     rank = imbalance / ranks_per_problem  # the slowest rank's part of the problem
     alone = flops("fwd") * rank / rate.fwd + (0.0 if run.fwd_only else
                                               flops("bwd") * rank / rate.bwd)
-    step = alone / machine.share(rate)
+    step = alone / machine.share(rate) + extra[0] + (0.0 if run.fwd_only else extra[1])
     assert run.warmup is not None and run.iters is not None, "a resolved RunConfig"
     # warm-up at its most: under load the settle rule ran every case measured to the end
     most = timer.warmup_rule(run.warmup, run.iters).most
@@ -229,6 +231,8 @@ class Problem:
     imbalance: float
     kernel: str
     has_ideal: bool
+    # on a GPU a preset matches: what a step spends beyond its kernel (sim.comm_estimate)
+    extra_s: tuple[float, float] = (0.0, 0.0)
 
 
 def estimate(pr: Problem, run: RunConfig, machine: Machine, *, refined: bool = False
@@ -239,7 +243,7 @@ def estimate(pr: Problem, run: RunConfig, machine: Machine, *, refined: bool = F
                       PROBE_S[machine.device][1 if refined else 0], largest)
     rate = probe(pr.kernel, machine.device, a.dtype, a.heads, a.num_kv_heads, a.head_dim, side)
     return case_estimate(a, run, pr.ranks_per_problem, pr.imbalance, rate, machine,
-                         has_ideal=pr.has_ideal)
+                         has_ideal=pr.has_ideal, extra=pr.extra_s)
 
 
 def under_load(problems: Sequence[Problem], run: RunConfig, machine: Machine,
@@ -276,7 +280,7 @@ def _nominal(pr: Problem, run: RunConfig, machine: Machine) -> Estimate:
     nominal = NOMINAL_FLOPS[machine.device]
     rate = Rate(fwd=nominal, bwd=nominal, side=0, kernel=pr.kernel, threads=machine.cpus)
     return case_estimate(pr.attn, run, pr.ranks_per_problem, pr.imbalance, rate, machine,
-                         has_ideal=pr.has_ideal)
+                         has_ideal=pr.has_ideal, extra=pr.extra_s)
 
 
 def refuse_over(problems: Sequence[Problem], ests: Sequence[Estimate], run: RunConfig,

@@ -24,10 +24,11 @@ from cpbench.metrics import duration
 
 
 def planned(problems: Sequence[Problem], run: RunConfig, machine: Machine, launcher: str, *,
-            meter: Callable[[], Any] | None = None, age_s: float | None = None
-            ) -> tuple[Estimate, ...]:
+            meter: Callable[[], Any] | None = None, age_s: float | None = None,
+            comm: Any = None) -> tuple[Estimate, ...]:
     """Each case's estimate on the machine as others leave it (``estimate.under_load``; a
-    test gives its ``meter``), the command's start-up and what the meter saw on the first;
+    test gives its ``meter``), the command's start-up, what the meter saw and, on a GPU, the
+    preset that priced what is beyond the kernel (``comm``'s, or "none") on the first;
     UsageError for a case over ``--max-minutes``."""
     if meter is None:
         meter = (lambda: load.Meter(period=1.0)) if load.Meter.available() else _NoMeter
@@ -37,7 +38,9 @@ def planned(problems: Sequence[Problem], run: RunConfig, machine: Machine, launc
     if not ests:
         return ests
     start = startup_s(process_age_s() if age_s is None else age_s, launcher)
-    return (dataclasses.replace(ests[0], start_s=start, busy=machine.busy_text()), *ests[1:])
+    return (dataclasses.replace(ests[0], start_s=start, busy=machine.busy_text(),
+                                comm_from=getattr(comm, "name", "none" if machine.device == "cuda"
+                                                  else "")), *ests[1:])
 
 
 class _NoMeter:
@@ -89,6 +92,10 @@ def total_line(ests: Sequence[Estimate]) -> str:
     total = start_s + sum(e.case_s for e in ests)
     parts = [f"{duration(start_s)} of start-up"] if start_s else []
     parts.append(ests[0].rate.text())
+    if ests[0].comm_from:  # GPUs: what the simulator's preset says a step adds to its kernel
+        parts.append("beyond the kernel: not counted, no simulator preset for this GPU"
+                     if ests[0].comm_from == "none" else
+                     f"beyond the kernel: the simulator's {ests[0].comm_from} preset")
     if busy:
         parts.append(f"{busy}: estimated on what they leave")
     return f"estimated {duration(total)} in all ({'; '.join(parts)})"
