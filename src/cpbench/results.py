@@ -17,7 +17,11 @@ A record holds what is needed to re-run it and to recompute every figure printed
   each kept as soon as it was measured (a phase that failed later leaves the earlier ones);
   each iteration's forward and backward timed on their own within one step (``bench.timer``;
   records before it hold no "bwd", and their BWD is not derived: a difference of two medians
-  was no measurement); ``timing``: the warm-up steps run and whether their times settled;
+  was no measurement); ``timing``: the warm-up steps run and whether their times settled,
+  and ``step``: how the step's parts were timed, "back-to-back" (FWD then BWD with no sync or
+  barrier between them, as a training step and the seeds' scripts run them: ``bench.timer``);
+  a record whose BWD was timed on its own without it held the harness's sync and barrier
+  between FWD and BWD inside FWD+BWD, and is marked ``derived.step_synced``;
   ``memory_bytes`` per rank, measured after the timings with its own ``memory_status`` and
   ``memory_error`` (null bytes when that step failed or ran out of memory; the timings stay);
   ``check``: per tensor max abs / max rel error and verdict;
@@ -40,14 +44,19 @@ A record holds what is needed to re-run it and to recompute every figure printed
   steps differed, and what the strategy's schedule declares per phase: ``comm_section``).
   ``derived.flags``: the physics guards' findings (``cpbench.guards``), and
   ``derived.not_measured``: why the row's times and memory are not measurements (ranks as
-  threads on one device), else null; ``ideal`` (the
-  slowest rank's kernel blocks timed alone: ``rank``, its ideal ``fwd_ms`` / ``bwd_ms`` and
-  each distinct block's times, ``cpbench.bench.ideal``; or ``{"none": why}``), from which
+  threads on one device), else null; ``ideal`` (``cpbench.ideal``,
+  the one definition, ``definition: "share"``: the kernel alone on each GPU's share, one block
+  of S / N tokens timed alone or priced, ``times`` N over: ``fwd_ms`` / ``bwd_ms``, the
+  ``block``, ``tokens_per_gpu``; or ``{"none": why}``), from which
   ``derived.fraction_of_ideal`` (FWD+BWD, FWD with --fwd-only) and ``fraction_of_ideal_fwd``:
-  the ideal step over the measured one; ``sizes`` (per rank: the world it ran in, its CP
+  the ideal step over the measured one (an older record's ideal, with a ``rank``: the slowest
+  rank's blocks, is read, gives no fraction and is marked ``derived.ideal_superseded``);
+  ``sizes`` (per rank: the world it ran in, its CP
   ring's size and its shard's tokens), which ``cpbench.guards`` holds to what was asked;
   ``load`` (how busy others kept rank 0's host while the case timed: ``bench.load``) and
-  ``estimate`` (what the case was estimated to take before it ran: ``bench.estimate``).
+  ``estimate`` (what the case was estimated to take before the run, ``step_s`` and ``case_s``:
+  ``bench.estimate``; ``revised_s``, that re-estimated from what the cases before it took,
+  and ``took_s``, what it took: ``bench.eta``).
   ``derived.not_measured``: why the row's timings do not measure CP (``guards.not_measured``:
   ranks sharing cores, a busy host), or null. Where a row is flagged or does not measure CP,
   its figures derived as CP performance (TFLOP/s, fraction of ideal, the slowest rank) are
@@ -75,6 +84,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from cpbench import guards, metrics
+from cpbench import ideal as ideal_def
 from cpbench.errors import UsageError
 
 if TYPE_CHECKING:
@@ -244,10 +254,17 @@ def _flops(attention: dict[str, Any], mode: str) -> tuple[float, str]:
         mode=mode)
 
 
+# an older record's mark: its FWD+BWD holds what the harness added between the parts
+STEP_SYNCED = "FWD+BWD holds the harness's sync and barrier between FWD and BWD (older record)"
+
+
 def _fractions(ideal: dict[str, Any] | None, d: dict[str, Any]) -> dict[str, Any]:
-    """The ideal step (its kernel blocks alone) over the measured step, per phase."""
+    """The ideal step (``cpbench.ideal``: the kernel alone on each GPU's share) over the
+    measured step, per phase; none for an older record's ideal of another definition."""
     if not ideal or ideal.get("fwd_ms") is None:
         return {}
+    if ideal_def.superseded(ideal):
+        return {"ideal_superseded": ideal_def.SUPERSEDED}
     out = {"fraction_of_ideal_fwd": ideal["fwd_ms"] / d["fwd_ms"]}
     if ideal.get("bwd_ms") is not None and d.get("fwd_bwd_ms"):
         out["fraction_of_ideal"] = (ideal["fwd_ms"] + ideal["bwd_ms"]) / d["fwd_bwd_ms"]
@@ -293,6 +310,8 @@ def _figures(record: dict[str, Any]) -> dict[str, Any]:
                    bwd_tflops=(metrics.tflops_per_gpu(problem_flops(attention, "bwd"), n,
                                                          bwd / 1e3) if bwd and bwd > 0 else None),
                    slowest_rank_fwd_bwd=metrics.slowest_rank(samples["fwd_bwd"]))
+        if samples.get("bwd") and not (record.get("timing") or {}).get("step"):
+            out["step_synced"] = STEP_SYNCED
     out.update(_fractions(record.get("ideal"), out))
     if record.get("memory_bytes"):
         out["memory_mb"] = max(record["memory_bytes"]) / metrics.MB

@@ -36,10 +36,13 @@ def test_a_strategy_that_sends_nothing_is_flagged_and_never_wins(tmp_path):
     block = 2 * 128 * 2 * 16 * 4
     assert silent["comm"]["sent_bytes"]["fwd"] == [0, 0]
     assert silent["comm"]["schedule_bytes"]["fwd"] == [block, block]
-    assert silent["derived"]["flags"] == [f"FWD rank 0: sent 0 B, schedule says "
-                                          f"{block / 1e3:.3g} KB",
-                                          "FWD+BWD rank 0: sent 0 B, schedule says "
-                                          f"{4 * block / 1e3:.3g} KB"]
+    comm_flags = [f"FWD rank 0: sent 0 B, schedule says {block / 1e3:.3g} KB",
+                  f"FWD+BWD rank 0: sent 0 B, schedule says {4 * block / 1e3:.3g} KB"]
+    # computing its own blocks alone, it runs about as fast as the ideal (the kernel alone on
+    # each rank's share): a fraction of ideal at or above 100 % may be flagged beside them
+    assert [f for f in silent["derived"]["flags"] if f not in comm_flags and not f.startswith(
+        "fraction of ideal above 100 %")] == []
+    assert [f for f in silent["derived"]["flags"] if f in comm_flags] == comm_flags
     assert zigzag["comm"]["sent_bytes"] == {"fwd": [block, block],
                                             "fwd_bwd": [4 * block, 4 * block]}
     assert zigzag["derived"]["flags"] == []
@@ -50,7 +53,7 @@ def test_a_strategy_that_sends_nothing_is_flagged_and_never_wins(tmp_path):
     # the flagged rows marked [n] (their reasons numbered under the table), after any marks
     # of the machine's load while it ran
     table = run.stdout[run.stdout.index("Benchmark Summary:"):]
-    assert re.search(r"^ +test-silent-zigzag \[\d+,\d+(,\d+)?\] +\|", table, re.M)
+    assert re.search(r"^ +test-silent-zigzag \[\d+(,\d+)+\] +\|", table, re.M)
     assert re.search(r"\n\[\d\] FWD rank 0: sent 0 B, schedule says", table)
     # report --best on these records, as an idle and as a busy machine's meter would have
     # read them (the stubbed load section): both paths run on any host
@@ -61,8 +64,9 @@ def test_a_strategy_that_sends_nothing_is_flagged_and_never_wins(tmp_path):
         ranked = best.stdout.split("not ranked:")[0]
         assert "test-silent-zigzag" not in ranked and "test-cp-off" not in ranked
         table = _cpbench("report", str(stubbed)).stdout  # the marks: the flags' alone
-        assert re.search(r"^ +test-silent-zigzag \[1,2\] +\|", table, re.M)
-        assert "\n[1] FWD rank 0: sent 0 B, schedule says" in table
+        # its comm flags, and the fraction of ideal's where its timing put it at 100 %
+        assert re.search(r"^ +test-silent-zigzag \[1,2(,3)?\] +\|", table, re.M)
+        assert re.search(r"\n\[[12]\] FWD rank 0: sent 0 B, schedule says", table)
         assert "not ranked: test-silent-zigzag" in best.stdout
         assert "not ranked: test-cp-off" in best.stdout
         assert ("zigzag" in ranked) == zigzag_wins
@@ -103,8 +107,9 @@ def test_every_cp_row_prints_its_fraction_of_ideal(tmp_path):
                    "--out", str(out), "--details")
     assert run.returncode == 0, run.stdout + run.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    for r in records:  # the slowest rank's blocks, as declared, each timed once
-        assert r["ideal"]["rank"] in (0, 1) and r["ideal"]["fwd_ms"] > 0
+    for r in records:  # one block of S / 2 timed alone, twice over (cpbench.ideal)
+        assert r["ideal"]["times"] == 2 and r["ideal"]["block"]["rows"] == 256 // 2
+        assert r["ideal"]["fwd_ms"] == 2 * r["ideal"]["block"]["fwd_ms"] > 0
         fraction = {**r["derived"], **r["derived"].get("withheld", {})}["fraction_of_ideal"]
         assert 0 < fraction < 10  # kept, under a mark where the row withholds it
     # each detail block: the fraction, or why the row's timings do not measure CP

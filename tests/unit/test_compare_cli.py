@@ -286,3 +286,22 @@ def test_one_busy_side_leaves_the_other_cases_tested(tmp_path, capsys):
     assert {by[("zigzag", p)]["verdict"] for p in ("fwd", "fwd_bwd")} == {"not comparable"}
     assert by[("zigzag", "fwd")]["reason"].startswith("B: others kept 1.9 of 2 cores busy")
     assert {r["verdict"] for k, r in by.items() if k[0] != "zigzag"} == {"slower"}
+
+
+def test_a_step_timed_with_the_harness_sync_against_one_without_gets_no_verdict(
+        tmp_path, capsys):
+    """A's records as the timer wrote them before timing.step (BWD on its own, a sync and a
+    barrier between FWD and BWD inside FWD+BWD); B's without that sync: not comparable."""
+    synced = _records()
+    for r in synced:
+        r["samples_ms"]["bwd"] = [[b - f for f, b in zip(fr, br)] for fr, br in
+                                  zip(r["samples_ms"]["fwd"], r["samples_ms"]["fwd_bwd"])]
+    a = _write(tmp_path / "a.jsonl", synced)
+    b = _write(tmp_path / "b.jsonl", _records())
+    rows = _json(capsys, a, b)
+    assert rows and {r["verdict"] for r in rows} == {"not comparable"}
+    assert {r["reason"] for r in rows} == {
+        "A: FWD+BWD holds the harness's sync and barrier between FWD and BWD (older record), "
+        "the other's not"}
+    same = _json(capsys, a, _write(tmp_path / "a2.jsonl", synced))  # both synced: tested
+    assert "not comparable" not in {r["verdict"] for r in same}

@@ -209,19 +209,21 @@ def test_a_backward_faster_than_its_forward_beyond_noise_is_flagged():
 
 
 def _with_ideal(rec: dict, fwd_ms: float, bwd_ms: float) -> dict:
-    return _with(rec, ideal={"rank": 0, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "blocks": []})
+    return _with(rec, ideal={"definition": "share", "times": 4, "fwd_ms": fwd_ms,
+                             "bwd_ms": bwd_ms})
 
 
 def test_a_fraction_of_ideal_above_one_is_flagged_by_its_interval():
-    # the step 30-35 ms (median 31); kernel blocks alone 10 + 20 = 30 ms: 97 %, no flag
+    # the step 30-35 ms (median 31); the ideal 10 + 20 = 30 ms: 97 %, no flag
     ok = _with_ideal(fake_record(), 10.0, 20.0)
     assert ok["derived"]["fraction_of_ideal"] < 1 and ok["derived"]["flags"] == []
-    # blocks alone 40 ms, every step faster: impossible; the flag quotes times, the
+    # the ideal 40 ms, every step faster: impossible; the flag quotes times, the
     # fraction (131 %) withheld
     fast = _with_ideal(fake_record(fwd_bwd=[[30.0, 30.5, 31.0, 30.2, 30.7]] * 4), 15.0, 25.0)
     (flag,) = fast["derived"]["flags"]
-    assert flag == ("fraction of ideal above 100 % (FWD+BWD 30.50 ms, faster than its kernel "
-                    "blocks alone: 40.00 ms), its 95 % interval wholly past it: impossible")
+    assert flag == ("fraction of ideal above 100 % (FWD+BWD 30.50 ms, faster than its ideal, the "
+                    "kernel alone on its share: 40.00 ms), its 95 % interval wholly past it: "
+                    "impossible")
     assert fast["derived"]["withheld"]["fraction_of_ideal"] == 40 / 30.5
     assert "fraction_of_ideal" not in fast["derived"] and "131" not in flag
     # 32 ms alone against steps of 20-45 ms: above 1 at the median, not beyond the noise
@@ -336,3 +338,35 @@ def test_a_median_the_cold_first_step_can_move_is_flagged_and_never_wins():
     warm = fake_record("ring", fwd=[[20.0] * 3] * 4, fwd_bwd=[[60.0] * 3] * 4)
     assert [v.winner for v in verdicts([cold, warm])] == ["ring"]  # cold was faster
     assert "cold: no warm-up" in report.summary([cold, warm])
+
+
+def _warmed(steps: list[float], settled: bool, warmup: int = 7) -> dict:
+    """A row whose slowest rank's FWD+BWD steps are ``steps`` (FWD a third of each)."""
+    rec = fake_record("ring", fwd=[[s / 3 for s in steps]] * 4, fwd_bwd=[list(steps)] * 4)
+    rec["config"]["run"].update(warmup=2, iters=len(steps))
+    return _with(rec, timing={"warmup": warmup, "settled": settled, "warmup_least": 2,
+                              "warmup_most": 2 + len(steps)})
+
+
+def test_an_unsettled_warm_up_is_flagged_only_where_the_timed_steps_still_fell():
+    # this machine's ring at 1K on 4 ranks: never settled, the timed steps still falling
+    falling = _warmed([262.4, 245.6, 98.3, 108.4, 114.3], settled=False)
+    # first 2: median 254.00; last 3: median 108.40
+    assert falling["derived"]["flags"] == [
+        "unsettled: 7 warm-up steps, timed FWD+BWD still fell 254.00 to 108.40 ms "
+        "(first 2, last 3)"]
+    assert "fwd_bwd_tflops" in falling["derived"]["withheld"]
+    # never settled, but the timed steps level within noise (most rows of a small machine)
+    assert _warmed([88.7, 192.7, 94.1, 92.7, 292.2], settled=False)["derived"]["flags"] == []
+    assert _warmed([372.2, 260.5, 246.4, 250.0, 263.1], settled=False)["derived"]["flags"] == []
+    # settled, or too few timed steps to tell a trend from noise: no flag
+    assert _warmed([262.4, 245.6, 98.3, 108.4, 114.3], settled=True)["derived"]["flags"] == []
+    assert _warmed([262.4, 98.3, 108.4], settled=False)["derived"]["flags"] == []
+
+
+def test_an_unsettled_row_never_wins_report_best():
+    falling = _warmed([262.4, 245.6, 98.3, 108.4, 114.3], settled=False)  # median 114.3
+    level = fake_record("zigzag", fwd=[[50.0] * 5] * 4, fwd_bwd=[[150.0] * 5] * 4)
+    assert [v.winner for v in verdicts([falling, level])] == ["zigzag"]
+    assert "\n[1] unsettled: 7 warm-up steps, timed" in report.summary([falling, level])
+    assert [r["Flags"] for r in tables.rows([falling, level])][0].startswith("unsettled: 7")

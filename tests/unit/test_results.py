@@ -203,3 +203,14 @@ def test_make_record_is_the_schema_and_survives_the_file(tmp_path):
         results.make_record(strategy="usp", options=opts, attention=AttentionConfig(),
                             run=RunConfig(), kernel="k", world_size=1, ranks_per_node=1,
                             ranks_per_problem=1, env={}, samples=[])  # not a schema key
+
+
+def test_a_record_timed_with_the_harness_sync_inside_fwd_bwd_is_read_and_marked():
+    """Before ``timing.step``, a sync and a barrier sat between FWD and BWD, inside FWD+BWD."""
+    old = fake_record()
+    assert old["derived"]["step_synced"] == results.STEP_SYNCED
+    assert old["derived"]["fwd_bwd_ms"] == 31.0  # still read: the median of 30, 31, 35
+    new = {**old, "timing": {"warmup": 1, "settled": True, "step": "back-to-back"}}
+    assert "step_synced" not in results.derive(new)
+    fwd_only = fake_record(fwd_only=True)  # no BWD part: nothing between parts
+    assert "step_synced" not in fwd_only["derived"]

@@ -18,7 +18,7 @@ import re
 import pytest
 import yaml
 
-from cpbench import strategies
+from cpbench import ideal, strategies
 from cpbench.cli import main as cli_main
 from cpbench.config import AttentionConfig
 from cpbench.metrics import attention_flops
@@ -245,11 +245,15 @@ def test_the_ideal_is_the_local_kernel_on_one_gpus_share_times_the_gpus():
     hw = hardware.load("h800-sxm")
     attn = AttentionConfig(batch=1, seqlen=65536, heads=32, kv_heads=8, head_dim=128,
                            dtype="bf16", causal=True)
-    fwd, bwd = model.ideal(attn, 8, hw)
+    fwd, bwd = model.ideal(attn, 8, hw)  # one GPU's block
     flops = attention_flops(batch=1, seqlen_q=8192, seqlen_k=8192, heads=32, head_dim=128,
                             causal=True)
-    assert fwd == pytest.approx(8 * flops / 333e12)  # the causal figure at 8k
-    assert bwd == pytest.approx(8 * 2.5 * flops / (bwd_from(308, 333) * 1e12), rel=1e-3)
+    assert fwd == pytest.approx(flops / 333e12)  # the causal figure at 8k
+    assert bwd == pytest.approx(2.5 * flops / (bwd_from(308, 333) * 1e12), rel=1e-3)
+    # the record's section: that block 8 times over, in ms (bench.ideal, the one definition)
+    got = ideal.section(attn, 8, fwd * 1e3, bwd * 1e3)
+    assert got["fwd_ms"] == pytest.approx(8e3 * flops / 333e12)
+    assert (got["times"], got["tokens_per_gpu"], got["definition"]) == (8, 8192, "share")
 
 
 def test_zigzag_on_h800_sits_where_ring_flash_attention_measured_it():
@@ -260,7 +264,7 @@ def test_zigzag_on_h800_sits_where_ring_flash_attention_measured_it():
     attn = AttentionConfig(batch=1, seqlen=65536, heads=32, kv_heads=8, head_dim=128,
                            dtype="bf16", causal=True)
     topo = Topology(world_size=8, ranks_per_node=8)
-    fwd, bwd = model.ideal(attn, 8, hw)
+    fwd, bwd = (8 * t for t in model.ideal(attn, 8, hw))
     for name, published in (("zigzag", 0.902), ("ring", 0.539)):
         p = model.predict(name, strategies.get(name).Options(), attn, topo, hw)
         assert (fwd + bwd) / p.fwd_bwd_s == pytest.approx(published, abs=0.05), name

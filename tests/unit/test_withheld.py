@@ -16,7 +16,8 @@ from cpbench.report import lines, sweep, tables
 from cpbench.report.best import best_table
 
 BUSY = {"foreign_cpu_s": 17.0, "wall_s": 10.0, "cpus": 2, "share": 0.85, "ranks_cores": 2}
-IDEAL = {"rank": 0, "fwd_ms": 8.0, "bwd_ms": 16.0, "blocks": [1, 2]}
+IDEAL = {"definition": "share", "times": 4, "fwd_ms": 8.0, "bwd_ms": 16.0,
+         "what": "the kernel alone on each GPU's share"}
 
 
 def _row(strategy: str, load: dict | None, **kw) -> dict:

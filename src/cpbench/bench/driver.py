@@ -10,7 +10,7 @@
    ``--check`` against the float64 reference, build this rank's input shard straight from
    the seed, time FWD and gather its samples, time FWD+BWD and gather its samples (each
    timed step's bytes counted: ``bench.sentcount``), then measure peak memory
-   (``bench.memory``), time the kernel blocks alone (``bench.ideal``) and, with
+   (``bench.memory``), time the ideal block alone (``bench.ideal``) and, with
    ``--profile``, profile a few steps (``bench.profiling``), each a step of its own (a
    failure there keeps the timings); on rank 0 append the record and print.
 
@@ -34,9 +34,10 @@ from typing import Any, Callable
 
 import torch
 
-from cpbench import kernels, metrics, results, strategies, threadmail, topology
+from cpbench import kernels, results, strategies, threadmail, topology
 from cpbench.bench import (
     agreement,
+    eta,
     ideal,
     memory,
     profiling,
@@ -221,16 +222,14 @@ class _CaseRun:
         return mem, mem(lambda: [int(v[0]) for v in timer.gather_samples([peak], dev)])
 
     def ideal(self, store, key: str) -> tuple[agreement.Agreement, dict]:
-        """The case's kernel blocks timed alone on rank 0 (``bench.ideal``; the others wait,
+        """The case's ideal block timed alone on rank 0 (``bench.ideal``; the others wait,
         so nothing shares its device or CPUs) as a phase of its own: the record's
         ``ideal`` section, or why there is none."""
-        self.status("timing the kernel blocks alone")
+        self.status("timing the ideal block alone")
         p, run, case = self.p, self.p.run, self.case
         ph = agreement.Agreement(run.device, store, f"{key}/ideal", self.grace_s, self.phase.case)
-        warmup, iters = _counts(run)
         section = ph(lambda: ideal.measure(
-            case.strategy, case.options, p.attn_of(case), p.topo, p.kernel_of(case),
-            device=run.device, warmup=warmup, iters=iters, fwd_only=run.fwd_only)
+            p.attn_of(case), self.built.ranks_per_problem, p.kernel_of(case), run)
             if self.rank == 0 else None)
         return ph, section if ph.status == results.OK else {"none": f"{ph.status}: {ph.error}"}
 
@@ -336,10 +335,10 @@ def _say_record(p: Plan, record: dict, prefix: str, seconds: float) -> None:
 def _run_cases(p: Plan, rank: int, env: dict) -> tuple[list[dict], bool, bool]:
     """(rank 0's records, whether any failed, whether the process group broke for good)."""
     ref_cache: dict = {}  # check_strategy's: the last problem's reference
-    records, failed = [], False
+    records, failed, tally = [], False, eta.Tally(p.estimates)
     for i, case in enumerate(p.cases, 1):
         prefix = f"[{i}/{len(p.cases)}] {case.label}"
-        est = p.estimates[i - 1] if p.estimates else None
+        est = tally.before(i - 1)  # re-estimated from what the cases so far took
         log.info("%s%s", prefix, f": {est.line()}" if est else "")
         t0 = time.perf_counter()
         record, broken = run_case(p, case, rank, env, ref_cache, store=agreement.store(),
@@ -348,7 +347,7 @@ def _run_cases(p: Plan, rank: int, env: dict) -> tuple[list[dict], bool, bool]:
         failed |= bool((record.get("profile") or {}).get("error"))
         failed |= record["derived"]["check_passed"] is False
         if rank == 0:
-            _say_record(p, record, prefix, time.perf_counter() - t0)
+            _say_record(p, record, prefix, tally.done(i - 1, record, time.perf_counter() - t0))
             records.append(record)
         if broken and not recovery.go_on_after(p, i, broken):
             return records, failed, True
@@ -364,8 +363,7 @@ def _header(p: Plan, world: int) -> None:
              ", ".join(f"{k}={v}" for k, v in p.attn.to_dict().items()
                        if v is not None))  # what is unset says nothing
     if p.estimates:  # bench.estimate's, made before any rank started
-        log.info("estimated %s in all (%s)", metrics.duration(sum(e.case_s for e in p.estimates)),
-                 p.estimates[0].rate.text())
+        log.info("%s", eta.total_line(p.estimates))
     if p.packed:  # the documents above are the first packing's
         log.info("%d packings of %s (seeds %d..%d), each strategy on each", len(p.packed),
                  p.documents_spec, p.run.seed, p.run.seed + len(p.packed) - 1)

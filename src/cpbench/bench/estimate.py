@@ -6,13 +6,17 @@ the device, sized to take ``PROBE_S`` (a quick probe; a second, larger one where
 near the limit, since small blocks run below the kernel's rate). A case's step is then its
 FLOPs (``metrics``: the mask's attended pairs, backward 2.5× the forward) on its slowest rank
 (the mean rank's share × the strategy's imbalance) at that rate, the rank's share of the
-device: on CPU the local ranks share the cores the probe had to itself. Communication, the
-merge and the layout are not counted: the estimate is a floor on big problems' steps, not a
-prediction (``cpbench simulate`` predicts; ``cpbench dryrun`` sizes memory).
+device: on CPU the local ranks share the cores with each other and with what others' processes
+ask for, read by the load meter while the probe runs (``under_load``, ``loaded``).
+Communication, the merge and the layout are not counted: the estimate is a floor on big
+problems' steps, not a prediction (``cpbench simulate`` predicts; ``cpbench dryrun`` sizes
+memory).
 
-The case: its warm-up (the least) and timed steps, the memory step, ``--check``'s step and
-float64 reference, ``--profile``'s steps and the kernel blocks timed alone (``bench.ideal``),
-and a fixed allowance for its set-up (``CASE_SETUP_S``).
+The case: its warm-up at its most (``--warmup`` + ``--iters``: the settle rule ran every case
+measured under load that far), timed steps, the memory step, ``--check``'s step and float64
+reference, ``--profile``'s steps and the ideal block timed alone (``bench.ideal``), and a fixed
+allowance for its set-up (``CASE_SETUP_S``). ``bench.eta`` adds the command's start-up and
+re-estimates what is left from what each case took.
 
 Under torchrun only rank 0 estimates (and may refuse, exit 2, before any collective; torchrun
 then stops the other ranks): a probe's time differs between ranks, and ranks that each
@@ -31,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from cpbench import kernels, metrics
-from cpbench.bench import ideal
+from cpbench.bench import ideal, timer
 from cpbench.config import DTYPES, AttentionConfig, RunConfig
 from cpbench.errors import UsageError
 from cpbench.metrics import duration
@@ -74,6 +78,9 @@ class Estimate:
     step_s: float
     case_s: float
     rate: Rate
+    start_s: float = 0.0  # the command's start-up, on the first case's (``bench.eta``)
+    busy: str = ""  # what the load meter saw others take, on the first case's
+    comm_from: str = ""  # the simulator's preset that priced what is beyond the kernel
 
     def line(self) -> str:
         return f"estimated {duration(self.step_s)} a step, {duration(self.case_s)} for the case"
@@ -150,18 +157,45 @@ class Machine:
     local_ranks: int
     threads_per_rank: int
     cpus: int
+    others: float = 0.0  # cores others' runnable threads ask for (``loaded``)
+    seen: float = 0.0  # cores the load meter saw them use
 
     def share(self, rate: Rate) -> float:
-        """A rank's part of what the probe had (on CPU the local ranks share the cores)."""
+        """A rank's part of what the probe had: on CPU the local ranks share the cores with
+        each other and with others' threads, each runnable thread an equal part where they
+        ask for more than there are, as the probe's one thread did among others'."""
         if self.device == "cuda":
             return 1.0
-        return min(self.threads_per_rank, self.cpus / self.local_ranks) / max(rate.threads, 1)
+        asked = self.others + self.local_ranks * self.threads_per_rank
+        rank = min(self.threads_per_rank, self.cpus * self.threads_per_rank / asked)
+        probe = min(1.0, self.cpus / (self.others + 1))
+        return rank / (probe * max(rate.threads, 1))
+
+    def busy_text(self) -> str:
+        """"others keep 1.6 of 2 cores busy" where the meter saw them use a tenth of the
+        cores or more (the run's guard, ``guards.busy``, allows as much)."""
+        if self.device == "cuda" or self.seen < 0.1 * self.cpus:
+            return ""
+        return f"others keep {self.seen:.1f} of {self.cpus} cores busy"
+
+
+def loaded(machine: Machine, others_cores: float | None) -> Machine:
+    """``machine`` with others' demand, from the cores the load meter saw them use while the
+    probe's one thread ran (None: no meter): used ``c`` of ``n`` cores beside it means
+    ``c`` threads when ``c + 1 <= n``, else ``d`` threads sharing the cores with the probe's,
+    ``d · n / (d + 1) = c`` (at most 4n: a machine all but full)."""
+    if others_cores is None or machine.device == "cuda":
+        return machine
+    n, c = machine.cpus, max(0.0, others_cores)
+    demand = c if c + 1 <= n else (c / (n - c) if c < n else math.inf)
+    return dataclasses.replace(machine, others=min(demand, 4.0 * n), seen=c)
 
 
 def case_estimate(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
-                  imbalance: float, rate: Rate, machine: Machine, *, has_ideal: bool
-                  ) -> Estimate:
-    """The step and the case (see the module docstring)."""
+                  imbalance: float, rate: Rate, machine: Machine, *, has_ideal: bool,
+                  extra: tuple[float, float] = (0.0, 0.0)) -> Estimate:
+    """The step and the case (see the module docstring). ``extra``: (FWD s, BWD s) a step
+    spends beyond its kernel on a GPU, the simulator's (``Problem.extra_s``)."""
     def flops(mode: str) -> float:
         return metrics.problem_flops(batch=attn.batch, seqlen=attn.seqlen, heads=attn.heads,
                                      head_dim=attn.head_dim, causal=attn.causal,
@@ -172,14 +206,17 @@ def case_estimate(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
     rank = imbalance / ranks_per_problem  # the slowest rank's part of the problem
     alone = flops("fwd") * rank / rate.fwd + (0.0 if run.fwd_only else
                                               flops("bwd") * rank / rate.bwd)
-    step = alone / machine.share(rate)
+    step = alone / machine.share(rate) + extra[0] + (0.0 if run.fwd_only else extra[1])
     assert run.warmup is not None and run.iters is not None, "a resolved RunConfig"
-    steps = run.warmup + run.iters + 1 + (PROFILED_STEPS if run.profile else 0)
+    # warm-up at its most: under load the settle rule ran every case measured to the end
+    most = timer.warmup_rule(run.warmup, run.iters).most
+    steps = most + run.iters + 1 + (PROFILED_STEPS if run.profile else 0)
     case = CASE_SETUP_S + steps * step
     if run.check:
         case += step + flops("fwd_bwd") * REFERENCE_SLOWDOWN / rate.fwd
-    if has_ideal:  # rank 0's blocks alone, forward and backward, each warmed up and timed
-        case += alone * (min(max(1, run.warmup), ideal.MAX_WARMUP)
+    if has_ideal:  # rank 0's ideal block alone (1 / N² of the problem), warmed up and timed
+        block = (flops("fwd") / rate.fwd + flops("bwd") / rate.bwd) / ranks_per_problem ** 2
+        case += block * (min(max(1, run.warmup), ideal.MAX_WARMUP)
                          + min(max(1, run.iters), ideal.MAX_ITERS))
     return Estimate(step_s=step, case_s=case, rate=rate)
 
@@ -194,6 +231,8 @@ class Problem:
     imbalance: float
     kernel: str
     has_ideal: bool
+    # on a GPU a preset matches: what a step spends beyond its kernel (sim.comm_estimate)
+    extra_s: tuple[float, float] = (0.0, 0.0)
 
 
 def estimate(pr: Problem, run: RunConfig, machine: Machine, *, refined: bool = False
@@ -204,7 +243,19 @@ def estimate(pr: Problem, run: RunConfig, machine: Machine, *, refined: bool = F
                       PROBE_S[machine.device][1 if refined else 0], largest)
     rate = probe(pr.kernel, machine.device, a.dtype, a.heads, a.num_kv_heads, a.head_dim, side)
     return case_estimate(a, run, pr.ranks_per_problem, pr.imbalance, rate, machine,
-                         has_ideal=pr.has_ideal)
+                         has_ideal=pr.has_ideal, extra=pr.extra_s)
+
+
+def under_load(problems: Sequence[Problem], run: RunConfig, machine: Machine,
+               meter: Callable[[], Any]) -> Machine:
+    """Probe every case's kernel (cached for ``estimates``) while ``meter`` (a
+    ``bench.load.Meter``; a test gives its own) reads what others' processes use: the
+    machine as they leave it (``loaded``)."""
+    with meter() as m:
+        for pr in problems:
+            estimate(pr, run, machine)
+    reading = m.load
+    return loaded(machine, reading.cores if reading is not None else None)
 
 
 def estimates(problems: Sequence[Problem], run: RunConfig, machine: Machine
@@ -229,7 +280,7 @@ def _nominal(pr: Problem, run: RunConfig, machine: Machine) -> Estimate:
     nominal = NOMINAL_FLOPS[machine.device]
     rate = Rate(fwd=nominal, bwd=nominal, side=0, kernel=pr.kernel, threads=machine.cpus)
     return case_estimate(pr.attn, run, pr.ranks_per_problem, pr.imbalance, rate, machine,
-                         has_ideal=pr.has_ideal)
+                         has_ideal=pr.has_ideal, extra=pr.extra_s)
 
 
 def refuse_over(problems: Sequence[Problem], ests: Sequence[Estimate], run: RunConfig,

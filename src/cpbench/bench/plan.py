@@ -25,7 +25,7 @@ import torch
 
 from cpbench import kernels, metrics, results, strategies
 from cpbench.bench import env as env_mod
-from cpbench.bench import estimate, memory, order
+from cpbench.bench import estimate, eta, ideal, memory, order
 from cpbench.bench.cases import Case, expand_cases, request, runnable, shape
 from cpbench.config import (
     AttentionConfig,
@@ -291,7 +291,7 @@ def _kernel(run: RunConfig, device: str, attn: AttentionConfig, notes: list[str]
 
 
 def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
-         job: tuple[int, int] | None = None, baseline_both_ends: bool = True) -> Plan:
+         job: tuple[int, int] | None = None, baseline_both_ends: bool = True, comm=None) -> Plan:
     """Validate a request and resolve its defaults. ``attention``: the AttentionConfig fields
     given on the command line; ``options``: the strategy options given. Pure apart from
     reading the machine and creating the ``--out`` file (empty, on rank 0); raises
@@ -299,7 +299,8 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
 
     ``job``: (world size, ranks per node) of a torchrun job planned from outside it (a sweep
     validating GPU cases on another host): memory fit is then left to the job's own plan.
-    ``baseline_both_ends``: see ``bracket_baselines`` (off: each case once)."""
+    ``baseline_both_ends``: see ``bracket_baselines`` (off: each case once). ``comm``: on a
+    GPU, the simulator's (FWD s, BWD s) beyond the kernel (``sim.comm_estimate``; from above)."""
     launcher = _launcher(run, launcher) if job is None else launcher
     device = _device(run, launcher) if job is None else (
         "cuda" if run.device == "auto" else run.device)
@@ -343,7 +344,7 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     writer = job is None and (launcher != "torchrun" or env_mod.torchrun_world()[0] == 0)
     # nothing is timed with ranks as threads (Plan.timed): a case's time is its check's
     estimates = _estimates(cases, strat_of, problems, run, backend.name, topo, local_ranks,
-                           launcher) if writer and launcher != THREADS else ()
+                           launcher, comm) if writer and launcher != THREADS else ()
     if out is not None and writer:
         open_out(out)
     if run.profile is not None:
@@ -363,16 +364,15 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
 
 
 def _estimates(cases: list[Case], strat_of: dict, problems: tuple[AttentionConfig, ...],
-               run: RunConfig, kernel: str, topo: Topology, local_ranks: int, launcher: str
-               ) -> tuple[estimate.Estimate, ...]:
+               run: RunConfig, kernel: str, topo: Topology, local_ranks: int, launcher: str,
+               comm) -> tuple[estimate.Estimate, ...]:
     """Each case's estimate (``bench.estimate``); UsageError for a case over the limit."""
-    # the threads each rank runs: cpbench.launch.run_ranks' default; under torchrun this
-    # process is a rank
+    # each rank's threads: cpbench.launch.run_ranks' default; under torchrun this is a rank
     threads = max(1, (os.cpu_count() or 1) // topo.world_size) if launcher == "self" else \
         torch.get_num_threads()
     machine = estimate.Machine(device=run.device, local_ranks=local_ranks,
                                threads_per_rank=threads, cpus=env_mod.cpus_usable())
-    found = []
+    found, comm = [], comm if run.device == "cuda" else None  # the simulator prices GPUs
     for c in cases:
         strat = strat_of[dataclasses.replace(c, round=None)]
         attn = problems[c.packing or 0]
@@ -380,10 +380,9 @@ def _estimates(cases: list[Case], strat_of: dict, problems: tuple[AttentionConfi
         found.append(estimate.Problem(
             label=c.label, attn=attn, ranks_per_problem=strat.ranks_per_problem,
             imbalance=imbalance, kernel=c.kernel or kernel,
-            has_ideal=strat.upstream is None and not attn.documents and not attn.window_size))
-    ests = estimate.estimates(found, run, machine)
-    estimate.refuse_over(found, ests, run, machine)
-    return ests
+            has_ideal=ideal.none_reason(attn) is None,
+            extra_s=comm(c.strategy, c.options, attn, topo) if comm else (0.0, 0.0)))
+    return eta.planned(found, run, machine, launcher, comm=comm)
 
 
 BALANCE_SEQLEN = 16384  # a layout's imbalance, computed at this length (it costs ~S log S)

@@ -85,10 +85,12 @@ def load_section(m: Meter | None, local_ranks: int) -> dict | None:
 
 
 def timing_section(got: timer.Timed, run: RunConfig, split: bool) -> dict:
-    """The record's ``timing``: the warm-up steps run, whether they settled, the rule."""
+    """The record's ``timing``: the warm-up steps run, whether they settled, the rule, how
+    the step's parts were timed (``timer.STEP_TIMING``)."""
     assert run.warmup is not None and run.iters is not None, "a resolved RunConfig"
     return {"warmup": got.warmup, "settled": got.settled, "warmup_least": run.warmup,
-            "warmup_most": timer.warmup_rule(run.warmup, run.iters).most, "split": split}
+            "warmup_most": timer.warmup_rule(run.warmup, run.iters).most, "split": split,
+            "step": timer.STEP_TIMING}
 
 
 def flat(got: timer.Timed) -> list[float]:

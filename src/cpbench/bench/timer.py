@@ -3,14 +3,19 @@ a barrier before every timed iteration, time each iteration on each rank, and ga
 rank's samples. What is reported from them (the median over iterations of the slowest rank)
 is ``cpbench.metrics.step_time``.
 
-``measure``: one closure, a fixed warm-up (the kernel blocks alone, calibration).
-``measure_steps``: a step made of parts (the driver's forward, then backward) timed part by
-part within every iteration: barrier, forward, sync, barrier, backward, sync. Each part's
-time is its own sample, so the backward is measured, never derived by subtracting two
-medians of separately timed loops (where a cold first loop once printed a negative
-backward); the step's time is the iteration from its first part's start to its last part's
-end on each rank. Its warm-up runs until the step time settles (``Settle``), every rank
-deciding on the same slowest-rank times, so every rank runs the same number of steps.
+``measure``: one closure, a fixed warm-up (the ideal block alone, calibration).
+``measure_steps``: a step made of parts (the driver's forward, then backward) timed as a
+training step runs it, as the seeds' scripts (BurstEngine's, ring-flash-attn's benchmarks)
+time it: sync, barrier, then the parts back to back with no sync or barrier between them, a
+mark at each part's end (a CUDA event on the stream, the host's clock on CPU), one sync at
+the step's end (``STEP_TIMING``). Each part's time is its own sample, from the previous
+mark to its own, so the backward is measured, never derived by subtracting two medians of
+separately timed loops (where a cold first loop once printed a negative backward); the
+step's time is the iteration from its first part's start to its last part's end on each
+rank. Until records said ``timing.step``, the harness put a sync and a barrier between the
+parts, inside FWD+BWD (0.2-2.6 % of a CPU step, ~1-3 % of a GPU step of a few ms). Its
+warm-up runs until the step time settles (``Settle``), every rank deciding on the same
+slowest-rank times, so every rank runs the same number of steps.
 
 The timer knows nothing about what it times: strategies hand it zero-argument closures.
 """
@@ -22,6 +27,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+
+# how a step's parts are timed: the record's ``timing.step`` (records without it: "synced",
+# a sync and a barrier before every part, inside FWD+BWD)
+STEP_TIMING = "back-to-back"
 
 # progress("warm-up" or "timed", the step about to run (1-based), steps at most)
 Progress = Callable[[str, int, int], None]
@@ -124,31 +133,25 @@ class Timer:
     def _timed(self, parts: Sequence[Callable[[], object]], barrier: bool = True
                ) -> tuple[list[float], float]:
         """(each part's ms, the step's ms from the first part's start to the last's end).
-        ``barrier``: the ranks line up before every part (warm-up steps need not)."""
-        each: list[float] = []
-        first: object = None
+        The ranks sync and line up (``barrier``; warm-up steps need not) before the first
+        part only: the parts run back to back, as a training step runs them."""
+        self._sync()
+        if barrier:
+            self.barrier()  # every rank starts the step together
+        if self.device == "cuda":
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(parts) + 1)]
+            marks[0].record()
+            for fn, mark in zip(parts, marks[1:]):
+                fn()
+                mark.record()  # on the stream: no host sync between parts
+            marks[-1].synchronize()
+            each = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+            return each, marks[0].elapsed_time(marks[-1])
+        clock = [time.perf_counter()]
         for fn in parts:
-            self._sync()
-            if barrier:
-                self.barrier()  # every rank starts the part together
-            if self.device == "cuda":
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                each.append(start.elapsed_time(end))
-                first = start if first is None else first
-                step = first.elapsed_time(end)  # type: ignore[attr-defined]
-            else:
-                t0 = time.perf_counter()
-                fn()
-                t1 = time.perf_counter()
-                each.append((t1 - t0) * 1e3)
-                first = t0 if first is None else first
-                step = (t1 - first) * 1e3  # type: ignore[operator]
-        return each, step
+            fn()
+            clock.append(time.perf_counter())
+        return [(b - a) * 1e3 for a, b in zip(clock, clock[1:])], (clock[-1] - clock[0]) * 1e3
 
 
 def gather_samples(samples: Sequence[float], device: str = "cpu") -> list[list[float]]:

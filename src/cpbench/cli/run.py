@@ -37,12 +37,15 @@ def main(args) -> int:
     from cpbench.bench import plan as planning
     from cpbench.bench.env import bind_local_gpu, under_torchrun
     from cpbench.launch import LaunchTimeout, RankError
+    from cpbench.sim import comm_estimate
 
     launcher = "torchrun" if under_torchrun() else "self"
     bind_local_gpu()  # before the plan touches torch.cuda
     try:
         run, attention, options = cli_args.request(args)
-        plan = planning.plan(run, attention, options, launcher=launcher)
+        # on a GPU a simulator preset matches, the estimate counts what a step adds to its kernel
+        plan = planning.plan(run, attention, options, launcher=launcher,
+                             comm=comm_estimate.for_local_gpu())
     except UsageError as e:  # under torchrun rank 0 speaks; every rank tells its agent
         return cli_args.fail("cpbench run", e)
     if launcher == "torchrun":

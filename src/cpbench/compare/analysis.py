@@ -15,7 +15,7 @@ from cpbench.compare import match, stats
 from cpbench.compare.profile import PartChange, compare_parts, ranked
 from cpbench.errors import UsageError
 from cpbench.report.tables import case_text
-from cpbench.results import OK, derive
+from cpbench.results import OK, STEP_SYNCED, derive
 
 PHASES = {"fwd": "FWD", "fwd_bwd": "FWD+BWD"}  # record key → the name the tables print
 
@@ -117,9 +117,15 @@ def _pending(cases: list[match.Case], notes: list[str]) -> list[tuple]:
 
 def why_not(case: match.Case) -> str | None:
     """Why a case gets no verdict: a side flagged or not measuring CP (the guards' one rule,
-    ``guards.withhold``: its timings do not say what the strategy costs), else None."""
-    reasons = [f"{side}: {why}" for side, record in (("A", case.a), ("B", case.b))
-               if (why := guards.withheld_reason(derive(record)))]
+    ``guards.withhold``: its timings do not say what the strategy costs), or one side's step
+    timed with the harness's sync inside it and the other's not; else None."""
+    sides = (("A", derive(case.a)), ("B", derive(case.b)))
+    reasons = [f"{side}: {why}" for side, d in sides if (why := guards.withheld_reason(d))]
+    # an older record's FWD+BWD held the harness's sync between FWD and BWD: against one
+    # timed back to back, a difference would be the harness's, not the strategy's
+    synced = [side for side, d in sides if d.get("step_synced")]
+    if len(synced) == 1:
+        reasons.append(f"{synced[0]}: {STEP_SYNCED}, the other's not")
     return "; ".join(reasons) or None
 
 

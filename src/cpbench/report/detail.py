@@ -79,8 +79,9 @@ def _configuration(record: dict) -> list[str]:
     threads = (record.get("env") or {}).get("launcher") == "threads"
     iterations = "none timed (one untimed step; ranks as threads)" if threads else \
         f"{run['iters']} timed after {_warmup_text(record)} (median of the slowest rank)"
+    synced = (record.get("derived") or {}).get("step_synced")
     return lines + [f"  - Kernel: {record['kernel']} on {run['device']}",
-                    f"  - Iterations: {iterations}"]
+                    f"  - Iterations: {iterations}" + (f"; {synced}" if synced else "")]
 
 
 def _warmup_text(record: dict) -> str:
@@ -126,11 +127,20 @@ def _performance(record: dict, d: dict) -> list[str]:
     return lines + _ideal_lines(record, d)
 
 
+def _revised(est: dict) -> str:
+    """"; 35 s re-estimated after the cases before it, took 30 s" (``bench.eta``)."""
+    if est.get("took_s") is None:
+        return ""
+    return (f"; {duration(est['revised_s'])} re-estimated after the cases before it, took "
+            f"{duration(est['took_s'])}")
+
+
 def _ideal_lines(record: dict, d: dict) -> list[str]:
     ideal = record.get("ideal")
     est = record.get("estimate")
     lines = [f"  - Estimated Beforehand: {duration(est['step_s'])} a step, "
-             f"{duration(est['case_s'])} for the case ({est['probe']})"] if est else []
+             f"{duration(est['case_s'])} for the case" + _revised(est) + f" ({est['probe']})"
+             ] if est else []
     if d.get("not_measured"):  # guards.not_measured: no fraction of ideal, no efficiency
         return lines + [f"  - Not Measuring CP: {d['not_measured']}"]
     if not ideal:
@@ -139,12 +149,11 @@ def _ideal_lines(record: dict, d: dict) -> list[str]:
         return lines + [f"  - Fraction of Ideal: - ({ideal['none']})"]
     if guards.withheld_reason(d):
         return lines + ["  - Fraction of Ideal: - (not quoted: the row is flagged, below)"]
-    if ideal.get("what"):  # a simulated record's: the ideal it states
-        return lines + [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} ("
-                        f"{ideal['what']})"]
-    return lines + [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} (rank "
-            f"{ideal['rank']}'s {len(ideal['blocks'])} distinct kernel block(s) timed alone: "
-            f"{cells.ms(ideal['fwd_ms'] + (ideal.get('bwd_ms') or 0))} ms)"]
+    if d.get("ideal_superseded"):
+        return lines + [f"  - Fraction of Ideal: - ({d['ideal_superseded']})"]
+    return lines + [f"  - Fraction of Ideal: {_pct_cell(d.get('fraction_of_ideal'))} ("
+                    f"{ideal.get('what')}: {cells.ms(ideal['fwd_ms'] + (ideal.get('bwd_ms') or 0))}"
+                    f" ms)"]
 
 
 def _balance_lines(record: dict) -> list[str]:

@@ -21,7 +21,7 @@ def case_line(record: dict, seconds: float) -> str:
     status = record["status"]
     est = record.get("estimate")  # bench.estimate's, made before the case started
     parts = [f"{'done' if status == OK else status} in {duration(seconds)}"
-             + (f" (estimated {duration(est['case_s'])})" if est else "")]
+             + (f" (estimated {duration(est.get('revised_s', est['case_s']))})" if est else "")]
     passed = row["check_passed"]
     if not cells.missing(passed):
         parts.append(f"check {'PASS' if passed else 'FAIL'}")

@@ -106,7 +106,7 @@ def rows(records: list[dict]) -> list[dict]:
         if with_flags:  # the physics guards' (cpbench.guards): the row's figures are suspect
             out_row["Flags"] = "; ".join(x for x in (
                 row["flags"], None if common else _short(row["not_measured"])) if x) or "-"
-        # the kernel blocks alone over the step (bench.ideal): needs no baseline that fits;
+        # the ideal over the step (cpbench.ideal): needs no baseline that fits;
         # none where the row's timings do not measure CP (report.dataframe.frame)
         if with_ideal:
             out_row["Fraction of Ideal (%)"] = cells.pct(row["fraction_of_ideal"])

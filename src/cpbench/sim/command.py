@@ -13,7 +13,7 @@ import logging
 import textwrap
 import typing
 
-from cpbench import results, strategies
+from cpbench import ideal, results, strategies
 from cpbench.bench.env import utc_now
 from cpbench.bench.plan import Case, expand_cases
 from cpbench.config import AttentionConfig, RunConfig, packed_problems
@@ -57,18 +57,13 @@ def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
                     "capacity_bytes": p.capacity_bytes})
 
 
-IDEAL = ("the kernel alone on each GPU's share of the tokens (ring-flash-attention's "
-         "\"theoretic flash_attn\"), on the preset's curve: no communication or step costs")
-
-
 def _ideal(attn: AttentionConfig, ranks: int, hw: Hardware) -> dict:
-    """The record's ``ideal`` section (``results.derive`` divides it by the step): the ideal
-    the field quotes beside CP rows (``model.ideal``), or why there is none."""
+    """The record's ``ideal`` section (``results.derive`` divides it by the step): the one
+    definition (``bench.ideal``), its block priced on the preset's curve, or why none."""
     if not mask_of(attn).plain:
         return {"none": "a masked problem: a block's work is its mask's, not its shape's"}
     fwd, bwd = model.ideal(attn, ranks, hw)
-    return {"fwd_ms": fwd * 1e3, "bwd_ms": bwd * 1e3, "what": IDEAL,
-            "tokens_per_gpu": attn.batch * attn.seqlen // ranks}
+    return ideal.section(attn, ranks, fwd * 1e3, bwd * 1e3, priced="the preset's curve")
 
 
 def tokens_per_gpu(records: list[dict]) -> str:
@@ -233,7 +228,8 @@ def render(records: list[dict], hw: Hardware, topo: Topology, fmt: str) -> str:
 def _ideal_note(records: list[dict]) -> str:
     if not any((r.get("ideal") or {}).get("what") for r in records):
         return ""
-    return "\n".join(textwrap.wrap(f"Fraction of Ideal: {IDEAL}.", 100)) + "\n"
+    text = f"Fraction of Ideal: {ideal.IDEAL}; its block on the preset's curve."
+    return "\n".join(textwrap.wrap(text, 100)) + "\n"
 
 
 

@@ -77,6 +77,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from cpbench import ideal as ideal_def
 from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
 from cpbench.errors import Skipped, UsageError
@@ -374,20 +375,17 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
 
 
 def ideal(attn: AttentionConfig, ranks: int, hw: Hardware) -> tuple[float, float]:
-    """(FWD s, BWD s) of the ideal the field quotes beside CP rows (ring-flash-attention's
-    README, "theoretic flash_attn": 8 GPUs each running the kernel on its own 8k tokens, its
-    rate divided by 8): the kernel alone on one GPU's share of the tokens (S / ranks, every
-    head, the batch; causal as the problem), ``ranks`` times over — CP's work on the
-    kernel's curve at the side each GPU holds, with no communication, merge, step cost or
-    CP-run slowdown (``kernel_in_cp``). ``ranks`` is 1 for a no-CP baseline (its own
-    kernel on the whole sequence)."""
-    local = attn.seqlen // ranks
+    """(FWD s, BWD s) of one ideal block (``bench.ideal``, the one definition: the kernel
+    alone on one GPU's share, S / ranks tokens, every head, the batch, causal as the
+    problem; ``bench.ideal.section`` counts it ``ranks`` times) on the preset's curve, with
+    no communication, merge, step cost or CP-run slowdown (``kernel_in_cp``)."""
+    local, _ = ideal_def.share(attn, ranks)
     flops = attention_flops(batch=attn.batch, seqlen_q=local, seqlen_k=local, heads=attn.heads,
                             head_dim=attn.head_dim, causal=attn.causal)
     out = []
     for phase, factor in ((FWD, 1.0), (BWD, BWD_FACTOR)):
         rate = hw.kernel(phase, attn.causal, attn.head_dim).tflops(local)
-        out.append(ranks * flops * factor / (rate * 1e12))
+        out.append(flops * factor / (rate * 1e12))
     return out[0], out[1]
 
 
