@@ -32,7 +32,10 @@ def test_csv_has_one_row_per_case_with_every_column(capsys):
         # each step's FWD and BWD timed apart (two iterations: the medians are means), the
         # step from FWD's start to BWD's end: never less than the two, never a difference
         assert fwd > 0 and bwd > 0 and fwd + bwd <= both + 1e-9
-        assert float(r["memory_mb"]) > 0 and float(r["fwd_tflops"]) > 0
+        assert float(r["memory_mb"]) > 0
+        # a rate is withheld only for a flagged row: two steps on a busy host can time the
+        # backward (2.5x the FLOPs) below the forward, which the guards call impossible
+        assert float(r["fwd_tflops"]) > 0 if r["fwd_tflops"] else bwd < fwd, r
     torch_rows = [r for r in rows if r["kernel"] == "torch"]
     assert all(float(r["speedup_fwd_bwd"]) == 1.0 for r in torch_rows)  # the baseline itself
     sdpa = rows[0]
