@@ -79,13 +79,16 @@ class Timer:
     """Times closures on this rank. ``device``: "cuda" (CUDA events) or "cpu" (perf_counter).
     ``barrier``: called before every timed iteration (a process-group barrier). ``agree``:
     the slowest rank's value of a float (an all-reduce max), so that every rank decides the
-    warm-up's end on the same figures."""
+    warm-up's end on the same figures. ``clock``: seconds on the CPU path (injected by tests,
+    whose steps then take what they say whatever else the host runs)."""
 
     def __init__(self, device: str, barrier: Callable[[], None] = _noop,
-                 agree: Callable[[float], float] = float):
+                 agree: Callable[[float], float] = float,
+                 clock: Callable[[], float] = time.perf_counter):
         self.device = device
         self.barrier = barrier
         self.agree = agree
+        self.clock = clock
 
     def _sync(self) -> None:
         if self.device == "cuda":
@@ -142,9 +145,9 @@ class Timer:
                 first = start if first is None else first
                 step = first.elapsed_time(end)  # type: ignore[attr-defined]
             else:
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 fn()
-                t1 = time.perf_counter()
+                t1 = self.clock()
                 each.append((t1 - t0) * 1e3)
                 first = t0 if first is None else first
                 step = (t1 - first) * 1e3  # type: ignore[operator]
