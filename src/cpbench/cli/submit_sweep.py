@@ -18,10 +18,14 @@ import re
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cpbench import slurm
 from cpbench.cli.args import USAGE_ERROR, Parser
 from cpbench.errors import UsageError
+
+if TYPE_CHECKING:  # imported where used: the parser's modules load at run time
+    from cpbench.cli.sweep import Prepared
 
 PROG = "submit_sweep.py"
 
@@ -68,7 +72,7 @@ def job_gpus_per_node(a) -> int | None:
     return slurm.script_gpus_per_node()
 
 
-def check(line: list[str]) -> tuple[list[str], list[str], object]:
+def check(line: list[str]) -> tuple[list[str], list[str], Prepared | None]:
     """(what ``--dry-run`` prints, every error, the prepared sweep) of one of the job's
     ``cpbench sweep`` lines, checked as ``cpbench sweep --dry-run`` checks it."""
     from cpbench.cli import build_parser as cpbench_parser
