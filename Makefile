@@ -36,11 +36,17 @@ install: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/cpbench run --strategy all --nproc 4 --check
 
+# pytest-xdist's workers: on 2 cores, 2 take about a third off the wall time (a test's ranks
+# and subprocesses leave a core idle much of the time); worksteal: an idle worker takes tests
+# queued on the other (the doc test's blocks, the longest, otherwise end on one); JOBS=0: one
+# process
+JOBS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(JOBS) --dist worksteal
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not multirank and not gpu and not slow"
+	$(PY) -m pytest -q -n $(JOBS) --dist worksteal -m "not multirank and not gpu and not slow"
 
 # the GPU-marked tests (tests/gpu and a few unit ones). On one GPU: every strategy as threads
 # on it (tests/gpu/test_threads_one_gpu.py); with 2 or more GPUs and flash-attn installed

@@ -85,3 +85,20 @@ def metered_collectives(rank, world, repeats):
     rs = memory.peak_bytes(lambda: comm.reduce_scatter_seq(x, g), device="cpu", inputs=[x])
     need = 2 * comm.nbytes(x) + comm.nbytes(x) // world
     return elsewhere, rs, need
+
+
+def pid(rank, world):
+    """Which process ran this rank (a rank pool's processes serve several tasks)."""
+    import os
+
+    return os.getpid()
+
+
+def reform(rank, world):
+    """Form the process group again (as the driver's recovery does); returns the pid."""
+    import os
+
+    from cpbench.launch import reform_world
+
+    reform_world(0, 30)
+    return os.getpid()

@@ -6,9 +6,9 @@ test sees it)."""
 from __future__ import annotations
 
 from alignment_bodies import misaligned_kernel_args
+from rankpool import run_ranks
 
 from cpbench.config import AttentionConfig
-from cpbench.launch import run_ranks
 
 
 def test_every_kernel_argument_is_16_byte_aligned_on_odd_shapes():

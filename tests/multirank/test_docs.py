@@ -21,15 +21,26 @@ TIMEOUT = 600  # seconds one command may take: a guard against a hang; blocks ta
 LINKED = ("configs", "scripts")
 
 
-def _workdir(tmp_path: Path) -> dict[str, str]:
-    """Link the repository folders in, put a ``cpbench`` for this checkout first on PATH."""
-    for name in LINKED:
-        (tmp_path / name).symlink_to(REPO / name)
+def _bin_dir(tmp_path: Path) -> Path:
+    """Where ``cpbench`` is found: the venv's own bin, as ``. .venv/bin/activate`` puts it on
+    PATH (README's set-up), when this interpreter is a venv's with cpbench installed; else a
+    shim running this interpreter's ``cpbench.cli``."""
+    venv_bin = Path(sys.prefix) / "bin"
+    if sys.prefix != sys.base_prefix and (venv_bin / "cpbench").exists():
+        return venv_bin
     bin_dir = tmp_path / ".bin"
     bin_dir.mkdir()
     shim = bin_dir / "cpbench"
     shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m cpbench.cli "$@"\n')
     shim.chmod(0o755)
+    return bin_dir
+
+
+def _workdir(tmp_path: Path) -> dict[str, str]:
+    """Link the repository folders in, put a ``cpbench`` for this checkout first on PATH."""
+    for name in LINKED:
+        (tmp_path / name).symlink_to(REPO / name)
+    bin_dir = _bin_dir(tmp_path)
     env = dict(os.environ)
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH"))

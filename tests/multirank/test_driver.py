@@ -14,13 +14,14 @@ import time
 
 import pytest
 import torch
+from rankpool import run_ranks
 
-from cpbench import report, results, strategies
-from cpbench.bench import driver
+from cpbench import launch, report, results, strategies
+from cpbench.bench import driver, steps
 from cpbench.bench import plan as planning
 from cpbench.bench.agreement import is_collective_error
+from cpbench.bench.load import Load
 from cpbench.config import RunConfig
-from cpbench.launch import run_ranks
 from cpbench.report.render import WIDE, fitting
 from cpbench.strategies.ring import Ring
 
@@ -67,9 +68,28 @@ class InjectedMemoryOom(Ring):
         return super().attention(q, k, v)
 
 
-def run_driver(rank, world, names, out, check, inject, flags=None, attention=None):
+IDLE = Load(foreign_cpu_s=0.0, wall_s=1.0, cpus=2)  # nobody else on the host
+BUSY = Load(foreign_cpu_s=2.0, wall_s=1.0, cpus=2)  # others held both cores
+
+
+class FixedMeter:
+    """The driver's load meter (``steps.meter``) reading ``load`` whatever the host runs:
+    the tables' verdicts on the machine then depend on what the test says, not on its load."""
+
+    def __init__(self, load: Load):
+        self.fixed, self.load = load, None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.load = self.fixed
+
+
+def run_driver(rank, world, names, out, check, inject, flags=None, attention=None, load=IDLE):
     """A rank of ``cpbench run``: returns (exit status, what rank 0 printed). ``flags``:
-    RunConfig fields (default: warm-up 1, 2 iterations); ``attention``: the shape (SMALL)."""
+    RunConfig fields (default: warm-up 1, 2 iterations); ``attention``: the shape (SMALL);
+    ``load``: what rank 0's load meter reads."""
     if inject:  # registered in the rank processes only, never in pytest's own registry
         for cls in (InjectedOom, InjectedFailure, InjectedError, InjectedMemoryOom):
             strategies.register(cls)
@@ -78,11 +98,12 @@ def run_driver(rank, world, names, out, check, inject, flags=None, attention=Non
     plan = planning.plan(RunConfig(strategy=names, nproc=world, check=check, out=out, **flags),
                          dict(SMALL if attention is None else attention), {}, launcher="self")
     stdout, sys.stdout = sys.stdout, io.StringIO()
+    meter, steps.meter = steps.meter, lambda rank, launcher: FixedMeter(load)
     try:
         code = driver.rank_main(rank, world, plan)
         return code, sys.stdout.getvalue()
-    finally:
-        sys.stdout = stdout
+    finally:  # the rank serves later tests (rankpool): as it found it
+        sys.stdout, steps.meter = stdout, meter
 
 
 def test_check_time_record_and_report(tmp_path):
@@ -112,20 +133,22 @@ def test_check_time_record_and_report(tmp_path):
         assert r["timing"]["split"] and 1 <= r["timing"]["warmup"] <= 3  # 1 at least, + iters
         assert len(r["samples_ms"]["bwd"][0]) == 2 and r["derived"]["bwd_ms"] > 0
         assert r["estimate"]["step_s"] > 0 and r["load"]["wall_s"] > 0
-    # the efficiency where the machine measured CP, else why not (a machine others load)
-    if any(r["derived"]["not_measured"] for r in records):
-        assert "not measuring CP:" in text and "CP efficiency =" not in text
-    else:
-        assert "CP efficiency = T_local / (N · T_cp)" in text
+    # the meter read an idle host: the efficiency (a busy one's in the next test)
+    assert not any(r["derived"]["not_measured"] for r in records)
+    assert "CP efficiency = T_local / (N · T_cp)" in text
 
 
 def test_rounds_record_abba_order_check_once_and_pool_in_the_summary(tmp_path):
     out = str(tmp_path / "r.jsonl")
     flags = {"warmup": 1, "iters": 2, "rounds": 2}
     (code, text), _ = run_ranks(run_driver, 2, ("zigzag", "ring"), out, True, False, flags,
-                                timeout=120)
+                                None, BUSY, timeout=120)
     assert code == 0
+    # the meter read a host others kept busy: every row says its timings do not measure CP
+    assert "not measuring CP:" in text and "CP efficiency =" not in text
     records = results.read(out)
+    assert all("others kept 2.0 of 2 cores busy" in r["derived"]["not_measured"]
+               for r in records)
     assert [(r["config"]["strategy"], r["round"]["index"]) for r in records] == [
         ("zigzag", 0), ("ring", 0), ("ring", 1), ("zigzag", 1)]
     assert [bool(r["check"]) for r in records] == [True, True, False, False]
@@ -167,7 +190,7 @@ def test_an_oom_inside_a_ring_is_recorded_and_the_next_case_runs(tmp_path):
     group again and zigzag runs; well within two minutes (not a 600 s collective timeout)."""
     out = str(tmp_path / "r.jsonl")
     t0 = time.monotonic()
-    (code, text), (code1, _) = run_ranks(
+    (code, text), (code1, _) = launch.run_ranks(  # new ranks: the recovery re-forms the world
         run_driver, 2, ("test-oom-in-ring", "zigzag"), out, False, True, {},
         {"seqlen": 2048}, timeout=120, collective_timeout=None, leave_together=False)
     took = time.monotonic() - t0

@@ -1,4 +1,6 @@
-"""Real gloo ranks: the launcher, ring send/recv, all-to-all, subgroup creation."""
+"""Real gloo ranks: the launcher, ring send/recv, all-to-all, subgroup creation. The bodies
+run on the session's rank pools (``rankpool``); the launcher's own failure handling on new
+processes (``cpbench.launch.run_ranks``)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,10 @@ import time
 import comm_bodies
 import pytest
 import torch
+from rankpool import run_ranks
 
-from cpbench.launch import LaunchTimeout, RankError, run_ranks
+from cpbench import launch
+from cpbench.launch import LaunchTimeout, RankError
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -49,11 +53,28 @@ def test_groups_inside_and_across_nodes():
 
 def test_rank_exception_is_reraised_with_traceback():
     with pytest.raises(RankError, match=r"(?s)rank 1 failed.*KeyError: 'boom on rank 1'"):
-        run_ranks(comm_bodies.fail_on_rank_1, 3, timeout=60)
+        launch.run_ranks(comm_bodies.fail_on_rank_1, 3, timeout=60)
 
 
 def test_hung_ranks_are_killed_at_the_deadline():
     t0 = time.monotonic()
     with pytest.raises(LaunchTimeout, match="did not finish within 3 s"):
-        run_ranks(comm_bodies.sleep_forever, 2, timeout=3)
+        launch.run_ranks(comm_bodies.sleep_forever, 2, timeout=3)
     assert time.monotonic() - t0 < 30
+
+
+def test_a_pool_serves_tests_and_forms_a_new_world_after_a_failure():
+    """The rank pool (rankpool): tasks at one size share processes; a task that fails ends
+    its world, and the next task at that size gets new processes that work."""
+    first = run_ranks(comm_bodies.pid, 3, timeout=60)
+    assert run_ranks(comm_bodies.pid, 3, timeout=60) == first  # the same processes
+    with pytest.raises(RankError, match=r"(?s)rank 1 failed.*KeyError: 'boom on rank 1'"):
+        run_ranks(comm_bodies.fail_on_rank_1, 3, timeout=60)
+    after = run_ranks(comm_bodies.pid, 3, timeout=60)
+    assert not set(after) & set(first)
+    assert run_ranks(comm_bodies.ring_pass, 3, timeout=60) == [[0, 2, 1], [1, 0, 2], [2, 1, 0]]
+
+
+def test_a_pool_is_not_reused_after_a_body_forms_the_world_again():
+    first = run_ranks(comm_bodies.reform, 2, timeout=60)
+    assert not set(run_ranks(comm_bodies.pid, 2, timeout=60)) & set(first)

@@ -12,11 +12,11 @@ layouts and two dK/dV dtypes plain, under documents and under a window, beside r
 from __future__ import annotations
 
 import pytest
+from rankpool import run_ranks
 from strategy_matrix import check_named_cases
 
 from cpbench import strategies
 from cpbench.config import AttentionConfig
-from cpbench.launch import run_ranks
 
 pytestmark = pytest.mark.multirank
 

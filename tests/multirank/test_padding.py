@@ -10,11 +10,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from rankpool import run_ranks
 from strategy_matrix import check_named_cases
 
 from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
-from cpbench.launch import run_ranks
 from cpbench.topology import Topology
 
 pytestmark = pytest.mark.multirank

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
+from rankpool import run_ranks
 
 from cpbench.bench import commrun
 from cpbench.bench import plan as planning
 from cpbench.config import RunConfig
-from cpbench.launch import run_ranks
 
 PROBLEM = {"seqlen": 256, "heads": 8, "head_dim": 16, "dtype": "bf16"}
 

@@ -7,11 +7,11 @@ One launch per (strategy, topology) runs all of its cases: starting ranks is the
 from __future__ import annotations
 
 import pytest
+from rankpool import run_ranks
 from strategy_matrix import check_cases, check_each_strategy
 
 from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
-from cpbench.launch import run_ranks
 from cpbench.topology import Topology
 
 # (world, ranks per node): world 1 is the degenerate ring of one; world 4 = 2 nodes × 2, world 8

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 from flex_bodies import flex_forward
+from rankpool import run_ranks
 
 from cpbench import strategies
 from cpbench.config import AttentionConfig
-from cpbench.launch import run_ranks
 
 pytestmark = pytest.mark.multirank
 

@@ -6,12 +6,12 @@ libraries' own (yunchang's helpers, torch's load balancer)."""
 from __future__ import annotations
 
 import pytest
+from rankpool import run_ranks
 from strategy_matrix import check_cases
 from upstream_bodies import yunchang_groups_across_builds, yunchang_layout_matches_its_helpers
 
 from cpbench import strategies
 from cpbench.config import AttentionConfig
-from cpbench.launch import run_ranks
 from cpbench.topology import Topology
 
 SEQLEN, HEADS, GQA_KV_HEADS = 96, 8, 2

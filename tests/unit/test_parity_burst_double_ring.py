@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from rankpool import run_ranks
 from schedule_helpers import plan
 from strategy_matrix import check_cases
 
@@ -30,7 +31,6 @@ from cpbench import strategies
 from cpbench.bench import commrun
 from cpbench.bench import plan as planning
 from cpbench.config import AttentionConfig, RunConfig
-from cpbench.launch import run_ranks
 
 B, S, H, HK, D = 2, 96, 4, 2, 16
 TOPOS = [(4, 2), (8, 4), (8, 2), (16, 4)]  # (world, ranks per node): M, W >= 2

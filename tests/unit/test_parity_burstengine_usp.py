@@ -25,10 +25,10 @@ from collections import Counter
 import numpy as np
 import pytest
 from burstengine_bodies import usp_as_run
+from rankpool import run_ranks
 from schedule_helpers import plan
 
 from cpbench.config import AttentionConfig
-from cpbench.launch import run_ranks
 
 ACT = {"bf16": ("bfloat16", 2), "fp32": ("float32", 4)}
 

@@ -330,6 +330,17 @@ def test_submit_calls_sbatch_once_every_case_passes(fake_slurm, tmp_path, capsys
     assert "--array=0-1" in sb["argv"]
 
 
+def test_a_sweeps_cases_are_counted_not_its_one_line(fake_slurm, tmp_path, capsys):
+    """A YAML sweep is one ``cpbench sweep`` line in the job: its 2 x 2 cases are checked,
+    and the count says so (it said 1)."""
+    config = tmp_path / "s.yaml"
+    config.write_text("topology: {nodes: 4, gpus_per_node: 8}\nbase: {seqlen: 64k}\n"
+                      "sweep: {strategy: [ring, zigzag], seqlen: [64k, 128k]}\n")
+    assert _submit_main("--nodes", "4", "--gpus-per-node", "8", "--sweep", str(config),
+                        "--", "--out", "r.jsonl") == 0
+    assert "submitted job 4242 (4 case(s) checked)" in capsys.readouterr().out
+
+
 def test_acceptance_zigzg_through_the_script(fake_slurm, tmp_path):
     """The issue's command, as a user types it: exit 2, sbatch never called."""
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))

@@ -88,13 +88,16 @@ class Timer:
     """Times closures on this rank. ``device``: "cuda" (CUDA events) or "cpu" (perf_counter).
     ``barrier``: called before every timed iteration (a process-group barrier). ``agree``:
     the slowest rank's value of a float (an all-reduce max), so that every rank decides the
-    warm-up's end on the same figures."""
+    warm-up's end on the same figures. ``clock``: seconds on the CPU path (injected by tests,
+    whose steps then take what they say whatever else the host runs)."""
 
     def __init__(self, device: str, barrier: Callable[[], None] = _noop,
-                 agree: Callable[[float], float] = float):
+                 agree: Callable[[float], float] = float,
+                 clock: Callable[[], float] = time.perf_counter):
         self.device = device
         self.barrier = barrier
         self.agree = agree
+        self.clock = clock
 
     def _sync(self) -> None:
         if self.device == "cuda":
@@ -147,10 +150,10 @@ class Timer:
             marks[-1].synchronize()
             each = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
             return each, marks[0].elapsed_time(marks[-1])
-        clock = [time.perf_counter()]
+        clock = [self.clock()]
         for fn in parts:
             fn()
-            clock.append(time.perf_counter())
+            clock.append(self.clock())
         return [(b - a) * 1e3 for a, b in zip(clock, clock[1:])], (clock[-1] - clock[0]) * 1e3
 
 

@@ -18,10 +18,14 @@ import re
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cpbench import slurm
 from cpbench.cli.args import USAGE_ERROR, Parser
 from cpbench.errors import UsageError
+
+if TYPE_CHECKING:  # imported where used: the parser's modules load at run time
+    from cpbench.cli.sweep import Prepared
 
 PROG = "submit_sweep.py"
 
@@ -68,7 +72,7 @@ def job_gpus_per_node(a) -> int | None:
     return slurm.script_gpus_per_node()
 
 
-def check(line: list[str]) -> tuple[list[str], list[str], object]:
+def check(line: list[str]) -> tuple[list[str], list[str], Prepared | None]:
     """(what ``--dry-run`` prints, every error, the prepared sweep) of one of the job's
     ``cpbench sweep`` lines, checked as ``cpbench sweep --dry-run`` checks it."""
     from cpbench.cli import build_parser as cpbench_parser
@@ -111,17 +115,17 @@ def _readable(line: list[str]) -> str:
         shlex.join(line[at + 1:])
 
 
-def _plan_job(a) -> tuple[list[list[str]], list[str], list[str]]:
+def _plan_job(a) -> tuple[list[list[str]], list[str], list[str], int]:
     """(the job's ``cpbench sweep`` lines, the dry run's lines, every error, each with the
-    case it came from)."""
+    case it came from, the cases checked: a YAML sweep's line holds all of its cases)."""
     cases = None
     if a.cases:
         try:
             cases = slurm.read_cases(a.cases)
         except OSError as e:
-            return [], [], [f"cannot read the cases file: {e}"]
+            return [], [], [f"cannot read the cases file: {e}"], 0
         if not cases:
-            return [], [], [f"{a.cases} has no cases (one a line: cpbench run flags)"]
+            return [], [], [f"{a.cases} has no cases (one a line: cpbench run flags)"], 0
     gpus = job_gpus_per_node(a)
     sweep = str(Path(a.sweep).resolve()) if a.sweep else None
     lines = slurm.job_sweeps(slurm.preview_world(a.nodes, gpus), cases=cases, sweep=sweep,
@@ -129,17 +133,18 @@ def _plan_job(a) -> tuple[list[list[str]], list[str], list[str]]:
                              cli=os.environ.get("CPBENCH_CLI", "cpbench"),
                              entry=os.environ.get("CPBENCH_ENTRY"),
                              torchrun=os.environ.get("CPBENCH_TORCHRUN", "torchrun"))
-    shown, errors = [], []
+    shown, errors, checked = [], [], 0
     for i, line in enumerate(lines):
         where = (f"case {i + 1} of {a.cases} ({' '.join(cases[i])}): " if cases else
                  f"{a.sweep}: " if a.sweep else "")
         dry, bad, prepared = check(line)
+        checked += len(prepared.config.cases) if prepared is not None else 1
         if prepared is not None and a.sweep:
             bad = _topology_errors(a, gpus, prepared)
         errors += [where + e for e in bad]
         shown += [f"# {'an array task' if a.array else 'the first node'} runs: "
                   f"{_readable(line)}", *dry]
-    return lines, shown, errors
+    return lines, shown, errors, checked
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, OSError) as e:
         sys.stderr.write(f"{PROG}: error, nothing submitted: {e}\n")
         return USAGE_ERROR
-    lines, shown, errors = _plan_job(a)
+    _, shown, errors, checked = _plan_job(a)
     if errors:
         sys.stderr.write("".join(f"{PROG}: error, nothing submitted: {e}\n" for e in errors))
         return USAGE_ERROR
@@ -169,5 +174,5 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, OSError) as e:
         sys.stderr.write(f"{PROG}: {e}\n")
         return 1
-    sys.stdout.write(f"submitted job {job} ({len(lines)} case(s) checked): {line}\n")
+    sys.stdout.write(f"submitted job {job} ({checked} case(s) checked): {line}\n")
     return 0

@@ -174,7 +174,7 @@ class Ulysses(Strategy):
             # usp splits the same ranks into Ulysses groups of d (d | heads) × a ring
             degrees = [d for d in divisors(n) if h % d == 0]
             raise UsageError(f"ulysses over {n} ranks needs heads ({h}) divisible by {n}: it "
-                             f"runs on {worlds} ranks (--nproc); on {n} ranks use --strategy "
+                             f"runs on {worlds} ranks; on {n} ranks use --strategy "
                              f"usp --ulysses-degree {max(degrees)} (degrees that work here: "
                              f"{', '.join(map(str, degrees))})")
         check_divisible(self.attn.seqlen, n, f"ulysses over {n} ranks")
