@@ -20,8 +20,23 @@ from cpbench.results import OK, STEP_SYNCED, derive
 PHASES = {"fwd": "FWD", "fwd_bwd": "FWD+BWD"}  # record key → the name the tables print
 
 
+class _Medians:
+    """Each side's median step time (the samples are the dataclass's)."""
+
+    samples_a: tuple[float, ...]
+    samples_b: tuple[float, ...]
+
+    @property
+    def median_a(self) -> float:
+        return float(np.median(self.samples_a))
+
+    @property
+    def median_b(self) -> float:
+        return float(np.median(self.samples_b))
+
+
 @dataclass(frozen=True)
-class PhaseTest:
+class PhaseTest(_Medians):
     """One (case, phase): per-iteration step times (slowest rank, ms) of each run, the ratio
     of medians B / A with its bootstrap interval, the Mann–Whitney p before and after Holm,
     and the verdict."""
@@ -39,20 +54,12 @@ class PhaseTest:
     # unclear only: about how many iterations a side would resolve it (inf: never)
     iters_to_resolve: float | None = None
 
-    @property
-    def median_a(self) -> float:
-        return float(np.median(self.samples_a))
-
-    @property
-    def median_b(self) -> float:
-        return float(np.median(self.samples_b))
-
 
 NOT_COMPARABLE = "not comparable"
 
 
 @dataclass(frozen=True)
-class Uncompared:
+class Uncompared(_Medians):
     """One (case, phase) timed in both runs whose either side is flagged or does not measure
     CP (``guards.withheld_reason``): its times are shown, no ratio, test or verdict."""
     case: str
@@ -61,14 +68,6 @@ class Uncompared:
     samples_a: tuple[float, ...]
     samples_b: tuple[float, ...]
     reason: str
-
-    @property
-    def median_a(self) -> float:
-        return float(np.median(self.samples_a))
-
-    @property
-    def median_b(self) -> float:
-        return float(np.median(self.samples_b))
 
 
 @dataclass(frozen=True)
