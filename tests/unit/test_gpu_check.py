@@ -257,7 +257,11 @@ def test_kernel_rows_sit_beside_fa2s_published_figures(tmp_path):
     assert full["fwd_published"] == 309 and full["bwd_published"] == 214
     assert causal["fwd_bwd_published"] is None  # no text source gives it
     by_causal = {r["config"]["attention"]["causal"]: r["derived"] for r in recs}
-    assert causal["fwd_tflops"] == by_causal[True]["fwd_tflops"]
+    # the record's rate, or none where the guards withheld it (one step on a busy host can
+    # time the backward below the forward): never a figure the record does not quote
+    derived = by_causal[True]
+    assert causal["fwd_tflops"] == derived.get("fwd_tflops")
+    assert derived.get("fwd_tflops") or derived["withheld"]["fwd_tflops"] > 0
     assert "H200" in found["device_note"]
     page = "\n".join(report.kernels_section(found))
     assert "| 512 | 1 | causal | ok |" in page and "| 191 |" in page
