@@ -20,9 +20,12 @@ from cpbench.results import OK, STEP_SYNCED, derive
 PHASES = {"fwd": "FWD", "fwd_bwd": "FWD+BWD"}  # record key → the name the tables print
 
 
-class _Medians:
-    """Each side's median step time (the samples are the dataclass's)."""
-
+@dataclass(frozen=True)
+class _Timed:
+    """One (case, phase) timed in both runs: per-iteration step times (slowest rank, ms)."""
+    case: str
+    key: str
+    phase: str
     samples_a: tuple[float, ...]
     samples_b: tuple[float, ...]
 
@@ -36,15 +39,9 @@ class _Medians:
 
 
 @dataclass(frozen=True)
-class PhaseTest(_Medians):
-    """One (case, phase): per-iteration step times (slowest rank, ms) of each run, the ratio
-    of medians B / A with its bootstrap interval, the Mann–Whitney p before and after Holm,
-    and the verdict."""
-    case: str
-    key: str
-    phase: str
-    samples_a: tuple[float, ...]
-    samples_b: tuple[float, ...]
+class PhaseTest(_Timed):
+    """A compared (case, phase): the ratio of medians B / A with its bootstrap interval, the
+    Mann–Whitney p before and after Holm, and the verdict."""
     ratio: float
     ci_low: float
     ci_high: float
@@ -59,14 +56,9 @@ NOT_COMPARABLE = "not comparable"
 
 
 @dataclass(frozen=True)
-class Uncompared(_Medians):
-    """One (case, phase) timed in both runs whose either side is flagged or does not measure
-    CP (``guards.withheld_reason``): its times are shown, no ratio, test or verdict."""
-    case: str
-    key: str
-    phase: str
-    samples_a: tuple[float, ...]
-    samples_b: tuple[float, ...]
+class Uncompared(_Timed):
+    """A (case, phase) whose either side is flagged or does not measure CP
+    (``guards.withheld_reason``): its times are shown, no ratio, test or verdict."""
     reason: str
 
 
