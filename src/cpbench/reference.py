@@ -55,7 +55,7 @@ def reference_by_head(inputs: dict[str, torch.Tensor], *, heads: int, kv_heads: 
     b, s, _, d = inputs["k"].shape
     dk = torch.zeros(b, s, kv_heads, d, dtype=torch.float64,
                      device=inputs["k"].device)
-    dv = torch.zeros_like(dk)
+    dv = dk.new_zeros(b, s, kv_heads, inputs["v"].shape[-1])  # V's own width (MLA)
     for h in range(heads):
         j = h // group
         ref = reference_attention(inputs["q"][:, :, h:h + 1], inputs["k"][:, :, j:j + 1],

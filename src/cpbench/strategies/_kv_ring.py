@@ -88,8 +88,8 @@ class KVRingAttention(torch.autograd.Function):
     def forward(ctx, strat, q, k, v):
         g = strat.groups["ring"]
         n, me = g.size, g.index
-        b, s, h, d = q.shape
-        acc = OutLseAccumulator(b, s, h, d, q.device)
+        b, s, h, _ = q.shape
+        acc = OutLseAccumulator(b, s, h, v.shape[-1], q.device)  # out: V's width
         comm = RingComm(g, queue_behind=True)
         k_home, v_home = k, v
         for step in range(n):
@@ -129,7 +129,7 @@ class KVRingAttention(torch.autograd.Function):
             if step > 0:
                 dkv_comm.wait()
                 spare, (dk, dv) = (dk, dv), (next_dk, next_dv)
-            dk, dv = _add_block(grads, dq, dk, dv, k)
+            dk, dv = _add_block(grads, dq, dk, dv, k, v)
             if step + 1 < n:
                 kv_comm.wait()
                 k, v = next_k, next_v
@@ -160,12 +160,12 @@ def _block_grads(strat, me, step, n, s, dout, q, k, v, out, lse):
     return blk, bq, bk, bv
 
 
-def _add_block(grads, dq, dk, dv, k):
+def _add_block(grads, dq, dk, dv, k, v):
     """Add a block's gradients: dQ locally, dK/dV into the partial sums received (in place;
     the first step starts them)."""
     if dk is None:  # step 0: the partial sums start here, at the sizes of K and V
         dk = torch.zeros_like(k, dtype=torch.float32)
-        dv = torch.zeros_like(dk)
+        dv = torch.zeros_like(v, dtype=torch.float32)
     if grads is not None:
         blk, bq, bk, bv = grads
         dq[:, blk.q] += bq

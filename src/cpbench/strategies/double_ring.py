@@ -59,8 +59,8 @@ class _DkvHome:
     """dK/dV partial sums on their way home (``add`` after each step's kernel, ``result`` at
     the end), on the "inner_dkv"/"outer_dkv" rings."""
 
-    def __init__(self, strat: "DoubleRing", like: torch.Tensor):
-        self.rings, self.strat, self.like = strat.dkv_rings, strat, like
+    def __init__(self, strat: "DoubleRing", like: tuple[torch.Tensor, torch.Tensor]):
+        self.rings, self.strat, self.like = strat.dkv_rings, strat, like  # K and V
         self.inner = RingComm(self.rings.inner) if self.rings.inner else None
         self.outer = RingComm(self.rings.outer) if self.rings.outer else None
         self.late = strat.opts.dkv_await == "window-end"
@@ -82,7 +82,7 @@ class _DkvHome:
             self.acc = self._wait_outer() if j > 0 and not self.late else None
         if self.acc is None:
             dtype = self.strat.dkv_dtype(j)
-            self.acc = tuple(fresh_sum(g, rows, self.like, dtype) for g in (bk, bv))
+            self.acc = tuple(fresh_sum(g, rows, x, dtype) for g, x in zip((bk, bv), self.like))
         else:
             self.acc[0][:, rows] += bk
             self.acc[1][:, rows] += bv
@@ -141,7 +141,7 @@ class _DoubleRingAttention(ZigzagRingsAttention):
         s = q.shape[1]
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
-        home = _DkvHome(strat, k)
+        home = _DkvHome(strat, (k, v))
         for j, t, (bk_in, bv_in) in circulate(rings, (k, v)):
             blk, bq, bk, bv = _block_grads(strat, rings.source(j, t), s, dout, q, bk_in,
                                            bv_in, out, lse)

@@ -68,7 +68,7 @@ def _gathered(strat, k, v):
 class _Llama3Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, strat, q, k, v):
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:3], v.shape[-1])  # V's width
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32,
                           device=q.device)
         for qh, _, k_all, v_all in _gathered(strat, k, v):
@@ -98,8 +98,9 @@ def _attend(strat, q, k_all, v_all):
     if not strat.mask.plain:
         return strat.masked_forward(q, k_all, v_all, strat.gathered_tiles())
     k_all, v_all = strat.in_sequence_order(k_all), strat.in_sequence_order(v_all)
-    b, s, h, d = q.shape
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    b, s, h, _ = q.shape
+    d = v_all.shape[-1]  # out has V's width
+    out = torch.empty(b, s, h, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
     for rows, parts in strat.plain_parts():
         acc = OutLseAccumulator(b, len(range(s)[rows]), h, d, q.device)
@@ -122,7 +123,7 @@ def _attend_grads(strat, dout, q, k_all, v_all, out, lse):
     k_all, v_all = strat.in_sequence_order(k_all), strat.in_sequence_order(v_all)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k_all.shape, dtype=dtype, device=q.device)
-    dv = torch.zeros_like(dk)
+    dv = torch.zeros(v_all.shape, dtype=dtype, device=q.device)
     for rows, parts in strat.plain_parts():
         for keys, causal in parts:
             bq, bk, bv = strat.kernel_call("backward", dout[:, rows], q[:, rows],
