@@ -25,8 +25,8 @@ import torch
 
 from cpbench.errors import UsageError
 from cpbench.kernels import masked_varlen
-from cpbench.kernels.sdpa_cpu import flash_backward, flash_forward
 from cpbench.kernels.base import KernelBackend
+from cpbench.kernels.sdpa_cpu import flash_backward, flash_forward
 from cpbench.mask import Mask
 from cpbench.merge import merge
 

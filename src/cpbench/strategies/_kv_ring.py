@@ -179,8 +179,8 @@ def kv_ring_schedule(strat) -> list[Step]:
     V separately; dK and dV in fp32, separately, posted after the step's kernel)."""
     g, g_dkv = strat.groups["ring"], _dkv_group(strat)
     n, me, s = g.size, g.index, strat.local_seqlen
-    kv = strat.kv_bytes(s)
-    dkv = kv * 4 // strat.attn.element_size
+    kv = strat.k_bytes(s), strat.v_bytes(s)
+    dkv = strat.k_bytes(s, element_size=4), strat.v_bytes(s, element_size=4)
     steps = []
     areas = kv_ring_areas(strat, [strat.rank])[0] if not strat.mask.plain else None
     for phase in (FWD, BWD):
@@ -188,11 +188,12 @@ def kv_ring_schedule(strat) -> list[Step]:
             blk = strat.block(me, src_of(me, step, n), s) if areas is None else None
             msgs = []
             if step + 1 < n:
-                msgs += [Message("p2p", g.name, kv, g.crosses_nodes)] * 2
+                msgs += [Message("p2p", g.name, nbytes, g.crosses_nodes) for nbytes in kv]
             if phase == BWD and n > 1:
                 # the last dK/dV hop has nothing left to hide behind
-                msgs += [Message("p2p", g_dkv.name, dkv, g_dkv.crosses_nodes,
-                                 overlapped=step + 1 < n, after_compute=True)] * 2
+                msgs += [Message("p2p", g_dkv.name, nbytes, g_dkv.crosses_nodes,
+                                 overlapped=step + 1 < n, after_compute=True)
+                         for nbytes in dkv]
             if areas is not None:
                 keys = strat.seq_index(strat.ring_rank(src_of(me, step, n)))
                 steps.append(strat.pairs_step(phase, step, areas[step], (s, s), msgs,

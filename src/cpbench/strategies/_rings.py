@@ -218,6 +218,6 @@ def ring_areas(strat: Strategy, window: int) -> list[list[int]]:
 
 def forward_schedule(strat: Strategy, rings: Rings) -> list[Step]:
     """The steps of ``zigzag_forward``: K and V, one message each."""
-    kv = strat.kv_bytes(strat.local_seqlen)
-    return [ring_step(strat, rings, FWD, index, j, t, rings.circulate_messages(j, t, (kv, kv)))
+    kv = strat.k_bytes(strat.local_seqlen), strat.v_bytes(strat.local_seqlen)
+    return [ring_step(strat, rings, FWD, index, j, t, rings.circulate_messages(j, t, kv))
             for index, (j, t) in enumerate(rings.steps())]

@@ -278,7 +278,7 @@ class MegatronCP(ZigzagLayout, Strategy):
         fp32 sum); backward: dq in the activation dtype, the K/V saved stacked, and the two
         ring buffers of K/V + dK/dV."""
         s = self.local_seqlen
-        kv = 2 * self.kv_bytes(s)
+        kv = self.kv_bytes(s)
         return kv if phase == FWD else self.q_bytes(s) + kv + 2 * 2 * kv
 
     def receives_in_place(self, phase: str) -> bool:
@@ -291,7 +291,7 @@ class MegatronCP(ZigzagLayout, Strategy):
         """Forward: the outputs summed (each rescaled in fp32, the last two alive, into out)."""
         s = self.local_seqlen
         if phase == FWD:
-            return 2 * self.q_bytes(s, element_size=4) + self.q_bytes(s)
+            return 2 * self.out_bytes(s, element_size=4) + self.out_bytes(s)
         return super().finish_bytes(phase)
 
     def held_bytes(self) -> int:
@@ -304,13 +304,13 @@ class MegatronCP(ZigzagLayout, Strategy):
                     for step in range(n)]
         else:  # a masked step keeps every row's output, an empty one none
             rows = [s if pairs else 0 for pairs in kv_ring_areas(self, [self.rank])[0]]
-        return (n - 1) * 2 * self.kv_bytes(s) + sum(self.q_bytes(r) + self.lse_bytes(r)
+        return (n - 1) * self.kv_bytes(s) + sum(self.out_bytes(r) + self.lse_bytes(r)
                                                      for r in rows)
 
     def schedule(self) -> list[Step]:
         g = self.groups["ring"]
         n, me, s = g.size, g.index, self.attn.seqlen // g.size
-        kv = 2 * self.kv_bytes(s)  # K and V; dK/dV travel in the same dtype, same size
+        kv = self.kv_bytes(s)  # K and V; dK/dV travel in the same dtype, same size
         steps = []
         for phase, src_of in ((FWD, _fwd_src), (BWD, _bwd_src)):
             for step in range(n):
