@@ -92,7 +92,8 @@ class Comparison:
 
 def compare(tensor: str, got: torch.Tensor, ref: torch.Tensor, dtype: str) -> Comparison:
     atol, rtol = TOLERANCES[dtype]
-    assert got.shape == ref.shape, f"{tensor}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    if got.shape != ref.shape:  # e.g. an out at the Q/K width where V has its own: wrong
+        return Comparison(tensor, float("inf"), float("inf"), False)
     got, ref = got.double(), ref.double()
     same = got == ref  # equal infinities too: the lse -inf of a row that sees nothing
     err = torch.where(same, 0.0, (got - ref).abs())
