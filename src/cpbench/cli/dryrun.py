@@ -161,7 +161,8 @@ def _render(req, summaries, every, fmt: str) -> str:
     a, t = req.attn, req.topo
     cap = "-" if req.capacity_bytes is None else f"{req.capacity_bytes / 2**30:.0f} GiB"
     banner = (f"dry run on fake {req.device} tensors ({req.kernel}): {t.num_nodes} node(s) × "
-              f"{t.ranks_per_node}, S={a.seqlen} H={a.heads} D={a.head_dim} {a.dtype}, "
+              f"{t.ranks_per_node}, S={a.seqlen} H={a.heads} D={a.head_dim}"
+              f"{'' if a.v_head_dim is None else f'/{a.v_head_dim}'} {a.dtype}, "
               f"{cap} per rank; memory and bytes of the real code, no times")
     text = dryrun.render(summaries, fmt, banner)
     if req.skipped:

@@ -108,8 +108,8 @@ class KernelBackend:
             )
         if v_head_dim not in (None, head_dim):
             if not self.unequal_head_dims:
-                return (f"{self.name} needs one head dim for Q, K and V, got {head_dim} and V "
-                        f"{v_head_dim}; use --kernel torch, or equal --v-head-dim")
+                return (f"{self.name} takes one head dim for Q, K and V (got {head_dim}, V "
+                        f"{v_head_dim})")
             if v_head_dim > self.max_head_dim or v_head_dim % self.head_dim_multiple:
                 return (f"{self.name} needs v_head_dim <= {self.max_head_dim} and a multiple "
                         f"of {self.head_dim_multiple}, got {v_head_dim}")

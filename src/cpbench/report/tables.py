@@ -238,7 +238,7 @@ def _data(records: list[dict]):
     df["cp"] = df["ranks_per_problem"] > 1
     df["tflops"] = df["fwd_tflops"].where(df["fwd_only"], df["fwd_bwd_tflops"])
     cols = ["strategy", "placement", "dtype", "qkv_format", "batch", "seqlen", "heads",
-            "kv_heads", "head_dim", "causal", "documents", "window", "world", "nodes",
+            "kv_heads", "head_dim", "v_head_dim", "causal", "documents", "window", "world", "nodes",
             "gpus_per_node", "cp", "kernel", "status", "fwd_ms", "bwd_ms", "fwd_bwd_ms",
             "memory_mb", "tflops", "imbalance", "padded_tokens", "padding_fraction",
             "packing", "documents_spec", "check",

@@ -56,8 +56,8 @@ PACKAGE, MODULE = "ring-flash-attn", "ring_flash_attn"
 class _RingFlashAttn(Strategy):
     """One of ring-flash-attn's functions over the CP group."""
     pads_documents = False  # the library takes document lengths as they are
-    no_v_head_dim = ("ring-flash-attn 0.1.8 shapes its K/V buffers and out like K and q "
-                     "(llama3: one all-gather buffer), and flash-attn 2 takes one head dim")
+    # its buffers (llama3's one K/V all-gather buffer, out) are shaped like K and q
+    no_v_head_dim = "ring-flash-attn 0.1.8 sizes buffers like K, runs flash-attn 2"
 
     module: ClassVar[str]  # the library's file of the algorithm
     function: ClassVar[str]

@@ -157,8 +157,8 @@ class _TransformerEngine(ZigzagLayout, Strategy):
     def v_head_dim_refusal(self) -> str | None:
         if self.comm_type == "p2p":  # AttnFuncWithCPAndKVP2P's enable_mla: K, V flattened
             return None
-        return (f"cpbench passes it to TransformerEngine's p2p path only (its enable_mla "
-                f"packing, read); cp_comm_type {self.comm_type} is not verified with it")
+        # read in TE's p2p path only; its other comm types are not verified with it
+        return f"TE's p2p alone is known to take it (enable_mla), not {self.comm_type}"
 
     def validate(self) -> None:
         a = self.attn
