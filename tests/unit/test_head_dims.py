@@ -138,6 +138,12 @@ def test_adapters_that_cannot_refuse_on_construction(name):
     assert "\n" not in str(e.value) and len(str(e.value)) <= 120, str(e.value)
 
 
+def test_an_own_strategy_on_a_one_width_kernel_refuses_on_construction():
+    with pytest.raises(Skipped, match="its kernel flash-attn-cpu takes one head dim"):
+        strategies.get("zigzag")(AttentionConfig(**MLA), TOPO, 0,
+                                 kernel=kernels.get("flash-attn-cpu"), create_groups=False)
+
+
 def test_every_own_strategy_takes_unequal_widths():
     for name in strategies.own_names():
         cls = strategies.get(name)

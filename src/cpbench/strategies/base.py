@@ -191,7 +191,10 @@ class Strategy(ABC):
 
     def v_head_dim_refusal(self) -> str | None:
         """Why this instance cannot compute V at a head dim of its own (``no_v_head_dim``
-        unless an adapter's options decide it)."""
+        unless an adapter's options decide it); cpbench's own strategies run their kernel,
+        which must take it (built through the Python API, no plan checked it before)."""
+        if self.upstream is None and not self.kernel.unequal_head_dims:
+            return f"its kernel {self.kernel.name} takes one head dim for Q, K and V"
         return self.no_v_head_dim
 
     def area_per_rank(self) -> list[int]:
