@@ -36,6 +36,7 @@ class OutLseAccumulator:
 
     ``update(out, lse, seq=slice)`` merges a block that covers only part of the local
     queries (e.g. the second half under zigzag) into that slice of the accumulator.
+    ``head_dim`` is out's: V's head dim, which MLA sets apart from Q and K's.
     """
 
     def __init__(self, batch: int, seqlen: int, heads: int, head_dim: int,
