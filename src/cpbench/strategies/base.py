@@ -187,7 +187,7 @@ class Strategy(ABC):
         if why:
             raise Skipped(why)
         if self.attn.v_head_dim is not None and (why := self.v_head_dim_refusal()):
-            raise Skipped(f"{self.name} cannot take --v-head-dim != --head-dim: {why}")
+            raise Skipped(f"{self.name} refuses --v-head-dim: {why}")
 
     def v_head_dim_refusal(self) -> str | None:
         """Why this instance cannot compute V at a head dim of its own (``no_v_head_dim``

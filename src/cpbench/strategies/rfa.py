@@ -57,7 +57,7 @@ class _RingFlashAttn(Strategy):
     """One of ring-flash-attn's functions over the CP group."""
     pads_documents = False  # the library takes document lengths as they are
     # its buffers (llama3's one K/V all-gather buffer, out) are shaped like K and q
-    no_v_head_dim = "ring-flash-attn 0.1.8 sizes buffers like K, runs flash-attn 2"
+    no_v_head_dim = "ring-flash-attn sizes its buffers like K (flash-attn 2)"
 
     module: ClassVar[str]  # the library's file of the algorithm
     function: ClassVar[str]

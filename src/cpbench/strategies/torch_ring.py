@@ -117,7 +117,7 @@ class TorchRing(Strategy):
     # as flash-attn would name a kernel that did not run (auto hands it sdpa on CUDA)
     accepted_kernels = {"cpu": ("sdpa-cpu",), "cuda": ("sdpa",)}
     # aten: "Q/K/V should have the same head size"
-    no_v_head_dim = "torch's ring calls aten's flash op (one head dim for Q, K, V)"
+    no_v_head_dim = "its aten flash op takes one head dim"
 
     @dataclass(frozen=True, kw_only=True)
     class Options:

@@ -109,7 +109,7 @@ class YunchangUsp(Strategy):
     returns_lse = False
     upstream = Upstream("yunchang", "yunchang", twin="usp")
     accepted_kernels = FLASH_KERNELS
-    no_v_head_dim = "its ring is ring-flash-attn's, on flash-attn 2 (one head dim)"
+    no_v_head_dim = "its ring is ring-flash-attn's (flash-attn 2)"
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
