@@ -61,7 +61,7 @@ class Preset:
 _LLAMA_SOURCE = ("meta-llama/llama-models models/sku_list.py, {sku} model_args: dim {dim}, "
                  "n_heads {h}, n_kv_heads 8; head dim = dim // n_heads = 128 "
                  "(models/llama3/reference_impl/model.py); bf16 weights (sku_list.py: "
-                 "\"BF16 weights\"). Llama 3 paper (arXiv 2407.21783) Table 3: same heads")
+                 "\"BF16 weights\")")
 _GPT_OSS_SOURCE = ("openai/gpt-oss gpt_oss/torch/model.py: ModelConfig (the 120b's: 36 layers, "
                    "128 experts) num_attention_heads 64, num_key_value_heads 8, head_dim 64, "
                    "sliding_window 128; AttentionBlock: sliding_window on layers with "
