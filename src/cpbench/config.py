@@ -40,7 +40,6 @@ class AttentionConfig:
     heads: int = 8
     kv_heads: int | None = None  # None: same as heads (no GQA)
     head_dim: int = 64
-    v_head_dim: int | None = None  # None: same as head_dim (MLA: Q/K 192, V 128)
     dtype: str = "fp32"
     causal: bool = True
     # the mask beyond causal (cpbench.mask): document lengths (resolved: a distribution is
@@ -53,8 +52,8 @@ class AttentionConfig:
     sinks: bool = False  # one learnable logit per query head in each softmax (gpt-oss)
 
     def __post_init__(self) -> None:
-        for name in ("batch", "seqlen", "heads", "head_dim", "v_head_dim"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
+        for name in ("batch", "seqlen", "heads", "head_dim"):
+            if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be a positive integer, got "
                                  f"{getattr(self, name)}; give {flag(name)} 1 or more")
         if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
@@ -83,11 +82,6 @@ class AttentionConfig:
         return self.heads if self.kv_heads is None else self.kv_heads
 
     @property
-    def dv(self) -> int:
-        """V's head dim (and out's): ``v_head_dim``, or ``head_dim`` when equal."""
-        return self.head_dim if self.v_head_dim is None else self.v_head_dim
-
-    @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
@@ -107,8 +101,6 @@ class AttentionConfig:
             del d["document_padding"]
         if not d["sinks"]:
             del d["sinks"]  # likewise: a record without sinks reads as before the flag
-        if d["v_head_dim"] is None:
-            del d["v_head_dim"]  # likewise: equal widths read as before the flag
         return d
 
 
@@ -191,9 +183,7 @@ ATTENTION_HELP = {
     "seqlen": "global sequence length S, split over the CP ranks (8k = 8192, 128K, 1M)",
     "heads": "query heads H",
     "kv_heads": "key/value heads (GQA; must divide --heads); default: --heads",
-    "head_dim": "head dimension D (of Q and K)",
-    "v_head_dim": "head dimension DV of V and the output (MLA: 128 beside --head-dim 192); "
-                  "default: --head-dim",
+    "head_dim": "head dimension D",
     "dtype": "activation dtype",
     "causal": "causal (lower-triangular) mask; inside documents and windows it keeps its "
               "meaning",

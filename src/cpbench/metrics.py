@@ -6,8 +6,7 @@ Imports nothing else of cpbench, so strategies (declaring their steps' FLOPs), t
 FLOPs (flash-attention's benchmark convention): forward attention is two matmuls of
 2·Sq·Sk·D each per head: 4·B·Sq·Sk·H·D, halved when causal (only the lower triangle is
 computed); backward is 2.5 × forward (five matmuls, counting dQ, dK, dV, dP and the
-recomputed S). H is the number of query heads. Where V's width DV differs from D (MLA),
-each matmul counts on its own width: forward 2·(D + DV), backward 2·(3·D + 2·DV) per pair.
+recomputed S). H is the number of query heads.
 
 Under packed documents or a sliding window the forward is 4·B·H·D × the attended (query, key)
 pairs, counted exactly (``attended_pairs``), as MagiAttention counts its mask area; a plain
@@ -31,25 +30,14 @@ GIB = 2 ** 30
 
 # -- FLOPs --------------------------------------------------------------------------------------
 
-def _factor(mode: str, head_dim: int, v_head_dim: int | None) -> float:
-    """``mode``'s FLOPs over the forward's 4·D per pair. With V's width DV apart from D
-    (MLA): the forward is QKᵀ on D and PV on DV, 2·(D + DV); the backward recomputes S and
-    forms dQ and dK on D, dP and dV on DV, 2·(3·D + 2·DV) (2.5 × the forward when equal)."""
-    if v_head_dim is None or v_head_dim == head_dim:
-        return {"fwd": 1.0, "bwd": BWD_FACTOR, "fwd_bwd": 1.0 + BWD_FACTOR}[mode]
-    fwd = (head_dim + v_head_dim) / (2 * head_dim)
-    bwd = BWD_FACTOR * (3 * head_dim + 2 * v_head_dim) / (5 * head_dim)
-    return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}[mode]
-
-
 def attention_flops(*, batch: int, seqlen_q: int, seqlen_k: int, heads: int, head_dim: int,
-                    causal: bool, mode: str = "fwd", v_head_dim: int | None = None) -> float:
-    """FLOPs of one attention call. mode: "fwd", "bwd" or "fwd_bwd"; ``v_head_dim``: V's
-    width where it differs from ``head_dim`` (Q and K's)."""
+                    causal: bool, mode: str = "fwd") -> float:
+    """FLOPs of one attention call. mode: "fwd", "bwd" or "fwd_bwd"."""
     fwd = 4.0 * batch * seqlen_q * seqlen_k * heads * head_dim
     if causal:
         fwd /= 2
-    return fwd * _factor(mode, head_dim, v_head_dim)
+    factor = {"fwd": 1.0, "bwd": BWD_FACTOR, "fwd_bwd": 1.0 + BWD_FACTOR}[mode]
+    return fwd * factor
 
 
 def _abs_sum(a: int, b: int) -> int:
@@ -87,22 +75,22 @@ def attended_pairs(*, seqlen: int, causal: bool, documents: Sequence[int] | None
 def problem_flops(*, batch: int, seqlen: int, heads: int, head_dim: int, causal: bool,
                   documents: Sequence[int] | None = None,
                   window: tuple[int, int] | None = None,
-                  mode: str = "fwd", v_head_dim: int | None = None) -> tuple[float, str]:
+                  mode: str = "fwd") -> tuple[float, str]:
     """(FLOPs of the whole problem in ``mode``, how they were counted): "formula" for a
     plain causal or full sequence (the seeds' S²/2 and S²), "exact pairs" under a mask."""
     if documents is None and window is None:
         return attention_flops(batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, heads=heads,
-                               head_dim=head_dim, causal=causal, mode=mode,
-                               v_head_dim=v_head_dim), "formula"
+                               head_dim=head_dim, causal=causal, mode=mode), "formula"
     pairs = attended_pairs(seqlen=seqlen, causal=causal, documents=documents, window=window)
     return pairs_flops(pairs, batch=batch, heads=heads, head_dim=head_dim,
-                       mode=mode, v_head_dim=v_head_dim), "exact pairs"
+                       mode=mode), "exact pairs"
 
 
-def pairs_flops(pairs: float, *, batch: int, heads: int, head_dim: int, mode: str = "fwd",
-                v_head_dim: int | None = None) -> float:
+def pairs_flops(pairs: float, *, batch: int, heads: int, head_dim: int, mode: str = "fwd"
+                ) -> float:
     """FLOPs of ``pairs`` attended (query, key) pairs (every query head)."""
-    return 4.0 * batch * heads * head_dim * pairs * _factor(mode, head_dim, v_head_dim)
+    factor = {"fwd": 1.0, "bwd": BWD_FACTOR, "fwd_bwd": 1.0 + BWD_FACTOR}[mode]
+    return 4.0 * batch * heads * head_dim * pairs * factor
 
 
 def tflops_per_gpu(flops: float, world_size: int, seconds: float) -> float:

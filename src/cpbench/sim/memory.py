@@ -41,11 +41,10 @@ def peak_bytes(strat: Strategy, schedule: list[Step], kernel_buffers: bool = Tru
 
 def _phase_peak(strat: Strategy, schedule: list[Step], phase: str,
                 kernel_buffers: bool) -> float:
-    s, wide_v = strat.local_seqlen, _v_share(strat)
+    s = strat.local_seqlen
     q, kv, lse = strat.q_bytes(s), strat.kv_bytes(s), strat.lse_bytes(s)
-    resident = q + kv + wide_v * (q + kv)  # q, k; dout, v (V's width)
-    # the forward's out (V's width)
-    resident += strat.held_bytes() if phase == FWD else wide_v * q + lse
+    resident = 2 * q + 2 * kv  # q, dout, k, v
+    resident += strat.held_bytes() if phase == FWD else q + lse  # the forward's out
     steps = [i for i, st in enumerate(schedule) if st.phase == phase]
     blocks, partial = _in_flight(schedule, phase, False), _in_flight(schedule, phase, True)
     if strat.receives_in_place(phase):  # its buffers are among the accumulators
@@ -97,30 +96,21 @@ def _kernel_bytes(strat: Strategy, step: Step) -> tuple[float, float]:
     results and, while it runs, holds its packed inputs and the varlen call's own results."""
     if not step.block:
         return 0.0, 0.0
-    rows, keys, wide_v = step.block[0], step.block[1], _v_share(strat)
+    rows, keys = step.block[0], step.block[1]
     q, kv, lse = strat.q_bytes(rows), strat.kv_bytes(keys), strat.lse_bytes(rows)
     wide, share = 4 / strat.attn.element_size, strat.kernel_head_share()
-    if strat.mask.plain:  # out (V's width) + lse; dQ, dK and dV (V's width)
-        results = wide_v * q + lse if step.phase == FWD else q + (1 + wide_v) * kv
+    if strat.mask.plain:
+        results = q + lse if step.phase == FWD else q + 2 * kv
         return share * results, 0.0
     pq, pkv, calls = q, kv, 1
     if step.packed:
         pq, pkv, calls = step.packed
         pq, pkv = strat.q_bytes(pq), strat.kv_bytes(pkv)
-    v, pv = wide_v * kv, wide_v * pkv  # V's width: v, out, dout, dv
     if step.phase == FWD:  # packed q, k, v; every call's out (merged at the end); fp32 sum
-        return share * (wide * wide_v * q + lse), \
-            share * (pq + pkv + pv + wide_v * (calls * pq + wide * q))
+        return share * (wide * q + lse), share * (pq + 2 * pkv + calls * pq + wide * q)
     # packed dout, q, out, k, v; the call's dQ, dK, dV and the previous call's
-    call = pq + pkv + pv
-    return share * wide * (q + kv + v), \
-        share * ((1 + 2 * wide_v) * pq + pkv + pv + min(calls, 2) * call)
-
-
-def _v_share(strat: Strategy) -> float:
-    """V's (and out's) width over Q and K's: the byte counts of Q and K scaled to V's
-    (MLA: 128 / 192; 1 for equal widths)."""
-    return strat.attn.dv / strat.attn.head_dim
+    call = pq + 2 * pkv
+    return share * wide * (q + 2 * kv), share * (3 * pq + 2 * pkv + min(calls, 2) * call)
 
 
 def _kernel_buffers(strat: Strategy, step: Step) -> float:

@@ -335,7 +335,7 @@ class Strategy(ABC):
         block's (query, key) ``positions``, also what its largest varlen call packs."""
         a = self.attn
         flops = pairs_flops(pairs, batch=a.batch, heads=a.heads, head_dim=a.head_dim,
-                            mode=phase, v_head_dim=a.v_head_dim)
+                            mode=phase)
         packed = None
         if positions is not None and pairs:
             try:
@@ -371,7 +371,7 @@ class Strategy(ABC):
     def block_flops(self, seqlen_q: int, seqlen_k: int, causal: bool, mode: str = FWD) -> float:
         return attention_flops(batch=self.attn.batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                heads=self.attn.heads, head_dim=self.attn.head_dim,
-                               causal=causal, mode=mode, v_head_dim=self.attn.v_head_dim)
+                               causal=causal, mode=mode)
 
     def kernel_step(self, phase: str, index: int, seqlen_q: int, seqlen_k: int, causal: bool,
                     messages=(), *, head_share: int = 1) -> Step:
