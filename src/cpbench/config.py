@@ -40,6 +40,7 @@ class AttentionConfig:
     heads: int = 8
     kv_heads: int | None = None  # None: same as heads (no GQA)
     head_dim: int = 64
+    v_head_dim: int | None = None  # None: same as head_dim (MLA: Q/K 192, V 128)
     dtype: str = "fp32"
     causal: bool = True
     # the mask beyond causal (cpbench.mask): document lengths (resolved: a distribution is
@@ -52,8 +53,8 @@ class AttentionConfig:
     sinks: bool = False  # one learnable logit per query head in each softmax (gpt-oss)
 
     def __post_init__(self) -> None:
-        for name in ("batch", "seqlen", "heads", "head_dim"):
-            if getattr(self, name) < 1:
+        for name in ("batch", "seqlen", "heads", "head_dim", "v_head_dim"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UsageError(f"{name} must be a positive integer, got "
                                  f"{getattr(self, name)}; give {flag(name)} 1 or more")
         if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
@@ -72,6 +73,8 @@ class AttentionConfig:
         if self.documents is not None:
             object.__setattr__(self, "documents", resolve_documents(
                 self.documents, self.seqlen, 0, self.max_document))
+        if self.v_head_dim == self.head_dim:
+            object.__setattr__(self, "v_head_dim", None)  # the same problem, the same record
         if self.window_size is not None:
             # (-1, -1) is no window at all: the same problem as none, so the same record
             window = tuple(self.window_size)
@@ -80,6 +83,18 @@ class AttentionConfig:
     @property
     def num_kv_heads(self) -> int:
         return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def dv(self) -> int:
+        """V's head dim (and out's): ``v_head_dim``, or ``head_dim`` when equal."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def widths(self) -> dict[str, tuple[int, int]]:
+        """(heads, head dim) of each input: q and k on the Q/K width, v and dout on V's."""
+        h, hk = self.heads, self.num_kv_heads
+        return {"q": (h, self.head_dim), "k": (hk, self.head_dim), "v": (hk, self.dv),
+                "dout": (h, self.dv)}
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -101,6 +116,8 @@ class AttentionConfig:
             del d["document_padding"]
         if not d["sinks"]:
             del d["sinks"]  # likewise: a record without sinks reads as before the flag
+        if d["v_head_dim"] is None:
+            del d["v_head_dim"]  # equal widths: as records before the flag
         return d
 
 
@@ -183,7 +200,9 @@ ATTENTION_HELP = {
     "seqlen": "global sequence length S, split over the CP ranks (8k = 8192, 128K, 1M)",
     "heads": "query heads H",
     "kv_heads": "key/value heads (GQA; must divide --heads); default: --heads",
-    "head_dim": "head dimension D",
+    "head_dim": "head dimension D (of Q and K)",
+    "v_head_dim": "head dimension DV of V and the output (MLA: 128 beside --head-dim 192); "
+                  "default: --head-dim",
     "dtype": "activation dtype",
     "causal": "causal (lower-triangular) mask; inside documents and windows it keeps its "
               "meaning",

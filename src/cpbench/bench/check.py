@@ -23,12 +23,8 @@ from cpbench.strategies.base import Strategy
 def global_inputs(attn: AttentionConfig, seed: int, device="cpu") -> dict[str, torch.Tensor]:
     """Fresh random q, k, v, dout (b, s, h, d) in the activation dtype; never zeros."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    b, s, h, hk, d = attn.batch, attn.seqlen, attn.heads, attn.num_kv_heads, attn.head_dim
-
-    def rand(heads):
-        return torch.randn(b, s, heads, d, generator=gen).to(device=device, dtype=attn.torch_dtype)
-
-    return {"q": rand(h), "k": rand(hk), "v": rand(hk), "dout": rand(h)}
+    return {name: torch.randn(attn.batch, attn.seqlen, *attn.widths[name], generator=gen).to(
+        device=device, dtype=attn.torch_dtype) for name in ("q", "k", "v", "dout")}
 
 
 def checked_tensors(strategy: Strategy) -> tuple[str, ...]:

@@ -67,13 +67,12 @@ def rank_inputs(strat, p: Plan, rank: int) -> dict:
     gen = torch.Generator(device=dev).manual_seed(p.run.seed * 100_003 + rank)
     s = strat.local_seqlen
 
-    def rand(heads, grad):
-        t = torch.randn(a.batch, s, heads, a.head_dim, generator=gen, device=dev,
+    def rand(name):
+        t = torch.randn(a.batch, s, *a.widths[name], generator=gen, device=dev,
                         dtype=a.torch_dtype)
-        return t.requires_grad_(grad)
+        return t.requires_grad_(name != "dout")
 
-    return {"q": rand(a.heads, True), "k": rand(a.num_kv_heads, True),
-            "v": rand(a.num_kv_heads, True), "dout": rand(a.heads, False)}
+    return {name: rand(name) for name in ("q", "k", "v", "dout")}
 
 
 def _counts(run: RunConfig) -> tuple[int, int]:

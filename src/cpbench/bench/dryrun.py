@@ -185,12 +185,11 @@ def _parts(strat: Strategy) -> list[Strategy]:
 def _inputs(strat: Strategy, attn: AttentionConfig, device: str) -> dict:
     shape = (attn.batch, strat.local_seqlen)
 
-    def rand(heads, grad):
-        t = torch.empty(*shape, heads, attn.head_dim, dtype=attn.torch_dtype, device=device)
-        return t.requires_grad_(grad)
+    def rand(name):
+        t = torch.empty(*shape, *attn.widths[name], dtype=attn.torch_dtype, device=device)
+        return t.requires_grad_(name != "dout")
 
-    return {"q": rand(attn.heads, True), "k": rand(attn.num_kv_heads, True),
-            "v": rand(attn.num_kv_heads, True), "dout": rand(attn.heads, False)}
+    return {name: rand(name) for name in ("q", "k", "v", "dout")}
 
 
 def _step(strat: Strategy, x: dict, device: str, fwd_only: bool, r: RankResult) -> None:

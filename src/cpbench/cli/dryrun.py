@@ -95,6 +95,7 @@ def _capacity(args, device: str, gpn: int, hw) -> int | None:
 def request(args) -> Request:
     """The validated request; UsageError (one line, the fix) before anything runs."""
     from cpbench import kernels
+    from cpbench.bench.cases import request
     from cpbench.config import resolved_documents
     from cpbench.sim import hardware
     from cpbench.sim.dryrun import Request, cases_for
@@ -117,9 +118,7 @@ def request(args) -> Request:
     attn = AttentionConfig(**resolved_documents({**default_attention(device), **given},
                                                 args.seed))
     notes: list[str] = []
-    backend = kernels.resolve(args.kernel, device=device, dtype=attn.torch_dtype,
-                              head_dim=attn.head_dim, heads=attn.heads,
-                              kv_heads=attn.num_kv_heads, notes=notes)
+    backend = kernels.resolve(args.kernel, **request(attn, device), notes=notes)
     cases, skipped = cases_for(args.strategy, options, attn, topo, backend, device,
                                auto=args.kernel == kernels.AUTO)
     if args.out:

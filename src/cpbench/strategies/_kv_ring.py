@@ -88,8 +88,8 @@ class KVRingAttention(torch.autograd.Function):
     def forward(ctx, strat, q, k, v):
         g = strat.groups["ring"]
         n, me = g.size, g.index
-        b, s, h, d = q.shape
-        acc = OutLseAccumulator(b, s, h, d, q.device)
+        b, s, h, _ = q.shape
+        acc = OutLseAccumulator(b, s, h, v.shape[-1], q.device)  # out: V's width
         comm = RingComm(g, queue_behind=True)
         k_home, v_home = k, v
         for step in range(n):
@@ -129,7 +129,7 @@ class KVRingAttention(torch.autograd.Function):
             if step > 0:
                 dkv_comm.wait()
                 spare, (dk, dv) = (dk, dv), (next_dk, next_dv)
-            dk, dv = _add_block(grads, dq, dk, dv, k)
+            dk, dv = _add_block(grads, dq, dk, dv, k, v)
             if step + 1 < n:
                 kv_comm.wait()
                 k, v = next_k, next_v
@@ -160,12 +160,12 @@ def _block_grads(strat, me, step, n, s, dout, q, k, v, out, lse):
     return blk, bq, bk, bv
 
 
-def _add_block(grads, dq, dk, dv, k):
+def _add_block(grads, dq, dk, dv, k, v):
     """Add a block's gradients: dQ locally, dK/dV into the partial sums received (in place;
     the first step starts them)."""
     if dk is None:  # step 0: the partial sums start here, at the sizes of K and V
         dk = torch.zeros_like(k, dtype=torch.float32)
-        dv = torch.zeros_like(dk)
+        dv = torch.zeros_like(v, dtype=torch.float32)
     if grads is not None:
         blk, bq, bk, bv = grads
         dq[:, blk.q] += bq
@@ -179,8 +179,8 @@ def kv_ring_schedule(strat) -> list[Step]:
     V separately; dK and dV in fp32, separately, posted after the step's kernel)."""
     g, g_dkv = strat.groups["ring"], _dkv_group(strat)
     n, me, s = g.size, g.index, strat.local_seqlen
-    kv = strat.kv_bytes(s)
-    dkv = kv * 4 // strat.attn.element_size
+    kv = strat.k_bytes(s), strat.v_bytes(s)
+    dkv = strat.k_bytes(s, element_size=4), strat.v_bytes(s, element_size=4)
     steps = []
     areas = kv_ring_areas(strat, [strat.rank])[0] if not strat.mask.plain else None
     for phase in (FWD, BWD):
@@ -188,11 +188,12 @@ def kv_ring_schedule(strat) -> list[Step]:
             blk = strat.block(me, src_of(me, step, n), s) if areas is None else None
             msgs = []
             if step + 1 < n:
-                msgs += [Message("p2p", g.name, kv, g.crosses_nodes)] * 2
+                msgs += [Message("p2p", g.name, nbytes, g.crosses_nodes) for nbytes in kv]
             if phase == BWD and n > 1:
                 # the last dK/dV hop has nothing left to hide behind
-                msgs += [Message("p2p", g_dkv.name, dkv, g_dkv.crosses_nodes,
-                                 overlapped=step + 1 < n, after_compute=True)] * 2
+                msgs += [Message("p2p", g_dkv.name, nbytes, g_dkv.crosses_nodes,
+                                 overlapped=step + 1 < n, after_compute=True)
+                         for nbytes in dkv]
             if areas is not None:
                 keys = strat.seq_index(strat.ring_rank(src_of(me, step, n)))
                 steps.append(strat.pairs_step(phase, step, areas[step], (s, s), msgs,

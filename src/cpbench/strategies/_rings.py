@@ -163,8 +163,8 @@ def zigzag_forward(strat: Strategy, rings: Rings, q, k, v):
     """Local out, lse: K and V circulate the rings; each step computes the zigzag rule
     (layout.zigzag_block) of the block's source position, or under a mask what it lets
     through, merged by LSE in fp32."""
-    b, s, h, d = q.shape
-    acc = OutLseAccumulator(b, s, h, d, q.device)
+    b, s, h, _ = q.shape
+    acc = OutLseAccumulator(b, s, h, v.shape[-1], q.device)  # out: V's width
     for j, t, (bk, bv) in circulate(rings, (k, v)):
         if not strat.mask.plain:
             tiles = mask_tiles(strat, rings.source(j, t))
@@ -218,6 +218,6 @@ def ring_areas(strat: Strategy, window: int) -> list[list[int]]:
 
 def forward_schedule(strat: Strategy, rings: Rings) -> list[Step]:
     """The steps of ``zigzag_forward``: K and V, one message each."""
-    kv = strat.kv_bytes(strat.local_seqlen)
-    return [ring_step(strat, rings, FWD, index, j, t, rings.circulate_messages(j, t, (kv, kv)))
+    kv = strat.k_bytes(strat.local_seqlen), strat.v_bytes(strat.local_seqlen)
+    return [ring_step(strat, rings, FWD, index, j, t, rings.circulate_messages(j, t, kv))
             for index, (j, t) in enumerate(rings.steps())]

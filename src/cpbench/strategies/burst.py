@@ -233,7 +233,7 @@ class Burst(ZigzagLayout, Strategy):
         # K/V stay home: their fp32 dK, dV; dQ is the partial sum that travels
         s = self.local_seqlen
         dq = self.q_bytes(s, element_size=4 if self.opts.dq_dtype == "fp32" else None)
-        return 2 * self.kv_bytes(s) * 4 // self.attn.element_size + dq
+        return self.kv_bytes(s) * 4 // self.attn.element_size + dq
 
     def call_setup_bytes(self, phase: str) -> tuple[int, int]:
         """With delta on the wire, each backward step rebuilds an O for the kernel
@@ -241,15 +241,17 @@ class Burst(ZigzagLayout, Strategy):
         if phase == FWD or not self.opts.opt_bwd:
             return 0, 0
         s = self.local_seqlen  # .float() of fp32 is no copy
-        return self.q_bytes(s), 2 * self.q_bytes(s, element_size=4) * (self.attn.element_size < 4)
+        return self.out_bytes(s), 2 * self.out_bytes(s, element_size=4) * (
+            self.attn.element_size < 4)
 
     def attention(self, q, k, v):
         return _BurstAttention.apply(self, q, k, v)
 
     def schedule(self) -> list[Step]:
         rings, s = self.rings, self.local_seqlen
-        row, act = self.lse_bytes(s), self.q_bytes(s)  # lse / delta: one fp32 per row, head
-        bundle = (row if self.opts.opt_bwd else act, act, act, row)  # delta or O, dO, Q, lse
+        row, out = self.lse_bytes(s), self.out_bytes(s)  # lse / delta: one fp32 per row, head
+        bundle = (row if self.opts.opt_bwd else out, out, self.q_bytes(s), row)  # delta or O,
+        # dO (V's width), Q, lse
         steps = forward_schedule(self, rings)
         for index, (j, t) in enumerate(rings.steps()):
             blk = zigzag_block(rings.source(j, t), rings.position, s, self.attn.causal)

@@ -56,6 +56,8 @@ PACKAGE, MODULE = "ring-flash-attn", "ring_flash_attn"
 class _RingFlashAttn(Strategy):
     """One of ring-flash-attn's functions over the CP group."""
     pads_documents = False  # the library takes document lengths as they are
+    no_v_head_dim = ("ring-flash-attn 0.1.8 shapes its K/V buffers and out like K and q "
+                     "(llama3: one all-gather buffer), and flash-attn 2 takes one head dim")
 
     module: ClassVar[str]  # the library's file of the algorithm
     function: ClassVar[str]

@@ -115,7 +115,7 @@ def head_layout_bytes(strat: Strategy, phase: str, replicas: int) -> int:
     if phase == FWD:
         return 0
     s = strat.local_seqlen
-    return 2 * strat.q_bytes(s) + 2 * replicas * strat.kv_bytes(s)
+    return strat.q_bytes(s) + strat.out_bytes(s) + replicas * strat.kv_bytes(s)
 
 
 def local_attention(strat: Strategy) -> Attention:
@@ -151,12 +151,13 @@ def ulysses_messages(strat: Strategy, group: Group, seqlen_local: int, kv_heads:
         return Message("a2a", group.name, nbytes * (n - 1) // n, group.crosses_nodes,
                        overlapped=False)
 
-    q = strat.q_bytes(seqlen_local)
-    kv = a.batch * seqlen_local * kv_heads * a.head_dim * a.element_size  # k or v
-    return {"fwd_in": (a2a(q), a2a(kv), a2a(kv)),  # q, k, v
-            "fwd_out": (a2a(q),),  # out (the lse only for --check: not timed, not here)
-            "bwd_in": (a2a(q),),  # dout
-            "bwd_out": (a2a(q), a2a(kv), a2a(kv))}  # dq, dk, dv
+    q, out = strat.q_bytes(seqlen_local), strat.out_bytes(seqlen_local)
+    k = a.batch * seqlen_local * kv_heads * a.head_dim * a.element_size
+    v = k * a.dv // a.head_dim  # V's own head dim
+    return {"fwd_in": (a2a(q), a2a(k), a2a(v)),  # q, k, v
+            "fwd_out": (a2a(out),),  # out (the lse only for --check: not timed, not here)
+            "bwd_in": (a2a(out),),  # dout
+            "bwd_out": (a2a(q), a2a(k), a2a(v))}  # dq, dk, dv
 
 
 @register

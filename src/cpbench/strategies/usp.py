@@ -322,8 +322,9 @@ class Usp(Strategy):
         cast, L281), awaited at once (L414)."""
         assert self.ring is not None
         g = self.groups["inner_dkv"]
-        n = self.ring.kv_bytes(self.ring.local_seqlen)
-        return (Message("p2p", g.name, n, g.crosses_nodes, overlapped=False),) * 2
+        s = self.ring.local_seqlen
+        return tuple(Message("p2p", g.name, n, g.crosses_nodes, overlapped=False)
+                     for n in (self.ring.k_bytes(s), self.ring.v_bytes(s)))
 
     def schedule(self) -> list[Step]:
         g = self.groups["ulysses"]

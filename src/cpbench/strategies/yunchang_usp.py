@@ -109,6 +109,8 @@ class YunchangUsp(Strategy):
     returns_lse = False
     upstream = Upstream("yunchang", "yunchang", twin="usp")
     accepted_kernels = FLASH_KERNELS
+    no_v_head_dim = ("its ring is ring-flash-attn's (out shaped like q) on flash-attn 2, "
+                     "which takes one head dim")
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
