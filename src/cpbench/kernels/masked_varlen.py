@@ -191,7 +191,8 @@ def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def forward(kernel: KernelBackend, vplan: VarlenPlan, q, k, v, *, softmax_scale: float):
     """(out (b, sq, h, d) fp32, lse (b, h, sq) fp32), as ``masked.forward``: rows that see
     nothing have out 0 and lse -inf; out has V's head dim."""
-    b, s, h, d = (*q.shape[:3], v.shape[-1])
+    b, s, h, _ = q.shape
+    d = v.shape[-1]
     varlen_forward = kernel.varlen_forward
     if varlen_forward is None:  # callers check device_refusal first
         raise UsageError(no_varlen(kernel, q.device.type))
