@@ -215,3 +215,27 @@ def test_a_sweep_case_s_own_settings_override_its_model(tmp_path):
     bad.write_text("base: {nproc: 2}\ncases:\n  - {model: nope, strategy: ring}\n")
     with pytest.raises(sweep.SweepError, match="unknown model 'nope'"):
         sweep.load(bad)
+
+
+def test_sweep_run_flags_take_model_and_write_its_fields_out(capsys):
+    code = cli.main(["sweep", "--dry-run", "--run", "--model", "kimi-k2", "--nproc", "2",
+                     "--strategy", "ring", "--heads", "4", "--seqlen", "256", "--dtype", "fp32",
+                     "--out", "/tmp/never-written.jsonl"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "--model" not in out  # each launch gets the fields, not the name
+    assert "--heads 4 --head-dim 192" in out and "--v-head-dim 128" in out
+    assert err.count("--model kimi-k2") == 1 and "--heads 4 (preset 64)" in err
+
+
+def test_only_rank_0_says_the_model_line_under_torchrun(monkeypatch, capsys):
+    from cpbench.cli.args import say
+
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1",
+           "MASTER_ADDR": "127.0.0.1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    say("the line")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    say("the line")
+    assert capsys.readouterr().err == "cpbench: the line\n"
