@@ -128,12 +128,13 @@ def resolve(name: str | None, given: Mapping[str, Any]
     given fields as they are."""
     if name is None:
         return dict(given), {}
-    preset = get(name).fields()
+    entry = get(name)
+    preset = entry.fields()
     overrides = {k: (v, preset.get(k)) for k, v in given.items()
                  if k in preset and v != preset[k]}
     for k in ("kv_heads", "v_head_dim"):  # left out where equal: an override all the same
-        if k in given and k not in preset:
-            overrides[k] = (given[k], None)
+        if given.get(k) not in (None, getattr(entry, k)) and k not in preset:
+            overrides[k] = (given[k], getattr(entry, k))
     fields = {k: v for k, v in {**preset, **given}.items() if v is not None}
     return fields, overrides
 
@@ -149,7 +150,9 @@ def note(name: str, overrides: Mapping[str, tuple[Any, Any]]) -> str:
 
 
 def _text(value: Any) -> str:
+    """A value as its flag takes it: ``127,0``; on / off; none (no window)."""
     if isinstance(value, tuple):
         return ",".join(map(str, value))
-    return {None: "same", True: "on", False: "off"}.get(value, str(value)) \
-        if isinstance(value, (bool, type(None))) else str(value)
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None else str(value)

@@ -76,7 +76,13 @@ def test_resolve_sets_the_preset_and_the_given_flags_win_and_are_reported():
 def test_an_override_of_a_field_the_preset_leaves_to_its_default_is_reported():
     fields, over = models.resolve("deepseek-v3", {"v_head_dim": 192, "kv_heads": 16})
     assert fields["v_head_dim"] == 192 and fields["kv_heads"] == 16
-    assert set(over) == {"v_head_dim", "kv_heads"}
+    assert over == {"v_head_dim": (192, 128), "kv_heads": (16, 128)}
+    assert "--kv-heads 16 (preset 128)" in models.note("deepseek-v3", over)
+    # the preset's own value given again is no override
+    assert models.resolve("deepseek-v3", {"kv_heads": 128})[1] == {}
+    over = models.resolve("gpt-oss-120b-swa", {"window_size": (63, 0), "sinks": False})[1]
+    assert "--window-size 63,0 (preset 127,0), --sinks off (preset on)" in \
+        models.note("gpt-oss-120b-swa", over)
 
 
 def test_no_model_passes_the_flags_through():
