@@ -78,6 +78,9 @@ class Strategy(ABC):
     # whether it computes padded documents as cpbench.mask defines them (pad tokens attend to
     # nothing): an adapter handing document lengths to a library as they are does not
     pads_documents: ClassVar[bool] = True
+    # whether it adds attention sinks (--sinks) once per query, after its last merge
+    # (``merge.add_sink``), and returns their gradient; else it refuses a problem with them
+    takes_sinks: ClassVar[bool] = False
 
     def __init__(self, attn: AttentionConfig, topo: Topology, rank: int, *,
                  kernel: KernelBackend, options=None, create_groups: bool = True,
@@ -154,10 +157,13 @@ class Strategy(ABC):
         """Global sequence positions held by ``rank``, in local order."""
 
     @abstractmethod
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  sinks: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Local q, k, v (b, s_local, h, d) → local out (b, s_local, h, d), lse (b, h, s_local)
-        (None where ``returns_lse`` is False: a library that does not hand it out)."""
+        (None where ``returns_lse`` is False: a library that does not hand it out).
+        ``sinks`` (h,), given where ``attn.sinks``: its gradient is this rank's queries'
+        share (``merge.sink_grad``); the caller sums it over the ranks."""
 
     @abstractmethod
     def schedule(self) -> list[Step]:
@@ -180,6 +186,10 @@ class Strategy(ABC):
         to skip a row with the reason before any process starts."""
         if self.causal_only and not self.attn.causal:
             raise UsageError(f"{self.name} only runs causal attention; drop --no-causal")
+        if self.attn.sinks and not self.takes_sinks:
+            library = f" ({self.upstream.package})" if self.upstream else ""
+            raise Skipped(f"{self.name}{library} cannot add attention sinks once per query; "
+                          f"drop --sinks")
         why = self.unsupported_mask(self.mask)
         if why:
             raise Skipped(why)
