@@ -76,10 +76,10 @@ def add_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
     that sees no key keeps out 0 and gets lse' = s_h (the sink alone)."""
     if sinks is None:
         return out, lse
-    lse = lse.float()
+    lse = _wide(lse)
     new_lse = sink_lse(lse, sinks)
     keep = torch.exp(lse - new_lse)  # the keys' share of the mass; 0 where lse is -inf
-    return (out.float() * keep.transpose(1, 2).unsqueeze(-1)).to(out.dtype), new_lse
+    return (_wide(out) * keep.transpose(1, 2).unsqueeze(-1)).to(out.dtype), new_lse
 
 
 def sink_lse(lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -87,7 +87,7 @@ def sink_lse(lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     step's output by exp(lse_step - lse) itself (TE's), which then yields out'."""
     if sinks is None:
         return lse
-    return torch.logaddexp(lse.float(), sinks.detach().float().view(1, -1, 1))
+    return torch.logaddexp(_wide(lse), _wide(sinks.detach()).view(1, -1, 1))
 
 
 def sink_grad(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
@@ -96,6 +96,11 @@ def sink_grad(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     them, dout (b, s, h, d). In ``sinks``' dtype; None without sinks."""
     if sinks is None:
         return None
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # D_i: (b, h, s)
-    share = torch.exp(sinks.detach().float().view(1, -1, 1) - lse.float())
+    delta = (_wide(dout) * _wide(out)).sum(-1).transpose(1, 2)  # D_i: (b, h, s)
+    share = torch.exp(_wide(sinks.detach()).view(1, -1, 1) - _wide(lse))
     return -(share * delta).sum((0, 2)).to(sinks.dtype)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """fp32, or fp64 where given (the float64 checks of the maths)."""
+    return t if t.dtype == torch.float64 else t.float()
