@@ -67,7 +67,7 @@ def run_local(strategy: Strategy, inputs: dict[str, torch.Tensor]) -> dict[str, 
     sinks = None if sinks is None else sinks.detach().clone().requires_grad_()
     strategy.need_lse = True
     try:
-        out, lse = strategy.attention(q, k, v, sinks)
+        out, lse = strategy.attend(q, k, v, sinks)
     finally:
         strategy.need_lse = False
     out.backward(strategy.shard(inputs["dout"]))

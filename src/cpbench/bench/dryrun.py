@@ -203,7 +203,7 @@ def _step(strat: Strategy, x: dict, device: str, fwd_only: bool, r: RankResult) 
         meter.track(t)
     with meter, _SyncGuard(device):
         with traced(dispatch=not strat.compiles) as fwd, fakegrad.recording():
-            out, _lse = strat.attention(x["q"], x["k"], x["v"], x.get("sinks"))
+            out, _lse = strat.attend(x["q"], x["k"], x["v"], x.get("sinks"))
         r.events["fwd"] = list(fwd)
         r.peak_fwd_bytes = meter.peak
         if not fwd_only:
@@ -230,7 +230,7 @@ def dry_rank(name: str, options, attn: AttentionConfig, topo: Topology, rank: in
             strat = cls(attn, topo, rank, kernel=kernels.get(kernel_name), options=options)
             with _host_planning(strat), torchcompat.fake_tensor_mode():
                 x = _inputs(strat, attn, device)
-                out, _ = strat.attention(x["q"], x["k"], x["v"],  # warm-up: caches, set-up
+                out, _ = strat.attend(x["q"], x["k"], x["v"],  # warm-up: caches, set-up
                                          x.get("sinks"))
                 del out, _
                 _step(strat, x, device, fwd_only, r)

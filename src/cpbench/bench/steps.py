@@ -33,10 +33,10 @@ def closures(strat, x: dict) -> tuple[Closure, Closure, Closure]:
     held: dict = {}
 
     def fwd():
-        strat.attention(q, k, v, sinks)
+        strat.attend(q, k, v, sinks)
 
     def fwd_keep():
-        held["out"] = strat.attention(q, k, v, sinks)[0]
+        held["out"] = strat.attend(q, k, v, sinks)[0]
 
     def bwd():
         held.pop("out").backward(dout)

@@ -165,6 +165,15 @@ class Strategy(ABC):
         ``sinks`` (h,), given where ``attn.sinks``: its gradient is this rank's queries'
         share (``merge.sink_grad``); the caller sums it over the ranks."""
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``attention`` as the bench calls it: ``sinks`` handed over only where the problem
+        has them, so a strategy written before sinks (a plugin's three-argument
+        ``attention``) runs every other problem as before."""
+        assert (sinks is not None) == self.attn.sinks, "sinks given where the problem has them"
+        return self.attention(q, k, v) if sinks is None else self.attention(q, k, v, sinks)
+
     @abstractmethod
     def schedule(self) -> list[Step]:
         """This rank's forward and backward steps: FLOPs and messages."""

@@ -177,6 +177,7 @@ def p2p_forward(strat, q, k, v, comm, streams: TileStreams, sinks=None):
         if i > 0:  # step i-1's correction runs behind step i's tile
             lse = _correct_lse(lse, tiles[i - 1], i - 1, n, streams)
     streams.join()
+    assert lse is not None, "a ring of at least one step"
     lse = sink_lse(lse, sinks)  # exp(lse_step - lse') then leaves each row the sink's share
     return _sum_outputs(q, tiles, lse), lse, kv_bufs[-1]
 

@@ -124,7 +124,10 @@ def head_layout_bytes(strat: Strategy, phase: str, replicas: int) -> int:
 
 
 def local_attention(strat: Strategy) -> Attention:
-    return lambda q, k, v, sinks=None: _LocalAttention.apply(strat, q, k, v, sinks)
+    def attend(q, k, v, sinks=None):
+        return _LocalAttention.apply(strat, q, k, v, sinks)
+
+    return attend
 
 
 def head_sinks(sinks: torch.Tensor | None, group: Group) -> torch.Tensor | None:
