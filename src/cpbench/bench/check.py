@@ -37,9 +37,11 @@ def global_inputs(attn: AttentionConfig, seed: int, device="cpu") -> dict[str, t
 
 
 def sink_logits(attn: AttentionConfig, gen: torch.Generator) -> torch.Tensor:
-    """One fp32 sink logit per query head (gpt-oss keeps them in fp32), uniform in
-    [0, log S]: the range of a row's lse over 1..S keys of unit scores, so the sink takes a
-    real share of the mass, more of a row that sees few keys than of one that sees many."""
+    """One fp32 sink logit per query head, uniform in [0, log S]: the range of a row's lse
+    over 1..S keys of unit scores, so the sink takes a real share of the mass, more of a row
+    that sees few keys than of one that sees many. (gpt-oss's reference stores a bf16
+    parameter and its Triton kernel computes with it in fp32; fp32 is training's master
+    copy.)"""
     return torch.rand(attn.heads, generator=gen) * math.log(max(attn.seqlen, 2))
 
 
