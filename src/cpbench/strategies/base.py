@@ -78,8 +78,7 @@ class Strategy(ABC):
     # whether it computes padded documents as cpbench.mask defines them (pad tokens attend to
     # nothing): an adapter handing document lengths to a library as they are does not
     pads_documents: ClassVar[bool] = True
-    # whether it adds attention sinks (--sinks) once per query, after its last merge
-    # (``merge.add_sink``), and returns their gradient; else it refuses a problem with them
+    # whether it adds sinks (--sinks) once per query, after its last merge (merge.add_sink)
     takes_sinks: ClassVar[bool] = False
 
     def __init__(self, attn: AttentionConfig, topo: Topology, rank: int, *,
@@ -165,12 +164,9 @@ class Strategy(ABC):
         ``sinks`` (h,), given where ``attn.sinks``: its gradient is this rank's queries'
         share (``merge.sink_grad``); the caller sums it over the ranks."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               sinks: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def attend(self, q, k, v, sinks=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``attention`` as the bench calls it: ``sinks`` handed over only where the problem
-        has them, so a strategy written before sinks (a plugin's three-argument
-        ``attention``) runs every other problem as before."""
+        has them (a plugin's three-argument ``attention`` runs every other problem)."""
         assert (sinks is not None) == self.attn.sinks, "sinks given where the problem has them"
         return self.attention(q, k, v) if sinks is None else self.attention(q, k, v, sinks)
 
