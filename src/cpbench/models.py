@@ -116,8 +116,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
 def get(name: str) -> Preset:
     """The preset ``name``; UsageError naming the choices."""
     if name not in PRESETS:
-        raise UsageError(f"unknown model {name!r}{did_you_mean(name, PRESETS)}; one of: "
-                         + ", ".join(PRESETS))
+        # the names alone would pass 120 columns: `cpbench models` lists them with sources
+        raise UsageError(f"unknown model {name!r}{did_you_mean(name, PRESETS)}; "
+                         "`cpbench models` lists the presets")
     return PRESETS[name]
 
 

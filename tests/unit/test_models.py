@@ -89,11 +89,11 @@ def test_no_model_passes_the_flags_through():
     assert models.resolve(None, {"heads": 4}) == ({"heads": 4}, {})
 
 
-def test_unknown_model_names_the_choices():
+def test_unknown_model_suggests_the_nearest_and_where_the_list_is():
     with pytest.raises(UsageError) as e:
         models.get("llama3-8bb")
     assert "did you mean 'llama3-8b'" in str(e.value)
-    assert all(n in str(e.value) for n in models.PRESETS)
+    assert "`cpbench models`" in str(e.value) and len(str(e.value)) <= 100
 
 
 @pytest.mark.parametrize("command", ["run", "simulate", "dryrun"])
@@ -103,7 +103,8 @@ def test_unknown_model_is_one_line_exit_2_in_every_command(capsys, command):
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "unknown model 'nope'" in lines[0] and "kimi-k2" in lines[0]
+    assert len(lines) == 1 and "unknown model 'nope'" in lines[0]
+    assert "cpbench models" in lines[0] and len(lines[0]) <= 120
 
 
 def test_cpbench_models_lists_every_preset_with_its_source(capsys):
