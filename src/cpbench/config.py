@@ -50,6 +50,7 @@ class AttentionConfig:
     max_document: int | None = None  # the cap of sampled documents (default: S / 4)
     # a document a strategy's layout cannot split: padded to its multiple, or refused
     document_padding: str = "pad"
+    sinks: bool = False  # one learnable logit per query head in each softmax (gpt-oss)
 
     def __post_init__(self) -> None:
         for name in ("batch", "seqlen", "heads", "head_dim", "v_head_dim"):
@@ -113,6 +114,8 @@ class AttentionConfig:
             # the default left out: records from before the flag keep their keys (a sweep
             # resumes, a compare matches them); AttentionConfig(**d) reads it back the same
             del d["document_padding"]
+        if not d["sinks"]:
+            del d["sinks"]  # likewise: a record without sinks reads as before the flag
         if d["v_head_dim"] is None:
             del d["v_head_dim"]  # equal widths: as records before the flag
         return d
@@ -216,6 +219,9 @@ ATTENTION_HELP = {
                         "a multiple of 2N): pad it to that multiple, pad tokens attending "
                         "to nothing (TransformerEngine's cu_seqlens_padded), or refuse the "
                         "strategy",
+    "sinks": "attention sinks (gpt-oss): one learnable fp32 logit per query head joins every "
+             "query's softmax denominator, adding no value; a strategy that cannot add it "
+             "once per query is skipped",
 }
 ATTENTION_PARSE = {"seqlen": parse_size, "documents": parse_documents,
                    "window_size": parse_window, "max_document": parse_size}

@@ -13,6 +13,10 @@ pairs, counted exactly (``attended_pairs``), as MagiAttention counts its mask ar
 causal or full sequence keeps the formula above (S²/2 causal: the seeds' convention, 1/S off
 the exact S(S+1)/2), so TFLOP/s compare across masks and with the seeds.
 
+Attention sinks (--sinks) add no matmul FLOPs: one more score per row with no value is an
+element-wise rescale of each query's out and lse (and a row sum for its gradient), counted
+nowhere, as the kernels' softmax is not.
+
 Timing statistics (Megatron's timers, nccl-tests): per iteration the step time is the
 slowest rank's (a CP step ends when its last rank finishes); the reported figure is the
 median over iterations, so one descheduled iteration does not move it.

@@ -47,7 +47,7 @@ from cpbench.bench import (
     timer,
 )
 from cpbench.bench import env as env_mod
-from cpbench.bench.check import check_strategy
+from cpbench.bench.check import check_strategy, sink_logits
 from cpbench.bench.plan import Case, Plan
 from cpbench.config import RunConfig
 from cpbench.reference import Comparison
@@ -72,7 +72,11 @@ def rank_inputs(strat, p: Plan, rank: int) -> dict:
                         dtype=a.torch_dtype)
         return t.requires_grad_(name != "dout")
 
-    return {name: rand(name) for name in ("q", "k", "v", "dout")}
+    x = {name: rand(name) for name in ("q", "k", "v", "dout")}
+    if a.sinks:  # the same on every rank: one parameter, replicated
+        x["sinks"] = sink_logits(a, torch.Generator().manual_seed(p.run.seed)).to(
+            dev).requires_grad_()
+    return x
 
 
 def _counts(run: RunConfig) -> tuple[int, int]:

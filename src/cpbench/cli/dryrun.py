@@ -25,6 +25,7 @@ PROG = "cpbench dryrun"
 def add_parser(sub) -> None:
     p = cli_args.command(sub, "dryrun", __doc__, main)
     attention = p.add_argument_group("attention problem (defaults: run's, per device)")
+    cli_args.add_model(attention)
     cli_args.add_settings(attention, attention_settings(), cli_args.attention_default)
     g = p.add_argument_group("where")
     integer = cli_args.converter(cli_args.read_number(int), "an integer")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from cpbench.comm import RingComm
-from cpbench.merge import OutLseAccumulator
+from cpbench.merge import OutLseAccumulator, add_sink, sink_grad
 from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, option, save_for_backward
 from cpbench.strategies.layout import Block, slice_len
 
@@ -85,7 +85,7 @@ def _send_kv(comm: RingComm, k, v, into=(None, None)):
 
 class KVRingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, strat, q, k, v):
+    def forward(ctx, strat, q, k, v, sinks):
         g = strat.groups["ring"]
         n, me = g.size, g.index
         b, s, h, _ = q.shape
@@ -106,14 +106,15 @@ class KVRingAttention(torch.autograd.Function):
             if step + 1 < n:
                 comm.wait()
                 k, v = next_k, next_v
-        out, lse = acc.result(q.dtype)
-        save_for_backward(ctx, strat, q, k_home, v_home, out, lse, lse=lse)
+        out, lse = add_sink(*acc.result(torch.float32), sinks)  # once, after every step
+        out = out.to(q.dtype)
+        save_for_backward(ctx, strat, q, k_home, v_home, out, lse, sinks, lse=lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         strat = ctx.strat
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         g = strat.groups["ring"]
         n, me, s = g.size, g.index, q.shape[1]
         dout = dout.contiguous()
@@ -138,7 +139,8 @@ class KVRingAttention(torch.autograd.Function):
         if n > 1:
             dkv_comm.wait()  # after n hops every block's dK/dV is back on its owner
             dk, dv = next_dk, next_dv
-        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                sink_grad(out, dout, lse, sinks))
 
 
 def _block_grads(strat, me, step, n, s, dout, q, k, v, out, lse):
@@ -210,6 +212,7 @@ class KVRing(Strategy):
     per-step areas. A subclass gives its layout (``seq_index``) and ``block``."""
 
     masks = frozenset({"documents", "window"})
+    takes_sinks = True
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
@@ -222,8 +225,8 @@ class KVRing(Strategy):
     def block(self, me: int, src: int, local_len: int) -> Block | None:
         """What ``me``'s queries compute of ring position ``src``'s K/V (None: nothing)."""
 
-    def attention(self, q, k, v):
-        return KVRingAttention.apply(self, q, k, v)
+    def attention(self, q, k, v, sinks=None):
+        return KVRingAttention.apply(self, q, k, v, sinks)
 
     def schedule(self) -> list[Step]:
         return kv_ring_schedule(self)

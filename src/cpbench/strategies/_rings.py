@@ -30,7 +30,7 @@ import torch
 
 from cpbench.comm import RingComm
 from cpbench.kernels import masked
-from cpbench.merge import OutLseAccumulator
+from cpbench.merge import OutLseAccumulator, add_sink
 from cpbench.strategies.base import FWD, Message, Step, Strategy, save_for_backward
 from cpbench.strategies.layout import Block, slice_len, zigzag_block
 from cpbench.topology import Group, double_ring_groups
@@ -159,7 +159,7 @@ def mask_tiles(strat: Strategy, src: int) -> masked.Block:
 EVERY = Block(slice(None), slice(None), False)  # a masked step: all local rows and keys
 
 
-def zigzag_forward(strat: Strategy, rings: Rings, q, k, v):
+def zigzag_forward(strat: Strategy, rings: Rings, q, k, v, sinks=None):
     """Local out, lse: K and V circulate the rings; each step computes the zigzag rule
     (layout.zigzag_block) of the block's source position, or under a mask what it lets
     through, merged by LSE in fp32."""
@@ -175,7 +175,8 @@ def zigzag_forward(strat: Strategy, rings: Rings, q, k, v):
         out, lse = strat.kernel_call("forward", q[:, blk.q], bk[:, blk.kv], bv[:, blk.kv],
                                      causal=blk.causal)
         acc.update(out, lse, blk.q)
-    return acc.result(q.dtype)
+    out, lse = add_sink(*acc.result(torch.float32), sinks)  # once, after every step
+    return out.to(q.dtype), lse
 
 
 class ZigzagRingsAttention(torch.autograd.Function):
@@ -183,9 +184,9 @@ class ZigzagRingsAttention(torch.autograd.Function):
     subclasses it with its own backward."""
 
     @staticmethod
-    def forward(ctx, strat, q, k, v):
-        out, lse = zigzag_forward(strat, strat.rings, q, k, v)
-        save_for_backward(ctx, strat, q, k, v, out, lse, lse=lse)
+    def forward(ctx, strat, q, k, v, sinks):
+        out, lse = zigzag_forward(strat, strat.rings, q, k, v, sinks)
+        save_for_backward(ctx, strat, q, k, v, out, lse, sinks, lse=lse)
         return out, lse
 
 

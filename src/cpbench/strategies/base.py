@@ -81,6 +81,8 @@ class Strategy(ABC):
     # why it cannot compute a V head dim of its own (MLA's --v-head-dim), or None: it can
     # (cpbench's own strategies carry K, V, out and their gradients each at its width)
     no_v_head_dim: ClassVar[str | None] = None
+    # whether it adds sinks (--sinks) once per query, after its last merge (merge.add_sink)
+    takes_sinks: ClassVar[bool] = False
 
     def __init__(self, attn: AttentionConfig, topo: Topology, rank: int, *,
                  kernel: KernelBackend, options=None, create_groups: bool = True,
@@ -157,10 +159,19 @@ class Strategy(ABC):
         """Global sequence positions held by ``rank``, in local order."""
 
     @abstractmethod
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  sinks: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Local q, k, v (b, s_local, h, d) → local out (b, s_local, h, d), lse (b, h, s_local)
-        (None where ``returns_lse`` is False: a library that does not hand it out)."""
+        (None where ``returns_lse`` is False: a library that does not hand it out).
+        ``sinks`` (h,), given where ``attn.sinks``: its gradient is this rank's queries'
+        share (``merge.sink_grad``); the caller sums it over the ranks."""
+
+    def attend(self, q, k, v, sinks=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``attention`` as the bench calls it: ``sinks`` handed over only where the problem
+        has them (a plugin's three-argument ``attention`` runs every other problem)."""
+        assert (sinks is not None) == self.attn.sinks, "sinks given where the problem has them"
+        return self.attention(q, k, v) if sinks is None else self.attention(q, k, v, sinks)
 
     @abstractmethod
     def schedule(self) -> list[Step]:
@@ -183,6 +194,10 @@ class Strategy(ABC):
         to skip a row with the reason before any process starts."""
         if self.causal_only and not self.attn.causal:
             raise UsageError(f"{self.name} only runs causal attention; drop --no-causal")
+        if self.attn.sinks and not self.takes_sinks:
+            library = f" ({self.upstream.package})" if self.upstream else ""
+            raise Skipped(f"{self.name}{library} cannot add attention sinks once per query; "
+                          f"drop --sinks")
         why = self.unsupported_mask(self.mask)
         if why:
             raise Skipped(why)

@@ -36,6 +36,7 @@ import torch
 
 from cpbench.comm import RingComm
 from cpbench.errors import UsageError
+from cpbench.merge import sink_grad
 from cpbench.strategies import register
 from cpbench.strategies._rings import (
     Rings,
@@ -132,7 +133,7 @@ class _BurstAttention(ZigzagRingsAttention):
     def backward(ctx, dout, _dlse):
         strat = ctx.strat
         rings, opt_bwd = strat.rings, strat.opts.opt_bwd
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         s = q.shape[1]
         dout = dout.contiguous()
         mine = (_delta(out, dout) if opt_bwd else out, dout, q, lse)
@@ -153,12 +154,14 @@ class _BurstAttention(ZigzagRingsAttention):
             dk[:, blk.kv] += bk
             dv[:, blk.kv] += bv
             dq.add(t, blk.q, bq)
-        return None, dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return (None, dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                sink_grad(out, dout, lse, sinks))
 
 
 @register
 class Burst(ZigzagLayout, Strategy):
     name = "burst"
+    takes_sinks = True
     description = ("BurstAttention: zigzag K/V (double) ring forward; backward keeps K/V home "
                    "and circulates Q, dO, lse, delta with dQ following")
 
@@ -244,8 +247,8 @@ class Burst(ZigzagLayout, Strategy):
         return self.out_bytes(s), 2 * self.out_bytes(s, element_size=4) * (
             self.attn.element_size < 4)
 
-    def attention(self, q, k, v):
-        return _BurstAttention.apply(self, q, k, v)
+    def attention(self, q, k, v, sinks=None):
+        return _BurstAttention.apply(self, q, k, v, sinks)
 
     def schedule(self) -> list[Step]:
         rings, s = self.rings, self.local_seqlen

@@ -33,6 +33,7 @@ import torch
 
 from cpbench.comm import RingComm
 from cpbench.errors import UsageError
+from cpbench.merge import sink_grad
 from cpbench.strategies import register
 from cpbench.strategies._rings import (
     EVERY,
@@ -137,7 +138,7 @@ class _DoubleRingAttention(ZigzagRingsAttention):
     def backward(ctx, dout, _dlse):
         strat = ctx.strat
         rings = strat.rings
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         s = q.shape[1]
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
@@ -148,13 +149,15 @@ class _DoubleRingAttention(ZigzagRingsAttention):
             dq[:, blk.q] += bq
             home.add(j, t, blk.kv, bk, bv)  # an empty block's sums go on all the same
         dk, dv = home.result()
-        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                sink_grad(out, dout, lse, sinks))
 
 
 @register
 class DoubleRing(ZigzagLayout, Strategy):
     name = "double-ring"
     masks = frozenset({"documents", "window"})
+    takes_sinks = True
     description = ("LoongTrain DoubleRing: zigzag K/V inner rings within a node, "
                    "outer hop across nodes hidden behind a whole inner ring")
 
@@ -216,8 +219,8 @@ class DoubleRing(ZigzagLayout, Strategy):
             return super().late_accumulator_bytes(phase)
         return 0 if self.opts.dkv_dtype == "fp32" else self.kv_bytes(self.local_seqlen)
 
-    def attention(self, q, k, v):
-        return _DoubleRingAttention.apply(self, q, k, v)
+    def attention(self, q, k, v, sinks=None):
+        return _DoubleRingAttention.apply(self, q, k, v, sinks)
 
     def schedule(self) -> list[Step]:
         rings = self.rings

@@ -39,7 +39,7 @@ import torch
 
 from cpbench.comm import all_gather_seq_async, reduce_scatter_seq
 from cpbench.errors import UsageError
-from cpbench.merge import OutLseAccumulator
+from cpbench.merge import OutLseAccumulator, add_sink, sink_grad
 from cpbench.strategies import register
 from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, option, save_for_backward
 from cpbench.strategies.layout import check_divisible, contiguous_index, zigzag_index
@@ -67,21 +67,23 @@ def _gathered(strat, k, v):
 
 class _Llama3Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, strat, q, k, v):
+    def forward(ctx, strat, q, k, v, sinks):
         out = q.new_empty(*q.shape[:3], v.shape[-1])  # V's width
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32,
                           device=q.device)
         for qh, _, k_all, v_all in _gathered(strat, k, v):
-            o, lse[:, qh] = _attend(strat, q[:, :, qh], k_all, v_all)
+            # every key of these heads is in: their sinks join once, here
+            o, lse[:, qh] = add_sink(*_attend(strat, q[:, :, qh], k_all, v_all),
+                                     None if sinks is None else sinks[qh])
             out[:, :, qh] = o.to(q.dtype)
-        save_for_backward(ctx, strat, q, k, v, out, lse, lse=lse)
+        save_for_backward(ctx, strat, q, k, v, out, lse, sinks, lse=lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         dout = dout.contiguous()
         strat = ctx.strat
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         g = strat.groups["cp"]
         dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
         for qh, kh, k_all, v_all in _gathered(strat, k, v):
@@ -90,7 +92,7 @@ class _Llama3Attention(torch.autograd.Function):
             dq[:, :, qh] = dq_c.to(q.dtype)
             dk[:, :, kh] = reduce_scatter_seq(dk_all, g).to(k.dtype)
             dv[:, :, kh] = reduce_scatter_seq(dv_all, g).to(v.dtype)
-        return None, dq, dk, dv
+        return None, dq, dk, dv, sink_grad(out, dout, lse, sinks)
 
 
 def _attend(strat, q, k_all, v_all):
@@ -141,6 +143,7 @@ class Llama3(Strategy):
     description = ("all-gather K/V, local queries attend to the whole sequence; dK/dV "
                    "reduce-scattered (Llama 3's CP; zigzag layout by default)")
     masks = frozenset({"documents", "window"})
+    takes_sinks = True
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
@@ -301,8 +304,8 @@ class Llama3(Strategy):
         ring = next(lst for lst in self.cp_lists if self.rank in lst)
         return self.tiles("gathered", self.seq_index(self.rank), self.positions(sorted(ring)))
 
-    def attention(self, q, k, v):
-        return _Llama3Attention.apply(self, q, k, v)
+    def attention(self, q, k, v, sinks=None):
+        return _Llama3Attention.apply(self, q, k, v, sinks)
 
     # -- the schedule -------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ import contextlib
 import torch
 
 from cpbench.comm import RingComm
+from cpbench.merge import sink_grad, sink_lse
 from cpbench.strategies import register
 from cpbench.strategies._kv_ring import kv_ring_areas
 from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, save_for_backward
@@ -174,8 +175,9 @@ def _sum_outputs(q, tiles, lse):
     return out
 
 
-def p2p_forward(strat, q, k, v, comm, streams: TileStreams):
-    """TE's forward loop (CP L1697-1970); returns out, lse and the last K/V received."""
+def p2p_forward(strat, q, k, v, comm, streams: TileStreams, sinks=None):
+    """TE's forward loop (CP L1697-1970); returns out, lse and the last K/V received.
+    ``sinks`` join the final lse once, before the outputs are rescaled to it."""
     g = strat.groups["ring"]
     n, me = g.size, g.index
     pack = KVPack(k, v)
@@ -193,6 +195,8 @@ def p2p_forward(strat, q, k, v, comm, streams: TileStreams):
         if i > 0:  # step i-1's correction runs behind step i's tile
             lse = _correct_lse(lse, tiles[i - 1], i - 1, n, streams)
     streams.join()
+    assert lse is not None, "a ring of at least one step"
+    lse = sink_lse(lse, sinks)  # exp(lse_step - lse') then leaves each row the sink's share
     return _sum_outputs(q, tiles, lse), lse, kv_bufs[-1]
 
 
@@ -244,24 +248,27 @@ def _bwd_tile(strat, dout, q, kv, out, lse, me: int, src: int):
 
 class _TEP2PAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, strat: "MegatronCP", q, k, v):
+    def forward(ctx, strat: "MegatronCP", q, k, v, sinks):
         comm = RingComm(strat.groups["ring"])
-        out, lse, kv_last = p2p_forward(strat, q, k, v, comm, TileStreams.for_tensor(q, strat))
-        save_for_backward(ctx, strat, q, kv_last, out, lse, lse=lse)
+        out, lse, kv_last = p2p_forward(strat, q, k, v, comm, TileStreams.for_tensor(q, strat),
+                                        sinks)
+        save_for_backward(ctx, strat, q, kv_last, out, lse, sinks, lse=lse)
         ctx.pack = KVPack(k, v)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, kv, out, lse = ctx.saved_tensors
+        q, kv, out, lse, sinks = ctx.saved_tensors
         dq, dkv = p2p_backward(ctx.strat, dout.contiguous(), q, kv, out, lse, ctx.pack)
-        return None, dq, dkv[0], dkv[1]  # views of the ring buffer, as TE returns them
+        # dK/dV: views of the ring buffer, as TE returns them
+        return None, dq, dkv[0], dkv[1], sink_grad(out, dout, lse, sinks)
 
 
 @register
 class MegatronCP(ZigzagLayout, Strategy):
     name = "megatron-cp"
     masks = frozenset({"documents", "window"})
+    takes_sinks = True
     description = ("TransformerEngine p2p CP (Megatron): zigzag layout, packed K/V ring, kept "
                    "per-step outputs, reverse ring with K/V+dK/dV in the activation dtype; "
                    "two forward streams on GPU")
@@ -270,8 +277,8 @@ class MegatronCP(ZigzagLayout, Strategy):
     def group_lists(self):
         return {"ring": self.cp_lists}
 
-    def attention(self, q, k, v):
-        return _TEP2PAttention.apply(self, q, k, v)
+    def attention(self, q, k, v, sinks=None):
+        return _TEP2PAttention.apply(self, q, k, v, sinks)
 
     def accumulator_bytes(self, phase: str) -> int:
         """Forward: its own K/V stacked into the first ring buffer (TE keeps outputs, not an

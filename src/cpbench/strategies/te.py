@@ -205,7 +205,8 @@ class _TransformerEngine(ZigzagLayout, Strategy):
                                        self.stream, cp_comm_type=self.comm_type)
         return dpa
 
-    def attention(self, q, k, v):
+    def attention(self, q, k, v, sinks=None):
+        assert sinks is None, "a problem with sinks is refused on construction (takes_sinks)"
         shape = q.shape
         if self.attn.documents:  # thd: (b, s_local, h, d) -> (t, h, d), rows in order
             q, k, v = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))

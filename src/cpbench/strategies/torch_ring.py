@@ -148,7 +148,8 @@ class TorchRing(Strategy):
         order = _HeadTailLoadBalancer(s, n, "cpu")._generate_indices(restore=False)
         return order[0].view(n, -1)[r].long()
 
-    def attention(self, q, k, v):
+    def attention(self, q, k, v, sinks=None):
+        assert sinks is None, "a problem with sinks is refused on construction (takes_sinks)"
         return _TorchRing.apply(self, q, k, v)
 
     def resolved_options(self) -> dict:
