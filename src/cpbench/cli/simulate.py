@@ -7,6 +7,7 @@ strategies' own schedules and a hardware preset.
 from __future__ import annotations
 
 import sys
+import textwrap
 
 from cpbench.cli import args as cli_args
 from cpbench.config import (
@@ -61,6 +62,10 @@ def add_parser(sub) -> None:
     g.add_argument("--list-hardware", action="store_true",
                    help="list the shipped hardware presets, each with where its numbers come "
                         "from, and exit")
+    g.add_argument("--kernel", metavar="NAME",
+                   help="the attention kernel priced: one the preset has curves for (fa2, fa3, "
+                        "cudnn, fa4; --list-hardware lists each preset's; default the one the "
+                        "field runs on that GPU)")
     integer = cli_args.converter(cli_args.read_number(int), "an integer")
     g.add_argument("--nodes", type=integer, help="nodes (default: the preset's)")
     g.add_argument("--gpus-per-node", type=integer, help="GPUs per node (default: the preset's)")
@@ -181,9 +186,16 @@ def list_hardware() -> str:
 
     lines = ["Hardware presets (cpbench/sim/presets/*.yaml; --hardware NAME or a YAML file):"]
     width = max(len(n) for n in hardware.names())
+    pad = " " * (width + 4)
     for name, description in hardware.preset_lines():
+        hw = hardware.load(name)
         lines += [f"  {name:<{width}}  {description}",
-                  f"  {'':<{width}}  source: {hardware.load(name).source or 'not stated'}"]
+                  f"{pad}source: {hw.source or 'not stated'}"]
+        for i, (kernel, summary, sources) in enumerate(hw.kernel_choices):
+            mark = " (default)" if i == 0 else ""
+            lines += textwrap.wrap(f"kernel {kernel}{mark}: {summary or 'not summarised'}; "
+                                   f"sources: {', '.join(sources) or 'none named'}", 116,
+                                   initial_indent=pad, subsequent_indent=pad + "  ")
     return "\n".join(lines) + "\n"
 
 
@@ -195,7 +207,7 @@ def _simulate(args) -> int:
     if args.list_hardware:
         sys.stdout.write(list_hardware())
         return 0
-    hw = hardware.load(args.hardware)
+    hw = hardware.load(args.hardware, args.kernel)
     if args.self_check:
         return _self_check(args, hw)
     if args.validate:
