@@ -153,3 +153,20 @@ def test_acceptance_commands_print_csv_that_pandas_reads(capsys):
         assert (df["evidence"] == provenance.NO_EVIDENCE).all()
         for value in df["fwd_bwd_ms"]:  # predictions to 3 significant figures
             assert float(f"{value:.3g}") == value
+
+
+def test_the_a800_evidence_is_what_validate_scores_now():
+    """The footer's figures are the validation's own: recomputed from the files they name,
+    so a change to the model that moves them fails here until the preset says it."""
+    from pathlib import Path
+
+    from cpbench.sim import validate
+
+    stated = raw("a800-sxm")["evidence"]["fa2"]
+    root = Path(__file__).resolve().parents[2]
+    got = validate.evidence(hardware.load("a800-sxm"), [str(root / f) for f in stated["files"]])
+    assert got == {k: v for k, v in stated.items() if k != "files"}
+    assert hardware.load("a800-sxm").evidence == (
+        "validated on 26 published rows of this preset with fa2 (in-sample 8.2 %, held out "
+        "3.6 % median error)")
+    assert hardware.load("a100-sxm").evidence == provenance.NO_EVIDENCE

@@ -269,3 +269,21 @@ def _label(row: Row) -> str:
 
 def _num(x) -> str:
     return "-" if x is None else f"{x:.2f}"
+
+
+def evidence(hw: Hardware, files: list[str]) -> dict:
+    """A preset's ``evidence:`` figures for its kernel: the scored rows of ``files``, how
+    many in-sample and held out, and each group's median |error| in percent (one decimal),
+    as ``report`` scores them."""
+    errors: dict[str, list[float]] = {IN_SAMPLE: [], HELD_OUT: []}
+    for path in files:
+        results = run(load(path), hw)
+        for r, s in zip(results, samples(results, hw, path)):
+            if r.row.scored:
+                errors[s].append(abs(r.error))
+    out: dict = {"rows": sum(map(len, errors.values()))}
+    for key, label in (("in_sample", IN_SAMPLE), ("held_out", HELD_OUT)):
+        out[key] = len(errors[label])
+        if errors[label]:
+            out[f"{key}_median"] = round(100 * statistics.median(errors[label]), 1)
+    return out
