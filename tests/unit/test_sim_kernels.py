@@ -170,3 +170,47 @@ def test_the_a800_evidence_is_what_validate_scores_now():
         "validated on 26 published rows of this preset with fa2 (in-sample 8.2 %, held out "
         "3.6 % median error)")
     assert hardware.load("a100-sxm").evidence == provenance.NO_EVIDENCE
+
+
+VALIDATION = "configs/validation/seed001_a800_4x8.csv"
+
+
+def _root_file(name: str) -> str:
+    from pathlib import Path
+
+    return str(Path(__file__).resolve().parents[2] / name)
+
+
+def test_validate_csv_is_one_labelled_row_per_published_row(capsys):
+    import csv as csv_module
+    import io
+    import json
+
+    import pandas as pd
+
+    path = _root_file(VALIDATION)
+    with open(path, newline="") as f:
+        published = list(csv_module.DictReader(f))
+    assert cli_main(["simulate", "--validate", path, "--format", "csv"]) == 0
+    df = pd.read_csv(io.StringIO(capsys.readouterr().out))
+    assert list(df["implementation"]) == [r["implementation"] for r in published]
+    scored = [r["score"] != "no" for r in published]
+    assert list(df["scored"]) == scored
+    assert set(df["sample"][df["scored"]]) == {"in-sample", "held out"}
+    assert set(df["sample"][~df["scored"]]) == {"not scored"}
+    assert df["note"][~df["scored"]].notna().all()  # its reason in its own row
+    assert cli_main(["simulate", "--validate", path, "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["rows"]) == len(published) and data["kernel"] == "fa2"
+    assert any(line.startswith("error, held out") for line in data["summary"])
+
+
+def test_validate_table_never_cuts_a_name_mid_word(capsys):
+    assert cli_main(["simulate", "--validate", _root_file(VALIDATION)]) == 0
+    out = capsys.readouterr().out
+    assert all(len(x) <= 120 for x in out.splitlines())
+    cells = {c.strip() for x in out.splitlines() if "|" in x for c in x.split("|")}
+    words = {w for c in cells for w in c.split()}
+    for word in ("ulysses_degree=4", "placement=ring-first", "ring_impl=double-ring",
+                 "burstengine_dkv_hop=True", "(ring-flash-attn)", "(LoongTrain)"):
+        assert word in words, word

@@ -215,7 +215,7 @@ def _simulate(args) -> int:
             raise UsageError("--validate prints its own table; drop --out, --plot, "
                              "--compare-placements and --memory-from, or run them separately")
         sys.stdout.write(validate.report(validate.run(validate.load(args.validate), hw), hw,
-                                         args.validate))
+                                         args.validate, fmt=args.format))
         return 0
     topo, attention, options, seqlens = _checked(args, hw)
     peaks = measured_memory.load(args.memory_from) if args.memory_from else None
