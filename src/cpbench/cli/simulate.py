@@ -92,6 +92,10 @@ def add_parser(sub) -> None:
     _add_self_check(p, integer)
     s.add_argument("--plot", metavar="OUT.png",
                    help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib)")
+    s.add_argument("--details", action="store_true",
+                   help="also each case's time by named term (kernel, block size, NCCL "
+                        "contention, merge / rescale, launch / sync, communication): why a "
+                        "strategy wins")
     s.add_argument("--format", choices=FORMATS, default="table")
     s.add_argument("--wide", action="store_true",
                    help="every column of every table (default: tables fit the terminal, "
@@ -228,7 +232,7 @@ def _simulate(args) -> int:
         text = command.render_comparison(command.compare_placements(records), hw, topo,
                                          args.format)
     else:
-        text = command.render(records, hw, topo, args.format)
+        text = command.render(records, hw, topo, args.format, with_details=args.details)
         if peaks is not None and args.format in ("table", "markdown"):
             text += measured_memory.summary(records, args.memory_from)
         if skipped and args.format in ("table", "markdown"):

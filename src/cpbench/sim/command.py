@@ -58,7 +58,9 @@ def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
                     "capacity_bytes": p.capacity_bytes, "kernel": hw.kernel_name,
                     # what the figures rest on: every simulated record says it
                     "evidence": hw.evidence,
-                    "kernel_notes": hw.kernel_notes(attn.head_dim, attn.causal)})
+                    "kernel_notes": hw.kernel_notes(attn.head_dim, attn.causal),
+                    # the step costs by name, ms (sim.terms): --details shows them
+                    "terms_ms": {k: [f * 1e3, b * 1e3] for k, f, b in p.terms}})
 
 
 def _ideal(attn: AttentionConfig, ranks: int, hw: Hardware) -> dict:
@@ -213,6 +215,27 @@ def breakdown(records: list[dict]) -> str:
                       *tables.render(None, rows, "table", _BREAKDOWN_FIT)]) + "\n"
 
 
+def details(records: list[dict]) -> str:
+    """``--details``: per sequence length, each case's FWD+BWD time by named term
+    (``sim.terms``), the slowest rank's of each step summed, so a reader sees why a strategy
+    wins; the terms add up to the row's FWD+BWD."""
+    out = ["Where each case's FWD+BWD goes, by term (ms; the slowest rank of each step):"]
+    for seqlen in sorted({r["config"]["attention"]["seqlen"] for r in records}):
+        rows = [r for r in records if r["config"]["attention"]["seqlen"] == seqlen
+                and r["status"] == results.OK and r["simulation"].get("terms_ms")]
+        if not rows:
+            continue
+        names = [labels.row_label(r) for r in rows]
+        table = [{"Term": term, **{n: cell_text.sig(sum(r["simulation"]["terms_ms"][term]))
+                                   for n, r in zip(names, rows)}}
+                 for term in rows[0]["simulation"]["terms_ms"]]
+        table.append({"Term": "FWD+BWD", **{n: cell_text.sig(r["derived"]["fwd_bwd_ms"])
+                                            for n, r in zip(names, rows)}})
+        out += tables.render(f"Seq Len {seqlen}", table, "table",
+                             Fit(wrap=tuple(names)))
+    return "\n".join(out) + "\n"
+
+
 _BREAKDOWN = ("FWD kernels (ms)", "FWD rest (ms)", "BWD kernels (ms)", "BWD rest (ms)")
 _BREAKDOWN_FIT = Fit(lift=("Seq Len",), wrap=("Strategy",), notes=("Notes",))
 
@@ -254,7 +277,8 @@ def _footer(records: list[dict], hw: Hardware) -> str:
     return "\n".join(prose(evidence_lines(records, hw))) + "\n"
 
 
-def render(records: list[dict], hw: Hardware, topo: Topology, fmt: str) -> str:
+def render(records: list[dict], hw: Hardware, topo: Topology, fmt: str,
+           with_details: bool = False) -> str:
     from cpbench.report import sweep
 
     if fmt in ("csv", "json"):
@@ -263,7 +287,8 @@ def render(records: list[dict], hw: Hardware, topo: Topology, fmt: str) -> str:
     # the banner says they are simulated: the sweep view's own note would say it again
     body = (sweep.grouped(records, fmt) + "\n" + sweep.pivot(records, fmt) if several
             else tables.summary(records, fmt))
-    return (f"{_banner(hw, topo, records)}\n\n{body}\n{breakdown(records)}"
+    more = details(records) if with_details else ""
+    return (f"{_banner(hw, topo, records)}\n\n{body}\n{breakdown(records)}{more}"
             f"{_ideal_note(records)}{_footer(records, hw)}")
 
 
