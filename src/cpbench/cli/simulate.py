@@ -28,6 +28,13 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
     return tuple(parse_size(t) for t in text.split(",") if t.strip()) or (parse_size(text),)
 
 
+def _parse_counts(text: str) -> tuple[int, ...]:
+    counts = tuple(int(t) for t in text.split(",") if t.strip())
+    if not counts:
+        raise ValueError(text)
+    return counts
+
+
 _PRESETS = "(the hardware presets)"  # the epilog's place holder, filled when help prints
 
 
@@ -67,7 +74,13 @@ def add_parser(sub) -> None:
                         "cudnn, fa4; --list-hardware lists each preset's; default the one the "
                         "field runs on that GPU)")
     integer = cli_args.converter(cli_args.read_number(int), "an integer")
-    g.add_argument("--nodes", type=integer, help="nodes (default: the preset's)")
+    sizes = cli_args.converter(_parse_counts, "whole numbers")
+    g.add_argument("--nodes", type=sizes, metavar="N[,N...]",
+                   help="nodes (default: the preset's); several (1,2,4,8): a capacity table, "
+                        "the best strategy at each scale marked")
+    g.add_argument("--tokens-per-gpu", type=cli_args.converter(parse_size, "a size"),
+                   metavar="T", help="tokens per GPU (e.g. 8k): each scale's sequence length "
+                                     "is T x its GPUs (over --batch); a capacity table")
     g.add_argument("--gpus-per-node", type=integer, help="GPUs per node (default: the preset's)")
     s = p.add_argument_group("what to simulate")
     s.add_argument("--strategy", type=cli_args.converter(parse_names, "names"),
@@ -153,7 +166,7 @@ def _checked(args, hw):
     """(topology, attention, options, seqlens) from the flags; UsageError before any work."""
     from cpbench.topology import Topology
 
-    nodes = hw.nodes if args.nodes is None else args.nodes
+    nodes = hw.nodes if args.nodes is None else args.nodes[0]
     gpn = hw.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
     if nodes < 1 or gpn < 1:
         raise UsageError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} x {gpn}")
@@ -206,7 +219,7 @@ def list_hardware() -> str:
 def _simulate(args) -> int:
     from cpbench.report import console
     from cpbench.report.render import prose
-    from cpbench.sim import command, hardware, measured_memory, validate
+    from cpbench.sim import command, hardware, measured_memory
 
     if args.list_hardware:
         sys.stdout.write(list_hardware())
@@ -215,13 +228,10 @@ def _simulate(args) -> int:
     if args.self_check:
         return _self_check(args, hw)
     if args.validate:
-        if args.out or args.plot or args.compare_placements or args.memory_from:
-            raise UsageError("--validate prints its own table; drop --out, --plot, "
-                             "--compare-placements and --memory-from, or run them separately")
-        sys.stdout.write(validate.report(validate.run(validate.load(args.validate), hw), hw,
-                                         args.validate, fmt=args.format))
-        return 0
+        return _validate(args, hw)
     topo, attention, options, seqlens = _checked(args, hw)
+    if args.tokens_per_gpu is not None or (args.nodes and len(args.nodes) > 1):
+        return _capacity(args, hw, topo, attention, options, seqlens)
     peaks = measured_memory.load(args.memory_from) if args.memory_from else None
     cases = command.placement_cases(args.strategy, topo) if args.compare_placements else None
     records, skipped = command.simulate(args.strategy, options, attention, seqlens, topo, hw,
@@ -254,6 +264,42 @@ def _simulate(args) -> int:
     return 0
 
 
+
+
+def _validate(args, hw) -> int:
+    from cpbench.sim import validate
+
+    if args.out or args.plot or args.compare_placements or args.memory_from:
+        raise UsageError("--validate prints its own table; drop --out, --plot, "
+                         "--compare-placements and --memory-from, or run them separately")
+    sys.stdout.write(validate.report(validate.run(validate.load(args.validate), hw), hw,
+                                     args.validate, fmt=args.format))
+    return 0
+
+
+def _capacity(args, hw, topo, attention, options, seqlens) -> int:
+    from cpbench.sim import capacity
+
+    if args.compare_placements or args.memory_from or args.plot or args.format != "table" \
+            or len(seqlens) > 1 or args.packings > 1:
+        raise UsageError("a capacity table (--tokens-per-gpu, several --nodes) takes one "
+                         "problem in table format; drop --seqlen lists, --compare-placements, "
+                         "--memory-from, --plot, --packings and --format")
+    if args.tokens_per_gpu is not None and args.tokens_per_gpu < 1:
+        raise UsageError(f"--tokens-per-gpu must be positive, got {args.tokens_per_gpu}")
+    nodes = list(args.nodes or (hw.nodes,))
+    if min(nodes) < 1:
+        raise UsageError(f"--nodes must be >= 1, got {','.join(map(str, nodes))}")
+    records, skipped = capacity.sweep(args.strategy, options, {**attention,
+                                                               "seqlen": seqlens[0]},
+                                      nodes, topo.ranks_per_node, args.tokens_per_gpu, hw)
+    if args.out:
+        from cpbench import results
+
+        for record in records:
+            results.append(args.out, record)
+    sys.stdout.write(capacity.render(records, hw, skipped))
+    return 0
 
 
 def _self_check(args, hw) -> int:

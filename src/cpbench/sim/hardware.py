@@ -114,6 +114,7 @@ class Hardware:
     # what a prediction on this preset rests on (``sim.provenance.evidence``): the published
     # CP rows it was validated on with this kernel, or that it has none
     evidence: str = provenance.NO_EVIDENCE
+    stated_error: float | None = None  # its held-out median |error|, where it has one
 
     def kernels(self) -> tuple[tuple[int | None, KernelSet], ...]:
         first = KernelSet(self.kernel_fwd, self.kernel_bwd, self.kernel_fwd_causal,
@@ -280,6 +281,7 @@ def from_dict(d: dict, source: str = "preset", kernel: str | None = None) -> Har
             calibration_load=provenance.parse_load(d.get("load"), f"{source}: load"),
             kernel_name=kernel_name, kernel_choices=choices,
             evidence=provenance.evidence(d.get("evidence"), kernel_name, f"{source}: evidence"),
+            stated_error=provenance.stated_error(d.get("evidence"), kernel_name),
         )
     except KeyError as e:
         raise UsageError(f"{source}: missing field {e.args[0]!r} (see configs/hardware/"

@@ -102,6 +102,14 @@ NO_EVIDENCE = ("no published CP rows on this hardware: an estimate from datashee
                "figures")
 
 
+def stated_error(d, kernel: str) -> float | None:
+    """The model's stated error with this kernel: the held-out rows' median |error| (a
+    fraction) of ``evidence:``; None where it was validated on no held-out row."""
+    e = (d or {}).get(kernel) if isinstance(d, dict) else None
+    median = e.get("held_out_median") if isinstance(e, dict) and e.get("held_out") else None
+    return None if median is None else float(median) / 100
+
+
 def evidence(d, kernel: str, where: str) -> str:
     """The sentence every simulated table and record carries: the published CP rows this
     preset, with this kernel, was validated on (``evidence:``, per kernel: ``rows``,
