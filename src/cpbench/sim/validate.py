@@ -276,9 +276,10 @@ def report(results: list[Result], hw: Hardware, table: str, tolerance: float = 0
         rows.append({
             "Implementation": r.row.implementation, "cpbench": _label(r.row),
             "Seq Len": str(r.row.attn.seqlen), "Nodes×GPUs": r.row.topo.describe(),
-            "FWD (ms) pub / sim": f"{_num(r.row.published_fwd_ms)} / {p.fwd_s * 1e3:.2f}",
+            "FWD (ms) pub / sim": f"{_num(r.row.published_fwd_ms)} / "
+                                  f"{cells.sig(p.fwd_s * 1e3)}",
             "TFLOPs/s published": f"{r.row.published:.2f}",
-            "TFLOPs/s simulated": f"{r.predicted:.2f}",
+            "TFLOPs/s simulated": cells.sig(r.predicted),
             "Rel. error": f"{100 * r.error:+.1f} %",
             "Sample": s if r.row.scored else NOT_SCORED,
         })
