@@ -214,3 +214,14 @@ def test_validate_table_never_cuts_a_name_mid_word(capsys):
     for word in ("ulysses_degree=4", "placement=ring-first", "ring_impl=double-ring",
                  "burstengine_dkv_hop=True", "(ring-flash-attn)", "(LoongTrain)"):
         assert word in words, word
+
+
+def test_report_of_simulated_records_states_their_evidence(capsys, tmp_path):
+    out = tmp_path / "sim.jsonl"
+    assert cli_main(["simulate", "--hardware", "b200", "--nodes", "1", "--seqlen", "64K",
+                     "--strategy", "zigzag", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert cli_main(["report", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"Evidence (HGX B200 (8x 400 Gb/s per node), kernel fa4): {provenance.NO_EVIDENCE}." \
+        in text
