@@ -109,7 +109,7 @@ class Hardware:
     calibration_load: float | None = None
     # the attention kernel the curves above price (``--kernel``), and every kernel the preset
     # has curves for: (name, one line on its figures, its source names), the default first
-    kernel_name: str = "fa2"
+    kernel_name: str = "unnamed"
     kernel_choices: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
     # what a prediction on this preset rests on (``sim.provenance.evidence``): the published
     # CP rows it was validated on with this kernel, or that it has none
@@ -210,14 +210,14 @@ def _in_cp(k: dict, source: str) -> tuple[float, float]:
 
 def _kernel_section(d: dict, source: str, kernel: str | None) -> tuple[str, dict, tuple]:
     """(the kernel's name, its ``kernel:`` section, every kernel's (name, summary, sources)).
-    ``kernel:`` holds the first kernel's curves (``name:``, FlashAttention-2 if not named)
+    ``kernel:`` holds the first kernel's curves (``name:``: fa2, fa3, cudnn, fa4, measured)
     and the step's own terms (``in_cp``, ``step_overhead_us``); ``kernels:`` other kernels'
     curves in the same format, which take its terms; ``default_kernel:`` the one a plain
     ``--hardware`` prices."""
     base, others = d["kernel"], d.get("kernels") or {}
     if not isinstance(base, dict) or not isinstance(others, dict):
         raise TypeError("kernel and kernels must be mappings")
-    first = str(base.get("name", "fa2"))
+    first = str(base.get("name", "unnamed"))
     choices = {first: base, **others}
     for name, section in others.items():  # each parses, chosen or not: fail at load
         if not isinstance(section, dict):
