@@ -102,7 +102,7 @@ def test_a_missing_figure_is_said_not_scaled():
 
 
 def test_a_kernel_the_preset_has_no_figures_for_is_refused():
-    with pytest.raises(UsageError, match="no cudnn curves on this GPU"):
+    with pytest.raises(UsageError, match="b200 has no cudnn curves"):
         hardware.load("b200", "cudnn")
     assert cli_main(["simulate", "--hardware", "a800-sxm", "--kernel", "fa3"]) == 2
 

@@ -225,7 +225,7 @@ def _kernel_section(d: dict, source: str, kernel: str | None) -> tuple[str, dict
         curves.parse(section, f"{source}: kernels.{name}")
     name = kernel or str(d.get("default_kernel", first))
     if name not in choices:
-        raise UsageError(f"{source}: no {name} curves on this GPU (its kernels: "
+        raise UsageError(f"{Path(source).stem} has no {name} curves (its kernels: "
                          f"{', '.join(choices)}); choose one of those with --kernel")
     terms = {key: base[key] for key in ("in_cp", "step_overhead_us") if key in base}
     section = base if name == first else {**terms, **others[name]}
