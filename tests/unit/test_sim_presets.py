@@ -41,7 +41,12 @@ A100_FWD_BWD = {(128, False): (151, 173, 187, 196, 201, 203),
                 (128, True): (99, 133, 155, 173, 182, 189),
                 (64, False): (132, 153, 162, 171, 175, 176),
                 (64, True): (88, 119, 140, 156, 165, 171)}
-PEAKS = {"b200": 2250, "gb200-nvl72": 2500}  # dense BF16, datasheets; H100 SXM5: 989
+# FlashAttention-2 on B200, posted as text: head dim 64 forward and backward, not causal
+# (flash-attention issue #1589), head dim 128 forward (tritonbench pull request #171), at L
+B200_FA2 = {(64, "fwd"): ("308.40", "359.30", "380.99", "306.94", "343.07", "379.44"),
+            (64, "bwd"): ("243.05", "280.64", "301.61", "314.71", "329.09", "333.95"),
+            (128, "fwd"): ("245.259", "315.111", "352.104", "353.912", "361.591", "330.587")}
+B200_FA2_SOURCE = {64: "fa2-b200-hd64", 128: "fa2-b200-hd128-fwd"}
 FAMILY = {"a100-sxm": "a100", "a800-sxm": "a100", "h100-sxm": "h100", "h800-sxm": "h100",
           "h200-sxm": "h100", "b200": "blackwell", "gb200-nvl72": "blackwell"}
 PHASES = ("fwd", "bwd", "fwd_causal", "bwd_causal")
@@ -77,10 +82,9 @@ def expected(name: str, dim: int) -> dict[str, list[tuple[int, float, str]]]:
         curves = h100_curves(dim)
         keys = {"fwd": "fa3-fwd", "bwd": "fa3-bwd", "fwd_causal": "fa3-fwd",
                 "bwd_causal": "fa2-causal-bwd"}
-    else:
-        scale = PEAKS[name] / 989
-        curves = {k: [v * scale for v in vs] for k, vs in h100_curves(dim).items()}
-        keys = dict.fromkeys(PHASES, "h100-by-peak")
+    else:  # measured on B200: no causal figure, no head dim 128 backward
+        return {phase: [(s, float(v), B200_FA2_SOURCE[d]) for s, v in zip(L, values)]
+                for (d, phase), values in B200_FA2.items() if d == dim}
     out = {k: [(s, v, keys[k]) for s, v in zip(L, curves[k])] for k in PHASES}
     for phase in ("fwd", "bwd"):  # causal beyond 16k: approaches the full block as 1 / L
         full, causal = curves[phase][-1], curves[phase + "_causal"][-1]
@@ -101,11 +105,12 @@ def test_every_kernel_point_is_its_cited_figure_and_the_model_prices_on_it(name)
     """Each point of the YAML: the value its source's figure gives (through the stated rule
     where the source is a rule), the source it names; and the rate the model prices a block
     of that side on is that point times the preset's in-CP rate, no other factor."""
-    k, hw = raw(name)["kernel"], hardware.load(name)
+    k, hw = raw(name)["kernel"], hardware.load(name, "fa2")
     assert set(FAMILY) <= set(hardware.names())
     for dim in (128, 64):
         want = expected(name, dim)
-        for phase in PHASES:
+        assert set(k[f"head_dim_{dim}"]) == set(want)
+        for phase in want:
             got = k[f"head_dim_{dim}"][phase]
             assert [(s, src) for s, _, src in got] == [(s, src) for s, _, src in want[phase]]
             for (side, value, _), (_, figure, _) in zip(got, want[phase]):
@@ -129,7 +134,8 @@ def test_every_source_names_the_figure_values_it_gives(name):
         cited = {"fa3-fwd": list(H100_FWD.values()), "fa3-bwd": list(H100_BWD.values()),
                  "fa2-causal-bwd": list(H100_FWD_BWD_CAUSAL.values())}
     else:
-        cited = {"h100-by-peak": [(PEAKS[name], 989)]}
+        cited = {src: [v for (d, _), v in B200_FA2.items() if d == dim]
+                 for dim, src in B200_FA2_SOURCE.items()}
     for key, series in cited.items():
         numbers = re.sub(r"\*", "", text[key])
         for values in series:
@@ -149,7 +155,7 @@ def test_the_a800_curve_has_no_cliff():
 
 def _one_block(name: str, causal: bool, seqlen: int = 16384):
     """``local`` on one GPU: one kernel call over the whole sequence; links and passes off."""
-    hw = dataclasses.replace(hardware.load(name), merge=hardware.Pass(),
+    hw = dataclasses.replace(hardware.load(name, "fa2"), merge=hardware.Pass(),
                              accumulate=hardware.Pass(), step_overhead_us=0.0)
     attn = AttentionConfig(batch=1, seqlen=seqlen, heads=32, head_dim=128, dtype="bf16",
                            causal=causal)
@@ -161,8 +167,8 @@ def _one_block(name: str, causal: bool, seqlen: int = 16384):
 @pytest.mark.parametrize("name", ["h100-sxm", "a800-sxm"])
 def test_the_causal_penalty_is_counted_once(name):
     """A causal 16k block costs its causal FLOPs (half the square's) at the published causal
-    rate: on H100 335 TFLOP/s forward (times the in-CP rate) — not 335 x 335 / 370, the old
-    presets' double count."""
+    rate: on H100 335 TFLOP/s forward with FlashAttention-2 (times the in-CP rate) — not 335
+    x 335 / 370, the old presets' double count."""
     p, attn, hw = _one_block(name, causal=True)
     flops = attention_flops(batch=1, seqlen_q=attn.seqlen, seqlen_k=attn.seqlen, heads=32,
                             head_dim=128, causal=True)
@@ -241,8 +247,9 @@ def test_a_strategy_that_does_not_merge_pays_no_merge():
 
 def test_the_ideal_is_the_local_kernel_on_one_gpus_share_times_the_gpus():
     """ring-flash-attention's "theoretic flash_attn": 8 GPUs each on 8k tokens, its rate / 8
-    — the kernel's curve at side S / N, N times over; no in-CP rate, no step costs."""
-    hw = hardware.load("h800-sxm")
+    — the kernel's curve at side S / N, N times over; no in-CP rate, no step costs (the
+    FlashAttention-2 it ran)."""
+    hw = hardware.load("h800-sxm", "fa2")
     attn = AttentionConfig(batch=1, seqlen=65536, heads=32, kv_heads=8, head_dim=128,
                            dtype="bf16", causal=True)
     fwd, bwd = model.ideal(attn, 8, hw)  # one GPU's block
@@ -259,8 +266,9 @@ def test_the_ideal_is_the_local_kernel_on_one_gpus_share_times_the_gpus():
 def test_zigzag_on_h800_sits_where_ring_flash_attention_measured_it():
     """Its README: zigzag fwd+bwd at 90.2 % of the ideal on 8 x H800, ring at 53.9 % (8k a
     GPU, Llama-3-8B's 32 / 8 heads). This row chose carrying A800's in-CP rate to H800 (with
-    1.0: 98.5 %), so it is in-sample for that choice; within 5 points."""
-    hw = hardware.load("h800-sxm")
+    1.0: 98.5 %), so it is in-sample for that choice; within 5 points. ring-flash-attn
+    calls FlashAttention-2: priced on it."""
+    hw = hardware.load("h800-sxm", "fa2")
     attn = AttentionConfig(batch=1, seqlen=65536, heads=32, kv_heads=8, head_dim=128,
                            dtype="bf16", causal=True)
     topo = Topology(world_size=8, ranks_per_node=8)

@@ -115,7 +115,13 @@ def main(args) -> int:
     except (OSError, UsageError) as e:
         return fail(PROG, e)
     with fitting(wide_width(args.wide)):
-        sys.stdout.write(_text(args, records))
+        text = _text(args, records)
+        if args.format in ("table", "markdown"):  # no simulated figure without its evidence
+            from cpbench.report import tables
+            from cpbench.report.render import prose
+
+            text += "".join(f"{x}\n" for x in prose(tables.evidence_lines(records)))
+        sys.stdout.write(text)
     if args.plot:
         from cpbench.report import plot, tables
 

@@ -7,6 +7,7 @@ strategies' own schedules and a hardware preset.
 from __future__ import annotations
 
 import sys
+import textwrap
 
 from cpbench.cli import args as cli_args
 from cpbench.config import (
@@ -25,6 +26,13 @@ PROG = "cpbench simulate"
 
 def _parse_sizes(text: str) -> tuple[int, ...]:
     return tuple(parse_size(t) for t in text.split(",") if t.strip()) or (parse_size(text),)
+
+
+def _parse_counts(text: str) -> tuple[int, ...]:
+    counts = tuple(int(t) for t in text.split(",") if t.strip())
+    if not counts:
+        raise ValueError(text)
+    return counts
 
 
 _PRESETS = "(the hardware presets)"  # the epilog's place holder, filled when help prints
@@ -62,8 +70,18 @@ def add_parser(sub) -> None:
     g.add_argument("--list-hardware", action="store_true",
                    help="list the shipped hardware presets, each with where its numbers come "
                         "from, and exit")
+    g.add_argument("--kernel", metavar="NAME",
+                   help="the attention kernel priced: one the preset has curves for (fa2, fa3, "
+                        "cudnn, fa4; --list-hardware lists each preset's; default the one the "
+                        "field runs on that GPU)")
     integer = cli_args.converter(cli_args.read_number(int), "an integer")
-    g.add_argument("--nodes", type=integer, help="nodes (default: the preset's)")
+    sizes = cli_args.converter(_parse_counts, "whole numbers")
+    g.add_argument("--nodes", type=sizes, metavar="N[,N...]",
+                   help="nodes (default: the preset's); several (1,2,4,8): a capacity table, "
+                        "the best strategy at each scale marked")
+    g.add_argument("--tokens-per-gpu", type=cli_args.converter(parse_size, "a size"),
+                   metavar="T", help="tokens per GPU (e.g. 8k): each scale's sequence length "
+                                     "is T x its GPUs (over --batch); a capacity table")
     g.add_argument("--gpus-per-node", type=integer, help="GPUs per node (default: the preset's)")
     s = p.add_argument_group("what to simulate")
     s.add_argument("--strategy", type=cli_args.converter(parse_names, "names"),
@@ -88,6 +106,10 @@ def add_parser(sub) -> None:
     _add_self_check(p, integer)
     s.add_argument("--plot", metavar="OUT.png",
                    help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib)")
+    s.add_argument("--details", action="store_true",
+                   help="also each case's time by named term (kernel, block size, NCCL "
+                        "contention, merge / rescale, launch / sync, communication): why a "
+                        "strategy wins")
     s.add_argument("--format", choices=FORMATS, default="table")
     s.add_argument("--wide", action="store_true",
                    help="every column of every table (default: tables fit the terminal, "
@@ -145,7 +167,7 @@ def _checked(args, hw):
     """(topology, attention, options, seqlens) from the flags; UsageError before any work."""
     from cpbench.topology import Topology
 
-    nodes = hw.nodes if args.nodes is None else args.nodes
+    nodes = hw.nodes if args.nodes is None else args.nodes[0]
     gpn = hw.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
     if nodes < 1 or gpn < 1:
         raise UsageError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} x {gpn}")
@@ -182,31 +204,35 @@ def list_hardware() -> str:
 
     lines = ["Hardware presets (cpbench/sim/presets/*.yaml; --hardware NAME or a YAML file):"]
     width = max(len(n) for n in hardware.names())
+    pad = " " * (width + 4)
     for name, description in hardware.preset_lines():
+        hw = hardware.load(name)
         lines += [f"  {name:<{width}}  {description}",
-                  f"  {'':<{width}}  source: {hardware.load(name).source or 'not stated'}"]
+                  f"{pad}source: {hw.source or 'not stated'}"]
+        for i, (kernel, summary, sources) in enumerate(hw.kernel_choices):
+            mark = " (default)" if i == 0 else ""
+            lines += textwrap.wrap(f"kernel {kernel}{mark}: {summary or 'not summarised'}; "
+                                   f"sources: {', '.join(sources) or 'none named'}", 116,
+                                   initial_indent=pad, subsequent_indent=pad + "  ")
     return "\n".join(lines) + "\n"
 
 
 def _simulate(args) -> int:
     from cpbench.report import console
     from cpbench.report.render import prose
-    from cpbench.sim import command, hardware, measured_memory, validate
+    from cpbench.sim import command, hardware, measured_memory
 
     if args.list_hardware:
         sys.stdout.write(list_hardware())
         return 0
-    hw = hardware.load(args.hardware)
+    hw = hardware.load(args.hardware, args.kernel)
     if args.self_check:
         return _self_check(args, hw)
     if args.validate:
-        if args.out or args.plot or args.compare_placements or args.memory_from:
-            raise UsageError("--validate prints its own table; drop --out, --plot, "
-                             "--compare-placements and --memory-from, or run them separately")
-        sys.stdout.write(validate.report(validate.run(validate.load(args.validate), hw), hw,
-                                         args.validate))
-        return 0
+        return _validate(args, hw)
     topo, attention, options, seqlens = _checked(args, hw)
+    if args.tokens_per_gpu is not None or (args.nodes and len(args.nodes) > 1):
+        return _capacity(args, hw, topo, attention, options, seqlens)
     peaks = measured_memory.load(args.memory_from) if args.memory_from else None
     cases = command.placement_cases(args.strategy, topo) if args.compare_placements else None
     records, skipped = command.simulate(args.strategy, options, attention, seqlens, topo, hw,
@@ -217,7 +243,7 @@ def _simulate(args) -> int:
         text = command.render_comparison(command.compare_placements(records), hw, topo,
                                          args.format)
     else:
-        text = command.render(records, hw, topo, args.format)
+        text = command.render(records, hw, topo, args.format, with_details=args.details)
         if peaks is not None and args.format in ("table", "markdown"):
             text += measured_memory.summary(records, args.memory_from)
         if skipped and args.format in ("table", "markdown"):
@@ -239,6 +265,42 @@ def _simulate(args) -> int:
     return 0
 
 
+
+
+def _validate(args, hw) -> int:
+    from cpbench.sim import validate
+
+    if args.out or args.plot or args.compare_placements or args.memory_from:
+        raise UsageError("--validate prints its own table; drop --out, --plot, "
+                         "--compare-placements and --memory-from, or run them separately")
+    sys.stdout.write(validate.report(validate.run(validate.load(args.validate), hw), hw,
+                                     args.validate, fmt=args.format))
+    return 0
+
+
+def _capacity(args, hw, topo, attention, options, seqlens) -> int:
+    from cpbench.sim import capacity
+
+    if args.compare_placements or args.memory_from or args.plot or args.format != "table" \
+            or len(seqlens) > 1 or args.packings > 1:
+        raise UsageError("a capacity table (--tokens-per-gpu, several --nodes) takes one "
+                         "problem in table format; drop --seqlen lists, --compare-placements, "
+                         "--memory-from, --plot, --packings and --format")
+    if args.tokens_per_gpu is not None and args.tokens_per_gpu < 1:
+        raise UsageError(f"--tokens-per-gpu must be positive, got {args.tokens_per_gpu}")
+    nodes = list(args.nodes or (hw.nodes,))
+    if min(nodes) < 1:
+        raise UsageError(f"--nodes must be >= 1, got {','.join(map(str, nodes))}")
+    records, skipped = capacity.sweep(args.strategy, options, {**attention,
+                                                               "seqlen": seqlens[0]},
+                                      nodes, topo.ranks_per_node, args.tokens_per_gpu, hw)
+    if args.out:
+        from cpbench import results
+
+        for record in records:
+            results.append(args.out, record)
+    sys.stdout.write(capacity.render(records, hw, skipped))
+    return 0
 
 
 def _self_check(args, hw) -> int:

@@ -17,6 +17,17 @@ def ms(x) -> str:
     return "-" if missing(x) else f"{x:.2f}"
 
 
+def sig(x, digits: int = 3) -> str:
+    """A prediction: ``digits`` significant figures, no exponent ("1490", "59.8", "0.0123"):
+    a simulated figure carries no more precision than the model has."""
+    if missing(x):
+        return "-"
+    if x == 0:
+        return "0"
+    places = digits - 1 - math.floor(math.log10(abs(x)))
+    return f"{round(x, places):.{max(places, 0)}f}"
+
+
 def cell_ms(value, record: dict) -> str:
     """A time cell: the figure, or the row's status (OOM, failed) where none was measured
     ("-" where nothing was timed: ranks as threads time nothing)."""
@@ -46,13 +57,18 @@ def figures(row: dict) -> dict[str, str]:
     measured shows; OOM / failed fill every other time column and TFLOPs/s."""
     status = row["status"]
     none = status if status != OK else "-"  # OK with no time: nothing was timed (threads)
-    fwd = none if missing(row["fwd_ms"]) else ms(row["fwd_ms"])
+    simulated = bool(row.get("simulated"))
+    number = sig if simulated else ms  # a prediction: 3 significant figures
+    fwd = none if missing(row["fwd_ms"]) else number(row["fwd_ms"])
     both = "-" if row["fwd_only"] else \
-        none if missing(row["fwd_bwd_ms"]) else ms(row["fwd_bwd_ms"])
+        none if missing(row["fwd_bwd_ms"]) else number(row["fwd_bwd_ms"])
     rate = status if status != OK else \
-        tflops(row["fwd_tflops"] if row["fwd_only"] else row["fwd_bwd_tflops"])
-    return {"FWD (ms)": fwd, "FWD+BWD (ms)": both,
-            "Memory (MB)": memory(row["memory_mb"], row["memory_status"]), "TFLOPs/s": rate}
+        (sig if simulated else tflops)(row["fwd_tflops"] if row["fwd_only"]
+                                       else row["fwd_bwd_tflops"])
+    mem = memory(row["memory_mb"], row["memory_status"])
+    if simulated and not missing(row["memory_mb"]):
+        mem = sig(row["memory_mb"])
+    return {"FWD (ms)": fwd, "FWD+BWD (ms)": both, "Memory (MB)": mem, "TFLOPs/s": rate}
 
 
 def with_unit(cell: str, unit: str) -> str:

@@ -213,13 +213,16 @@ def _lift(rows: list[dict], columns: tuple[str, ...], limit: int
 def _wrap_widths(rows: list[dict], columns: list[str], limit: int) -> dict[str, int]:
     """Break the text columns' cells (at spaces) until the table fits: the widest of them
     narrows first, a character at a time, so they end about as wide; each keeps at least
-    12 characters."""
+    12 characters and its longest word."""
     present = [c for c in columns if c in rows[0]]
     wrap_at = {c: max(len(r[c]) for r in rows) for c in present}
+    # never narrower than its longest word: a name is never cut mid-word
+    floor = {c: max(12, *(len(w) for r in rows for w in r[c].split())) for c in present}
     over = table_width(rows) - limit
     while over > 0:
-        col = max(wrap_at, key=lambda c: wrap_at[c], default=None)
-        if col is None or wrap_at[col] <= 12:
+        narrowable = [c for c in wrap_at if wrap_at[c] > floor[c]]
+        col = max(narrowable, key=lambda c: wrap_at[c], default=None)
+        if col is None:
             break
         wrap_at[col] -= 1
         over -= 1

@@ -180,6 +180,20 @@ def simulated(records: list[dict]) -> tuple[int, str]:
     return len(sims), ", ".join(dict.fromkeys(r["env"].get("hardware", "?") for r in sims))
 
 
+def evidence_lines(records: list[dict]) -> list[str]:
+    """What the simulated rows rest on (``simulation.evidence``, per preset): said under any
+    table that shows them; a record from before it was stated says so."""
+    seen: dict[tuple, str] = {}
+    for r in records:
+        if r.get("env", {}).get("simulated"):
+            sim = r.get("simulation") or {}
+            seen.setdefault((r["env"].get("hardware"), sim.get("kernel")),
+                            sim.get("evidence") or "not recorded (a record from before "
+                                                   "cpbench stated it)")
+    return [f"Evidence ({hw}{f', kernel {k}' if k else ''}): {text}."
+            for (hw, k), text in seen.items()]
+
+
 def simulated_note(records: list[dict]) -> str:
     """" (simulated on <preset>, not measured)" when every record is a prediction; " (N of M
     rows simulated: Source column)" when some are; "" when none are."""

@@ -20,6 +20,7 @@ from cpbench.config import AttentionConfig, RunConfig, packed_problems
 from cpbench.errors import Skipped, UsageError
 from cpbench.mask import mask_of
 from cpbench.metrics import gib
+from cpbench.report import cells as cell_text
 from cpbench.report import labels, tables
 from cpbench.report.render import Fit, prose
 from cpbench.sim import model
@@ -54,7 +55,12 @@ def _record(case: Case, attn: AttentionConfig, topo: Topology, hw: Hardware,
         packing=packing, ideal=_ideal(attn, p.ranks_per_problem, hw),
         simulation={"fwd_compute_ms": p.fwd_compute_s * 1e3,
                     "bwd_compute_ms": p.bwd_compute_s * 1e3,
-                    "capacity_bytes": p.capacity_bytes})
+                    "capacity_bytes": p.capacity_bytes, "kernel": hw.kernel_name,
+                    # what the figures rest on: every simulated record says it
+                    "evidence": hw.evidence,
+                    "kernel_notes": hw.kernel_notes(attn.head_dim, attn.causal),
+                    # the step costs by name, ms (sim.terms): --details shows them
+                    "terms_ms": {k: [f * 1e3, b * 1e3] for k, f, b in p.terms}})
 
 
 def _ideal(attn: AttentionConfig, ranks: int, hw: Hardware) -> dict:
@@ -200,7 +206,7 @@ def breakdown(records: list[dict]) -> str:
         fwd, bwd = d["fwd_ms"], d["bwd_ms"]
         values = (sim["fwd_compute_ms"], fwd - sim["fwd_compute_ms"], sim["bwd_compute_ms"],
                   bwd - sim["bwd_compute_ms"])
-        rows.append({**row, **{k: f"{v:.2f}" for k, v in zip(_BREAKDOWN, values)},
+        rows.append({**row, **{k: cell_text.sig(v) for k, v in zip(_BREAKDOWN, values)},
                      "Notes": "-"})
     if all(r["Notes"] == "-" for r in rows):
         rows = [{k: v for k, v in r.items() if k != "Notes"} for r in rows]
@@ -209,20 +215,81 @@ def breakdown(records: list[dict]) -> str:
                       *tables.render(None, rows, "table", _BREAKDOWN_FIT)]) + "\n"
 
 
+def details(records: list[dict]) -> str:
+    """``--details``: per sequence length, each case's FWD+BWD time by named term
+    (``sim.terms``), the slowest rank's of each step summed, so a reader sees why a strategy
+    wins; the terms add up to the row's FWD+BWD."""
+    out = ["Where each case's FWD+BWD goes, by term (ms; the slowest rank of each step):"]
+    for seqlen in sorted({r["config"]["attention"]["seqlen"] for r in records}):
+        rows = [r for r in records if r["config"]["attention"]["seqlen"] == seqlen
+                and r["status"] == results.OK and r["simulation"].get("terms_ms")]
+        if not rows:
+            continue
+        names = [labels.row_label(r) for r in rows]
+        table = [{"Term": term, **{n: cell_text.sig(sum(r["simulation"]["terms_ms"][term]))
+                                   for n, r in zip(names, rows)}}
+                 for term in rows[0]["simulation"]["terms_ms"]]
+        table.append({"Term": "FWD+BWD", **{n: cell_text.sig(r["derived"]["fwd_bwd_ms"])
+                                            for n, r in zip(names, rows)}})
+        out += tables.render(f"Seq Len {seqlen}", table, "table",
+                             Fit(wrap=tuple(names)))
+    return "\n".join(out) + "\n"
+
+
 _BREAKDOWN = ("FWD kernels (ms)", "FWD rest (ms)", "BWD kernels (ms)", "BWD rest (ms)")
 _BREAKDOWN_FIT = Fit(lift=("Seq Len",), wrap=("Strategy",), notes=("Notes",))
 
 
-def render(records: list[dict], hw: Hardware, topo: Topology, fmt: str) -> str:
+_PREDICTED = ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "memory_mb", "tflops", "fraction_of_ideal",
+              "cp_efficiency", "cp_efficiency_low", "cp_efficiency_high")
+
+
+def machine_rows(records: list[dict], fmt: str) -> str:
+    """The summary's CSV / JSON rows, each prediction to 3 significant figures, with the
+    kernel priced and the evidence the figures rest on in their own columns."""
+    import json
+
+    rows = json.loads(tables.summary(records, "json"))
+    for row, r in zip(rows, records):  # one row per record: a simulation has no rounds
+        for key in _PREDICTED:
+            if isinstance(row.get(key), float):
+                row[key] = float(cell_text.sig(row[key]))
+        sim = r["simulation"]
+        row.update(simulated_kernel=sim["kernel"], evidence=sim["evidence"],
+                   kernel_notes="; ".join(sim["kernel_notes"]) or None)
+    if fmt == "json":
+        return json.dumps(rows, indent=1) + "\n"
+    import pandas as pd
+
+    return pd.DataFrame(rows).to_csv(index=False)
+
+
+def evidence_lines(records: list[dict], hw: Hardware) -> list[str]:
+    """The footer under every simulated table: what the figures rest on (the published CP
+    rows this preset and kernel were validated on, or that there are none), and every case
+    its kernel prices on no figure of its own (``Hardware.kernel_notes``)."""
+    notes = dict.fromkeys(n for r in records for n in r["simulation"].get("kernel_notes", ()))
+    return [f"Evidence ({hw.name}, kernel {hw.kernel_name}): {hw.evidence}.",
+            *(f"Kernel figures: {n}." for n in notes)]
+
+
+def _footer(records: list[dict], hw: Hardware) -> str:
+    return "\n".join(prose(evidence_lines(records, hw))) + "\n"
+
+
+def render(records: list[dict], hw: Hardware, topo: Topology, fmt: str,
+           with_details: bool = False) -> str:
     from cpbench.report import sweep
 
     if fmt in ("csv", "json"):
-        return tables.summary(records, fmt)
+        return machine_rows(records, fmt)
     several = len({r["config"]["attention"]["seqlen"] for r in records}) > 1
     # the banner says they are simulated: the sweep view's own note would say it again
     body = (sweep.grouped(records, fmt) + "\n" + sweep.pivot(records, fmt) if several
             else tables.summary(records, fmt))
-    return f"{_banner(hw, topo, records)}\n\n{body}\n{breakdown(records)}{_ideal_note(records)}"
+    more = details(records) if with_details else ""
+    return (f"{_banner(hw, topo, records)}\n\n{body}\n{breakdown(records)}{more}"
+            f"{_ideal_note(records)}{_footer(records, hw)}")
 
 
 def _ideal_note(records: list[dict]) -> str:
@@ -238,7 +305,7 @@ _COMPARISON_FIT = Fit(wrap=("Placement",), short={"Memory (MB)": "Mem (MB)"})
 
 def render_comparison(groups: list[list[dict]], hw: Hardware, topo: Topology, fmt: str) -> str:
     if fmt in ("csv", "json"):  # the rows in ranked order, every column
-        return tables.summary([r for rows in groups for r in rows], fmt)
+        return machine_rows([r for rows in groups for r in rows], fmt)
     out = [_banner(hw, topo, [r for rows in groups for r in rows]), ""]
     for rows in groups:
         a = rows[0]["config"]["attention"]
@@ -259,4 +326,4 @@ def render_comparison(groups: list[list[dict]], hw: Hardware, topo: Topology, fm
                  + ("sinks, " if a.get("sinks") else "") +
                  f"{'causal' if a['causal'] else 'full'}), fastest first")
         out += [*tables.render(title, table, fmt, _COMPARISON_FIT), ""]
-    return "\n".join(out)
+    return "\n".join(out) + _footer([r for rows in groups for r in rows], hw)

@@ -55,7 +55,7 @@ class KernelSet:
     full block of the same side; without them it is priced on the full-block curve."""
 
     fwd: KernelCurve
-    bwd: KernelCurve
+    bwd: KernelCurve | None  # None: no backward figure at this head dim (another's prices it)
     fwd_causal: KernelCurve | None = None
     bwd_causal: KernelCurve | None = None
 
@@ -64,7 +64,9 @@ class KernelSet:
             curve = self.fwd_causal if phase == "fwd" else self.bwd_causal
             if curve is not None:
                 return curve
-        return self.fwd if phase == "fwd" else self.bwd
+        out = self.fwd if phase == "fwd" else self.bwd
+        assert out is not None, "nearest() picks a set with this phase"
+        return out
 
     def curves(self) -> tuple[KernelCurve, ...]:
         return tuple(c for c in (self.fwd, self.bwd, self.fwd_causal, self.bwd_causal)
@@ -91,12 +93,13 @@ def _curve(points, sources: dict, what: str) -> KernelCurve:
         raise UsageError(f"{what}: {e}") from None
 
 
-def _set(d: dict, sources: dict, where: str) -> KernelSet:
-    if not isinstance(d, dict) or "fwd" not in d or "bwd" not in d:
+def _set(d: dict, sources: dict, where: str, need_bwd: bool = True) -> KernelSet:
+    if not isinstance(d, dict) or "fwd" not in d or (need_bwd and "bwd" not in d):
         raise UsageError(f"{where}: needs fwd and bwd curves (and optionally fwd_causal, "
                          f"bwd_causal)")
     curves = {k: _curve(d[k], sources, f"{where}.{k}") for k in PHASES if d.get(k) is not None}
-    return KernelSet(**curves)
+    return KernelSet(curves["fwd"], curves.get("bwd"), curves.get("fwd_causal"),
+                     curves.get("bwd_causal"))
 
 
 def parse(k: dict, where: str) -> list[tuple[int | None, KernelSet]]:
@@ -109,12 +112,44 @@ def parse(k: dict, where: str) -> list[tuple[int | None, KernelSet]]:
         if "fwd" in k or "bwd" in k:
             raise UsageError(f"{where}: give curves per head dim (head_dim_N) or directly "
                              f"under kernel, not both")
-        return [(dim, _set(k[key], sources, f"{where}.{key}")) for dim, key in by_dim]
+        # the first head dim needs both phases; another may give only the forward (its
+        # backward priced on the nearest head dim that has one, and said: ``gaps``)
+        return [(dim, _set(k[key], sources, f"{where}.{key}", need_bwd=i == 0))
+                for i, (dim, key) in enumerate(by_dim)]
     return [(None, _set(k, sources, where))]
 
 
-def nearest(sets: tuple[tuple[int | None, KernelSet], ...], head_dim: int | None) -> KernelSet:
-    """The set of ``head_dim``, or of the nearest head dim given (the larger on a tie)."""
+def nearest(sets: tuple[tuple[int | None, KernelSet], ...], head_dim: int | None,
+            phase: str = "fwd") -> KernelSet:
+    """The set of ``head_dim``, or of the nearest head dim given (the larger on a tie), among
+    those with a ``phase`` curve."""
     if head_dim is None or len(sets) == 1 or sets[0][0] is None:
         return sets[0][1]
-    return min(sets, key=lambda s: (abs((s[0] or 0) - head_dim), -(s[0] or 0)))[1]
+    having = [s for s in sets if getattr(s[1], phase) is not None]
+    return min(having, key=lambda s: (abs((s[0] or 0) - head_dim), -(s[0] or 0)))[1]
+
+
+def gaps(kernel: str, sets: tuple[tuple[int | None, KernelSet], ...], head_dim: int | None,
+         causal: bool) -> list[str]:
+    """What a problem's blocks are priced on where ``kernel`` has no figure of their own: the
+    nearest head dim's curves, the full-block curve for a causal block, one point held flat.
+    Each said in a line; nothing is scaled by a guessed factor."""
+    if sets[0][0] is None:  # a measured preset: one set for any head dim
+        return []
+    out = []
+    for phase, word in (("fwd", "forward"), ("bwd", "backward")):
+        chosen = nearest(sets, head_dim, phase)
+        dim = next(d for d, s in sets if s is chosen)
+        if head_dim is not None and dim != head_dim:
+            have = ", ".join(str(d) for d, s in sets if getattr(s, phase) is not None)
+            out.append(f"{kernel}: no head dim {head_dim} {word} figure on this GPU; priced "
+                       f"on head dim {dim}'s (published: {have})")
+        own = getattr(chosen, f"{phase}_causal")
+        if causal and own is None:
+            out.append(f"{kernel}: no causal {word} figure at head dim {dim}; causal blocks "
+                       f"priced on the full-block curve (FLOPs halved)")
+        curve = own if causal and own is not None else getattr(chosen, phase)
+        if len(curve.points) == 1:
+            out.append(f"{kernel}: one published {word} point (L = {curve.points[0][0]:g}) at "
+                       f"head dim {dim}; held flat at every block size")
+    return out

@@ -107,6 +107,14 @@ class Hardware:
     # a measured preset's load reading: the share of the cores other processes used while
     # ``cpbench calibrate`` measured (None: no reading, e.g. a preset from before it)
     calibration_load: float | None = None
+    # the attention kernel the curves above price (``--kernel``), and every kernel the preset
+    # has curves for: (name, one line on its figures, its source names), the default first
+    kernel_name: str = "unnamed"
+    kernel_choices: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    # what a prediction on this preset rests on (``sim.provenance.evidence``): the published
+    # CP rows it was validated on with this kernel, or that it has none
+    evidence: str = provenance.NO_EVIDENCE
+    stated_error: float | None = None  # its held-out median |error|, where it has one
 
     def kernels(self) -> tuple[tuple[int | None, KernelSet], ...]:
         first = KernelSet(self.kernel_fwd, self.kernel_bwd, self.kernel_fwd_causal,
@@ -117,7 +125,7 @@ class Hardware:
                ) -> KernelCurve:
         """The curve a block of this phase, causal or not, at this head dim is priced on
         (the nearest head dim the preset gives): the kernel as benchmarked alone."""
-        return curves.nearest(self.kernels(), head_dim).curve(phase, causal)
+        return curves.nearest(self.kernels(), head_dim, phase).curve(phase, causal)
 
     def rate(self, phase: str, causal: bool, head_dim: int | None, side: float) -> float:
         """TFLOP/s of a CP step's kernel call: the curve, times the kernel's rate inside a
@@ -127,6 +135,11 @@ class Hardware:
 
     def curves(self) -> tuple[KernelCurve, ...]:
         return tuple(c for _, ks in self.kernels() for c in ks.curves())
+
+    def kernel_notes(self, head_dim: int | None, causal: bool) -> list[str]:
+        """Where this problem's blocks are priced on no figure of their own: said under every
+        table, never scaled silently (``sim.curves.gaps``)."""
+        return curves.gaps(self.kernel_name, self.kernels(), head_dim, causal)
 
 
 def _number(d: dict, key: str, source: str, kind=float, default=None):
@@ -195,17 +208,47 @@ def _in_cp(k: dict, source: str) -> tuple[float, float]:
     return fwd, bwd
 
 
-def from_dict(d: dict, source: str = "preset") -> Hardware:
+def _kernel_section(d: dict, source: str, kernel: str | None) -> tuple[str, dict, tuple]:
+    """(the kernel's name, its ``kernel:`` section, every kernel's (name, summary, sources)).
+    ``kernel:`` holds the first kernel's curves (``name:``: fa2, fa3, cudnn, fa4, measured)
+    and the step's own terms (``in_cp``, ``step_overhead_us``); ``kernels:`` other kernels'
+    curves in the same format, which take its terms; ``default_kernel:`` the one a plain
+    ``--hardware`` prices."""
+    base, others = d["kernel"], d.get("kernels") or {}
+    if not isinstance(base, dict) or not isinstance(others, dict):
+        raise TypeError("kernel and kernels must be mappings")
+    first = str(base.get("name", "unnamed"))
+    choices = {first: base, **others}
+    for name, section in others.items():  # each parses, chosen or not: fail at load
+        if not isinstance(section, dict):
+            raise UsageError(f"{source}: kernels.{name} must be a mapping like kernel:")
+        curves.parse(section, f"{source}: kernels.{name}")
+    name = kernel or str(d.get("default_kernel", first))
+    if name not in choices:
+        raise UsageError(f"{Path(source).stem} has no {name} curves (its kernels: "
+                         f"{', '.join(choices)}); choose one of those with --kernel")
+    terms = {key: base[key] for key in ("in_cp", "step_overhead_us") if key in base}
+    section = base if name == first else {**terms, **others[name]}
+    default = str(d.get("default_kernel", first))
+    listed = tuple((n, " ".join(str(c.get("summary", "")).split()),
+                    tuple(c.get("sources") or ())) for n, c in choices.items())
+    listed = tuple(sorted(listed, key=lambda c: c[0] != default))
+    return name, section, listed
+
+
+def from_dict(d: dict, source: str = "preset", kernel: str | None = None) -> Hardware:
     if not isinstance(d, dict):
         raise UsageError(f"{source}: a preset is a YAML mapping (see configs/hardware/"
                          f"a800-sxm.yaml), not {type(d).__name__}")
     try:
-        k, intra, inter = d["kernel"], d["intra_node"], d["inter_node"]
+        kernel_name, k, choices = _kernel_section(d, source, kernel)
+        intra, inter = d["intra_node"], d["inter_node"]
         if not all(isinstance(x, dict) for x in (k, intra, inter)):
             raise TypeError("kernel, intra_node and inter_node must be mappings")
         if not isinstance(d["name"], str):
             raise TypeError(f"name must be text, got {d['name']!r}")
         (dim, first), *others = curves.parse(k, f"{source}: kernel")
+        assert first.bwd is not None  # parse: the first head dim gives both phases
         hbm = None if d.get("memory_bandwidth_gbs") is None else \
             _number(d, "memory_bandwidth_gbs", source)
         if hbm is not None and not hbm > 0:
@@ -236,6 +279,9 @@ def from_dict(d: dict, source: str = "preset") -> Hardware:
             source=" ".join(str(d.get("source", "")).split()),
             fit=provenance.parse_fit(d.get("fit"), f"{source}: fit"),
             calibration_load=provenance.parse_load(d.get("load"), f"{source}: load"),
+            kernel_name=kernel_name, kernel_choices=choices,
+            evidence=provenance.evidence(d.get("evidence"), kernel_name, f"{source}: evidence"),
+            stated_error=provenance.stated_error(d.get("evidence"), kernel_name),
         )
     except KeyError as e:
         raise UsageError(f"{source}: missing field {e.args[0]!r} (see configs/hardware/"
@@ -294,8 +340,9 @@ def preset_lines() -> list[tuple[str, str]]:
     return out
 
 
-def load(name_or_path: str) -> Hardware:
-    """A preset by name (``a800-sxm``) or a YAML file path."""
+def load(name_or_path: str, kernel: str | None = None) -> Hardware:
+    """A preset by name (``a800-sxm``) or a YAML file path, its curves those of ``kernel``
+    (None: the preset's default kernel)."""
     path = Path(name_or_path)
     if not (path.suffix in (".yaml", ".yml") and path.exists()):
         path = PRESET_DIR / f"{name_or_path}.yaml"
@@ -307,4 +354,4 @@ def load(name_or_path: str) -> Hardware:
             data = yaml.safe_load(f)
     except yaml.YAMLError as e:
         raise UsageError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
-    return from_dict(data, str(path))
+    return from_dict(data, str(path), kernel)

@@ -82,9 +82,9 @@ from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
 from cpbench.errors import Skipped, UsageError
 from cpbench.mask import mask_of
-from cpbench.metrics import attention_flops
-from cpbench.sim import memory, sharing
-from cpbench.sim.hardware import GB, Hardware
+from cpbench.metrics import BWD_FACTOR, attention_flops
+from cpbench.sim import memory, sharing, terms
+from cpbench.sim.hardware import Hardware
 from cpbench.strategies.base import BWD, FWD, Strategy
 from cpbench.topology import Topology
 
@@ -144,6 +144,9 @@ class Prediction:
     capacity_bytes: float
     ranks_per_problem: int
     resolved: dict
+    # (term, FWD s, BWD s) of the slowest rank of each step, summed (``sim.terms``): they
+    # add up to fwd_s and bwd_s
+    terms: tuple[tuple[str, float, float], ...] = ()
 
     @property
     def fwd_bwd_s(self) -> float:
@@ -310,15 +313,6 @@ def _small_seqlen(name: str, options, attn: AttentionConfig, topo: Topology) -> 
     return seqlen
 
 
-def _comm_s(hw: Hardware, intra: float, inter: float, node: float) -> float:
-    t_intra = intra / (hw.intra.bandwidth_gbs * GB) + hw.intra.latency_us * 1e-6 if intra else 0.0
-    t_inter = 0.0
-    if inter:
-        t_inter = max(inter / (hw.inter.bandwidth_gbs * GB), node / (hw.node_inter_gbs * GB)) \
-            + hw.inter.latency_us * 1e-6
-    return max(t_intra, t_inter)
-
-
 def predict(name: str, options, attn: AttentionConfig, topo: Topology, hw: Hardware
             ) -> Prediction:
     """The predicted step times and memory of ``name`` on ``topo`` with ``hw``; ValueError
@@ -340,44 +334,34 @@ def memory_estimate(name: str, options, attn: AttentionConfig, topo: Topology, *
 
 def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
     """The prediction for ``attn`` from a schedule compiled at another seqlen and batch (or
-    the same): bytes scale with S·B, FLOPs with S²·B, block sides with S."""
+    the same): bytes scale with S·B, FLOPs with S²·B, block sides with S. Each step's cost
+    and its terms: ``sim.terms``."""
     linear = (attn.batch / c.batch) * (attn.seqlen / c.seqlen)
-    square = linear * (attn.seqlen / c.seqlen)
-    length = attn.seqlen / c.seqlen
+    scale = terms.Scale(linear=linear, square=linear * (attn.seqlen / c.seqlen),
+                        length=attn.seqlen / c.seqlen,
+                        share_side=ideal_def.share(attn, c.ranks_per_problem)[0])
     total = {FWD: 0.0, BWD: 0.0}
     compute_total = {FWD: 0.0, BWD: 0.0}
-    overhead = hw.step_overhead_us * 1e-6
+    by_term = {phase: dict.fromkeys(terms.TERMS, 0.0) for phase in (FWD, BWD)}
     for step in c.steps:
-        computes = []
-        for r in step.ranks:
-            compute = 0.0
-            if r.flops:
-                rate = hw.rate(step.phase, r.causal, attn.head_dim, r.side * length)
-                compute = r.flops * square / (rate * 1e12) + overhead + sharing.passes_s(
-                    hw, step.phase, r.q_elements * linear, r.kv_elements * linear,
-                    r.out_elements * linear, r.v_elements * linear)
-            computes.append(compute)
-        worst = 0.0
-        finishes = sharing.shared_compute(computes, step.nodes, hw.idle_speedup)
-        for finish, r in zip(finishes, step.ranks):
-            exp = _comm_s(hw, r.intra_exp * linear, r.inter_exp * linear, r.node_exp * linear)
-            ov = _comm_s(hw, r.intra_ov * linear, r.inter_ov * linear, r.node_ov * linear)
-            if hw.overlapped is not None:  # measured in situ: it adds, nothing hides
-                worst = max(worst, finish + hw.overlapped * ov + exp)
-            else:
-                worst = max(worst, max(finish, ov) + exp)
+        worst, compute, parts = terms.step(hw, step, attn.head_dim, scale)
         total[step.phase] += worst
         # the slowest rank's kernel time as the step runs it (shared, where a CPU shares)
-        compute_total[step.phase] += max(finishes)
+        compute_total[step.phase] += compute
+        for key, value in parts.items():
+            by_term[step.phase][key] += value
     for phase in total:  # the sinks, once per query after the last merge (a small pass)
-        total[phase] += sharing.sinks_s(hw, phase, attn, c.ranks_per_problem)
+        sink = sharing.sinks_s(hw, phase, attn, c.ranks_per_problem)
+        total[phase] += sink
+        by_term[phase]["merge / rescale"] += sink
     # FlashAttention-2's backward buffers: its kernels run bf16 / fp16 only (fp32 runs on the
     # CPU's kernels, which hold none)
     memory = (c.memory_bytes if attn.element_size == 2 else c.memory_bytes_bare) * linear
     return Prediction(fwd_s=total[FWD], bwd_s=total[BWD], fwd_compute_s=compute_total[FWD],
                       bwd_compute_s=compute_total[BWD], memory_bytes=memory,
                       capacity_bytes=hw.memory_gib * GIB,
-                      ranks_per_problem=c.ranks_per_problem, resolved=c.resolved)
+                      ranks_per_problem=c.ranks_per_problem, resolved=c.resolved,
+                      terms=tuple((k, by_term[FWD][k], by_term[BWD][k]) for k in terms.TERMS))
 
 
 def ideal(attn: AttentionConfig, ranks: int, hw: Hardware) -> tuple[float, float]:

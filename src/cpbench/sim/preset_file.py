@@ -69,6 +69,7 @@ def render(measured: dict, spec: Spec, memory_gib: float) -> str:
         f"peak_tflops_bf16: {_num(peak, 4)}  # no datasheet figure: the highest rate measured",
         f"dtypes: [{spec.dtype}]  # the dtype the kernel was measured in",
         "kernel:",
+        "  name: measured  # the kernel `cpbench run` uses here (auto), as calibrate timed it",
         f"  # measured {when}: TFLOP/s of the rest of each call (its time less the overhead)",
         f"  fwd: {_flow(fwd)}",
         f"  bwd: {_flow(bwd)}",

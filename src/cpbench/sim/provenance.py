@@ -96,3 +96,39 @@ def parse_load(d, where: str) -> float | None:
     if not isinstance(share, (int, float)) or isinstance(share, bool) or not share >= 0:
         raise UsageError(f"{where}: a mapping with share (others' share of the cores, >= 0)")
     return float(share)
+
+
+NO_EVIDENCE = ("no published CP rows on this hardware: an estimate from datasheets and kernel "
+               "figures")
+
+
+def stated_error(d, kernel: str) -> float | None:
+    """The model's stated error with this kernel: the held-out rows' median |error| (a
+    fraction) of ``evidence:``; None where it was validated on no held-out row."""
+    e = (d or {}).get(kernel) if isinstance(d, dict) else None
+    median = e.get("held_out_median") if isinstance(e, dict) and e.get("held_out") else None
+    return None if median is None else float(median) / 100
+
+
+def evidence(d, kernel: str, where: str) -> str:
+    """The sentence every simulated table and record carries: the published CP rows this
+    preset, with this kernel, was validated on (``evidence:``, per kernel: ``rows``,
+    ``in_sample``, ``in_sample_median``, ``held_out``, ``held_out_median``, ``files``; the
+    figures ``cpbench simulate --validate`` prints, held equal to them by a test), or
+    ``NO_EVIDENCE``."""
+    if d is None:
+        return NO_EVIDENCE
+    if not isinstance(d, dict):
+        raise UsageError(f"{where}: a mapping of kernel name → rows, in_sample, "
+                         f"in_sample_median, held_out, held_out_median, files")
+    e = d.get(kernel)
+    if e is None:
+        return NO_EVIDENCE.replace("on this hardware", f"on this hardware with {kernel}")
+    try:
+        parts = [f"{what} {e[f'{key}_median']:.1f} %" for what, key in
+                 (("in-sample", "in_sample"), ("held out", "held_out")) if e.get(key)]
+        return (f"validated on {int(e['rows'])} published rows of this preset with {kernel} "
+                f"({', '.join(parts)} median error)")
+    except (KeyError, TypeError, ValueError):
+        raise UsageError(f"{where}.{kernel}: needs rows, in_sample, in_sample_median, "
+                         f"held_out, held_out_median") from None

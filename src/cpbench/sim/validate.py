@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
+import json
 import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -30,7 +32,7 @@ from cpbench import strategies
 from cpbench.config import AttentionConfig
 from cpbench.errors import UsageError
 from cpbench.metrics import attention_flops, tflops_per_gpu
-from cpbench.report import tables
+from cpbench.report import cells, tables
 from cpbench.report.render import Fit, prose
 from cpbench.sim import model
 
@@ -228,9 +230,45 @@ def summary(results: list[Result], sample: list[str], tolerance: float = 0.15) -
     return lines
 
 
-def report(results: list[Result], hw: Hardware, table: str, tolerance: float = 0.15) -> str:
+def machine(results: list[Result], hw: Hardware, table: str, fmt: str,
+            tolerance: float = 0.15) -> str:
+    """``--validate --format csv|json``: one row per published row, its sample (in-sample,
+    held out, or not scored, with the reason in ``note``); JSON adds the headline."""
+    sample = samples(results, hw, table)
+    rows = []
+    for r, s in zip(results, sample):
+        rows.append({
+            "implementation": r.row.implementation, "cpbench": _label(r.row),
+            "seqlen": r.row.attn.seqlen, "nodes": r.row.topo.num_nodes,
+            "gpus_per_node": r.row.topo.ranks_per_node,
+            "published_fwd_ms": r.row.published_fwd_ms,
+            "simulated_fwd_ms": float(cells.sig(r.prediction.fwd_s * 1e3)),
+            "published_tflops": r.row.published,
+            "simulated_tflops": float(cells.sig(r.predicted)),
+            "error_pct": round(100 * r.error, 1), "sample": s if r.row.scored else NOT_SCORED,
+            "scored": r.row.scored, "note": r.row.note or None,
+            "preset": hw.name, "kernel": hw.kernel_name})
+    if fmt == "json":
+        return json.dumps({"table": table, "preset": hw.name, "kernel": hw.kernel_name,
+                           "rows": rows, "summary": summary(results, sample, tolerance)},
+                          indent=1) + "\n"
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+NOT_SCORED = "not scored"
+
+
+def report(results: list[Result], hw: Hardware, table: str, tolerance: float = 0.15,
+           fmt: str = "table") -> str:
     """The table (each row labelled in-sample / held out from the preset's ``fit:``), then
-    the headline: error and ranking agreement, per sample."""
+    the headline: error and ranking agreement, per sample; ``fmt`` csv or json: the rows as
+    data (``machine``)."""
+    if fmt in ("csv", "json"):
+        return machine(results, hw, table, fmt, tolerance)
     sample = samples(results, hw, table)
     rows = []
     for r, s in zip(results, sample):
@@ -238,11 +276,12 @@ def report(results: list[Result], hw: Hardware, table: str, tolerance: float = 0
         rows.append({
             "Implementation": r.row.implementation, "cpbench": _label(r.row),
             "Seq Len": str(r.row.attn.seqlen), "Nodes×GPUs": r.row.topo.describe(),
-            "FWD (ms) pub / sim": f"{_num(r.row.published_fwd_ms)} / {p.fwd_s * 1e3:.2f}",
+            "FWD (ms) pub / sim": f"{_num(r.row.published_fwd_ms)} / "
+                                  f"{cells.sig(p.fwd_s * 1e3)}",
             "TFLOPs/s published": f"{r.row.published:.2f}",
-            "TFLOPs/s simulated": f"{r.predicted:.2f}",
+            "TFLOPs/s simulated": cells.sig(r.predicted),
             "Rel. error": f"{100 * r.error:+.1f} %",
-            "Sample": s if r.row.scored else "not scored",
+            "Sample": s if r.row.scored else NOT_SCORED,
         })
     fit = "" if hw.fit is None else f"; fitted to {hw.fit.file}"
     lines = [f"Validation against published rows ({table}) — simulated on {hw.name}{fit}",
@@ -257,7 +296,7 @@ def report(results: list[Result], hw: Hardware, table: str, tolerance: float = 0
     return "\n".join(prose(lines)) + "\n"
 
 
-_FIT = Fit(lift=("Nodes×GPUs",), wrap=("Implementation", "cpbench"),
+_FIT = Fit(lift=("Nodes×GPUs",), wrap=("Implementation", "cpbench"), drop=("FWD (ms) pub / sim",),
            short={"TFLOPs/s published": "TFLOPs/s pub", "TFLOPs/s simulated": "TFLOPs/s sim"})
 
 
@@ -269,3 +308,21 @@ def _label(row: Row) -> str:
 
 def _num(x) -> str:
     return "-" if x is None else f"{x:.2f}"
+
+
+def evidence(hw: Hardware, files: list[str]) -> dict:
+    """A preset's ``evidence:`` figures for its kernel: the scored rows of ``files``, how
+    many in-sample and held out, and each group's median |error| in percent (one decimal),
+    as ``report`` scores them."""
+    errors: dict[str, list[float]] = {IN_SAMPLE: [], HELD_OUT: []}
+    for path in files:
+        results = run(load(path), hw)
+        for r, s in zip(results, samples(results, hw, path)):
+            if r.row.scored:
+                errors[s].append(abs(r.error))
+    out: dict = {"rows": sum(map(len, errors.values()))}
+    for key, label in (("in_sample", IN_SAMPLE), ("held_out", HELD_OUT)):
+        out[key] = len(errors[label])
+        if errors[label]:
+            out[f"{key}_median"] = round(100 * statistics.median(errors[label]), 1)
+    return out

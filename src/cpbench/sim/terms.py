@@ -1,0 +1,91 @@
+"""A CP step's cost, term by term: what ``simulate --details`` shows per strategy, so a reader
+sees why one wins. ``sim.model.evaluate`` prices every step through ``step``; the terms of
+the step's slowest rank add up to the step's time:
+
+- ``kernel``: the block's FLOPs at the kernel's published rate for a block of one GPU's
+  share (S / N tokens a side): the work itself;
+- ``block size``: what running it in the step's own blocks costs beyond that (a zigzag step's
+  half blocks run lower on the curve; Ulysses' whole-sequence blocks higher: negative);
+- ``NCCL contention``: the kernel's rate inside a CP run below its rate alone
+  (``kernel.in_cp``: NCCL's kernels take SMs; measured on A800 in seed 000's profile);
+- ``merge / rescale``: the forward's merge of a block into the fp32 (out, lse), the
+  backward's dq, dk, dv sums (``merge``, ``accumulate``: bytes per element over HBM);
+- ``launch / sync``: a fixed cost per kernel step (``kernel.step_overhead_us``);
+- ``comm not hidden``: an overlapped message that outlasts its kernel;
+- ``comm latency``, ``comm bandwidth``: exposed messages (all-to-alls, all-gathers, the last
+  hop): a link's latency once per step and their bytes over its rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cpbench.sim import sharing
+from cpbench.sim.hardware import GB, Hardware
+
+TERMS = ("kernel", "block size", "NCCL contention", "merge / rescale", "launch / sync",
+         "comm not hidden", "comm latency", "comm bandwidth")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How a schedule compiled at one size maps to the asked one, and one GPU's share."""
+
+    linear: float  # bytes and elements
+    square: float  # FLOPs
+    length: float  # block sides
+    share_side: float  # S / N: the side of one GPU's block, the ``kernel`` term's rate
+
+
+def comm_s(hw: Hardware, intra: float, inter: float, node: float) -> tuple[float, float]:
+    """(seconds, of which latency) of a step's messages: inside and across nodes at once,
+    the longer; across nodes the GPU's NIC or its node's NICs shared, the slower."""
+    t_intra = (intra / (hw.intra.bandwidth_gbs * GB), hw.intra.latency_us * 1e-6) \
+        if intra else (0.0, 0.0)
+    t_inter = (0.0, 0.0)
+    if inter:
+        t_inter = (max(inter / (hw.inter.bandwidth_gbs * GB), node / (hw.node_inter_gbs * GB)),
+                   hw.inter.latency_us * 1e-6)
+    bw, lat = max(t_intra, t_inter, key=lambda t: t[0] + t[1])
+    return bw + lat, lat
+
+
+def _compute(hw: Hardware, phase: str, r, head_dim, s: Scale) -> dict[str, float]:
+    """One rank's kernel call and the step's own costs around it, by term."""
+    if not r.flops:
+        return {}
+    flops = r.flops * s.square
+    alone = hw.kernel(phase, r.causal, head_dim)
+    in_cp = hw.kernel_in_cp[0 if phase == "fwd" else 1]
+    at_side = flops / (alone.tflops(r.side * s.length) * 1e12)
+    at_share = flops / (alone.tflops(s.share_side) * 1e12)
+    return {"kernel": at_share, "block size": at_side - at_share,
+            "NCCL contention": at_side / in_cp - at_side,
+            "merge / rescale": sharing.passes_s(
+                hw, phase, r.q_elements * s.linear, r.kv_elements * s.linear,
+                r.out_elements * s.linear, r.v_elements * s.linear),
+            "launch / sync": hw.step_overhead_us * 1e-6}
+
+
+def step(hw: Hardware, load, head_dim, s: Scale) -> tuple[float, float, dict[str, float]]:
+    """(the step's time, its slowest rank's kernel time, the terms of the rank that sets
+    it): lock-step, a rank's step max(compute, overlapped messages) + exposed ones."""
+    parts = [_compute(hw, load.phase, r, head_dim, s) for r in load.ranks]
+    finishes = sharing.shared_compute([sum(p.values()) for p in parts], load.nodes,
+                                      hw.idle_speedup)
+    worst, terms = -1.0, {}
+    for finish, r, p in zip(finishes, load.ranks, parts):
+        exp, lat = comm_s(hw, r.intra_exp * s.linear, r.inter_exp * s.linear,
+                          r.node_exp * s.linear)
+        ov, _ = comm_s(hw, r.intra_ov * s.linear, r.inter_ov * s.linear, r.node_ov * s.linear)
+        if hw.overlapped is not None:  # measured in situ: it adds, nothing hides
+            hidden_not, total = hw.overlapped * ov, finish + hw.overlapped * ov + exp
+        else:
+            hidden_not, total = max(finish, ov) - finish, max(finish, ov) + exp
+        if total > worst:
+            # a CPU's shared cores stretch the compute terms alike (finish over their sum)
+            stretch = finish / sum(p.values()) if p and sum(p.values()) else 1.0
+            worst, terms = total, {**{k: v * stretch for k, v in p.items()},
+                                   "comm not hidden": hidden_not, "comm latency": lat,
+                                   "comm bandwidth": exp - lat}
+    return worst, max(finishes), terms

@@ -1,0 +1,227 @@
+"""``simulate --kernel``: each GPU's kernels against the figures they cite, the default the
+field runs on that GPU, and every case without a figure of its own said, not scaled.
+
+The published values are transcribed here a second time, independently of the presets (the
+FlashAttention-3 paper's H100 bar charts; FlashAttention-4's B200 point from its pull request).
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from cpbench.cli import main as cli_main
+from cpbench.errors import UsageError
+from cpbench.sim import hardware, provenance
+
+L = (512, 1024, 2048, 4096, 8192, 16384)
+# FlashAttention-3 paper (arXiv 2407.08608), H100 80GB SXM5, the FA3 and cuDNN bars
+H100 = {
+    "fa3": {(128, "fwd"): (467, 565, 625, 638, 646, 648),
+            (128, "fwd_causal"): (292, 423, 521, 579, 602, 616),
+            (128, "bwd"): (316, 424, 501, 542, 559, 561),
+            (64, "fwd"): (333, 392, 460, 476, 496, 497),
+            (64, "fwd_causal"): (197, 265, 371, 420, 460, 473),
+            (64, "bwd"): (272, 363, 422, 453, 472, 474),
+            (256, "fwd"): (482, 639, 707, 736, 746, 756),
+            (256, "fwd_causal"): (286, 427, 537, 612, 628, 642)},
+    "cudnn": {(128, "fwd"): (497, 574, 617, 609, 600, 595),
+              (128, "fwd_causal"): (315, 410, 484, 518, 529, 539),
+              (128, "bwd"): (305, 408, 465, 499, 518, 516),
+              (64, "fwd"): (335, 373, 395, 408, 412, 413),
+              (64, "fwd_causal"): (225, 288, 334, 363, 379, 388),
+              (64, "bwd"): (266, 348, 395, 417, 432, 433),
+              (256, "fwd"): (470, 546, 580, 581, 580, 581),
+              (256, "fwd_causal"): (308, 391, 450, 483, 497, 509)},
+}
+# flash-attention pull request #2280: FA4 on SM100 (B200), head dim 128, L = 8192
+FA4 = {"fwd": 1534.8, "bwd": 1359.8, "fwd_causal": 1418.1, "bwd_causal": 1208.6}
+DEFAULTS = {"a100-sxm": "fa2", "a800-sxm": "fa2", "h100-sxm": "fa3", "h800-sxm": "fa3",
+            "h200-sxm": "fa3", "b200": "fa4", "gb200-nvl72": "fa4"}
+
+
+def raw(name: str) -> dict:
+    with open(hardware.PRESET_DIR / f"{name}.yaml") as f:
+        return yaml.safe_load(f)
+
+
+def test_each_preset_defaults_to_the_kernel_the_field_runs_on_it():
+    assert set(DEFAULTS) == set(hardware.names())
+    for name, kernel in DEFAULTS.items():
+        hw = hardware.load(name)
+        assert hw.kernel_name == kernel and hw.kernel_choices[0][0] == kernel, name
+
+
+@pytest.mark.parametrize("name", ["h100-sxm", "h800-sxm", "h200-sxm"])
+@pytest.mark.parametrize("kernel", ["fa3", "cudnn"])
+def test_hopper_points_are_the_fa3_papers_bars_and_priced_on(name, kernel):
+    section = raw(name)["kernels"][kernel]
+    hw = hardware.load(name, kernel)
+    text = {k: " ".join(v.split()) for k, v in section["sources"].items()}
+    for (dim, phase), values in H100[kernel].items():
+        points = section[f"head_dim_{dim}"][phase][:len(L)]
+        assert [(s, v) for s, v, _ in points] == list(zip(L, values)), (dim, phase)
+        src = points[0][2]
+        assert ", ".join(map(str, values)) in text[src], (dim, phase)
+        base, causal = phase.split("_")[0], phase.endswith("causal")
+        for side, value in zip(L, values):
+            assert hw.kernel(base, causal, dim).tflops(side) == value
+    assert "arXiv 2407.08608" in text[f"{kernel}-h100-fwd"]
+    assert all("bwd_causal" not in section[k] for k in section if k.startswith("head_dim"))
+
+
+@pytest.mark.parametrize("name", ["b200", "gb200-nvl72"])
+def test_fa4_is_its_one_published_point_held_flat_and_said(name):
+    hw = hardware.load(name, "fa4")
+    text = " ".join(raw(name)["kernels"]["fa4"]["sources"]["fa4-sm100-8k"].split())
+    assert "#2280" in text
+    for phase, value in FA4.items():
+        base, causal = phase.split("_")[0], phase.endswith("causal")
+        assert str(value) in text
+        for side in (1024, 8192, 65536):
+            assert hw.kernel(base, causal, 128).tflops(side) == value
+    notes = hw.kernel_notes(128, True)
+    assert any("one published forward point" in n for n in notes)
+    assert any("one published backward point" in n for n in notes)
+
+
+def test_a_missing_figure_is_said_not_scaled():
+    """FA3 has no causal backward figure and no head dim 256 backward: the notes say what
+    prices them; a head dim with figures and a full block need no note."""
+    hw = hardware.load("h100-sxm")
+    assert hw.kernel_notes(128, False) == []
+    assert hw.kernel_notes(128, True) == [
+        "fa3: no causal backward figure at head dim 128; causal blocks priced on the "
+        "full-block curve (FLOPs halved)"]
+    notes = hw.kernel_notes(256, False)
+    assert notes == ["fa3: no head dim 256 backward figure on this GPU; priced on head dim "
+                     "128's (published: 128, 64)"]
+    # head dim 256's forward is its own figure; its backward is 128's, said above
+    assert hw.kernel("fwd", False, 256).tflops(16384) == 756
+    assert hw.kernel("bwd", False, 256).tflops(16384) == 561
+
+
+def test_a_kernel_the_preset_has_no_figures_for_is_refused():
+    with pytest.raises(UsageError, match="b200 has no cudnn curves"):
+        hardware.load("b200", "cudnn")
+    assert cli_main(["simulate", "--hardware", "a800-sxm", "--kernel", "fa3"]) == 2
+
+
+def test_list_hardware_shows_each_kernel_with_its_sources(capsys):
+    assert cli_main(["simulate", "--list-hardware"]) == 0
+    out = capsys.readouterr().out
+    assert all(len(x) <= 120 for x in out.splitlines())
+    flat = " ".join(out.split())
+    for name in hardware.names():
+        for kernel, _, sources in hardware.load(name).kernel_choices:
+            assert f"kernel {kernel}" in flat and all(s in flat for s in sources), name
+    assert "kernel fa3 (default)" in flat and "kernel fa4 (default)" in flat
+
+
+def test_every_simulated_table_and_record_states_its_evidence(capsys, tmp_path):
+    out = tmp_path / "sim.jsonl"
+    assert cli_main(["simulate", "--hardware", "h100-sxm", "--nodes", "1", "--seqlen", "64K",
+                     "--heads", "64", "--kv-heads", "8", "--strategy", "zigzag,ulysses",
+                     "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"kernel fa3): {provenance.NO_EVIDENCE}." in " ".join(text.split())
+    import json
+
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert records and all(r["simulation"]["evidence"] == provenance.NO_EVIDENCE
+                           for r in records)
+    assert all(r["simulation"]["kernel"] == "fa3" for r in records)
+    assert cli_main(["simulate", "--hardware", "h100-sxm", "--nodes", "1", "--seqlen", "64K",
+                     "--strategy", "zigzag", "--compare-placements"]) == 0
+    assert "Evidence (" in capsys.readouterr().out
+
+
+def test_acceptance_commands_print_csv_that_pandas_reads(capsys):
+    import io
+
+    import pandas as pd
+
+    common = ["--heads", "64", "--kv-heads", "8", "--head-dim", "128", "--dtype", "bf16",
+              "--strategy", "ulysses,zigzag,llama3,usp", "--format", "csv"]
+    for flags in (["--hardware", "h100-sxm", "--kernel", "fa3", "--nodes", "1",
+                   "--gpus-per-node", "8", "--seqlen", "64K"],
+                  ["--hardware", "b200", "--kernel", "fa4", "--nodes", "8",
+                   "--gpus-per-node", "8", "--seqlen", "1M"]):
+        assert cli_main(["simulate", *flags, *common]) == 0
+        df = pd.read_csv(io.StringIO(capsys.readouterr().out))
+        assert len(df) >= 4 and set(df["strategy"]) == {"ulysses", "zigzag", "llama3", "usp"}
+        assert (df["evidence"] == provenance.NO_EVIDENCE).all()
+        for value in df["fwd_bwd_ms"]:  # predictions to 3 significant figures
+            assert float(f"{value:.3g}") == value
+
+
+def test_the_a800_evidence_is_what_validate_scores_now():
+    """The footer's figures are the validation's own: recomputed from the files they name,
+    so a change to the model that moves them fails here until the preset says it."""
+    from pathlib import Path
+
+    from cpbench.sim import validate
+
+    stated = raw("a800-sxm")["evidence"]["fa2"]
+    root = Path(__file__).resolve().parents[2]
+    got = validate.evidence(hardware.load("a800-sxm"), [str(root / f) for f in stated["files"]])
+    assert got == {k: v for k, v in stated.items() if k != "files"}
+    assert hardware.load("a800-sxm").evidence == (
+        "validated on 26 published rows of this preset with fa2 (in-sample 8.2 %, held out "
+        "3.6 % median error)")
+    assert hardware.load("a100-sxm").evidence == provenance.NO_EVIDENCE
+
+
+VALIDATION = "configs/validation/seed001_a800_4x8.csv"
+
+
+def _root_file(name: str) -> str:
+    from pathlib import Path
+
+    return str(Path(__file__).resolve().parents[2] / name)
+
+
+def test_validate_csv_is_one_labelled_row_per_published_row(capsys):
+    import csv as csv_module
+    import io
+    import json
+
+    import pandas as pd
+
+    path = _root_file(VALIDATION)
+    with open(path, newline="") as f:
+        published = list(csv_module.DictReader(f))
+    assert cli_main(["simulate", "--validate", path, "--format", "csv"]) == 0
+    df = pd.read_csv(io.StringIO(capsys.readouterr().out))
+    assert list(df["implementation"]) == [r["implementation"] for r in published]
+    scored = [r["score"] != "no" for r in published]
+    assert list(df["scored"]) == scored
+    assert set(df["sample"][df["scored"]]) == {"in-sample", "held out"}
+    assert set(df["sample"][~df["scored"]]) == {"not scored"}
+    assert df["note"][~df["scored"]].notna().all()  # its reason in its own row
+    assert cli_main(["simulate", "--validate", path, "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["rows"]) == len(published) and data["kernel"] == "fa2"
+    assert any(line.startswith("error, held out") for line in data["summary"])
+
+
+def test_validate_table_never_cuts_a_name_mid_word(capsys):
+    assert cli_main(["simulate", "--validate", _root_file(VALIDATION)]) == 0
+    out = capsys.readouterr().out
+    assert all(len(x) <= 120 for x in out.splitlines())
+    cells = {c.strip() for x in out.splitlines() if "|" in x for c in x.split("|")}
+    words = {w for c in cells for w in c.split()}
+    for word in ("ulysses_degree=4", "placement=ring-first", "ring_impl=double-ring",
+                 "burstengine_dkv_hop=True", "(ring-flash-attn)", "(LoongTrain)"):
+        assert word in words, word
+
+
+def test_report_of_simulated_records_states_their_evidence(capsys, tmp_path):
+    out = tmp_path / "sim.jsonl"
+    assert cli_main(["simulate", "--hardware", "b200", "--nodes", "1", "--seqlen", "64K",
+                     "--strategy", "zigzag", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert cli_main(["report", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"Evidence (HGX B200 (8x 400 Gb/s per node), kernel fa4): {provenance.NO_EVIDENCE}." \
+        in text

@@ -1,0 +1,61 @@
+"""``simulate --details``: a step's cost by named term (``sim.terms``), adding up to the
+prediction, each term the preset figure it names."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cpbench import strategies
+from cpbench.cli import main as cli_main
+from cpbench.config import AttentionConfig
+from cpbench.sim import hardware, model, terms
+from cpbench.topology import Topology
+
+ATTN = AttentionConfig(batch=1, seqlen=65536, heads=64, kv_heads=8, head_dim=128,
+                       dtype="bf16", causal=True)
+
+
+def _predict(name: str, preset: str, world: int = 16, per_node: int = 8, hw=None):
+    hw = hw or hardware.load(preset)
+    return model.predict(name, strategies.get(name).Options(), ATTN,
+                         Topology(world_size=world, ranks_per_node=per_node), hw)
+
+
+@pytest.mark.parametrize("preset", ["a800-sxm", "h100-sxm", "b200"])
+@pytest.mark.parametrize("name", ["ring", "zigzag", "ulysses", "llama3", "usp", "double-ring"])
+def test_the_terms_add_up_to_the_prediction(name, preset):
+    p = _predict(name, preset)
+    assert [t for t, _, _ in p.terms] == list(terms.TERMS)
+    assert sum(f for _, f, _ in p.terms) == pytest.approx(p.fwd_s, rel=1e-9)
+    assert sum(b for _, _, b in p.terms) == pytest.approx(p.bwd_s, rel=1e-9)
+
+
+def test_each_term_is_the_preset_figure_it_names():
+    """Off, each term vanishes: no in-CP slowdown, no passes, no step cost; links at an
+    unbounded rate and no latency leave no communication."""
+    hw = hardware.load("h100-sxm")
+    by = {t: (f, b) for t, f, b in _predict("zigzag", "", hw=hw).terms}
+    assert by["NCCL contention"][0] > 0 and by["merge / rescale"][0] > 0
+    assert by["launch / sync"][0] == pytest.approx(16 * hw.step_overhead_us * 1e-6)  # 16 steps
+    free = dataclasses.replace(
+        hw, kernel_in_cp=(1.0, 1.0), merge=hardware.Pass(), accumulate=hardware.Pass(),
+        step_overhead_us=0.0, intra=hardware.Link(1e12, 0.0), inter=hardware.Link(1e12, 0.0),
+        node_inter_gbs=1e12)
+    off = {t: f + b for t, f, b in _predict("zigzag", "", hw=free).terms}
+    for term in ("NCCL contention", "merge / rescale", "launch / sync", "comm latency"):
+        assert off[term] == 0, term
+    assert off["comm bandwidth"] == pytest.approx(0, abs=1e-9)
+    assert off["kernel"] == pytest.approx(sum(by["kernel"]))
+
+
+def test_details_prints_every_term_per_case(capsys):
+    assert cli_main(["simulate", "--hardware", "h100-sxm", "--nodes", "1", "--seqlen", "64K",
+                     "--heads", "64", "--kv-heads", "8", "--strategy", "zigzag,ulysses",
+                     "--details"]) == 0
+    out = capsys.readouterr().out.split("by term")[1]
+    for term in (*terms.TERMS, "FWD+BWD"):
+        assert f" {term} " in out, term
+    header = next(x for x in out.splitlines() if "Term" in x)
+    assert "zigzag" in header and "ulysses" in header
