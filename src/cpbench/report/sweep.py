@@ -23,7 +23,7 @@ import re
 from statistics import median
 
 from cpbench import rounds
-from cpbench.metrics import bootstrap_ratio
+from cpbench.metrics import ratio_interval
 from cpbench.report import tables
 from cpbench.report.dataframe import PROBLEM, frame
 from cpbench.report.labels import rank_unit, ranks_text, unit_of
@@ -190,7 +190,8 @@ def _placement_rows(g, variants: list[str], short: dict[str, str]) -> list[dict]
 
 def ratio_cell(den: dict | None, num: dict | None, phase: str) -> str:
     """``num``'s rate over ``den``'s (time of den over time of num: > 1 is faster) with its
-    bootstrap 95 % interval from the per-iteration samples; "-" unless both ran."""
+    bootstrap 95 % interval from the per-iteration samples (none from fewer than
+    ``metrics.MIN_SAMPLES`` a side); "-" unless both ran."""
     if not (den and num and den["status"] == num["status"] == OK):
         return "-"
     if any(r["flags"] or isinstance(r["not_measured"], str) for r in (den, num)):
@@ -198,8 +199,9 @@ def ratio_cell(den: dict | None, num: dict | None, phase: str) -> str:
     a, b = den[f"iters_{phase}"], num[f"iters_{phase}"]
     if not isinstance(a, list) or not isinstance(b, list) or not a or not b:
         return "-"
-    low, high = bootstrap_ratio(a, b)
-    return f"{median(a) / median(b):.2f}x [{low:.2f}, {high:.2f}]"
+    interval = ratio_interval(a, b)  # none from fewer than 3 samples a side
+    return f"{median(a) / median(b):.2f}x" + \
+        (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")
 
 
 def _distinct(labels: list[str]) -> tuple[dict[str, str], str]:

@@ -158,8 +158,10 @@ def _efficiency_lines(records: list[dict]) -> list[str]:
     if not effs:
         return []
     phases = {e["efficiency_phase"] for e in effs}
+    spread = any(not cells.missing(e["cp_efficiency_low"]) for e in effs)
     out = [f"CP efficiency = T_local / (N · T_cp), {' or '.join(sorted(phases))}, against "
-           f"{effs[0]['baseline']} (95 % bootstrap interval of the per-iteration samples):"]
+           f"{effs[0]['baseline']}"
+           + (" (95 % bootstrap interval of the per-iteration samples):" if spread else ":")]
     width = max(len(e["label"]) for e in effs)
     for e in effs:
         low, high = e["cp_efficiency_low"], e["cp_efficiency_high"]
