@@ -24,9 +24,10 @@ figure is recomputed from the record's raw samples by ``cpbench.results.derive``
 ranks are CPU processes, headers say ranks, not GPUs (``labels.rank_unit``).
 
 The table format fits the terminal (``report.render``): the problem columns every row shares
-go to a line above the table, Flags become numbered notes under it, and the least essential
-columns (Fraction of Ideal, Exposed Comm, Padding, Imbalance) are hidden only when the table
-is still too wide; ``--wide`` prints every column.
+go to a line above the table, Flags become numbered notes under it (one per kind of note),
+columns "-" in every row go, and the least essential columns (Fraction of Ideal, Exposed
+Comm, Padding) are hidden only when the table is still too wide, never CP or Imbalance;
+``--wide`` prints every column.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ __all__ = ["FORMATS", "cell_ms", "detail", "render", "report", "rows", "summary"
 # what the narrow table may do with the summary's columns (report.render.Fit)
 PROBLEM_COLUMNS = ("Dtype", "QKV Format", "B", "Seq Len", "World", "Nodes×GPUs", "CP",
                    "Window", "Packing", "Documents", "Source")
+# the columns hidden first when a table is still too wide; CP and Imbalance carry a verdict
+# (whether a row is CP, how evenly its ranks work) and are never hidden: a label wraps first
 OPTIONAL_COLUMNS = ("Fraction of Ideal (%)", "Exposed Comm (%)", "Padding (%)", "QKV Format",
-                    "World", "Window", "CP", "Imbalance")
+                    "World", "Window")
 SHORT = {"Memory (MB)": "Mem (MB)", "Fraction of Ideal (%)": "Ideal (%)",
          "Exposed Comm (%)": "Exposed (%)", "Padding (%)": "Pad (%)", "Imbalance": "Imbal",
          "CP Efficiency (%)": "CP Eff (%)"}
