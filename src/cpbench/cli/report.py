@@ -96,8 +96,9 @@ def _text(args, records: list[dict]) -> str:
         from cpbench.report.upstream import compare_upstream
 
         note = report.tables.simulated_note(records)
-        view = report.sweep.compare_placement if args.compare == "placement" \
-            else compare_upstream
+        from cpbench.report.placements import placement_view
+
+        view = placement_view if args.compare == "placement" else compare_upstream
         return (f"Compared{note}\n\n" if note else "") + view(records, args.format)
     if sweep_view and args.format in ("table", "markdown"):
         return report.sweep.sweep_report(records, args.format)
@@ -127,6 +128,12 @@ def main(args) -> int:
                 sys.stderr.write(f"{PROG}: winner map written to {args.plot}\n")
                 return 0
             note = tables.simulated_note(records).strip(" ()") or None
+            if args.compare == "placement":  # one panel: the placements' differences
+                from cpbench.report import placements
+
+                placements.plot(records, args.plot, note)
+                sys.stderr.write(f"{PROG}: plot written to {args.plot}\n")
+                return 0
             plot.plot(records, args.plot, title_note=note)
             if plot.plot_breakdown(records, plot.breakdown_path(args.plot)):
                 sys.stderr.write(f"{PROG}: breakdown written to "

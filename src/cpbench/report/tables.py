@@ -108,7 +108,8 @@ def rows(records: list[dict]) -> list[dict]:
             out_row["Check"] = "-" if cells.missing(passed) else "PASS" if passed else "FAIL"
         if with_flags:  # the physics guards' (cpbench.guards): the row's figures are suspect
             out_row["Flags"] = "; ".join(x for x in (
-                row["flags"], None if common else _short(row["not_measured"])) if x) or "-"
+                row["flags"], None if common else short_reason(row["not_measured"])) if x) \
+                or "-"
         # the ideal over the step (cpbench.ideal): needs no baseline that fits;
         # none where the row's timings do not measure CP (report.dataframe.frame)
         if with_ideal:
@@ -118,7 +119,7 @@ def rows(records: list[dict]) -> list[dict]:
     return out
 
 
-def _short(reason) -> str | None:
+def short_reason(reason) -> str | None:
     """A row's "not measuring CP" reason as its Flags cell says it."""
     return None if cells.missing(reason) else f"{reason.split(':')[0]}: not CP"
 

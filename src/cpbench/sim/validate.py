@@ -24,6 +24,7 @@ import csv
 import dataclasses
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cpbench import strategies
@@ -31,6 +32,7 @@ from cpbench.config import AttentionConfig
 from cpbench.errors import UsageError
 from cpbench.metrics import attention_flops, tflops_per_gpu
 from cpbench.report import tables
+from cpbench.report.placements import ModelError
 from cpbench.report.render import Fit, prose
 from cpbench.sim import model
 
@@ -226,6 +228,31 @@ def summary(results: list[Result], sample: list[str], tolerance: float = 0.15) -
               f"simulated {hi.predicted:.1f} <= {lo.predicted:.1f} ({kind((hi, lo))})"
               for hi, lo in bad]
     return lines
+
+
+def stated_error(hw: Hardware) -> ModelError | None:
+    """The model's error on ``hw`` as its validation states it: the median |error| of the
+    scored published rows nothing in the preset was fitted to (its ``fit:`` table's held-out
+    rows and its ``held_out`` tables), where those tables are at hand (a source checkout);
+    None for a preset fitted to no published row, or without them."""
+    if hw.fit is None:
+        return None
+    errors = []
+    for table in (hw.fit.file, *hw.fit.held_out):
+        path = next((p for p in (Path(table), _ROOT / table) if p.is_file()), None)
+        if path is None:
+            continue
+        results = run(load(str(path)), hw)
+        errors += [abs(r.error) for r, s in zip(results, samples(results, hw, str(path)))
+                   if r.row.scored and s == HELD_OUT]
+    if not errors:
+        return None
+    median = statistics.median(errors)
+    return ModelError(median, f"median |error| {100 * median:.1f} % on {len(errors)} "
+                              f"held-out published rows (cpbench simulate --validate)")
+
+
+_ROOT = Path(__file__).resolve().parents[3]  # a source checkout's root: configs/validation/
 
 
 def report(results: list[Result], hw: Hardware, table: str, tolerance: float = 0.15) -> str:
