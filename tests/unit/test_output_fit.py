@@ -23,7 +23,7 @@ from test_guards import _comm, _with
 from test_results import fake_record
 
 from cpbench import cli, report, results
-from cpbench.report import render
+from cpbench.report import placements, render
 from cpbench.report.render import WIDE, Fit, fitting
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
@@ -237,8 +237,8 @@ def test_ranks_not_gpus_where_the_ranks_are_cpu_processes(tmp_path):
         assert nodes in header and rate in header
         assert f"### zigzag on 2×2 {unit}s" in sweep
         assert f"### TFLOPs/s per {unit} by Seq Len" in sweep
-        placement = report.sweep.compare_placement(records)
-        assert placement.startswith(f"### usp on 2×2 {unit}s: TFLOPs/s per {unit} by")
+        placement = placements.placement_view(records)
+        assert placement.startswith(f"### FWD+BWD (ms) by placement on 2×2 {unit}s")
         other = "GPU" if unit == "rank" else "rank"
         assert f"×2 {other}s" not in sweep + placement and f"per {other}" not in sweep
 

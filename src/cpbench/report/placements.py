@@ -20,6 +20,7 @@ strategy's ``TOP`` fastest rows (``--wide``: all), and counts the rest.
 from __future__ import annotations
 
 import math
+import re
 import textwrap
 from dataclasses import dataclass
 
@@ -30,12 +31,27 @@ from cpbench.report.cells import missing, ms
 from cpbench.report.dataframe import PROBLEM
 from cpbench.report.labels import joined, rank_unit, ranks_text
 from cpbench.report.render import Fit, prose, render, width
-from cpbench.report.sweep import _distinct, _natural, latest_frame, size_text
+from cpbench.report.sweep import latest_frame, size_text
 from cpbench.results import OK
 
 TOP = 5  # rows a strategy shows in the terminal; --wide shows every one
 # the problem apart from its length and its topology: one table, its rows per Seq Len
 _SHAPE = [c for c in PROBLEM if c not in ("seqlen", "ranks_per_node")] + ["fwd_only"]
+
+
+def _natural(text: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
+
+
+def _distinct(labels: list[str]) -> tuple[dict[str, str], str]:
+    """Each label without the words all of them share, and those shared words:
+    ``head-first u=8 r=4`` / ``ring-first u=8 r=4`` → ``head-first`` / ``ring-first``,
+    shared ``u=8 r=4``."""
+    words = [label.split() for label in labels]
+    common = [w for w in words[0] if all(w in ws for ws in words[1:])]
+    short = {label: " ".join(w for w in ws if w not in common) or label
+             for label, ws in zip(labels, words)}
+    return short, " ".join(common)
 
 
 @dataclass(frozen=True)
@@ -208,7 +224,17 @@ def _under(simulated: bool, error: ModelError | None, fmt: str) -> list[str]:
 
 
 def plot(records: list[dict], path: str, note: str | None = None) -> None:
-    """One panel: each strategy's rows on x, a marker per placement (topology) at its time
+    """Write ``figure`` to ``path`` (format from its suffix)."""
+    from cpbench.report.plot import require_matplotlib
+
+    plt = require_matplotlib()
+    fig = figure(records, note)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+
+
+def figure(records: list[dict], note: str | None = None):
+    """One panel: each strategy's rows down y, a marker per placement (topology) at its time
     over the strategy's winner's (1 = the winner; the axis spans the differences, not 0);
     hollow where the placement may not win. A one-line title, the notes under the figure."""
     from cpbench.report.plot import require_matplotlib
@@ -257,5 +283,4 @@ def plot(records: list[dict], path: str, note: str | None = None) -> None:
     fig.tight_layout()
     if notes:
         fig.text(0.01, 0.0, "\n".join(notes), fontsize=7, va="top")
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
+    return fig
