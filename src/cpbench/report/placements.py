@@ -30,7 +30,7 @@ from cpbench.report import tables
 from cpbench.report.cells import missing, ms
 from cpbench.report.dataframe import PROBLEM
 from cpbench.report.labels import joined, rank_unit, ranks_text
-from cpbench.report.render import Fit, prose, render, width
+from cpbench.report.render import Fit, grouped, prose, render, width
 from cpbench.report.sweep import latest_frame, size_text
 from cpbench.results import OK
 
@@ -159,7 +159,9 @@ def _strategy_rows(strategy: str, g, topos: list[str], simulated: bool,
         row.update({t: mine[t].text if t in mine else "-" for t in topos})
         row["Winner"] = said if win is not None and v == win.variant or \
             (win is None and v == order[0]) else ""
-        row["Flags"] = "; ".join(dict.fromkeys(c.notes for c in mine.values() if c.notes)) or "-"
+        notes = [n for c in mine.values() for n in c.notes.split("; ") if n]
+        kind = grouped(notes)  # a row spans topologies: each kind of note once, as a range
+        row["Flags"] = "; ".join(dict.fromkeys(kind[n] for n in notes)) or "-"
         rows.append(row)
     if width() is None or len(rows) <= TOP:
         return rows, None
