@@ -244,17 +244,7 @@ def figure(records: list[dict], note: str | None = None):
     plt = require_matplotlib()
     df = latest_frame(records)
     df = df[df["ranks_per_problem"] > 1] if not df.empty else df
-    points, labels = [], []
-    several_lengths = df["seqlen"].nunique() > 1
-    for (seqlen, strategy), g in df.groupby(["seqlen", "strategy"], sort=True):
-        cells = [c for c in _cells(g) if c.time is not None]
-        eligible = [_time(c) for c in cells if c.eligible]
-        ref = min(eligible or [_time(c) for c in cells], default=math.inf)
-        for v in sorted(dict.fromkeys(c.variant for c in cells), key=_natural):
-            labels.append(joined(strategy, v) + (f" @{size_text(int(seqlen))}"
-                                                 if several_lengths else ""))
-            points += [(len(labels) - 1, c.topo, _time(c) / ref, c.eligible)
-                       for c in cells if c.variant == v]
+    points, labels = _relative(df)
     if not points:
         raise UsageError("--compare placement --plot: no CP row ran, nothing to plot; give "
                          "records of CP strategies")
@@ -286,3 +276,24 @@ def figure(records: list[dict], note: str | None = None):
     if notes:
         fig.text(0.01, 0.0, "\n".join(notes), fontsize=7, va="top")
     return fig
+
+
+def _relative(df) -> tuple[list[tuple[int, str, float, bool]], list[str]]:
+    """(row, topology, time over its strategy's fastest, may win) for every cell that ran,
+    and the rows' labels: the strategy's winner is the reference, its fastest cell where none
+    may win."""
+    points: list[tuple[int, str, float, bool]] = []
+    labels: list[str] = []
+    if df.empty:
+        return points, labels
+    several_lengths = df["seqlen"].nunique() > 1
+    for (seqlen, strategy), g in df.groupby(["seqlen", "strategy"], sort=True):
+        cells = [c for c in _cells(g) if c.time is not None]
+        eligible = [_time(c) for c in cells if c.eligible]
+        ref = min(eligible or [_time(c) for c in cells], default=math.inf)
+        for v in sorted(dict.fromkeys(c.variant for c in cells), key=_natural):
+            labels.append(joined(strategy, v) + (f" @{size_text(int(seqlen))}"
+                                                 if several_lengths else ""))
+            points += [(len(labels) - 1, c.topo, _time(c) / ref, c.eligible)
+                       for c in cells if c.variant == v]
+    return points, labels
