@@ -25,6 +25,7 @@ PROG = "cpbench dryrun"
 def add_parser(sub) -> None:
     p = cli_args.command(sub, "dryrun", __doc__, main)
     attention = p.add_argument_group("attention problem (defaults: run's, per device)")
+    cli_args.add_model(attention)
     cli_args.add_settings(attention, attention_settings(), cli_args.attention_default)
     g = p.add_argument_group("where")
     integer = cli_args.converter(cli_args.read_number(int), "an integer")
@@ -94,6 +95,7 @@ def _capacity(args, device: str, gpn: int, hw) -> int | None:
 def request(args) -> Request:
     """The validated request; UsageError (one line, the fix) before anything runs."""
     from cpbench import kernels
+    from cpbench.bench.cases import request
     from cpbench.config import resolved_documents
     from cpbench.sim import hardware
     from cpbench.sim.dryrun import Request, cases_for
@@ -116,9 +118,7 @@ def request(args) -> Request:
     attn = AttentionConfig(**resolved_documents({**default_attention(device), **given},
                                                 args.seed))
     notes: list[str] = []
-    backend = kernels.resolve(args.kernel, device=device, dtype=attn.torch_dtype,
-                              head_dim=attn.head_dim, heads=attn.heads,
-                              kv_heads=attn.num_kv_heads, notes=notes)
+    backend = kernels.resolve(args.kernel, **request(attn, device), notes=notes)
     cases, skipped = cases_for(args.strategy, options, attn, topo, backend, device,
                                auto=args.kernel == kernels.AUTO)
     if args.out:

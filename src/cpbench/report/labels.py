@@ -50,7 +50,8 @@ def documents_text(attention: dict) -> str:
 
 
 def mask_text(attention: dict) -> str:
-    """The mask in words: causal / full, within documents, with a window."""
+    """The mask in words: causal / full, within documents, with a window (and sinks, which
+    the softmax of every row takes besides its keys)."""
     text = "causal" if attention["causal"] else "full"
     docs = attention.get("documents")
     if docs:
@@ -59,6 +60,8 @@ def mask_text(attention: dict) -> str:
         text += f" within documents {shown}"
     if attention.get("window_size"):
         text += f", window {window_text(attention)}"
+    if attention.get("sinks"):
+        text += ", sinks"
     return text
 
 

@@ -179,8 +179,12 @@ def _title(df, records: list[dict], topos: list[str]) -> str:
     phase = "FWD" if a["fwd_only"] else "FWD+BWD"
     where = (f"{a['world']} {ranks_text(unit)} as nodes×{unit}s" if len(topos) > 1
              else f"{topos[0]} {ranks_text(unit)}")
+    model = records[0]["config"]["attention"]  # a model's V width and sinks (--model)
+    extra = (f"DV={model['v_head_dim']}, " if model.get("v_head_dim") else "") + \
+        ("sinks, " if model.get("sinks") else "")
     return (f"{phase} (ms) by placement on {where} ({a['dtype']}, B={a['batch']}, "
-            f"H={a['heads']}, D={a['head_dim']}, {'causal' if a['causal'] else 'full'})")
+            f"H={a['heads']}, D={a['head_dim']}, {extra}"
+            f"{'causal' if a['causal'] else 'full'})")
 
 
 def placement_view(records: list[dict], fmt: str = "table",
