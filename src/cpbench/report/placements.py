@@ -220,7 +220,8 @@ _FIT = Fit(lift=("Seq Len",), wrap=("Strategy", "Placement", "Winner"),
 def _under(simulated: bool, error: ModelError | None, fmt: str) -> list[str]:
     if simulated:
         said = (f"the model's stated error: {error.what}; a margin under it does not tell the "
-                f"placements apart" if error else "no stated error for this model here")
+                f"placements apart" if error else
+                "no stated error: the preset was not validated against published rows")
         text = f"Winner: each strategy's fastest placement, its margin predicted ({said})."
     else:
         text = ("Winner: each strategy's fastest placement that is neither flagged nor off CP, "
