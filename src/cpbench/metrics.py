@@ -153,6 +153,22 @@ def duration(seconds: float) -> str:
 
 # -- intervals -------------------------------------------------------------------------------
 
+# a printed interval needs a spread to resample: one iteration, or a model's one prediction,
+# has none, and two give an interval of two points. The one rule every report's interval obeys.
+MIN_SAMPLES = 3
+
+
+def ratio_interval(num: Sequence[float] | None, den: Sequence[float] | None, *,
+                   scale: float = 1.0) -> tuple[float, float] | None:
+    """The interval a report prints beside ``scale * median(num) / median(den)``:
+    ``bootstrap_ratio``'s, or None unless each side has at least ``MIN_SAMPLES`` samples."""
+    if not (isinstance(num, Sequence) and isinstance(den, Sequence)):
+        return None  # none recorded (pandas leaves NaN)
+    if min(len(num), len(den)) < MIN_SAMPLES:
+        return None
+    return bootstrap_ratio(num, den, scale=scale)
+
+
 def bootstrap_ratio(num: Sequence[float], den: Sequence[float], *, scale: float = 1.0,
                     n_boot: int = 2000, level: float = 0.95, seed: int = 0
                     ) -> tuple[float, float]:

@@ -23,7 +23,7 @@ from test_guards import _comm, _with
 from test_results import fake_record
 
 from cpbench import cli, report, results
-from cpbench.report import render
+from cpbench.report import placements, render
 from cpbench.report.render import WIDE, Fit, fitting
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
@@ -142,11 +142,14 @@ def test_run_prints_fit_and_wide_prints_every_column(bench):
     assert lines[1] == ("every row: Dtype fp32, QKV Format bshd, B 1, Seq Len 1024, World 4, "
                         "Nodes×Ranks 2×2, Window None")
     header = [c.strip() for c in lines[3].split("|")]
-    assert header == ["Strategy", "Imbal", "FWD (ms)", "FWD+BWD (ms)", "Mem (MB)",
-                      "TFLOP/s/rank", "Check"]
-    assert "(not shown, to fit 120 columns: Ideal (%), CP; --wide shows every column)" in text
+    # TFLOP/s/rank is "-" in every row (each withheld: the file's rows shared cores): gone
+    assert header == ["Strategy", "CP", "Imbal", "FWD (ms)", "FWD+BWD (ms)", "Mem (MB)",
+                      "Check"]
+    # CP and Imbalance carry a verdict: kept; Ideal (%) is "-" in every row: gone, so the
+    # table fits with nothing hidden
+    assert "not shown" not in text and "Ideal" not in text
     row = next(line for line in lines if re.match(r" +ring +\|", line))
-    assert [c.strip() for c in row.split("|")][1] == "1.75"  # the imbalanced ring says so
+    assert [c.strip() for c in row.split("|")][2] == "1.75"  # the imbalanced ring says so
 
 
 def test_cli_wide_flags(files, capsys):
@@ -234,8 +237,8 @@ def test_ranks_not_gpus_where_the_ranks_are_cpu_processes(tmp_path):
         assert nodes in header and rate in header
         assert f"### zigzag on 2×2 {unit}s" in sweep
         assert f"### TFLOPs/s per {unit} by Seq Len" in sweep
-        placement = report.sweep.compare_placement(records)
-        assert placement.startswith(f"### usp on 2×2 {unit}s: TFLOPs/s per {unit} by")
+        placement = placements.placement_view(records)
+        assert placement.startswith(f"### FWD+BWD (ms) by placement on 2×2 {unit}s")
         other = "GPU" if unit == "rank" else "rank"
         assert f"×2 {other}s" not in sweep + placement and f"per {other}" not in sweep
 

@@ -80,13 +80,21 @@ def test_bad_input_is_one_line_exit_2(capsys, args, needle):
 
 @pytest.mark.slow  # seconds of CPU (make test-fast leaves it out; CI runs it)
 def test_compare_placements_fastest_first(capsys):
-    code, out, _ = run(capsys, "--compare-placements", "--strategy", "usp,double-ring")
-    assert code == 0
-    rows = [[c.strip() for c in line.split("|")] for line in out.splitlines()
-            if re.match(r"^ *\d+ +\|", line)]
-    times = [float(r[4]) for r in rows]
-    assert times == sorted(times) and rows[0][-1] == "1.00x"
-    placements = {r[2] for r in rows}
+    """One table (report.placements), each strategy's placements fastest first, its winner
+    named on its first row; --wide lists every placement."""
+    code, out, _ = run(capsys, "--compare-placements", "--strategy", "usp,double-ring",
+                       "--wide")
+    assert code == 0 and out.count("### ") == 1
+    lines = out.splitlines()
+    header = [c.strip() for c in next(x for x in lines if "Winner" in x).split("|")]
+    rows = [dict(zip(header, (c.strip() for c in line.split("|")))) for line in lines
+            if re.match(r"^ *(usp|double-ring) +\|", line)]
+    for name in ("usp", "double-ring"):
+        mine = [r for r in rows if r["Strategy"] == name]
+        times = [float(r["FWD+BWD (ms)"]) for r in mine]
+        assert times == sorted(times) and len(mine) > 5
+        assert "(model ±" in mine[0]["Winner"] and not any(r["Winner"] for r in mine[1:])
+    placements = {r["Placement"] for r in rows}
     assert any("head-first ulysses_degree=8" in p for p in placements)
     assert any("ring-first ulysses_degree=8" in p for p in placements)
     assert {"window=2", "window=4", "window=8"} <= placements

@@ -12,7 +12,7 @@ import json
 from test_results import fake_record
 
 from cpbench import report, results
-from cpbench.report import lines, sweep, tables
+from cpbench.report import lines, placements, sweep, tables
 from cpbench.report.best import best_table
 
 BUSY = {"foreign_cpu_s": 17.0, "wall_s": 10.0, "cpus": 2, "share": 0.85, "ranks_cores": 2}
@@ -96,5 +96,5 @@ def test_best_and_placement_ratios_leave_withheld_rows_out():
     for r in usp:
         r["load"] = BUSY
         r["derived"] = results.derive(r)
-    text = sweep.compare_placement(usp)
-    assert "x [" not in text  # no ratio of withheld rates
+    text = placements.placement_view(usp)
+    assert "none: flagged or not CP" in text and " % [" not in text  # no margin of them

@@ -30,8 +30,9 @@ def add_parser(sub) -> None:
                         "then a pivot by Seq Len; auto: run when every record is from one run, "
                         "else sweep")
     r.add_argument("--compare", choices=("placement", "upstream"),
-                   help="placement: each strategy's placements (windows, degrees) side by "
-                        "side per topology, with their TFLOPs ratio; upstream: each of "
+                   help="placement: one table, a row per strategy variant (windows, "
+                        "degrees), a column per topology, each strategy's winner and its "
+                        "margin over the next placement; upstream: each of "
                         "cpbench's strategies beside its upstream twin (zigzag / rfa-zigzag, "
                         "usp / yunchang-usp, …) on the same problem, with the time ratio")
     r.add_argument("--best", action="store_true",
@@ -49,7 +50,9 @@ def add_parser(sub) -> None:
     r.add_argument("--plot", metavar="OUT.png",
                    help="also draw TFLOPs/s per GPU (per rank on CPUs) against Seq Len, a "
                         "panel per topology and at most 8 lines a panel (needs matplotlib); "
-                        "with --best the winner map (problem × topology)")
+                        "with --best the winner map (problem × topology); with --compare "
+                        "placement one panel: each placement's time over its strategy's "
+                        "fastest")
 
 
 def _records(args) -> list[dict]:
@@ -96,8 +99,9 @@ def _text(args, records: list[dict]) -> str:
         from cpbench.report.upstream import compare_upstream
 
         note = report.tables.simulated_note(records)
-        view = report.sweep.compare_placement if args.compare == "placement" \
-            else compare_upstream
+        from cpbench.report.placements import placement_view
+
+        view = placement_view if args.compare == "placement" else compare_upstream
         return (f"Compared{note}\n\n" if note else "") + view(records, args.format)
     if sweep_view and args.format in ("table", "markdown"):
         return report.sweep.sweep_report(records, args.format)
@@ -133,6 +137,12 @@ def main(args) -> int:
                 sys.stderr.write(f"{PROG}: winner map written to {args.plot}\n")
                 return 0
             note = tables.simulated_note(records).strip(" ()") or None
+            if args.compare == "placement":  # one panel: the placements' differences
+                from cpbench.report import placements
+
+                placements.plot(records, args.plot, note)
+                sys.stderr.write(f"{PROG}: plot written to {args.plot}\n")
+                return 0
             plot.plot(records, args.plot, title_note=note)
             if plot.plot_breakdown(records, plot.breakdown_path(args.plot)):
                 sys.stderr.write(f"{PROG}: breakdown written to "

@@ -94,8 +94,9 @@ def add_parser(sub) -> None:
                         "--seed+1, ...), each predicted; the tables add each strategy's "
                         "median over them and the spread (default 1)")
     s.add_argument("--compare-placements", action="store_true",
-                   help="every valid placement / split / window of the strategies side by "
-                        "side, fastest first")
+                   help="every valid placement / split / window of the strategies in one "
+                        "table, fastest first, each strategy's winner and its margin beside "
+                        "the model's stated error")
     s.add_argument("--validate", metavar="FILE.csv",
                    help="predict published rows (configs/validation/*.csv) and print the "
                         "relative errors; ignores the other flags but --hardware")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from statistics import median
 
 from cpbench import rounds
-from cpbench.metrics import bootstrap_ratio
+from cpbench.metrics import ratio_interval
 from cpbench.report.dataframe import frame
 from cpbench.report.labels import joined, rank_unit, ranks_text
 from cpbench.report.render import Fit, prose, render
@@ -114,9 +114,8 @@ def _packed_verdict(rows: list[dict], min_effect: float) -> Verdict:
     second = ranked[1]
     shared = sorted(set(by[best]) & set(by[second]))
     ratios = [by[second][i]["time"] / by[best][i]["time"] for i in shared]
-    bounds = [bootstrap_ratio(by[second][i]["iters"], by[best][i]["iters"]) for i in shared
-              if all(isinstance(by[n][i]["iters"], list) and len(by[n][i]["iters"]) >= 3
-                     for n in (best, second))]
+    found = [ratio_interval(by[second][i]["iters"], by[best][i]["iters"]) for i in shared]
+    bounds = [b for b in found if b]
     if len(bounds) == len(shared) and shared:
         interval = (min(b[0] for b in bounds), max(b[1] for b in bounds))
         call = _call(interval, min_effect)
@@ -135,9 +134,9 @@ def _verdict(rows: list[dict], min_effect: float) -> Verdict:
                        None, ONLY)
     second = rows[1]
     margin = second["time"] / best["time"] - 1
-    interval, call = None, TIE if margin < SIM_TIE else WINS
-    if all(isinstance(r["iters"], list) and len(r["iters"]) >= 3 for r in (best, second)):
-        interval = bootstrap_ratio(second["iters"], best["iters"])
+    call = TIE if margin < SIM_TIE else WINS
+    interval = ratio_interval(second["iters"], best["iters"])
+    if interval:
         call = _call(interval, min_effect)
     return Verdict(best["problem"], best["topology"], name, best["time"],
                    joined(second["strategy"], second["options"]), margin, interval, call)

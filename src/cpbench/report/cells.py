@@ -81,9 +81,12 @@ def with_unit(cell: str, unit: str) -> str:
 
 
 def efficiency(row: dict) -> str:
-    """A CP row's efficiency in % with its bootstrap interval: "37.9 [29.9, 53.0]"."""
+    """A CP row's efficiency in % with its bootstrap interval: "37.9 [29.9, 53.0]"; the
+    figure alone where there is no interval (too few samples: ``metrics.ratio_interval``)."""
     if missing(row["cp_efficiency"]):
         return "-"
+    if missing(row["cp_efficiency_low"]):
+        return pct(row["cp_efficiency"])
     return (f"{pct(row['cp_efficiency'])} [{pct(row['cp_efficiency_low'])}, "
             f"{pct(row['cp_efficiency_high'])}]")
 

@@ -13,7 +13,7 @@ from statistics import median
 from typing import Iterable
 
 from cpbench import guards
-from cpbench.metrics import bootstrap_ratio, slowest_per_iter
+from cpbench.metrics import bootstrap_ratio, ratio_interval, slowest_per_iter
 from cpbench.report.labels import joined, options_label, window_text
 from cpbench.results import OK, derive
 
@@ -155,12 +155,12 @@ def _baselines(base_rows):
 
 
 def _efficiency_interval(row: dict, both: bool) -> tuple[float | None, float | None]:
-    """The efficiency's bootstrap 95 % interval from the per-iteration samples."""
+    """The efficiency's bootstrap 95 % interval from the per-iteration samples; none without
+    a baseline, or with too few samples (``metrics.ratio_interval``: a model has one)."""
     base = row["base_iters_fwd_bwd"] if both else row["base_iters_fwd"]
     mine = row["iters_fwd_bwd"] if both else row["iters_fwd"]
-    if not isinstance(base, list) or not isinstance(mine, list) or not base or not mine:
-        return None, None  # no baseline for this problem (pandas fills NaN), or no samples
-    return bootstrap_ratio(base, mine, scale=1 / row["ranks_per_problem"])
+    interval = ratio_interval(base, mine, scale=1 / row["ranks_per_problem"])
+    return interval if interval else (None, None)
 
 
 def efficiencies(records: list[dict]) -> list[tuple]:

@@ -98,6 +98,7 @@ def render_kernels(records: list[dict], fmt: str, *, skipped: Sequence[dict] = (
         return "no kernel cases\n"
     if fmt in ("json", "csv"):
         return data_text(rows, fmt)
+    speedups = any(r[f"speedup_{p}"] is not None for r in rows for p in ("fwd", "fwd_bwd"))
     title = "Attention kernels" + (f" (speedup: {baseline}'s time / this time)"
-                                   if baseline else "")
+                                   if baseline and speedups else "")
     return "\n".join(render(title, [_table_row(r) for r in rows], fmt, _FIT)) + "\n"

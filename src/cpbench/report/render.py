@@ -5,9 +5,12 @@ Fitting (``Fit``), in this order, the first three always, the others only as far
 width needs (``--wide``: none of them):
 
 0. paired columns merge into one (Strategy and its Placement: ``usp (head-first …)``);
-1. note columns (Flags) become numbered notes under the table, each row marked ``[n]``
-   (identical notes share a number), so a reason stays visible however narrow the table;
-2. problem columns every row shares (Dtype, B, Seq Len, …) move to one line above it;
+1. note columns (Flags) become numbered notes under the table, each row marked ``[n]``:
+   notes of one kind (alike but for their numbers) share a number, their numbers given as
+   ranges ("others kept 0.3-0.9 of 2 cores busy"), so a reason stays visible however narrow
+   the table and is said once;
+2. problem columns every row shares (Dtype, B, Seq Len, …) move to one line above it, and
+   columns that are "-" in every row go (markdown too: they say nothing);
 3. headers take their short names (units stay in the header: ``Mem (MB)``);
 4. the least essential columns are hidden, in the order given, and named under the table;
 5. the text columns (a strategy's label) break over lines.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 import shutil
 import sys
 import textwrap
@@ -111,6 +115,7 @@ def render(title: str | None, rows: list[dict], fmt: str, fit: Fit = PLAIN) -> l
         out = textwrap.wrap(out[0], limit, subsequent_indent="    ", break_on_hyphens=False)
     rows = [{fit.rename.get(k, k): v for k, v in r.items()} for r in rows]
     if fmt == "markdown":
+        rows = _without_empty(rows)
         cols = list(rows[0])
         out += ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
         return out + ["| " + " | ".join(r[c] for c in cols) + " |" for r in rows]
@@ -158,6 +163,7 @@ def fit_rows(rows: list[dict], fit: Fit, limit: int) -> Fitted:
                      for k, v in r.items() if k != b} for r in rows]
     rows, notes = _notes(rows, fit.notes, limit)
     rows, caption = _lift(rows, fit.lift, limit)
+    rows = _without_empty(rows)
     rows = [{fit.short.get(k, k): v for k, v in r.items()} for r in rows]
     hidden = []
     for col in (fit.short.get(c, c) for c in fit.drop):
@@ -182,8 +188,9 @@ def _notes(rows: list[dict], columns: tuple[str, ...], limit: int) -> tuple[list
     numbered: dict[str, int] = {}
     out = []
     first = next(c for c in rows[0] if c not in present)
+    kind = grouped([t for r in rows for c in present for t in _split_notes(r[c])])
     for r in rows:
-        texts = [t for c in present for t in _split_notes(r[c])]
+        texts = [kind[t] for c in present for t in _split_notes(r[c])]
         marks = [numbered.setdefault(t, len(numbered) + 1) for t in texts]
         kept = {k: v for k, v in r.items() if k not in present}
         if marks:
@@ -192,6 +199,36 @@ def _notes(rows: list[dict], columns: tuple[str, ...], limit: int) -> tuple[list
     lines = [line for text, n in numbered.items()
              for line in textwrap.wrap(f"[{n}] {text}", limit, subsequent_indent="    ")]
     return out, lines
+
+
+# a number standing alone (not part of a name: fp32, h100, v2.1)
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])")
+
+
+def grouped(texts: list[str]) -> dict[str, str]:
+    """Each note → the note its kind prints: notes alike but for their numbers are one note,
+    each number that differs among them given as its range (``others kept 0.3 of 2 cores
+    busy`` and ``… 0.9 …`` → ``others kept 0.3-0.9 of 2 cores busy``)."""
+    kinds: dict[str, list[str]] = {}
+    for text in dict.fromkeys(texts):
+        kinds.setdefault(_NUMBER.sub("#", text), []).append(text)
+    out = {}
+    for template, members in kinds.items():
+        numbers = [_NUMBER.findall(m) for m in members]
+        parts = template.split("#")
+        text = parts[0]
+        for i, part in enumerate(parts[1:]):
+            values = [n[i] for n in numbers]
+            low, high = min(values, key=float), max(values, key=float)
+            text += (low if float(low) == float(high) else f"{low}-{high}") + part
+        out.update(dict.fromkeys(members, text))
+    return out
+
+
+def _without_empty(rows: list[dict]) -> list[dict]:
+    """The rows without the columns that are "-" in every row (the first column stays)."""
+    empty = [c for c in list(rows[0])[1:] if all(r[c] == "-" for r in rows)]
+    return [{k: v for k, v in r.items() if k not in empty} for r in rows] if empty else rows
 
 
 def _split_notes(cell: str) -> list[str]:

@@ -1,5 +1,6 @@
 """Reports over many runs (a sweep's JSONL): seed 001's tables grouped by strategy, a pivot
-(strategy × Seq Len → TFLOPs/s per GPU, FWD+BWD ms, memory), and placements side by side.
+(strategy × Seq Len → TFLOPs/s per GPU, FWD+BWD ms, memory); placements side by side are
+``report.placements``.
 "GPU" reads "rank" where the ranks are CPU processes (``labels.rank_unit``); every table fits
 the terminal (``report.render``) unless ``--wide``.
 
@@ -7,10 +8,6 @@ the terminal (``report.render``) unless ``--wide``.
   heading and one seed-format table per strategy, placement and topology, rows by Seq Len.
 - ``pivot``: one table per figure, a row per strategy (and placement, and topology when the
   records hold several), a column per Seq Len; OOM / failed cells say so.
-- ``compare_placement``: per strategy, topology and problem, the variants a strategy ran
-  (USP head-first / ring-first, double-ring windows, a2a degrees, …) one under the other,
-  TFLOPs/s per GPU, with each variant's ratio to the first (a row per Seq Len and variant:
-  the table stays narrow however many variants there are).
 
 A case recorded more than once (a sweep re-run after a failure) counts once: its last record.
 Figures come from ``dataframe.frame`` (recomputed from the raw samples).
@@ -19,11 +16,10 @@ Figures come from ``dataframe.frame`` (recomputed from the raw samples).
 from __future__ import annotations
 
 import json
-import re
 from statistics import median
 
 from cpbench import rounds
-from cpbench.metrics import bootstrap_ratio
+from cpbench.metrics import ratio_interval
 from cpbench.report import tables
 from cpbench.report.dataframe import PROBLEM, frame
 from cpbench.report.labels import rank_unit, ranks_text, unit_of
@@ -46,10 +42,6 @@ def size_text(n: int) -> str:
         if n >= scale and n % scale == 0:
             return f"{n // scale}{unit}"
     return str(n)
-
-
-def _natural(text: str):
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
 
 
 def latest_frame(records: list[dict]):
@@ -139,58 +131,10 @@ def pivot(records: list[dict], fmt: str = "table") -> str:
     return "\n".join(lines) + "\n"
 
 
-def compare_placement(records: list[dict], fmt: str = "table") -> str:
-    """Each strategy's variants per topology and problem, a row per Seq Len and variant:
-    TFLOPs/s per GPU and the variant's ratio to the first (> 1: faster than the first)."""
-    df = latest_frame(records)
-    if df.empty:
-        return "no records\n"
-    problem = [c for c in PROBLEM if c != "seqlen"]
-    unit, rename = rank_unit(records), tables.fit(records).rename
-    lines: list[str] = []
-    for _, g in df.groupby(["strategy", "topo", *problem, "fwd_only"], sort=False,
-                           dropna=False):
-        variants = sorted(dict.fromkeys(g["options"]), key=_natural)
-        if len(variants) < 2:
-            continue
-        short, common = _distinct(variants)
-        a = g.iloc[0]
-        title = (f"{a['strategy']}{' (' + common + ')' if common else ''} on {a['topo']} "
-                 f"{ranks_text(unit)}: TFLOPs/s per {unit} by placement "
-                 f"({a['dtype']}, B={a['batch']}, H={a['heads']}, D={a['head_dim']}, "
-                 f"{'causal' if a['causal'] else 'full'})")
-        if lines:
-            lines.append("")
-        lines += tables.render(title, _placement_rows(g, variants, short), fmt,
-                               Fit(lift=("Seq Len",), wrap=("Placement",), rename=rename))
-    if not lines:
-        return ("no strategy ran more than one placement (or window, or degree) on the same "
-                "topology and problem\n")
-    return "\n".join(lines) + "\n"
-
-
-def _placement_rows(g, variants: list[str], short: dict[str, str]) -> list[dict]:
-    """A row per Seq Len and variant, the first variant first: its rate and time, and its
-    rate over the first's with the bootstrap interval."""
-    phase = "fwd" if g["fwd_only"].iloc[0] else "fwd_bwd"
-    time_col = "FWD (ms)" if phase == "fwd" else "FWD+BWD (ms)"
-    first = variants[0]
-    out = []
-    for seqlen, at in g.groupby("seqlen", sort=True):
-        by = {o: r for o, r in zip(at["options"], at.to_dict("records"))}
-        for v in variants:
-            row = by.get(v)
-            out.append({"Seq Len": str(seqlen), "Placement": short[v],
-                        "TFLOPs/s": row["TFLOPs/s"] if row else "-",
-                        time_col: row[time_col] if row else "-",
-                        "vs first": "1.00x (first)" if v == first and row else
-                        ratio_cell(by.get(first), row, phase)})
-    return out
-
-
 def ratio_cell(den: dict | None, num: dict | None, phase: str) -> str:
     """``num``'s rate over ``den``'s (time of den over time of num: > 1 is faster) with its
-    bootstrap 95 % interval from the per-iteration samples; "-" unless both ran."""
+    bootstrap 95 % interval from the per-iteration samples (none from fewer than
+    ``metrics.MIN_SAMPLES`` a side); "-" unless both ran."""
     if not (den and num and den["status"] == num["status"] == OK):
         return "-"
     if any(r["flags"] or isinstance(r["not_measured"], str) for r in (den, num)):
@@ -198,19 +142,9 @@ def ratio_cell(den: dict | None, num: dict | None, phase: str) -> str:
     a, b = den[f"iters_{phase}"], num[f"iters_{phase}"]
     if not isinstance(a, list) or not isinstance(b, list) or not a or not b:
         return "-"
-    low, high = bootstrap_ratio(a, b)
-    return f"{median(a) / median(b):.2f}x [{low:.2f}, {high:.2f}]"
-
-
-def _distinct(labels: list[str]) -> tuple[dict[str, str], str]:
-    """Each label without the words all of them share, and those shared words:
-    ``head-first u=8 r=4`` / ``ring-first u=8 r=4`` → ``head-first`` / ``ring-first``,
-    shared ``u=8 r=4``."""
-    words = [label.split() for label in labels]
-    common = [w for w in words[0] if all(w in ws for ws in words[1:])]
-    short = {label: " ".join(w for w in ws if w not in common) or label
-             for label, ws in zip(labels, words)}
-    return short, " ".join(common)
+    interval = ratio_interval(a, b)  # none from fewer than 3 samples a side
+    return f"{median(a) / median(b):.2f}x" + \
+        (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")
 
 
 def sweep_report(records: list[dict], fmt: str = "table") -> str:

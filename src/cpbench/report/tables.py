@@ -24,9 +24,10 @@ figure is recomputed from the record's raw samples by ``cpbench.results.derive``
 ranks are CPU processes, headers say ranks, not GPUs (``labels.rank_unit``).
 
 The table format fits the terminal (``report.render``): the problem columns every row shares
-go to a line above the table, Flags become numbered notes under it, and the least essential
-columns (Fraction of Ideal, Exposed Comm, Padding, Imbalance) are hidden only when the table
-is still too wide; ``--wide`` prints every column.
+go to a line above the table, Flags become numbered notes under it (one per kind of note),
+columns "-" in every row go, and the least essential columns (Fraction of Ideal, Exposed
+Comm, Padding) are hidden only when the table is still too wide, never CP or Imbalance;
+``--wide`` prints every column.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ __all__ = ["FORMATS", "cell_ms", "detail", "render", "report", "rows", "summary"
 # what the narrow table may do with the summary's columns (report.render.Fit)
 PROBLEM_COLUMNS = ("Dtype", "QKV Format", "B", "Seq Len", "Head Dim", "World", "Nodes×GPUs",
                    "CP", "Window", "Packing", "Documents", "Source")
+# the columns hidden first when a table is still too wide; CP and Imbalance carry a verdict
+# (whether a row is CP, how evenly its ranks work) and are never hidden: a label wraps first
 OPTIONAL_COLUMNS = ("Fraction of Ideal (%)", "Exposed Comm (%)", "Padding (%)", "QKV Format",
-                    "World", "Window", "CP", "Imbalance")
+                    "World", "Window")
 SHORT = {"Memory (MB)": "Mem (MB)", "Fraction of Ideal (%)": "Ideal (%)",
          "Exposed Comm (%)": "Exposed (%)", "Padding (%)": "Pad (%)", "Imbalance": "Imbal",
          "CP Efficiency (%)": "CP Eff (%)"}
@@ -108,7 +111,8 @@ def rows(records: list[dict]) -> list[dict]:
             out_row["Check"] = "-" if cells.missing(passed) else "PASS" if passed else "FAIL"
         if with_flags:  # the physics guards' (cpbench.guards): the row's figures are suspect
             out_row["Flags"] = "; ".join(x for x in (
-                row["flags"], None if common else _short(row["not_measured"])) if x) or "-"
+                row["flags"], None if common else short_reason(row["not_measured"])) if x) \
+                or "-"
         # the ideal over the step (cpbench.ideal): needs no baseline that fits;
         # none where the row's timings do not measure CP (report.dataframe.frame)
         if with_ideal:
@@ -118,7 +122,7 @@ def rows(records: list[dict]) -> list[dict]:
     return out
 
 
-def _short(reason) -> str | None:
+def short_reason(reason) -> str | None:
     """A row's "not measuring CP" reason as its Flags cell says it."""
     return None if cells.missing(reason) else f"{reason.split(':')[0]}: not CP"
 
@@ -161,8 +165,10 @@ def _efficiency_lines(records: list[dict]) -> list[str]:
     if not effs:
         return []
     phases = {e["efficiency_phase"] for e in effs}
+    spread = any(not cells.missing(e["cp_efficiency_low"]) for e in effs)
     out = [f"CP efficiency = T_local / (N · T_cp), {' or '.join(sorted(phases))}, against "
-           f"{effs[0]['baseline']} (95 % bootstrap interval of the per-iteration samples):"]
+           f"{effs[0]['baseline']}"
+           + (" (95 % bootstrap interval of the per-iteration samples):" if spread else ":")]
     width = max(len(e["label"]) for e in effs)
     for e in effs:
         low, high = e["cp_efficiency_low"], e["cp_efficiency_high"]

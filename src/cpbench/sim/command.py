@@ -300,30 +300,15 @@ def _ideal_note(records: list[dict]) -> str:
 
 
 
-_COMPARISON_FIT = Fit(wrap=("Placement",), short={"Memory (MB)": "Mem (MB)"})
-
-
 def render_comparison(groups: list[list[dict]], hw: Hardware, topo: Topology, fmt: str) -> str:
+    """Every distinct placement (``compare_placements``) in one table: strategy × placement,
+    each strategy's winner and its margin beside the model's stated error
+    (``validate.stated_error``)."""
+    from cpbench.report.placements import placement_view
+    from cpbench.sim.validate import stated_error
+
+    records = [r for rows in groups for r in rows]
     if fmt in ("csv", "json"):  # the rows in ranked order, every column
-        return machine_rows([r for rows in groups for r in rows], fmt)
-    out = [_banner(hw, topo, [r for rows in groups for r in rows]), ""]
-    for rows in groups:
-        a = rows[0]["config"]["attention"]
-        best = next((r["derived"]["fwd_bwd_ms"] for r in rows if r["status"] == results.OK),
-                    None)
-        table = []
-        for i, (r, cells) in enumerate(zip(rows, tables.rows(rows)), start=1):
-            d = r["derived"]
-            table.append({
-                "#": str(i), "Strategy": cells["Strategy"], "Placement": cells["Placement"],
-                "FWD (ms)": cells["FWD (ms)"], "FWD+BWD (ms)": cells["FWD+BWD (ms)"],
-                "Memory (MB)": cells["Memory (MB)"], "TFLOPs/s": cells["TFLOPs/s"],
-                "vs best": (f"{best / d['fwd_bwd_ms']:.2f}x" if r["status"] == results.OK
-                            and best else "-")})
-        title = (f"Placements at Seq Len {a['seqlen']} ({a['dtype']}, B={a['batch']}, "
-                 f"H={a['heads']}, D={a['head_dim']}, "
-                 + (f"DV={a['v_head_dim']}, " if a.get("v_head_dim") else "")
-                 + ("sinks, " if a.get("sinks") else "") +
-                 f"{'causal' if a['causal'] else 'full'}), fastest first")
-        out += [*tables.render(title, table, fmt, _COMPARISON_FIT), ""]
-    return "\n".join(out) + _footer([r for rows in groups for r in rows], hw)
+        return machine_rows(records, fmt)
+    return "\n".join([_banner(hw, topo, records), "",
+                      placement_view(records, fmt, stated_error(hw))]) + _footer(records, hw)

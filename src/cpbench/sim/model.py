@@ -82,7 +82,7 @@ from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
 from cpbench.errors import Skipped, UsageError
 from cpbench.mask import mask_of
-from cpbench.metrics import BWD_FACTOR, attention_flops
+from cpbench.metrics import attention_flops
 from cpbench.sim import memory, sharing, terms
 from cpbench.sim.hardware import Hardware
 from cpbench.strategies.base import BWD, FWD, Strategy

@@ -33,6 +33,7 @@ from cpbench.config import AttentionConfig
 from cpbench.errors import UsageError
 from cpbench.metrics import attention_flops, tflops_per_gpu
 from cpbench.report import cells, tables
+from cpbench.report.placements import ModelError
 from cpbench.report.render import Fit, prose
 from cpbench.sim import model
 
@@ -260,6 +261,16 @@ def machine(results: list[Result], hw: Hardware, table: str, fmt: str,
 
 
 NOT_SCORED = "not scored"
+
+
+def stated_error(hw: Hardware) -> ModelError | None:
+    """The model's error on ``hw`` as its validation states it: the held-out rows' median
+    |error| of the preset's ``evidence:`` (``Hardware.stated_error``, which a test holds
+    equal to what ``--validate`` scores); None for a preset validated on no held-out row."""
+    if hw.stated_error is None:
+        return None
+    return ModelError(hw.stated_error, f"median |error| {100 * hw.stated_error:.1f} % held "
+                                       f"out; {hw.evidence}")
 
 
 def report(results: list[Result], hw: Hardware, table: str, tolerance: float = 0.15,
