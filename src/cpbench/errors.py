@@ -8,7 +8,13 @@ from typing import Callable, Iterable
 
 class UsageError(ValueError):
     """What the user got wrong, with the fix in the message: the commands print it as one
-    line and exit 2. A plain ValueError elsewhere is a bug, and is not reported as bad input."""
+    line and exit 2. A plain ValueError elsewhere is a bug, and is not reported as bad input.
+    ``more``: continuation lines where one line cannot hold the fix (the refusal of a run
+    over ``--max-minutes`` and its commands); ``str()`` is the first line alone."""
+
+    def __init__(self, message: str = "", *more: str) -> None:
+        super().__init__(message)
+        self.more = more
 
 
 class Skipped(UsageError):

@@ -34,6 +34,7 @@ from cpbench.config import (
     packed_problems,
 )
 from cpbench.errors import UsageError
+from cpbench.mask import size_text
 from cpbench.topology import Topology, divisors
 
 DEFAULT_NPROC = 4
@@ -161,9 +162,8 @@ def check_gpu_count(local_ranks: int, visible: int) -> None:
     """Under torchrun on CUDA every local rank needs its own GPU: LOCAL_RANK indexes them."""
     if local_ranks > visible:
         raise UsageError(
-            f"torchrun starts {local_ranks} ranks on this node but {visible} GPU(s) are "
-            f"visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-            f"use --nproc-per-node {visible} (or --nproc-per-node gpu)")
+            f"{local_ranks} ranks on this node, {visible} GPU(s) visible (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use --nproc-per-node {visible}")
 
 
 def _launcher(run: RunConfig, launcher: str) -> str:
@@ -195,9 +195,8 @@ def _pick_device(run: RunConfig, launcher: str) -> str:
         return "cuda" if launcher in ("torchrun", THREADS) and torch.cuda.is_available() \
             else "cpu"
     if run.device == "cuda" and launcher == "self":
-        raise UsageError("--nproc starts CPU ranks (gloo); for GPUs launch with torchrun: "
-                         "torchrun --nproc-per-node N benchmarks/run.py ..., or check every "
-                         "rank on one GPU with --launcher threads")
+        raise UsageError("--nproc runs CPU ranks; GPUs: torchrun --nproc-per-node N "
+                         "benchmarks/run.py, or --launcher threads")
     if run.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but no CUDA device is visible here; use --device cpu")
     return run.device
@@ -207,16 +206,15 @@ def _world(run: RunConfig, launcher: str) -> tuple[int, int]:
     """(world size, default ranks per node)."""
     if launcher == "torchrun":
         if run.nproc is not None:
-            raise UsageError("--nproc starts local ranks itself; under torchrun the world is "
-                             "torchrun's (--nnodes × --nproc-per-node): drop --nproc")
+            raise UsageError("--nproc starts ranks itself; under torchrun the world is "
+                             "--nnodes × --nproc-per-node: drop --nproc")
         _, world, local = env_mod.torchrun_world()
         return world, local
     nproc = run.nproc or DEFAULT_NPROC
     limit = env_mod.max_local_ranks()
     if nproc > limit:
-        raise UsageError(f"--nproc {nproc} is more ranks than this machine can run "
-                         f"({os.cpu_count()} cores; at most {limit}); use --nproc {limit} or "
-                         f"fewer, or torchrun across machines")
+        raise UsageError(f"--nproc {nproc}: this machine runs at most {limit} ranks "
+                         f"({os.cpu_count()} cores); use --nproc {limit} or fewer, or torchrun")
     # >= 2 emulated nodes wherever possible, so inter-node placements really differ
     return nproc, max([d for d in divisors(nproc) if nproc // d >= 2] or [nproc])
 
@@ -231,11 +229,9 @@ def _reference_fits(attn: AttentionConfig, device: str, local_ranks: int,
     sharing = local_ranks if device == "cpu" else threads  # ranks sharing rank 0's memory
     if per_rank * sharing + reference > capacity * sharing:
         raise UsageError(
-            f"--check builds the global tensors on every rank and a float64 reference "
-            f"on rank 0: at seqlen {attn.seqlen} that is about "
-            f"{metrics.gib(per_rank * sharing + reference)} (an estimate), more than the "
-            f"{metrics.gib(capacity * sharing)} here; check at a small --seqlen "
-            f"(e.g. 8k) and time this size without --check")
+            f"--check at {size_text(attn.seqlen)} needs "
+            f"~{metrics.gib(per_rank * sharing + reference)} (fp64 reference), "
+            f"{metrics.gib(capacity * sharing)} here; check at 8k, time this without it")
 
 
 def open_out(out: str) -> None:
@@ -311,8 +307,8 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     world, default_rpn = _world(run, launcher) if job is None else job
     topo = Topology(world_size=world, ranks_per_node=run.ranks_per_node or default_rpn)
     if launcher == "torchrun" and run.deadline is not None:
-        raise UsageError("--deadline stops a --nproc self-launch; under torchrun use the "
-                         "scheduler's time limit (e.g. sbatch --time): drop --deadline")
+        raise UsageError("--deadline stops --nproc's ranks; under torchrun drop it, use the "
+                         "scheduler's limit (sbatch --time)")
     run = dataclasses.replace(run, ranks_per_node=topo.ranks_per_node,
                               nproc=None if launcher == "torchrun" else world)
     kernel_notes: list[str] = []

@@ -12,7 +12,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from cpbench.cli import args as cli_args
-from cpbench.config import FORMATS, AttentionConfig, default_attention, parse_names
+from cpbench.config import FORMATS, AttentionConfig, default_attention
 from cpbench.errors import UsageError
 from cpbench.settings import attention_settings
 
@@ -41,7 +41,7 @@ def add_parser(sub) -> None:
     g.add_argument("--ranks", type=cli_args.converter(_read_ranks, "ranks"), metavar="R[,R...]",
                    help="run these ranks (default: every rank whose role differs)")
     s = p.add_argument_group("what")
-    s.add_argument("--strategy", type=cli_args.converter(parse_names, "names"),
+    s.add_argument("--strategy", type=cli_args.converter(cli_args.strategy_names, "names"),
                    default=("all",), metavar="NAME[,NAME...]|all",
                    help="strategies (default all)")
     s.add_argument("--kernel", default="auto", help="attention kernel (as run's)")

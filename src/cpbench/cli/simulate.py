@@ -14,7 +14,6 @@ from cpbench.config import (
     GPU_ATTENTION,
     AttentionConfig,
     packed_problems,
-    parse_names,
 )
 from cpbench.errors import UsageError
 from cpbench.mask import parse_size
@@ -65,7 +64,7 @@ def add_parser(sub) -> None:
     g.add_argument("--nodes", type=integer, help="nodes (default: the preset's)")
     g.add_argument("--gpus-per-node", type=integer, help="GPUs per node (default: the preset's)")
     s = p.add_argument_group("what to simulate")
-    s.add_argument("--strategy", type=cli_args.converter(parse_names, "names"),
+    s.add_argument("--strategy", type=cli_args.converter(cli_args.strategy_names, "names"),
                    default=("all",), metavar="NAME[,NAME...]|all",
                    help="strategies (default all)")
     s.add_argument("--seed", type=integer, default=0,

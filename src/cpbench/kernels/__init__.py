@@ -61,7 +61,8 @@ def resolve(name: str, *, notes: list[str] | None = None, **request: Any) -> Ker
     reason = backend.unsupported_reason(**request)
     if reason is not None:
         working = [n for n, b in _BACKENDS.items() if b.unsupported_reason(**request) is None]
-        hint = f"use --kernel {' or '.join(working)}" if working else "no backend can run it here"
+        hint = f"use --kernel {' or '.join(working[:2])}" if working else \
+            "no backend can run it here"
         raise UsageError(f"{reason}; {hint}")
     return backend
 
