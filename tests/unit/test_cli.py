@@ -382,3 +382,31 @@ def test_python_dash_m_cpbench_is_the_command():
     done = subprocess.run([sys.executable, "-m", "cpbench", "--help"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("usage: cpbench ")
+
+
+@pytest.mark.parametrize("args", [["--strategy", "ulysses", "--heads", "6"],
+                                  ["--strategy", "ring", "--seqlen", "1001"],
+                                  ["--strategy", "ring", "--kernel", "flash-attn"],
+                                  ["--strategy", "ring", "--check"],
+                                  ["--strategy", "ring", "--device", "cuda"],
+                                  ["--strategy", "ring", "--nproc", "4"]])
+def test_dryruns_errors_suggest_only_its_own_flags(capsys, args):
+    """A fix names flags of the command it is given for: dryrun has no --nproc, --check or
+    --launcher (run's), and a near miss is never --help."""
+    import re
+
+    parser = cli.build_parser()
+    parser.parse_args(["dryrun"])  # its strategy options added, as when it runs
+    dryrun = parser._subparsers._group_actions[0].choices["dryrun"]
+    try:
+        code = cli.main(["dryrun", *args])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    if code == 0:  # a CUDA build of torch runs the --device cuda dry run
+        return
+    assert code == 2 and len(err.splitlines()) == 1 and len(err.rstrip("\n")) <= 120, err
+    given = {a for a in args if a.startswith("--")}
+    fix = err.replace("(see cpbench dryrun --help)", "")  # the pointer to help is no fix
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", fix)) - given
+    assert named <= set(dryrun._option_string_actions) - {"--help"}, err

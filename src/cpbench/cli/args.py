@@ -74,7 +74,7 @@ class Parser(argparse.ArgumentParser):
     def suggestion(self, extras: list[str]) -> str:
         """`` (did you mean --seqlen?)`` for the unknown flags among ``extras`` that are near
         misses of this parser's own."""
-        known = [o for o in self._option_string_actions if o.startswith("--")]
+        known = [o for o in self._option_string_actions if o.startswith("--") and o != "--help"]
         near = {}
         for word in extras:
             flag = word.split("=", 1)[0]

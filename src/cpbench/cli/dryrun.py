@@ -73,9 +73,8 @@ def _device(args) -> str:
     built = torch.backends.cuda.is_built()
     device = args.device or ("cuda" if built else "cpu")
     if device == "cuda" and not built:
-        raise UsageError("--device cuda needs a CUDA build of torch (this one is CPU-only: "
-                         f"{torch.__version__}); use --device cpu, or the fake-GPU venv of "
-                         "make test-fake-gpu")
+        raise UsageError(f"--device cuda needs a CUDA build of torch ({torch.__version__} is "
+                         "not); use --device cpu")
     from cpbench import torchcompat
 
     if why := torchcompat.dry_run_unavailable(device):
