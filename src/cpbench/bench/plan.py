@@ -25,7 +25,7 @@ import torch
 
 from cpbench import kernels, metrics, results, strategies
 from cpbench.bench import env as env_mod
-from cpbench.bench import estimate, eta, ideal, memory, order
+from cpbench.bench import estimate, eta, ideal, memory, order, outputs
 from cpbench.bench.cases import Case, expand_cases, request, runnable, shape
 from cpbench.config import (
     AttentionConfig,
@@ -234,46 +234,6 @@ def _reference_fits(attn: AttentionConfig, device: str, local_ranks: int,
             f"{metrics.gib(capacity * sharing)} here; check at 8k, time this without it")
 
 
-def open_out(out: str) -> None:
-    """Create ``out``'s directory and open it for appending, so that a path the run could
-    not write is an error now rather than after the first case."""
-    path = Path(out)
-    if path.is_dir():
-        raise UsageError(f"--out {out} is a directory; give a file such as "
-                         f"{path / 'results.jsonl'}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        blocker = next((a for a in (path.parent, *path.parent.parents)
-                        if a.exists() and not a.is_dir()), None)
-        why = f"{blocker} is a file, not a directory" if blocker else (e.strerror or str(e))
-        raise UsageError(f"--out {out}: cannot write there ({why}); give a writable path, "
-                         f"or --out none for no file") from None
-
-
-def open_profile_dir(directory: str) -> None:
-    """Create ``--profile``'s directory now, so that one the run could not write is an error
-    before any rank starts rather than after the first case's timing."""
-    path = Path(directory)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".cpbench-write-test"
-        probe.touch()
-        probe.unlink()
-    except OSError as e:
-        why = f"{path} is a file" if path.is_file() else (e.strerror or str(e))
-        raise UsageError(f"--profile {directory}: cannot write traces there ({why}); give "
-                         f"a writable directory") from None
-
-
-def _default_out(run: RunConfig, attn: AttentionConfig) -> str:
-    utc = env_mod.utc_now().replace("-", "").replace(":", "")
-    names = "+".join(run.strategy).replace("/", "_")
-    return str(Path("runs") / f"{utc}_{names}_{attn.seqlen}" / "results.jsonl")
-
-
 def _kernel(run: RunConfig, device: str, attn: AttentionConfig, notes: list[str], *,
             elsewhere: bool):
     """The kernel backend. ``elsewhere``: a GPU job planned off its nodes (a sweep checked
@@ -336,19 +296,19 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     cases = order.in_rounds(cases, run.rounds)
     if run.check:
         _reference_fits(attn, device, local_ranks, capacity, sharing)
-    out = None if (run.out or "").lower() == "none" else (run.out or _default_out(run, attn))
+    out = None if (run.out or "").lower() == "none" else (run.out or outputs.default_out(run, attn))
     writer = job is None and (launcher != "torchrun" or env_mod.torchrun_world()[0] == 0)
     # nothing is timed with ranks as threads (Plan.timed): a case's time is its check's
     estimates = _estimates(cases, strat_of, problems, run, backend.name, topo, local_ranks,
                            launcher, comm) if writer and launcher != THREADS else ()
     if out is not None and writer:
-        open_out(out)
+        outputs.open_out(out)
     if run.profile is not None:
         # absolute, so the record's trace paths still lead to the traces from elsewhere
         profile = str(Path(run.profile).resolve())
         run = dataclasses.replace(run, profile=profile)
         if writer:
-            open_profile_dir(profile)
+            outputs.open_profile_dir(profile)
     return Plan(attn=attn, run=run, world_size=world, ranks_per_node=topo.ranks_per_node,
                 kernel=backend.name, cases=tuple(cases), out=out, launcher=launcher,
                 skipped=(*kernel_notes, *skipped),

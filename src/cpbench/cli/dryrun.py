@@ -121,7 +121,7 @@ def request(args) -> Request:
     cases, skipped = cases_for(args.strategy, options, attn, topo, backend, device,
                                auto=args.kernel == kernels.AUTO)
     if args.out:
-        from cpbench.bench.plan import open_out
+        from cpbench.bench.outputs import open_out
 
         open_out(args.out)
     return Request(attn=attn, topo=topo, cases=tuple(cases), kernel=backend.name,

@@ -116,7 +116,7 @@ def main(args) -> int:
             grid = _grid(args, device)
             warmup, iters, cap = _settings(args, device)
             if args.out:
-                from cpbench.bench.plan import open_out
+                from cpbench.bench.outputs import open_out
 
                 open_out(args.out)
         except (OSError, UsageError) as e:

@@ -166,7 +166,7 @@ def _checked(args, hw):
     if (args.out or "").lower() == "none":
         args.out = None
     if args.out:
-        from cpbench.bench.plan import open_out
+        from cpbench.bench.outputs import open_out
 
         open_out(args.out)
     return (Topology(world_size=nodes * gpn, ranks_per_node=gpn), attention, options,
@@ -286,7 +286,7 @@ def _self_check_measure(args, hw, limits):
         raise UsageError(f"the {hw.name} preset models {'/'.join(hw.dtypes)} kernels; give "
                          f"--dtype {hw.dtypes[0]} or a preset from cpbench calibrate")
     if args.out:
-        from cpbench.bench.plan import open_out
+        from cpbench.bench.outputs import open_out
 
         open_out(args.out)
     return selfcheck.measure(args.strategy, attention, options,
