@@ -34,6 +34,16 @@ def near_miss(given: str, known: Iterable[str]) -> str | None:
     return close[0] if close else None
 
 
+def unknown(what: str, given: str, known: Iterable[str], lister: str) -> str:
+    """"unknown {what} 'x' (did you mean y?); use a, b, c", the names listed where the
+    bad-input line (120 columns, after its "cpbench COMMAND: error: ") has room for them,
+    else where they are listed (``lister``)."""
+    known = list(known)
+    head = f"unknown {what} {given!r}{did_you_mean(given, known, str)}"
+    names = f"{head}; use {', '.join(known)}"
+    return names if len(names) <= 95 else f"{head}; {lister} lists them"
+
+
 def did_you_mean(given: str, known: Iterable[str], quote: Callable[[str], str] = repr) -> str:
     """`` (did you mean 'x'?)`` for a near miss of ``given`` among ``known``, else ``""``."""
     near = near_miss(given, known)

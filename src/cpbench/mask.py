@@ -150,7 +150,7 @@ def resolve_documents(documents: str | Iterable[int] | None, seqlen: int, seed: 
         given = tuple(int(x) for x in documents)
         if sum(given) != seqlen or min(given, default=0) < 1:
             raise UsageError(f"--documents lengths sum to {sum(given)}, not --seqlen "
-                             f"{seqlen}; give positive lengths that add up to the sequence")
+                             f"{seqlen}; give lengths that add up to --seqlen")
         return given
     cap = max_document or max(1, seqlen // 4)
     draw, rng, total = _sampler(documents), random.Random(seed), 0

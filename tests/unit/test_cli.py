@@ -78,6 +78,13 @@ def test_parse_size():
     (["--deadline", "-5"], "--deadline must be a positive number"),
     (["--strategy", "zigzg"], "unknown strategy 'zigzg' (did you mean zigzag?); see cpbench"),
     (["--strategy", "ring,megatron"], "(did you mean megatron-cp?)"),
+    # each under 120 columns, each once (a strategy named once, not by its label again)
+    (["--strategy", "usp", "--ulysses-degree", "3"], "usp: ulysses degree 3 must divide 4 ranks"),
+    (["--strategy", "ring", "--kernel", "nope"], "unknown kernel 'nope'; use auto, torch, sdpa-cpu"),
+    (["--strategy", "ring", "--documents", "1k,2k"], "give lengths that add up to --seqlen"),
+    (["--strategy", "zigzag", "--seqlen", "1k", "--documents", "100,924", "--document-padding",
+      "refuse"], "zigzag over 4 ranks: 2 documents not multiples of 8 (e.g. 100); drop"),
+    (["--strategy", "double-ring", "--seqlen", "1001"], ": double-ring over 4 ranks (zigzag"),
     # an abbreviation is not taken silently (allow_abbrev=False), and gets a suggestion
     (["--seq", "2k"], "unrecognized arguments: --seq 2k (did you mean --seqlen?)"),
     (["--seq-len", "2k"], "unrecognized arguments: --seq-len 2k (did you mean --seqlen?)"),
@@ -155,7 +162,7 @@ def test_unwritable_out_is_one_line_exit_2(no_launch, capsys, tmp_path):
     code = cli.main(["run", "--strategy", "ring", "--out", str(blocker / "r.jsonl")])
     err = capsys.readouterr().err
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert "cannot write there" in err and "--out none" in err
+    assert "cannot write there" in err and "give another or none" in err
 
 
 def test_out_directory_and_file_are_made_before_any_rank_starts(tmp_path):

@@ -27,8 +27,8 @@ def open_out(out: str) -> None:
         blocker = next((a for a in (path.parent, *path.parent.parents)
                         if a.exists() and not a.is_dir()), None)
         why = f"{blocker} is a file, not a directory" if blocker else (e.strerror or str(e))
-        raise UsageError(f"--out {out}: cannot write there ({why}); give a writable path, "
-                         f"or --out none for no file") from None
+        raise UsageError(f"--out {out}: cannot write there ({why}); give another or "
+                         f"none") from None
 
 
 def open_profile_dir(directory: str) -> None:

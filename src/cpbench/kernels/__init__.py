@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cpbench.errors import UsageError
+from cpbench.errors import UsageError, unknown
 from cpbench.kernels import flash_attn_cpu, sdpa, sdpa_cpu, torch_ref
 from cpbench.kernels.base import KernelBackend
 
@@ -38,7 +38,7 @@ def names() -> list[str]:
 
 def get(name: str) -> KernelBackend:
     if name not in _BACKENDS:
-        raise UsageError(f"unknown kernel {name!r}; choose one of: {', '.join(names())}")
+        raise UsageError(unknown("kernel", name, names(), "docs/run.md"))
     return _BACKENDS[name]
 
 

@@ -169,15 +169,10 @@ class Ulysses(Strategy):
     def validate(self) -> None:
         n, h = self.cp_size, self.attn.heads
         if h % n:
-            *most, last = map(str, divisors(h))
-            worlds = f"{', '.join(most)} or {last}" if most else last
             # usp splits the same ranks into Ulysses groups of d (d | heads) × a ring
             degrees = [d for d in divisors(n) if h % d == 0]
-            usp = f"--strategy usp --ulysses-degree {max(degrees)}"
-            need = f"ulysses over {n} ranks needs heads ({h}) divisible by {n}"
-            # the rank counts that work, where the line (120 columns) has room for them
-            on = f" (on {worlds})" if len(need + worlds + usp) < 80 else ""
-            raise UsageError(f"{need}{on}, or {usp}")
+            raise UsageError(f"ulysses over {n} ranks needs heads ({h}) divisible by {n}, or "
+                             f"--strategy usp --ulysses-degree {max(degrees)}")
         check_divisible(self.attn.seqlen, n, f"ulysses over {n} ranks")
 
     def group_lists(self):
