@@ -80,7 +80,7 @@ def test_parse_size():
     (["--strategy", "ring,megatron"], "(did you mean megatron-cp?)"),
     # each under 120 columns, each once (a strategy named once, not by its label again)
     (["--strategy", "usp", "--ulysses-degree", "3"], "usp: ulysses degree 3 must divide 4 ranks"),
-    (["--strategy", "ring", "--kernel", "nope"], "unknown kernel 'nope'; use auto, torch, sdpa-cpu"),
+    (["--strategy", "ring", "--kernel", "nope"], "unknown kernel 'nope'; use auto, torch,"),
     (["--strategy", "ring", "--documents", "1k,2k"], "give lengths that add up to --seqlen"),
     (["--strategy", "zigzag", "--seqlen", "1k", "--documents", "100,924", "--document-padding",
       "refuse"], "zigzag over 4 ranks: 2 documents not multiples of 8 (e.g. 100); drop"),
