@@ -92,7 +92,7 @@ def nearest_multiple(seqlen: int, multiple: int) -> int:
 
 def check_divisible(seqlen: int, multiple: int, why: str) -> None:
     if seqlen % multiple:
-        raise UsageError(f"{why} needs a seqlen multiple of {multiple}; try --seqlen "
+        raise UsageError(f"{why}: seqlen {seqlen} must divide by {multiple}; try --seqlen "
                          f"{nearest_multiple(seqlen, multiple)}")
 
 
