@@ -57,6 +57,7 @@ class AttentionConfig:
     heads: int = 8
     kv_heads: int | None = None  # None: same as heads (no GQA)
     head_dim: int = 64
+    v_head_dim: int | None = None  # None: same as head_dim (MLA: Q/K 192, V 128)
     dtype: str = "fp32"
     causal: bool = True
     # the mask beyond causal (cpbench.mask): document lengths (resolved: a distribution is
@@ -66,10 +67,11 @@ class AttentionConfig:
     max_document: int | None = None  # the cap of sampled documents (default: S / 4)
     # a document a strategy's layout cannot split: padded to its multiple, or refused
     document_padding: str = "pad"
+    sinks: bool = False  # one learnable logit per query head in each softmax (gpt-oss)
 
     def __post_init__(self) -> None:
-        for name in ("batch", "seqlen", "heads", "head_dim"):
-            if getattr(self, name) < 1:
+        for name in ("batch", "seqlen", "heads", "head_dim", "v_head_dim"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UsageError(f"{name} must be a positive integer, got "
                                  f"{getattr(self, name)}; give {flag(name)} 1 or more")
         if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
@@ -89,6 +91,8 @@ class AttentionConfig:
         if self.documents is not None:
             object.__setattr__(self, "documents", resolve_documents(
                 self.documents, self.seqlen, 0, self.max_document))
+        if self.v_head_dim == self.head_dim:
+            object.__setattr__(self, "v_head_dim", None)  # the same problem, the same record
         if self.window_size is not None:
             # (-1, -1) is no window at all: the same problem as none, so the same record
             window = tuple(self.window_size)
@@ -97,6 +101,18 @@ class AttentionConfig:
     @property
     def num_kv_heads(self) -> int:
         return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def dv(self) -> int:
+        """V's head dim (and out's): ``v_head_dim``, or ``head_dim`` when equal."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def widths(self) -> dict[str, tuple[int, int]]:
+        """(heads, head dim) of each input: q and k on the Q/K width, v and dout on V's."""
+        h, hk = self.heads, self.num_kv_heads
+        return {"q": (h, self.head_dim), "k": (hk, self.head_dim), "v": (hk, self.dv),
+                "dout": (h, self.dv)}
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -116,6 +132,10 @@ class AttentionConfig:
             # the default left out: records from before the flag keep their keys (a sweep
             # resumes, a compare matches them); AttentionConfig(**d) reads it back the same
             del d["document_padding"]
+        if not d["sinks"]:
+            del d["sinks"]  # likewise: a record without sinks reads as before the flag
+        if d["v_head_dim"] is None:
+            del d["v_head_dim"]  # equal widths: as records before the flag
         return d
 
 
@@ -198,7 +218,9 @@ ATTENTION_HELP = {
     "seqlen": "global sequence length S, split over the CP ranks (8k = 8192, 128K, 1M)",
     "heads": "query heads H",
     "kv_heads": "key/value heads (GQA; must divide --heads); default: --heads",
-    "head_dim": "head dimension D",
+    "head_dim": "head dimension D (of Q and K)",
+    "v_head_dim": "head dimension DV of V and the output (MLA: 128 beside --head-dim 192); "
+                  "default: --head-dim",
     "dtype": "activation dtype",
     "causal": "causal (lower-triangular) mask; inside documents and windows it keeps its "
               "meaning",
@@ -215,6 +237,9 @@ ATTENTION_HELP = {
                         "a multiple of 2N): pad it to that multiple, pad tokens attending "
                         "to nothing (TransformerEngine's cu_seqlens_padded), or refuse the "
                         "strategy",
+    "sinks": "attention sinks (gpt-oss): one learnable fp32 logit per query head joins every "
+             "query's softmax denominator, adding no value; a strategy that cannot add it "
+             "once per query is skipped",
 }
 ATTENTION_PARSE = {"seqlen": parse_size, "documents": parse_documents,
                    "window_size": parse_window, "max_document": parse_size}

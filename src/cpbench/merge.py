@@ -36,6 +36,7 @@ class OutLseAccumulator:
 
     ``update(out, lse, seq=slice)`` merges a block that covers only part of the local
     queries (e.g. the second half under zigzag) into that slice of the accumulator.
+    ``head_dim`` is out's: V's head dim, which MLA sets apart from Q and K's.
     """
 
     def __init__(self, batch: int, seqlen: int, heads: int, head_dim: int,
@@ -53,3 +54,54 @@ class OutLseAccumulator:
 
     def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.out.to(dtype), self.lse
+
+
+# -- attention sinks (gpt-oss): one logit per query head in every query's denominator --------
+#
+# A sink s_h is one more "key" of every query of head h whose score is s_h and whose value is
+# zero. Given a query's sink-free (out, lse) over all its keys, the sink enters once:
+#     lse' = logaddexp(lse, s_h),   out' = out * exp(lse - lse')
+# Added to each partial block before a merge it would be counted once per block: so every
+# strategy applies it once, after its last merge (``add_sink``), and keeps (out', lse').
+# Backward: a standard flash backward fed (out', dO, lse') is exact for dq, dk, dv
+# (P = exp(S - lse') and D = rowsum(dO * out') already hold the sink's share; its column
+# has no value, so no dP), and  dsink_h = -sum_i exp(s_h - lse'_i) * D_i  (``sink_grad``):
+# over this rank's queries only; the parameter is replicated, so its gradient is summed
+# over the ranks as any replicated parameter's is (``bench.check``, a DDP all-reduce).
+
+
+def add_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out', lse') of a query's final (out, lse) with ``sinks`` (h,) joining each row's
+    denominator; out (b, s, h, d) keeps its dtype, lse is fp32. ``None``: unchanged. A row
+    that sees no key keeps out 0 and gets lse' = s_h (the sink alone)."""
+    if sinks is None:
+        return out, lse
+    lse = _wide(lse)
+    new_lse = sink_lse(lse, sinks)
+    keep = torch.exp(lse - new_lse)  # the keys' share of the mass; 0 where lse is -inf
+    return (_wide(out) * keep.transpose(1, 2).unsqueeze(-1)).to(out.dtype), new_lse
+
+
+def sink_lse(lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """lse' = logaddexp(lse, s_h): for a strategy whose final correction rescales each
+    step's output by exp(lse_step - lse) itself (TE's), which then yields out'."""
+    if sinks is None:
+        return lse
+    return torch.logaddexp(_wide(lse), _wide(sinks.detach()).view(1, -1, 1))
+
+
+def sink_grad(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+              sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """d loss / d sinks (h,) from this rank's queries: out, lse as ``add_sink`` returned
+    them, dout (b, s, h, d). In ``sinks``' dtype; None without sinks."""
+    if sinks is None:
+        return None
+    delta = (_wide(dout) * _wide(out)).sum(-1).transpose(1, 2)  # D_i: (b, h, s)
+    share = torch.exp(_wide(sinks.detach()).view(1, -1, 1) - _wide(lse))
+    return -(share * delta).sum((0, 2)).to(sinks.dtype)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """fp32, or fp64 where given (the float64 checks of the maths)."""
+    return t if t.dtype == torch.float64 else t.float()

@@ -13,6 +13,10 @@ pairs, counted exactly (``attended_pairs``), as MagiAttention counts its mask ar
 causal or full sequence keeps the formula above (S²/2 causal: the seeds' convention, 1/S off
 the exact S(S+1)/2), so TFLOP/s compare across masks and with the seeds.
 
+Attention sinks (--sinks) add no matmul FLOPs: one more score per row with no value is an
+element-wise rescale of each query's out and lse (and a row sum for its gradient), counted
+nowhere, as the kernels' softmax is not.
+
 Timing statistics (Megatron's timers, nccl-tests): per iteration the step time is the
 slowest rank's (a CP step ends when its last rank finishes); the reported figure is the
 median over iterations, so one descheduled iteration does not move it.
@@ -23,21 +27,32 @@ from __future__ import annotations
 import statistics
 from typing import Sequence
 
-BWD_FACTOR = 2.5
+BWD_FACTOR = 2.5  # bwd / fwd FLOPs at equal head dims (``pair_flops``)
 MB = 2 ** 20  # the seeds' "MB" is MiB: 40 heads × 128 × 4096 tokens × 2 bytes = 40.00 MB
 GIB = 2 ** 30
 
 
 # -- FLOPs --------------------------------------------------------------------------------------
 
+def pair_flops(head_dim: int, v_head_dim: int | None = None, mode: str = "fwd") -> float:
+    """FLOPs of one attended (query, key) pair of one head, 2 per multiply-add. Forward:
+    QKᵀ on the Q/K width D, PV on V's width DV. Backward, five products: QKᵀ recomputed (D),
+    dV = PᵀdO (DV), dP = dO Vᵀ (DV), dQ = dS K (D), dK = dSᵀQ (D). At DV = D: 4D and 10D, the
+    seeds' bwd = 2.5 × fwd."""
+    d = head_dim
+    dv = d if v_head_dim is None else v_head_dim
+    fwd, bwd = 2.0 * (d + dv), 2.0 * (3 * d + 2 * dv)
+    return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}[mode]
+
+
 def attention_flops(*, batch: int, seqlen_q: int, seqlen_k: int, heads: int, head_dim: int,
-                    causal: bool, mode: str = "fwd") -> float:
+                    causal: bool, mode: str = "fwd", v_head_dim: int | None = None) -> float:
     """FLOPs of one attention call. mode: "fwd", "bwd" or "fwd_bwd"."""
-    fwd = 4.0 * batch * seqlen_q * seqlen_k * heads * head_dim
+    pairs = float(seqlen_q * seqlen_k)
     if causal:
-        fwd /= 2
-    factor = {"fwd": 1.0, "bwd": BWD_FACTOR, "fwd_bwd": 1.0 + BWD_FACTOR}[mode]
-    return fwd * factor
+        pairs /= 2
+    return pairs_flops(pairs, batch=batch, heads=heads, head_dim=head_dim, mode=mode,
+                       v_head_dim=v_head_dim)
 
 
 def _abs_sum(a: int, b: int) -> int:
@@ -75,22 +90,22 @@ def attended_pairs(*, seqlen: int, causal: bool, documents: Sequence[int] | None
 def problem_flops(*, batch: int, seqlen: int, heads: int, head_dim: int, causal: bool,
                   documents: Sequence[int] | None = None,
                   window: tuple[int, int] | None = None,
-                  mode: str = "fwd") -> tuple[float, str]:
+                  mode: str = "fwd", v_head_dim: int | None = None) -> tuple[float, str]:
     """(FLOPs of the whole problem in ``mode``, how they were counted): "formula" for a
     plain causal or full sequence (the seeds' S²/2 and S²), "exact pairs" under a mask."""
     if documents is None and window is None:
         return attention_flops(batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, heads=heads,
-                               head_dim=head_dim, causal=causal, mode=mode), "formula"
+                               head_dim=head_dim, causal=causal, mode=mode,
+                               v_head_dim=v_head_dim), "formula"
     pairs = attended_pairs(seqlen=seqlen, causal=causal, documents=documents, window=window)
     return pairs_flops(pairs, batch=batch, heads=heads, head_dim=head_dim,
-                       mode=mode), "exact pairs"
+                       mode=mode, v_head_dim=v_head_dim), "exact pairs"
 
 
-def pairs_flops(pairs: float, *, batch: int, heads: int, head_dim: int, mode: str = "fwd"
-                ) -> float:
+def pairs_flops(pairs: float, *, batch: int, heads: int, head_dim: int, mode: str = "fwd",
+                v_head_dim: int | None = None) -> float:
     """FLOPs of ``pairs`` attended (query, key) pairs (every query head)."""
-    factor = {"fwd": 1.0, "bwd": BWD_FACTOR, "fwd_bwd": 1.0 + BWD_FACTOR}[mode]
-    return 4.0 * batch * heads * head_dim * pairs * factor
+    return batch * heads * pairs * pair_flops(head_dim, v_head_dim, mode)
 
 
 def tflops_per_gpu(flops: float, world_size: int, seconds: float) -> float:

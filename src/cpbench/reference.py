@@ -17,16 +17,19 @@ TOLERANCES = {
     "bf16": (6e-2, 5e-2),
 }
 TENSORS = ("out", "lse", "dq", "dk", "dv")
+SINK_TENSORS = ("dsinks",)  # compared too where the problem has sinks
 
 
 def reference_attention(q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor,
                         dout_bshd: torch.Tensor, *, causal: bool,
-                        softmax_scale: float, visible: torch.Tensor | None = None
-                        ) -> dict[str, torch.Tensor]:
+                        softmax_scale: float, visible: torch.Tensor | None = None,
+                        sinks: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """out, lse (b, h, s), dq, dk, dv in float64. k/v may have fewer heads (GQA).
     ``visible`` (sq, sk) bool: the whole mask (documents, window; causal included), which
-    then replaces ``causal``."""
+    then replaces ``causal``. ``sinks`` (h,): one more score per row of each head, with no
+    value, in the softmax (gpt-oss); its gradient is ``dsinks``."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q_bshd, k_bshd, v_bshd))
+    leaves = [q, k, v]
     group = q.shape[2] // k.shape[2]
     ke, ve = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     s_bhqk = torch.einsum("bqhd,bkhd->bhqk", q, ke) * softmax_scale
@@ -36,38 +39,51 @@ def reference_attention(q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torc
         sq, sk = s_bhqk.shape[-2:]
         future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
         s_bhqk = s_bhqk.masked_fill(future, float("-inf"))
+    if sinks is not None:  # the sink as a last column of every row: the plain softmax does it
+        leaves.append(sinks.detach().double().requires_grad_())
+        column = leaves[-1].view(1, -1, 1, 1).expand(*s_bhqk.shape[:-1], 1)
+        s_bhqk = torch.cat([s_bhqk, column], dim=-1)
+        ve = torch.cat([ve, ve.new_zeros(ve.shape[0], 1, *ve.shape[2:])], dim=1)
     lse = torch.logsumexp(s_bhqk, dim=-1)
     # a row that sees nothing (a pad token) has out 0 and lse -inf, and passes no gradient
     seen = torch.isfinite(lse)[..., None]
     p = torch.softmax(s_bhqk.masked_fill(~seen, 0.0), dim=-1) * seen
     out = torch.einsum("bhqk,bkhd->bqhd", p, ve)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout_bshd.double())
-    return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
+    grads = torch.autograd.grad(out, leaves, dout_bshd.double())
+    ref = {"out": out.detach(), "lse": lse.detach(), "dq": grads[0], "dk": grads[1],
+           "dv": grads[2]}
+    return ref if sinks is None else {**ref, "dsinks": grads[3]}
 
 
 def reference_by_head(inputs: dict[str, torch.Tensor], *, heads: int, kv_heads: int, causal: bool,
                       softmax_scale: float, visible: torch.Tensor | None = None
                       ) -> dict[str, torch.Tensor]:
     """The float64 reference one query head at a time (heads are independent), so its S×S
-    matrices exist for one head only; dK/dV of a shared KV head sum over its query heads."""
+    matrices exist for one head only; dK/dV of a shared KV head sum over its query heads.
+    ``inputs["sinks"]``, where present, gives each head its sink (and ``dsinks``)."""
     group = heads // kv_heads
+    sinks = inputs.get("sinks")
     parts: dict[str, list[torch.Tensor]] = {"out": [], "lse": [], "dq": []}
+    if sinks is not None:
+        parts["dsinks"] = []
     b, s, _, d = inputs["k"].shape
     dk = torch.zeros(b, s, kv_heads, d, dtype=torch.float64,
                      device=inputs["k"].device)
-    dv = torch.zeros_like(dk)
+    dv = dk.new_zeros(b, s, kv_heads, inputs["v"].shape[-1])  # V's own width (MLA)
     for h in range(heads):
         j = h // group
         ref = reference_attention(inputs["q"][:, :, h:h + 1], inputs["k"][:, :, j:j + 1],
                                   inputs["v"][:, :, j:j + 1], inputs["dout"][:, :, h:h + 1],
                                   causal=causal, softmax_scale=softmax_scale,
-                                  visible=visible)
+                                  visible=visible,
+                                  sinks=None if sinks is None else sinks[h:h + 1])
         for name in parts:
             parts[name].append(ref[name])
         dk[:, :, j:j + 1] += ref["dk"]
         dv[:, :, j:j + 1] += ref["dv"]
-    return {"out": torch.cat(parts["out"], 2), "lse": torch.cat(parts["lse"], 1),
-            "dq": torch.cat(parts["dq"], 2), "dk": dk, "dv": dv}
+    ref = {"out": torch.cat(parts["out"], 2), "lse": torch.cat(parts["lse"], 1),
+           "dq": torch.cat(parts["dq"], 2), "dk": dk, "dv": dv}
+    return ref if sinks is None else {**ref, "dsinks": torch.cat(parts["dsinks"])}
 
 
 @dataclass(frozen=True)
@@ -92,7 +108,8 @@ class Comparison:
 
 def compare(tensor: str, got: torch.Tensor, ref: torch.Tensor, dtype: str) -> Comparison:
     atol, rtol = TOLERANCES[dtype]
-    assert got.shape == ref.shape, f"{tensor}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    if got.shape != ref.shape:  # e.g. an out at the Q/K width where V has its own: wrong
+        return Comparison(tensor, float("inf"), float("inf"), False)
     got, ref = got.double(), ref.double()
     same = got == ref  # equal infinities too: the lse -inf of a row that sees nothing
     err = torch.where(same, 0.0, (got - ref).abs())

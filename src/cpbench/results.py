@@ -251,7 +251,7 @@ def _flops(attention: dict[str, Any], mode: str) -> tuple[float, str]:
         batch=attention["batch"], seqlen=attention["seqlen"], heads=attention["heads"],
         head_dim=attention["head_dim"], causal=attention["causal"],
         documents=tuple(docs) if docs else None, window=tuple(window) if window else None,
-        mode=mode)
+        mode=mode, v_head_dim=attention.get("v_head_dim"))
 
 
 # an older record's mark: its FWD+BWD holds what the harness added between the parts

@@ -90,3 +90,27 @@ def test_forward_of_every_own_strategy_on_4_nodes_of_8(name, options, flash_attn
         if lse is not None:
             assert lse.shape == (1, H, q.shape[1]) and lse.device.type == "cuda"
         check_traffic(st, sent, events)
+
+
+# MLA's widths (DeepSeek-V3: Q/K 192, V 128) on the plain-torch kernel, the CUDA kernel that
+# takes them (the flash kernels take one head dim and refuse)
+MLA = AttentionConfig(batch=1, seqlen=64 * 1024, heads=H, head_dim=192, v_head_dim=128,
+                      dtype="bf16", causal=True)
+
+
+@pytest.mark.parametrize("name,options", fake_variants.params(TOPO))
+def test_forward_at_unequal_head_dims_on_fake_cuda(name, options, fake_pg, fake_streams):
+    if not fake_variants.builds(name, options, MLA, TOPO, "torch"):
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_pg(13, 32)
+    st = strategies.get(name)(MLA, TOPO, 13, kernel=kernels.get("torch"), options=options)
+    with FakeTensorMode():
+        q, k, v = (st.shard(torch.empty(1, MLA.seqlen, h, d, device="cuda",
+                                        dtype=torch.bfloat16)).clone().requires_grad_()
+                   for h, d in (MLA.widths[n] for n in ("q", "k", "v")))
+        with traced() as events, comm.trace() as sent:
+            out, _ = st.attention(q, k, v)
+    assert out.shape == (*q.shape[:3], 128) and out.dtype == torch.bfloat16
+    check_traffic(st, sent, events)  # K and V at their own widths, as declared

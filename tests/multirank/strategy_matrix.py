@@ -38,8 +38,9 @@ def trace_phases(st) -> dict[str, list]:
     """Everything ``st`` sends, and its kernel calls, in order, per phase."""
     inputs = global_inputs(st.attn, seed=7)
     q, k, v = (st.shard(inputs[n]).detach().requires_grad_() for n in ("q", "k", "v"))
+    sinks = inputs["sinks"].requires_grad_() if "sinks" in inputs else None
     with comm.trace() as fwd_sent:
-        out, _ = st.attention(q, k, v)
+        out, _ = st.attend(q, k, v, sinks)
     with comm.trace() as bwd_sent:
         out.backward(st.shard(inputs["dout"]))
     return {"fwd": fwd_sent, "bwd": bwd_sent}

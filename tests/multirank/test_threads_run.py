@@ -132,3 +132,16 @@ def test_an_oom_inside_a_ring_ends_its_case_and_the_next_runs(tmp_path):
                                    "on rank 1, call 3)")
     assert zigzag["derived"]["check_passed"] is True
     assert "forming the process group again" in run.stdout and "not run" not in run.stdout
+
+
+def test_sinks_as_threads_check_dsinks_and_are_kept_in_the_record(tmp_path, capsys):
+    code, records = _run(tmp_path, "--strategy", "ring,ulysses,megatron-cp,rfa-ring",
+                         "--kv-heads", "2", "--sinks")
+    text = capsys.readouterr().out
+    assert code == 0, text[-4000:]
+    _passed(records)
+    assert {r["config"]["strategy"] for r in records} == {"ring", "ulysses", "megatron-cp"}
+    assert re.search(r"^skipped rfa-ring: .*cannot add attention sinks", text, re.M)
+    for r in records:
+        assert r["config"]["attention"]["sinks"] is True
+        assert [c["tensor"] for c in r["check"]][-1] == "dsinks"

@@ -2,6 +2,7 @@
 on fake tensors with the bytes its schedule declares; ranks called alike measure alike; host
 syncs and errors are reported with their line; the command's bad input is one line, exit 2."""
 
+import dataclasses
 import json
 
 import pytest
@@ -216,6 +217,40 @@ def test_padded_documents_run_on_the_host_at_any_n(name):
                             device="cpu")
         assert r.status == "ok", (rank, r.error, r.where)
         want = dryrun.schedule_bytes(name, opts, PADDED, topo, rank, kernel_name="sdpa-cpu")
+        assert {p: r.sent_bytes(p) for p in ("fwd", "bwd")} == want
+
+
+@pytest.mark.parametrize("name", ["zigzag", "ulysses"])
+def test_fakegrad_equals_the_engine_with_sinks(name):
+    """The dry run's backward walk reaches the sinks too (a slice of them under Ulysses)."""
+    attn = AttentionConfig(seqlen=128, heads=4, head_dim=16, dtype="fp32", causal=True,
+                           sinks=True)
+    with dryrun.fake_world(0, 1):
+        strat = strategies.get(name)(attn, Topology(world_size=1, ranks_per_node=1), 0,
+                                     kernel=_kernel("sdpa-cpu"))
+        gen = torch.Generator().manual_seed(8)
+        q, k, v, dout = (torch.randn(1, 128, 4, 16, generator=gen) for _ in range(4))
+        sinks = torch.rand(4, generator=gen) * 4
+        grads = []
+        for run in (torch.Tensor.backward, fakegrad.backward):
+            x = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+            with fakegrad.recording():
+                out, _ = strat.attend(*x)
+            run(out, dout)
+            grads.append([t.grad for t in x])
+    assert grads[0][3].abs().min() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["zigzag", "usp"])
+def test_a_dry_rank_with_sinks_sends_its_schedule(name):
+    attn = dataclasses.replace(ATTN, sinks=True)
+    opts = strategies.get(name).Options()
+    for rank in (0, 5):
+        r = dryrun.dry_rank(name, opts, attn, TOPO, rank, kernel_name="sdpa-cpu",
+                            device="cpu")
+        assert r.status == "ok", (rank, r.error, r.where)
+        want = dryrun.schedule_bytes(name, opts, attn, TOPO, rank, kernel_name="sdpa-cpu")
         assert {p: r.sent_bytes(p) for p in ("fwd", "bwd")} == want
 
 

@@ -55,3 +55,19 @@ def test_causal_only_strategies_refuse_full_attention_on_construction():
     for name in causal_only:
         with pytest.raises(UsageError, match="only runs causal"):
             _build(name, _attn(causal=False))
+
+
+def test_strategies_that_cannot_add_sinks_refuse_them_on_construction():
+    """The library adapters (te, rfa, yunchang-usp, torch-ring, torch-flex) take no attention
+    sink; each says so in one line, before any group is made. cpbench's own take them."""
+    refused = []
+    for name in strategies.names():
+        if strategies.get(name).takes_sinks:
+            assert strategies.get(name).upstream is None, name
+            _build(name, _attn(sinks=True))
+            continue
+        with pytest.raises(Skipped, match="cannot add attention sinks once per query") as e:
+            _build(name, _attn(sinks=True), create_groups=True)
+        assert "\n" not in str(e.value) and len(f"error: {e.value}") <= 120, str(e.value)
+        refused.append(name)
+    assert {"te-p2p", "rfa-ring", "yunchang-usp", "torch-ring", "torch-flex"} <= set(refused)

@@ -184,4 +184,5 @@ def test_activation_dtype_sum():
     q, k, v = (torch.randn(1, 8, 2, 8, dtype=torch.bfloat16) for _ in range(3))
     out, lse, kv_last = p2p_forward(st, q, k, v, _Log(), TileStreams())
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    assert kv_last.dtype == torch.bfloat16 and kv_last.shape == (2, 1, 8, 2, 8)
+    # K and V flattened into one buffer (TE's packing, KVPack): both blocks' elements
+    assert kv_last.dtype == torch.bfloat16 and kv_last.shape == (2 * 1 * 8 * 2 * 8,)

@@ -118,7 +118,8 @@ def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend, d
 
 def shape(attn: AttentionConfig) -> dict:
     return dict(batch=attn.batch, heads=attn.heads, kv_heads=attn.num_kv_heads,
-                head_dim=attn.head_dim, element_size=attn.element_size)
+                head_dim=attn.head_dim, element_size=attn.element_size,
+                v_head_dim=attn.v_head_dim)
 
 
 def runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
@@ -169,4 +170,4 @@ def runnable(cases: list[Case], names: tuple[str, ...], attn: AttentionConfig,
 def request(attn: AttentionConfig, device: str) -> dict:
     """What a kernel backend is asked to run (KernelBackend.unsupported_reason's fields)."""
     return dict(device=device, dtype=attn.torch_dtype, head_dim=attn.head_dim,
-                heads=attn.heads, kv_heads=attn.num_kv_heads)
+                heads=attn.heads, kv_heads=attn.num_kv_heads, v_head_dim=attn.v_head_dim)

@@ -7,6 +7,7 @@ global order and rank 0 compares them tensor by tensor with the reference.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 
@@ -16,37 +17,62 @@ import torch.distributed as dist
 from cpbench import comm
 from cpbench.config import AttentionConfig
 from cpbench.mask import mask_of
-from cpbench.reference import TENSORS, Comparison, compare, reference_by_head
+from cpbench.reference import SINK_TENSORS, TENSORS, Comparison, compare, reference_by_head
 from cpbench.strategies.base import Strategy
 
 
 def global_inputs(attn: AttentionConfig, seed: int, device="cpu") -> dict[str, torch.Tensor]:
-    """Fresh random q, k, v, dout (b, s, h, d) in the activation dtype; never zeros."""
+    """Fresh random q, k, v, dout (b, s, h, d) in the activation dtype; never zeros. With
+    ``attn.sinks``, also ``sinks`` (h,) in fp32 (``sink_logits``)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    b, s, h, hk, d = attn.batch, attn.seqlen, attn.heads, attn.num_kv_heads, attn.head_dim
+    x = {name: torch.randn(attn.batch, attn.seqlen, *attn.widths[name], generator=gen).to(
+        device=device, dtype=attn.torch_dtype) for name in ("q", "k", "v", "dout")}
+    if attn.sinks:  # drawn last: q, k, v of a seed stay what they were without sinks
+        x["sinks"] = sink_logits(attn, gen).to(device)
+    return x
 
-    def rand(heads):
-        return torch.randn(b, s, heads, d, generator=gen).to(device=device, dtype=attn.torch_dtype)
 
-    return {"q": rand(h), "k": rand(hk), "v": rand(hk), "dout": rand(h)}
+def sink_logits(attn: AttentionConfig, gen: torch.Generator) -> torch.Tensor:
+    """One fp32 sink logit per query head, uniform in [0, log S]: the range of a row's lse
+    over 1..S keys of unit scores, so the sink takes a real share of the mass, more of a row
+    that sees few keys than of one that sees many. (gpt-oss's reference stores a bf16
+    parameter and its Triton kernel computes with it in fp32; fp32 is training's master
+    copy.)"""
+    return torch.rand(attn.heads, generator=gen) * math.log(max(attn.seqlen, 2))
 
 
 def checked_tensors(strategy: Strategy) -> tuple[str, ...]:
-    """What a check compares: every tensor, less lse for a library that does not return it."""
-    return TENSORS if strategy.returns_lse else tuple(n for n in TENSORS if n != "lse")
+    """What a check compares: every tensor, less lse for a library that does not return it,
+    and the sinks' gradient where the problem has sinks."""
+    names = TENSORS if strategy.returns_lse else tuple(n for n in TENSORS if n != "lse")
+    return names + SINK_TENSORS if strategy.attn.sinks else names
+
+
+def summed_sink_grad(strategy: Strategy, grad: torch.Tensor) -> torch.Tensor:
+    """The sinks' gradient of the whole problem from this rank's share (collective): the
+    sinks are one parameter replicated over the ranks sharing a problem, so their gradient
+    is summed over them as data parallelism sums any replicated parameter's."""
+    if strategy.ranks_per_problem > 1:
+        dist.all_reduce(grad)
+    return grad
 
 
 def run_local(strategy: Strategy, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Forward + backward of this rank's shard; returns local out, lse, dq, dk, dv (no lse
-    when the strategy returns none)."""
+    when the strategy returns none), and with sinks the problem's dsinks (collective)."""
     q, k, v = (strategy.shard(inputs[n]).detach().requires_grad_() for n in ("q", "k", "v"))
+    sinks = inputs.get("sinks")
+    sinks = None if sinks is None else sinks.detach().clone().requires_grad_()
     strategy.need_lse = True
     try:
-        out, lse = strategy.attention(q, k, v)
+        out, lse = strategy.attend(q, k, v, sinks)
     finally:
         strategy.need_lse = False
     out.backward(strategy.shard(inputs["dout"]))
     got = {"out": out.detach()}
+    if sinks is not None:
+        assert sinks.grad is not None, "the backward reaches the sinks"
+        got["dsinks"] = summed_sink_grad(strategy, sinks.grad)
     for name, x in (("dq", q), ("dk", k), ("dv", v)):
         assert x.grad is not None, "the backward reaches every input"
         got[name] = x.grad
@@ -91,7 +117,9 @@ def check_strategy(strategy: Strategy, seed: int, *, device="cpu",
     for name in names:
         parts = comm.all_gather(local[name]) if strategy.world_size > 1 else [local[name]]
         seq_dim = 2 if name == "lse" else 1
-        solved[name] = [strategy.unshard(parts, seq_dim=seq_dim)] if problems == 1 else parts
+        # dsinks is no shard: every rank holds its problem's whole sum, and each is checked
+        whole = problems == 1 and name not in SINK_TENSORS
+        solved[name] = [strategy.unshard(parts, seq_dim=seq_dim)] if whole else parts
     found: list = [None]
     if strategy.rank == 0:
         # rank 0's failure (its reference can run out of memory) is the broadcast's payload:

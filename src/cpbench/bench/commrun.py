@@ -35,12 +35,14 @@ def _build(cls, case, p: Plan, rank: int):
 
 def _trace_case(strat, p: Plan, rank: int) -> dict[str, list[Event]]:
     x = rank_inputs(strat, p, rank)
-    out, _ = strat.attention(x["q"], x["k"], x["v"])  # untraced: first-call set-up
+    sinks = x.get("sinks")
+    out, _ = strat.attend(x["q"], x["k"], x["v"], sinks)  # untraced: first-call set-up
     out.backward(x["dout"])
-    for t in (x["q"], x["k"], x["v"]):
-        t.grad = None
+    for t in (x["q"], x["k"], x["v"], sinks):
+        if t is not None:
+            t.grad = None
     with traced(dispatch=not strat.compiles) as fwd:
-        out, _ = strat.attention(x["q"], x["k"], x["v"])
+        out, _ = strat.attend(x["q"], x["k"], x["v"], sinks)
     with traced(dispatch=not strat.compiles) as bwd:
         out.backward(x["dout"])
     return {"fwd": fwd, "bwd": bwd}

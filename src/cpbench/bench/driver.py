@@ -48,7 +48,7 @@ from cpbench.bench import (
     timer,
 )
 from cpbench.bench import env as env_mod
-from cpbench.bench.check import check_strategy
+from cpbench.bench.check import check_strategy, sink_logits
 from cpbench.bench.plan import Case, Plan
 from cpbench.config import RunConfig
 from cpbench.report import console
@@ -66,13 +66,16 @@ def rank_inputs(strat, p: Plan, rank: int) -> dict:
     gen = torch.Generator(device=dev).manual_seed(p.run.seed * 100_003 + rank)
     s = strat.local_seqlen
 
-    def rand(heads, grad):
-        t = torch.randn(a.batch, s, heads, a.head_dim, generator=gen, device=dev,
+    def rand(name):
+        t = torch.randn(a.batch, s, *a.widths[name], generator=gen, device=dev,
                         dtype=a.torch_dtype)
-        return t.requires_grad_(grad)
+        return t.requires_grad_(name != "dout")
 
-    return {"q": rand(a.heads, True), "k": rand(a.num_kv_heads, True),
-            "v": rand(a.num_kv_heads, True), "dout": rand(a.heads, False)}
+    x = {name: rand(name) for name in ("q", "k", "v", "dout")}
+    if a.sinks:  # the same on every rank: one parameter, replicated
+        x["sinks"] = sink_logits(a, torch.Generator().manual_seed(p.run.seed)).to(
+            dev).requires_grad_()
+    return x
 
 
 def _counts(run: RunConfig) -> tuple[int, int]:

@@ -185,12 +185,14 @@ def _parts(strat: Strategy) -> list[Strategy]:
 def _inputs(strat: Strategy, attn: AttentionConfig, device: str) -> dict:
     shape = (attn.batch, strat.local_seqlen)
 
-    def rand(heads, grad):
-        t = torch.empty(*shape, heads, attn.head_dim, dtype=attn.torch_dtype, device=device)
-        return t.requires_grad_(grad)
+    def rand(name):
+        t = torch.empty(*shape, *attn.widths[name], dtype=attn.torch_dtype, device=device)
+        return t.requires_grad_(name != "dout")
 
-    return {"q": rand(attn.heads, True), "k": rand(attn.num_kv_heads, True),
-            "v": rand(attn.num_kv_heads, True), "dout": rand(attn.heads, False)}
+    x = {name: rand(name) for name in ("q", "k", "v", "dout")}
+    if attn.sinks:  # fp32, one per query head
+        x["sinks"] = torch.empty(attn.heads, device=device).requires_grad_()
+    return x
 
 
 def _step(strat: Strategy, x: dict, device: str, fwd_only: bool, r: RankResult) -> None:
@@ -200,7 +202,7 @@ def _step(strat: Strategy, x: dict, device: str, fwd_only: bool, r: RankResult) 
         meter.track(t)
     with meter, _SyncGuard(device):
         with traced(dispatch=not strat.compiles) as fwd, fakegrad.recording():
-            out, _lse = strat.attention(x["q"], x["k"], x["v"])
+            out, _lse = strat.attend(x["q"], x["k"], x["v"], x.get("sinks"))
         r.events["fwd"] = list(fwd)
         r.peak_fwd_bytes = meter.peak
         if not fwd_only:
@@ -227,7 +229,8 @@ def dry_rank(name: str, options, attn: AttentionConfig, topo: Topology, rank: in
             strat = cls(attn, topo, rank, kernel=kernels.get(kernel_name), options=options)
             with _host_planning(strat), torchcompat.fake_tensor_mode():
                 x = _inputs(strat, attn, device)
-                out, _ = strat.attention(x["q"], x["k"], x["v"])  # warm-up: caches, set-up
+                out, _ = strat.attend(x["q"], x["k"], x["v"],  # warm-up: caches, set-up
+                                         x.get("sinks"))
                 del out, _
                 _step(strat, x, device, fwd_only, r)
         except Exception as e:  # every error the code raises there is the row's finding

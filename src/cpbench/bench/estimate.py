@@ -200,7 +200,7 @@ def case_estimate(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
         return metrics.problem_flops(batch=attn.batch, seqlen=attn.seqlen, heads=attn.heads,
                                      head_dim=attn.head_dim, causal=attn.causal,
                                      documents=attn.documents, window=attn.window_size,
-                                     mode=mode)[0]
+                                     mode=mode, v_head_dim=attn.v_head_dim)[0]
 
 
     rank = imbalance / ranks_per_problem  # the slowest rank's part of the problem

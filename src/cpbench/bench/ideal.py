@@ -27,12 +27,11 @@ def _time_block(kernel: str, attn: AttentionConfig, tokens: int, device: str, *,
     backend = kernels.get(kernel)
     gen = torch.Generator(device=device).manual_seed(0)
 
-    def rand(h):
-        return torch.randn(attn.batch, tokens, h, attn.head_dim, generator=gen, device=device,
-                           dtype=attn.torch_dtype)
+    def rand(name):
+        return torch.randn(attn.batch, tokens, *attn.widths[name], generator=gen,
+                           device=device, dtype=attn.torch_dtype)
 
-    q, k, v, dout = rand(attn.heads), rand(attn.num_kv_heads), rand(attn.num_kv_heads), \
-        rand(attn.heads)
+    q, k, v, dout = (rand(name) for name in ("q", "k", "v", "dout"))
     scale = attn.softmax_scale or 1.0 / math.sqrt(attn.head_dim)
     causal = attn.causal
     out, lse = backend.forward(q, k, v, causal=causal, softmax_scale=scale)

@@ -104,20 +104,22 @@ def peak_bytes(fn: Callable[[], object], *, device: str,
 # -- estimates before anything runs ----------------------------------------------------------
 
 def step_lower_bound(*, batch: int, local_seqlen: int, heads: int, kv_heads: int,
-                     head_dim: int, element_size: int) -> int:
+                     head_dim: int, element_size: int, v_head_dim: int | None = None) -> int:
     """Bytes a rank cannot do without in a forward + backward: q, out, dout, dq and k, v, dk,
     dv of its shard in the activation dtype (no buffers, no accumulators: a lower bound, so
-    a rejection is never wrong)."""
-    tokens = batch * local_seqlen * head_dim * element_size
-    return tokens * (4 * heads + 4 * kv_heads)
+    a rejection is never wrong). out, dout, v and dv at V's head dim."""
+    dv = head_dim if v_head_dim is None else v_head_dim
+    tokens = batch * local_seqlen * element_size
+    return tokens * (heads + kv_heads) * 2 * (head_dim + dv)
 
 
 def check_bytes(*, batch: int, seqlen: int, heads: int, kv_heads: int, head_dim: int,
-                element_size: int) -> tuple[int, int]:
+                element_size: int, v_head_dim: int | None = None) -> tuple[int, int]:
     """(per rank, rank 0 extra) bytes of ``--check``: every rank holds the global q, k, v,
     dout; rank 0 also builds the float64 reference one head at a time, whose S×S score,
     probability and gradient matrices (about 5 live at once) dominate."""
-    per_rank = batch * seqlen * head_dim * element_size * (2 * heads + 2 * kv_heads)
+    dv = head_dim if v_head_dim is None else v_head_dim  # v and dout at V's width
+    per_rank = batch * seqlen * element_size * (heads + kv_heads) * (head_dim + dv)
     reference = 5 * batch * seqlen * seqlen * 8
     return per_rank, reference
 

@@ -146,14 +146,16 @@ def case_waits(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
     flops = metrics.attention_flops(batch=attn.batch, seqlen_q=attn.seqlen,
                                     seqlen_k=attn.seqlen, heads=attn.heads,
                                     head_dim=attn.head_dim, causal=attn.causal,
-                                    mode="fwd" if run.fwd_only else "fwd_bwd")
+                                    mode="fwd" if run.fwd_only else "fwd_bwd",
+                                    v_head_dim=attn.v_head_dim)
     step_s = flops / ranks_per_problem / PESSIMISTIC_FLOPS[run.device] * sharing
     wait = STEPS_BEHIND * step_s
     if run.check:
         wait += metrics.attention_flops(batch=attn.batch, seqlen_q=attn.seqlen,
                                         seqlen_k=attn.seqlen, heads=attn.heads,
                                         head_dim=attn.head_dim, causal=attn.causal,
-                                        mode="fwd_bwd") / REFERENCE_FLOPS[run.device]
+                                        mode="fwd_bwd", v_head_dim=attn.v_head_dim
+                                        ) / REFERENCE_FLOPS[run.device]
     timeout = run.collective_timeout or max(MIN_COLLECTIVE_TIMEOUT_S, wait)
     return timeout, min(timeout, max(MIN_GRACE_S, step_s))
 

@@ -29,18 +29,21 @@ Closure = Callable[[], None]
 
 def closures(strat, x: dict) -> tuple[Closure, Closure, Closure]:
     """(FWD alone, FWD keeping its graph, BWD on that graph) as zero-argument closures."""
-    q, k, v, dout = x["q"], x["k"], x["v"], x["dout"]
+    q, k, v, dout, sinks = x["q"], x["k"], x["v"], x["dout"], x.get("sinks")
     held: dict = {}
 
     def fwd():
-        strat.attention(q, k, v)
+        strat.attend(q, k, v, sinks)
 
     def fwd_keep():
-        held["out"] = strat.attention(q, k, v)[0]
+        held["out"] = strat.attend(q, k, v, sinks)[0]
 
     def bwd():
         held.pop("out").backward(dout)
         q.grad = k.grad = v.grad = None
+        if sinks is not None:
+            # their sum over the ranks is the data-parallel gradient reduction's, not timed
+            sinks.grad = None
 
     return fwd, fwd_keep, bwd
 

@@ -3,6 +3,7 @@
     cpbench run --strategy zigzag --seqlen 8k --nproc 4 --check     # local CPU ranks
     torchrun --nproc-per-node 8 -m cpbench.run --strategy all       # GPUs (same flags)
     cpbench strategies                                              # names, options
+    cpbench models                                                  # --model presets
     cpbench report runs/…/results.jsonl --format markdown
     cpbench simulate --hardware a800-sxm --nodes 4 --seqlen 128K,512K  # predicted, no GPU
     cpbench dryrun --nodes 4 --seqlen 512K --device cpu             # every rank, fake tensors
@@ -27,6 +28,7 @@ from cpbench.cli import (
     doctor,
     dryrun,
     kernels,
+    models,
     profile,
     report,
     run,
@@ -36,7 +38,7 @@ from cpbench.cli import (
 )
 from cpbench.cli.args import Parser
 
-COMMANDS = (run, sweep, simulate, dryrun, calibrate, kernels, comm, strategies, report,
+COMMANDS = (run, sweep, simulate, dryrun, calibrate, kernels, comm, strategies, models, report,
             profile, compare, doctor)
 
 

@@ -213,12 +213,37 @@ def given(args) -> dict:
             for k, v in vars(args).items() if v is not None}
 
 
+def add_model(p) -> None:
+    """``--model NAME``: a preset's attention shape (``cpbench.models``) under the flags."""
+    p.add_argument("--model", metavar="NAME",
+                   help="set heads, kv heads, head dims, window, sinks and dtype from a model "
+                        "preset (`cpbench models` lists them, with sources); attention flags "
+                        "given beside it override it")
+
+
 def problem(args) -> tuple[dict, dict]:
-    """The AttentionConfig fields and the strategy options given on the command line."""
+    """The AttentionConfig fields (a ``--model`` preset's under the flags given) and the
+    strategy options given on the command line. With ``--model``, rank 0 says the preset
+    and the flags that override it, in one line on stderr."""
+    from cpbench import models
+
     _, attention, _ = split(given(args))
+    name = getattr(args, "model", None)
+    attention, overrides = models.resolve(name, attention)
+    if name is not None:
+        say(models.note(name, overrides))
     options = {k[len(OPT_PREFIX):]: v for k, v in vars(args).items()
                if k.startswith(OPT_PREFIX) and v is not None}
     return attention, options
+
+
+def say(line: str) -> None:
+    """One line on stderr from rank 0 (every rank parses the same flags under torchrun)."""
+    from cpbench.bench import env
+
+    if env.under_torchrun() and env.torchrun_world()[0] != 0:
+        return
+    sys.stderr.write(f"cpbench: {line}\n")
 
 
 def request(args) -> tuple[RunConfig, dict, dict]:

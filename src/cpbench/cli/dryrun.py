@@ -25,6 +25,7 @@ PROG = "cpbench dryrun"
 def add_parser(sub) -> None:
     p = cli_args.command(sub, "dryrun", __doc__, main)
     attention = p.add_argument_group("attention problem (defaults: run's, per device)")
+    cli_args.add_model(attention)
     cli_args.add_settings(attention, attention_settings(), cli_args.attention_default)
     g = p.add_argument_group("where")
     integer = cli_args.converter(cli_args.read_number(int), "an integer")
@@ -93,6 +94,7 @@ def _capacity(args, device: str, gpn: int, hw) -> int | None:
 def request(args) -> Request:
     """The validated request; UsageError (one line, the fix) before anything runs."""
     from cpbench import kernels
+    from cpbench.bench.cases import request
     from cpbench.config import resolved_documents
     from cpbench.sim import hardware
     from cpbench.sim.dryrun import Request, cases_for
@@ -115,9 +117,7 @@ def request(args) -> Request:
     attn = AttentionConfig(**resolved_documents({**default_attention(device), **given},
                                                 args.seed))
     notes: list[str] = []
-    backend = kernels.resolve(args.kernel, device=device, dtype=attn.torch_dtype,
-                              head_dim=attn.head_dim, heads=attn.heads,
-                              kv_heads=attn.num_kv_heads, notes=notes)
+    backend = kernels.resolve(args.kernel, **request(attn, device), notes=notes)
     cases, skipped = cases_for(args.strategy, options, attn, topo, backend, device,
                                auto=args.kernel == kernels.AUTO)
     if args.out:
@@ -161,7 +161,8 @@ def _render(req, summaries, every, fmt: str) -> str:
     a, t = req.attn, req.topo
     cap = "-" if req.capacity_bytes is None else f"{req.capacity_bytes / 2**30:.0f} GiB"
     banner = (f"dry run on fake {req.device} tensors ({req.kernel}): {t.num_nodes} node(s) × "
-              f"{t.ranks_per_node}, S={a.seqlen} H={a.heads} D={a.head_dim} {a.dtype}, "
+              f"{t.ranks_per_node}, S={a.seqlen} H={a.heads} D={a.head_dim}"
+              f"{'' if a.v_head_dim is None else f'/{a.v_head_dim}'} {a.dtype}, "
               f"{cap} per rank; memory and bytes of the real code, no times")
     text = dryrun.render(summaries, fmt, banner)
     if req.skipped:

@@ -24,8 +24,9 @@ def add_parser(sub) -> None:
                                 "licences: src/cpbench/traces/README.md):\n"
                                 + "\n".join(f"  {name:<14} {line}"
                                             for name, line in traces.lines()))
-    cli_args.add_settings(p.add_argument_group("attention problem"), attention_settings(),
-                          cli_args.attention_default)
+    attention = p.add_argument_group("attention problem")
+    cli_args.add_model(attention)
+    cli_args.add_settings(attention, attention_settings(), cli_args.attention_default)
     cli_args.add_settings(p.add_argument_group("run"), run_settings(), cli_args.run_default)
     reserved = {f.name for f in dataclasses.fields(AttentionConfig)} | \
         {f.name for f in dataclasses.fields(RunConfig)}

@@ -46,6 +46,7 @@ def add_parser(sub) -> None:
     p = cli_args.command(sub, "simulate", __doc__, main, formatter_class=_PresetsHelp,
                          epilog=_PRESETS)
     attention = p.add_argument_group("attention problem (default: seed 001's)")
+    cli_args.add_model(attention)
     for setting in attention_settings():
         if setting.name == "seqlen":
             attention.add_argument("--seqlen", type=cli_args.converter(_parse_sizes, "sizes"),

@@ -37,9 +37,11 @@ def main(args) -> int:
             lines.append(f"{'':<24}{option_usage(s)}  default {s.default}: {s.help}")
         if cls.causal_only:
             lines.append(f"{'':<24}(causal attention only)")
-        if cls.masks:  # beyond causal / full: --documents, --window-size
-            flags = ", ".join("--" + m.replace("window", "window-size") for m in sorted(cls.masks))
-            lines.append(f"{'':<24}takes {flags}")
+        # beyond causal / full: --documents, --window-size; and --sinks
+        takes = ["--" + m.replace("window", "window-size") for m in sorted(cls.masks)]
+        takes += ["--sinks"] if cls.takes_sinks else []
+        if takes:
+            lines.append(f"{'':<24}takes {', '.join(takes)}")
         if cls.no_threads:
             lines.append(f"{'':<24}not with --launcher threads: {cls.no_threads}")
     sys.stdout.write("\n".join(lines) + "\n")

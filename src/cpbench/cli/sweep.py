@@ -13,7 +13,16 @@ import shlex
 import sys
 from typing import TYPE_CHECKING
 
-from cpbench.cli.args import USAGE_ERROR, Parser, command, converter, fail, given, read_number
+from cpbench.cli.args import (
+    USAGE_ERROR,
+    Parser,
+    command,
+    converter,
+    fail,
+    given,
+    read_number,
+    say,
+)
 from cpbench.errors import UsageError
 
 if TYPE_CHECKING:
@@ -50,6 +59,7 @@ def add_parser(sub) -> None:
 
 def _run_request(flags: list[str]) -> tuple[dict, str | None]:
     """(the settings given, --out) of ``cpbench run`` flags, read by `cpbench run`'s parser."""
+    from cpbench import models
     from cpbench.cli import run as cli_run
 
     made = []
@@ -61,6 +71,10 @@ def _run_request(flags: list[str]) -> tuple[dict, str | None]:
 
     cli_run.add_parser(_Sub())
     settings = {k: v for k, v in given(made[0].parse_args(flags)).items() if k != "func"}
+    name = settings.pop("model", None)
+    settings, overrides = models.resolve(name, settings)
+    if name is not None:
+        say(models.note(name, overrides))
     return settings, settings.pop("out", None)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from cpbench.report.labels import row_label
+from cpbench.report.labels import head_dim_text, row_label
 from cpbench.report.sweep import size_text
 
 # what else can change between two runs, as `cpbench run` captures it in each record's env
@@ -75,7 +75,7 @@ def _facets(r: dict) -> list[tuple[str, str]]:
     return [("seqlen", f"S={size_text(a['seqlen'])}"), ("dtype", a["dtype"]),
             ("causal", "causal" if a["causal"] else "full"), ("batch", f"B={a['batch']}"),
             ("heads", f"H={a['heads']}" + (f"/{kv}" if kv != a["heads"] else "")),
-            ("head_dim", f"D={a['head_dim']}"),
+            ("head_dim", f"D={head_dim_text(a)}"),
             ("topology", f"{topo['world_size'] // topo['ranks_per_node']}×"
                          f"{topo['ranks_per_node']}"),
             ("kernel", r["kernel"])]

@@ -12,6 +12,8 @@ Conventions shared by all backends:
   0..i, as the float64 reference does); flash-attn aligns it bottom-right and declares
   False, so ``resolve`` refuses such a request for it;
 - k/v may have fewer heads than q (GQA, heads % kv_heads == 0); dk/dv come back with kv_heads;
+- v may have its own head dim (MLA: Q/K 192, V 128) where the backend declares
+  ``unequal_head_dims``; out and dout then have V's width;
 - ``backward`` receives the *final* (merged) out and lse, as flash-attention's backward does,
   so a block's probabilities are exp(s - lse_global) and the block gradients add up exactly.
 """
@@ -51,6 +53,9 @@ class KernelBackend:
     head_dim_multiple: int = 1
     gqa: bool = True
     causal_unequal: bool = False  # causal with seq_q != seq_k, top-left aligned
+    # V (and out) with a head dim of their own; False: the kernel takes one width (flash-attn
+    # 2's and torch's CUDA flash op check that Q, K and V share it) and refuses the request
+    unequal_head_dims: bool = False
     is_importable: Callable[[], bool] = field(default=lambda: True)
     # the real reason the backend does not import (the exception, one line), or None
     import_error: Callable[[], str | None] | None = None
@@ -83,9 +88,11 @@ class KernelBackend:
         seqlen_q: int | None = None,
         seqlen_k: int | None = None,
         causal: bool = False,
+        v_head_dim: int | None = None,
     ) -> str | None:
         """Why this backend cannot run the request, or None if it can. The sequence
-        lengths only matter for causal attention with seqlen_q != seqlen_k."""
+        lengths only matter for causal attention with seqlen_q != seqlen_k; ``v_head_dim``
+        (None: ``head_dim``) only where it differs."""
         why = self.import_error() if self.import_error else (
             None if self.is_importable() else "not installed")
         if why is not None:
@@ -99,6 +106,13 @@ class KernelBackend:
                 f"{self.name} needs head_dim <= {self.max_head_dim} and a multiple of "
                 f"{self.head_dim_multiple}, got {head_dim}"
             )
+        if v_head_dim not in (None, head_dim):
+            if not self.unequal_head_dims:
+                return (f"{self.name} takes one head dim for Q, K and V (got {head_dim}, V "
+                        f"{v_head_dim})")
+            if v_head_dim > self.max_head_dim or v_head_dim % self.head_dim_multiple:
+                return (f"{self.name} needs v_head_dim <= {self.max_head_dim} and a multiple "
+                        f"of {self.head_dim_multiple}, got {v_head_dim}")
         limit = self.limits(device, dtype, head_dim) if self.limits else None
         if limit is not None:
             return limit
@@ -159,13 +173,23 @@ def _device_present(device: str) -> bool:
     return False
 
 
+def one_width(*xs: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+    """Each of ``xs`` zero-padded on its last dim to ``width``, for an op that takes one head
+    dim for Q, K and V (aten's CPU flash op: "Q/K/V should have the same head size", torch 2.5
+    to 2.15). Exact: zero columns of Q and K add nothing to QKᵀ, zero columns of V give zero
+    columns of out (and of dout, nothing to dP); the caller slices them off. It costs the
+    wider width in both products."""
+    return tuple(x if x.shape[-1] == width else torch.nn.functional.pad(
+        x, (0, width - x.shape[-1])) for x in xs)
+
+
 def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, *,
                  causal_unequal: bool = False) -> None:
     """Invariants every backend relies on; violations are programming errors in a strategy
     (a user's request was checked by ``unsupported_reason`` before). ``causal_unequal``: the
     backend's own declaration."""
     assert q.dim() == 4 and k.dim() == 4 and v.dim() == 4, "expected (batch, seq, heads, dim)"
-    assert k.shape == v.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
+    assert k.shape[:3] == v.shape[:3], f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
     assert q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3]
     assert q.shape[2] % k.shape[2] == 0, "heads must be a multiple of kv_heads"
     assert not causal or causal_unequal or q.shape[1] == k.shape[1], (

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cpbench import torchcompat
 from cpbench.errors import UsageError
 from cpbench.kernels import masked_varlen
 from cpbench.kernels.base import KernelBackend
+from cpbench.kernels.sdpa_cpu import flash_backward, flash_forward
 from cpbench.mask import Mask
 from cpbench.merge import merge
 
@@ -88,19 +88,14 @@ def _tile(sub: torch.Tensor, q0: int, k0: int) -> Tile | None:
     return Tile(rows + q0, cols + k0, causal, bias, n)
 
 
-def _bhsd(x):
-    return x.transpose(1, 2)
-
-
 def _aten(x) -> bool:
     return x.device.type == "cpu" and hasattr(torch.ops.aten, _FWD)
 
 
 def _masked_forward(q, k, v, bias, scale):
     if _aten(q):
-        out, lse = torchcompat.cpu_flash_forward(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, False,
-                                                 attn_mask=bias.to(q.dtype), scale=scale)
-        return _bhsd(out), lse.float()
+        out, lse = flash_forward(q, k, v, 0.0, False, attn_mask=bias.to(q.dtype), scale=scale)
+        return out, lse.float()
     ke, ve = (x.repeat_interleave(q.shape[2] // x.shape[2], 2).float() for x in (k, v))
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), ke) * scale + bias.to(q.device)
     lse = torch.logsumexp(s, -1)
@@ -110,10 +105,8 @@ def _masked_forward(q, k, v, bias, scale):
 
 def _masked_backward(dout, q, k, v, out, lse, bias, scale):
     if _aten(q):
-        grads = torchcompat.cpu_flash_backward(
-            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out.to(q.dtype)),
-            lse.float().contiguous(), 0.0, False, attn_mask=bias.to(q.dtype), scale=scale)
-        return tuple(_bhsd(g) for g in grads)
+        return flash_backward(dout, q, k, v, out.to(q.dtype), lse.float().contiguous(), 0.0,
+                              False, attn_mask=bias.to(q.dtype), scale=scale)
     g = q.shape[2] // k.shape[2]
     ke, ve = (x.repeat_interleave(g, 2).float() for x in (k, v))
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), ke) * scale + bias.to(q.device)
@@ -124,15 +117,15 @@ def _masked_backward(dout, q, k, v, out, lse, bias, scale):
     ds = p * (dp - torch.einsum("bqhd,bqhd->bhq", do, out.float())[..., None]) * scale
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, ke)
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.float())
-    b, s_k, h, d = dk.shape
-    return dq, dk.view(b, s_k, -1, g, d).sum(3), dv.view(b, s_k, -1, g, d).sum(3)
+    return dq, dk.unflatten(2, (-1, g)).sum(3), dv.unflatten(2, (-1, g)).sum(3)
 
 
 def forward(kernel: KernelBackend, tiles: list[Tile], q, k, v, *, softmax_scale: float):
     """(out (b, sq, h, d), lse (b, h, sq) fp32): rows that see nothing have lse -inf, so
-    the LSE merge takes them from the other blocks; a row in several tiles is merged."""
-    b, s, h, d = q.shape
-    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+    the LSE merge takes them from the other blocks; a row in several tiles is merged.
+    out has V's head dim."""
+    b, s, h, _ = q.shape
+    out = torch.zeros(b, s, h, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     for t in tiles:
         qt, kt, vt = q[:, t.rows], k[:, t.cols], v[:, t.cols]
@@ -151,7 +144,7 @@ def backward(kernel: KernelBackend, tiles: list[Tile], dout, q, k, v, out, lse, 
     """(dq, dk, dv) in fp32 at the sizes of q, k, v, against the final (merged) out/lse."""
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros_like(dk)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     for t in tiles:
         args = (dout[:, t.rows], q[:, t.rows], k[:, t.cols], v[:, t.cols], out[:, t.rows],
                 lse[:, :, t.rows])

@@ -190,8 +190,9 @@ def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def forward(kernel: KernelBackend, vplan: VarlenPlan, q, k, v, *, softmax_scale: float):
     """(out (b, sq, h, d) fp32, lse (b, h, sq) fp32), as ``masked.forward``: rows that see
-    nothing have out 0 and lse -inf."""
-    b, s, h, d = q.shape
+    nothing have out 0 and lse -inf; out has V's head dim."""
+    b, s, h, _ = q.shape
+    d = v.shape[-1]
     varlen_forward = kernel.varlen_forward
     if varlen_forward is None:  # callers check device_refusal first
         raise UsageError(no_varlen(kernel, q.device.type))
@@ -234,7 +235,7 @@ def backward(kernel: KernelBackend, vplan: VarlenPlan, dout, q, k, v, out, lse, 
         raise UsageError(no_varlen(kernel, q.device.type))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros_like(dk)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     dout, out = dout.to(q.dtype), out.to(q.dtype)
     for g in vplan.groups:
         dev = g.on(q.device, b)
@@ -246,5 +247,5 @@ def backward(kernel: KernelBackend, vplan: VarlenPlan, dout, q, k, v, out, lse, 
             causal=g.causal, softmax_scale=softmax_scale, window=g.window)
         dq.index_add_(1, rows, gq.reshape(b, -1, h, d).float())
         dk.index_add_(1, cols, gk.reshape(b, len(cols), -1, d).float())
-        dv.index_add_(1, cols, gv.reshape(b, len(cols), -1, d).float())
+        dv.index_add_(1, cols, gv.reshape(b, len(cols), -1, v.shape[-1]).float())
     return dq, dk, dv

@@ -46,9 +46,8 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
     dq = torch.einsum("bhqk,bkhd->bqhd", ds_bhqk, ke)
     dk = torch.einsum("bhqk,bqhd->bkhd", ds_bhqk, q.float())
     if kv_heads != heads:
-        b, s, _, d = dk.shape
-        dk = dk.view(b, s, kv_heads, heads // kv_heads, d).sum(3)
-        dv = dv.view(b, s, kv_heads, heads // kv_heads, d).sum(3)
+        dk = dk.unflatten(2, (kv_heads, heads // kv_heads)).sum(3)
+        dv = dv.unflatten(2, (kv_heads, heads // kv_heads)).sum(3)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -60,4 +59,5 @@ BACKEND = KernelBackend(
     devices=frozenset({"cpu", "cuda"}),
     dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}),
     causal_unequal=True,  # top-left aligned, as the float64 reference
+    unequal_head_dims=True,
 )

@@ -12,7 +12,7 @@ dtype grows; one that keeps them in fp32 stays flat). Records from before the RM
 from __future__ import annotations
 
 from cpbench.reference import TENSORS
-from cpbench.report.labels import mask_text, rank_unit, row_label
+from cpbench.report.labels import head_dim_text, mask_text, rank_unit, row_label
 from cpbench.report.render import Fit, prose, render
 from cpbench.report.rows import data_text
 
@@ -20,7 +20,8 @@ from cpbench.report.rows import data_text
 def _key(record: dict) -> tuple:
     a, topo = record["config"]["attention"], record["topology"]
     return (row_label(record), record["ranks_per_problem"], a["dtype"], mask_text(a),
-            a["seqlen"], f"{topo['num_nodes']}×{topo['ranks_per_node']}", record["kernel"])
+            a["seqlen"], f"{topo['num_nodes']}×{topo['ranks_per_node']}", record["kernel"],
+            head_dim_text(a))
 
 
 def _values(record: dict) -> dict:
@@ -37,9 +38,9 @@ def rows(records: list[dict]) -> list[dict]:
     """Every checked case's row (its last record), grouped by strategy, dtype and mask and
     ordered by rank count within."""
     last = {_key(r): r for r in records if r.get("check")}
-    head = ("Strategy", "Ranks", "Dtype", "Mask", "Seq Len", "Nodes×GPUs", "Kernel")
+    head = ("Strategy", "Ranks", "Dtype", "Mask", "Seq Len", "Nodes×GPUs", "Kernel", "Head Dim")
     ordered = sorted(last.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][3], kv[0][4],
-                                                   kv[0][1], kv[0][5]))
+                                                   kv[0][1], kv[0][5], kv[0][7]))
     return [{**dict(zip(head, key)), **_values(r)} for key, r in ordered]
 
 

@@ -18,8 +18,8 @@ from cpbench.report.labels import joined, options_label, window_text
 from cpbench.results import OK, derive
 
 # the columns that make two rows the same problem (an efficiency compares only those)
-PROBLEM = ["dtype", "batch", "seqlen", "heads", "kv_heads", "head_dim", "causal", "documents",
-           "window", "world", "ranks_per_node", "kernel", "device"]
+PROBLEM = ["dtype", "batch", "seqlen", "heads", "kv_heads", "head_dim", "v_head_dim", "causal",
+           "documents", "window", "world", "ranks_per_node", "kernel", "device"]
 _FIGURES = ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "memory_mb", "fwd_tflops", "bwd_tflops",
             "fwd_bwd_tflops", "check_passed", "imbalance", "padded_tokens",
             "padding_fraction", "fraction_of_ideal")
@@ -38,7 +38,8 @@ def _row(r: dict) -> dict:
         "strategy": cfg["strategy"], "options": options_label(r),
         "dtype": a["dtype"], "batch": a["batch"], "seqlen": a["seqlen"],
         "heads": a["heads"], "kv_heads": a["kv_heads"] or a["heads"],
-        "head_dim": a["head_dim"], "causal": a["causal"],
+        "head_dim": a["head_dim"], "v_head_dim": a.get("v_head_dim") or a["head_dim"],
+        "causal": a["causal"],
         "documents": ",".join(map(str, a.get("documents") or ())) or "-",
         "window": window_text(a),
         "world": topo["world_size"], "nodes": topo["num_nodes"],

@@ -13,7 +13,13 @@ from cpbench.metrics import duration
 from cpbench.profile.summary import detail_lines
 from cpbench.reference import TENSORS, Comparison
 from cpbench.report import cells
-from cpbench.report.labels import mask_text, option_text, row_label, window_text
+from cpbench.report.labels import (
+    head_dim_text,
+    mask_text,
+    option_text,
+    row_label,
+    window_text,
+)
 from cpbench.results import FAILED, OK, OOM, derive
 
 _RULE = 50
@@ -56,7 +62,8 @@ def _configuration(record: dict) -> list[str]:
     lines = [f"  - Dtype: {a['dtype']}", "  - QKV Format: bshd",
              f"  - Batch Size: {a['batch']}", f"  - Sequence Length: {a['seqlen']}",
              f"  - Num Heads: {a['heads']}", f"  - Num KV Heads: {a['kv_heads'] or a['heads']}",
-             f"  - Head Dimension: {a['head_dim']}",
+             f"  - Head Dimension: {head_dim_text(a)}"
+             + (" (Q and K / V)" if a.get("v_head_dim") is not None else ""),
              f"  - Attention Mask: {mask_text(a)}",
              f"  - Window Size: {window_text(a)}",
              f"  - Context Parallel: {record['ranks_per_problem'] > 1}",

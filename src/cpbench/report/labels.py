@@ -37,6 +37,12 @@ def row_label(record: dict) -> str:
     return joined(record["config"]["strategy"], options_label(record))
 
 
+def head_dim_text(attention: dict) -> str:
+    """The head dim, V's beside it where it has its own (MLA): ``192`` or ``192/128``."""
+    dv = attention.get("v_head_dim")
+    return f"{attention['head_dim']}" + (f"/{dv}" if dv is not None else "")
+
+
 def window_text(attention: dict) -> str:
     """The seeds' "Window Size": flash-attn's (left, right), (-1, -1) when unbounded."""
     w = attention.get("window_size")
@@ -50,7 +56,8 @@ def documents_text(attention: dict) -> str:
 
 
 def mask_text(attention: dict) -> str:
-    """The mask in words: causal / full, within documents, with a window."""
+    """The mask in words: causal / full, within documents, with a window (and sinks, which
+    the softmax of every row takes besides its keys)."""
     text = "causal" if attention["causal"] else "full"
     docs = attention.get("documents")
     if docs:
@@ -59,6 +66,8 @@ def mask_text(attention: dict) -> str:
         text += f" within documents {shown}"
     if attention.get("window_size"):
         text += f", window {window_text(attention)}"
+    if attention.get("sinks"):
+        text += ", sinks"
     return text
 
 

@@ -16,7 +16,8 @@ from cpbench.report.render import Fit, render
 from cpbench.results import OK
 
 # what makes rows the same packed problem: the problem less its sampled lengths
-PACKED_PROBLEM = ["dtype", "batch", "seqlen", "heads", "kv_heads", "head_dim", "causal",
+PACKED_PROBLEM = ["dtype", "batch", "seqlen", "heads", "kv_heads", "head_dim", "v_head_dim",
+                  "causal",
                   "documents_spec", "window", "world", "ranks_per_node", "kernel", "device",
                   "simulated"]
 

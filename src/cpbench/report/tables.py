@@ -48,8 +48,8 @@ from cpbench.results import OK
 __all__ = ["FORMATS", "cell_ms", "detail", "render", "report", "rows", "summary"]
 
 # what the narrow table may do with the summary's columns (report.render.Fit)
-PROBLEM_COLUMNS = ("Dtype", "QKV Format", "B", "Seq Len", "World", "Nodes×GPUs", "CP",
-                   "Window", "Packing", "Documents", "Source")
+PROBLEM_COLUMNS = ("Dtype", "QKV Format", "B", "Seq Len", "Head Dim", "World", "Nodes×GPUs",
+                   "CP", "Window", "Packing", "Documents", "Source")
 OPTIONAL_COLUMNS = ("Fraction of Ideal (%)", "Exposed Comm (%)", "Padding (%)", "QKV Format",
                     "World", "Window", "CP", "Imbalance")
 SHORT = {"Memory (MB)": "Mem (MB)", "Fraction of Ideal (%)": "Ideal (%)",
@@ -74,6 +74,7 @@ def rows(records: list[dict]) -> list[dict]:
     with_profile = df["exposed_comm_pct"].notna().any()
     mixed = df["simulated"].nunique() > 1  # measured and simulated rows side by side
     with_docs = (df["documents"] != "-").any()
+    with_dv = (df["v_head_dim"] != df["head_dim"]).any()  # V with its own width (MLA)
     with_balance = df["imbalance"].notna().any()
     with_packings = df["packing"].notna().any()
     common = _common_reason(df)  # one reason for every row: said once, under the table
@@ -85,7 +86,9 @@ def rows(records: list[dict]) -> list[dict]:
         out_row = {
             "Strategy": row["strategy"], "Placement": row["options"],
             "Dtype": row["dtype"], "QKV Format": "bshd", "B": str(row["batch"]),
-            "Seq Len": str(row["seqlen"]), "World": str(row["world"]),
+            "Seq Len": str(row["seqlen"]),
+            **({"Head Dim": f"{row['head_dim']}/{row['v_head_dim']}"} if with_dv else {}),
+            "World": str(row["world"]),
             "Nodes×GPUs": f"{row['nodes']}×{row['ranks_per_node']}",
             "CP": str(row["ranks_per_problem"] > 1),
             "Window": "None" if row["window"] == "(-1, -1)" else row["window"],
@@ -238,7 +241,7 @@ def _data(records: list[dict]):
     df["cp"] = df["ranks_per_problem"] > 1
     df["tflops"] = df["fwd_tflops"].where(df["fwd_only"], df["fwd_bwd_tflops"])
     cols = ["strategy", "placement", "dtype", "qkv_format", "batch", "seqlen", "heads",
-            "kv_heads", "head_dim", "causal", "documents", "window", "world", "nodes",
+            "kv_heads", "head_dim", "v_head_dim", "causal", "documents", "window", "world", "nodes",
             "gpus_per_node", "cp", "kernel", "status", "fwd_ms", "bwd_ms", "fwd_bwd_ms",
             "memory_mb", "tflops", "imbalance", "padded_tokens", "padding_fraction",
             "packing", "documents_spec", "check",

@@ -255,6 +255,8 @@ def render_comparison(groups: list[list[dict]], hw: Hardware, topo: Topology, fm
                             and best else "-")})
         title = (f"Placements at Seq Len {a['seqlen']} ({a['dtype']}, B={a['batch']}, "
                  f"H={a['heads']}, D={a['head_dim']}, "
+                 + (f"DV={a['v_head_dim']}, " if a.get("v_head_dim") else "")
+                 + ("sinks, " if a.get("sinks") else "") +
                  f"{'causal' if a['causal'] else 'full'}), fastest first")
         out += [*tables.render(title, table, fmt, _COMPARISON_FIT), ""]
     return "\n".join(out)

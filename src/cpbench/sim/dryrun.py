@@ -124,8 +124,9 @@ def summarize(req: Request, case: Case, rows: list[dict]) -> dict:
     matches = [r["schedule_bytes"] is None or r["schedule_bytes"] == r["sent_bytes"]
                for r in rows if r["status"] != results.FAILED]
     # under a mask the model is the GPU's varlen path; the CPU's masked kernels hold
-    # score tiles instead: no error against a CPU dry run there
-    comparable = req.device != "cpu" or mask_of(req.attn).plain
+    # score tiles instead, and at V's own width sdpa-cpu zero-pads to the wider one (aten's
+    # one-width op): no error against a CPU dry run there
+    comparable = req.device != "cpu" or (mask_of(req.attn).plain and req.attn.v_head_dim is None)
     return {"case": case.label, "worst": worst, "peak": peak, "simulated": sim,
             "sim_error": (sim - peak) / peak if sim is not None and peak and comparable
             else None,

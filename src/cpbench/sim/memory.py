@@ -42,9 +42,9 @@ def peak_bytes(strat: Strategy, schedule: list[Step], kernel_buffers: bool = Tru
 def _phase_peak(strat: Strategy, schedule: list[Step], phase: str,
                 kernel_buffers: bool) -> float:
     s = strat.local_seqlen
-    q, kv, lse = strat.q_bytes(s), strat.kv_bytes(s), strat.lse_bytes(s)
-    resident = 2 * q + 2 * kv  # q, dout, k, v
-    resident += strat.held_bytes() if phase == FWD else q + lse  # the forward's out
+    q, out, kv, lse = strat.q_bytes(s), strat.out_bytes(s), strat.kv_bytes(s), strat.lse_bytes(s)
+    resident = q + out + kv  # q, dout (V's width), k and v
+    resident += strat.held_bytes() if phase == FWD else out + lse  # the forward's out
     steps = [i for i, st in enumerate(schedule) if st.phase == phase]
     blocks, partial = _in_flight(schedule, phase, False), _in_flight(schedule, phase, True)
     if strat.receives_in_place(phase):  # its buffers are among the accumulators
@@ -97,20 +97,23 @@ def _kernel_bytes(strat: Strategy, step: Step) -> tuple[float, float]:
     if not step.block:
         return 0.0, 0.0
     rows, keys = step.block[0], step.block[1]
-    q, kv, lse = strat.q_bytes(rows), strat.kv_bytes(keys), strat.lse_bytes(rows)
+    # kv: K and V together; out (and dout) at V's head dim
+    q, out, kv = strat.q_bytes(rows), strat.out_bytes(rows), strat.kv_bytes(keys)
+    lse = strat.lse_bytes(rows)
     wide, share = 4 / strat.attn.element_size, strat.kernel_head_share()
     if strat.mask.plain:
-        results = q + lse if step.phase == FWD else q + 2 * kv
+        results = out + lse if step.phase == FWD else q + kv
         return share * results, 0.0
-    pq, pkv, calls = q, kv, 1
+    pq, pout, pkv, calls = q, out, kv, 1
     if step.packed:
-        pq, pkv, calls = step.packed
-        pq, pkv = strat.q_bytes(pq), strat.kv_bytes(pkv)
+        packed_rows, packed_keys, calls = step.packed
+        pq, pout = strat.q_bytes(packed_rows), strat.out_bytes(packed_rows)
+        pkv = strat.kv_bytes(packed_keys)
     if step.phase == FWD:  # packed q, k, v; every call's out (merged at the end); fp32 sum
-        return share * (wide * q + lse), share * (pq + 2 * pkv + calls * pq + wide * q)
+        return share * (wide * out + lse), share * (pq + pkv + calls * pout + wide * out)
     # packed dout, q, out, k, v; the call's dQ, dK, dV and the previous call's
-    call = pq + 2 * pkv
-    return share * wide * (q + 2 * kv), share * (3 * pq + 2 * pkv + min(calls, 2) * call)
+    call = pq + pkv
+    return share * wide * (q + kv), share * (pq + 2 * pout + pkv + min(calls, 2) * call)
 
 
 def _kernel_buffers(strat: Strategy, step: Step) -> float:

@@ -82,7 +82,7 @@ from cpbench import kernels, strategies
 from cpbench.config import AttentionConfig
 from cpbench.errors import Skipped, UsageError
 from cpbench.mask import mask_of
-from cpbench.metrics import BWD_FACTOR, attention_flops
+from cpbench.metrics import attention_flops
 from cpbench.sim import memory, sharing
 from cpbench.sim.hardware import GB, Hardware
 from cpbench.strategies.base import BWD, FWD, Strategy
@@ -106,8 +106,10 @@ class RankStep:
     node_ov: float = 0.0
     node_exp: float = 0.0
     causal: bool = False  # a diagonal block: priced on the preset's causal curve if it has one
-    q_elements: float = 0.0  # the kernel call's query rows x heads x head dim (its merge)
-    kv_elements: float = 0.0  # its key rows x kv heads x head dim (dk, dv sums)
+    q_elements: float = 0.0  # the kernel call's query rows x heads x head dim (dq sum)
+    kv_elements: float = 0.0  # its key rows x kv heads x head dim (dk sum)
+    out_elements: float = 0.0  # its rows x heads x V's head dim (its merge)
+    v_elements: float = 0.0  # its key rows x kv heads x V's head dim (dv sum)
 
 
 @dataclass(frozen=True)
@@ -246,7 +248,8 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
             views.setdefault(node, []).append(RankStep(
                 step.flops, side, moved[0], moved[1], moved[2], moved[3], out[0], out[1],
                 causal=bool(step.block and step.block[2]),
-                q_elements=el.get("q_elements", 0.0), kv_elements=el.get("kv_elements", 0.0)))
+                **{k: el.get(k, 0.0) for k in ("q_elements", "kv_elements", "out_elements",
+                                               "v_elements")}))
         steps.append(_step_load(first.phase, list(views.values())))
     rank0 = ranks[0]
     peak = {buffers: max(memory.peak_bytes(s, sched, buffers)
@@ -351,7 +354,8 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
             if r.flops:
                 rate = hw.rate(step.phase, r.causal, attn.head_dim, r.side * length)
                 compute = r.flops * square / (rate * 1e12) + overhead + sharing.passes_s(
-                    hw, step.phase, r.q_elements * linear, r.kv_elements * linear)
+                    hw, step.phase, r.q_elements * linear, r.kv_elements * linear,
+                    r.out_elements * linear, r.v_elements * linear)
             computes.append(compute)
         worst = 0.0
         finishes = sharing.shared_compute(computes, step.nodes, hw.idle_speedup)
@@ -365,6 +369,8 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
         total[step.phase] += worst
         # the slowest rank's kernel time as the step runs it (shared, where a CPU shares)
         compute_total[step.phase] += max(finishes)
+    for phase in total:  # the sinks, once per query after the last merge (a small pass)
+        total[phase] += sharing.sinks_s(hw, phase, attn, c.ranks_per_problem)
     # FlashAttention-2's backward buffers: its kernels run bf16 / fp16 only (fp32 runs on the
     # CPU's kernels, which hold none)
     memory = (c.memory_bytes if attn.element_size == 2 else c.memory_bytes_bare) * linear
@@ -380,12 +386,13 @@ def ideal(attn: AttentionConfig, ranks: int, hw: Hardware) -> tuple[float, float
     problem; ``bench.ideal.section`` counts it ``ranks`` times) on the preset's curve, with
     no communication, merge, step cost or CP-run slowdown (``kernel_in_cp``)."""
     local, _ = ideal_def.share(attn, ranks)
-    flops = attention_flops(batch=attn.batch, seqlen_q=local, seqlen_k=local, heads=attn.heads,
-                            head_dim=attn.head_dim, causal=attn.causal)
     out = []
-    for phase, factor in ((FWD, 1.0), (BWD, BWD_FACTOR)):
+    for phase in (FWD, BWD):  # each phase on its own widths (MLA: PV on V's)
+        flops = attention_flops(batch=attn.batch, seqlen_q=local, seqlen_k=local,
+                                heads=attn.heads, head_dim=attn.head_dim, causal=attn.causal,
+                                mode=phase, v_head_dim=attn.v_head_dim)
         rate = hw.kernel(phase, attn.causal, attn.head_dim).tflops(local)
-        out.append(flops * factor / (rate * 1e12))
+        out.append(flops / (rate * 1e12))
     return out[0], out[1]
 
 

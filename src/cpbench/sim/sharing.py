@@ -12,21 +12,40 @@ from cpbench.strategies.base import FWD, Strategy
 
 
 def elements(strat: Strategy, attn: AttentionConfig, block) -> dict[str, float]:
-    """A kernel call's query and key elements (rows x its heads x head dim): what its merge
-    and its gradient sums pass over."""
+    """A kernel call's query and key elements (rows x its heads x head dim), each on its own
+    width: Q and K on ``head_dim``, out and V on V's (MLA: 192 and 128): what its merge (out)
+    and its gradient sums (dq, dk, dv) pass over."""
     if not block:
         return {}
-    per_row = attn.batch * attn.head_dim * strat.kernel_head_share()
-    return {"q_elements": block[0] * attn.heads * per_row,
-            "kv_elements": block[1] * attn.num_kv_heads * per_row}
+    rows = attn.batch * strat.kernel_head_share() * block[0] * attn.heads
+    keys = attn.batch * strat.kernel_head_share() * block[1] * attn.num_kv_heads
+    return {"q_elements": rows * attn.head_dim, "out_elements": rows * attn.dv,
+            "kv_elements": keys * attn.head_dim, "v_elements": keys * attn.dv}
 
 
-def passes_s(hw: Hardware, phase: str, q: float, kv: float) -> float:
+def passes_s(hw: Hardware, phase: str, q: float, kv: float, out: float | None = None,
+             v: float | None = None) -> float:
     """The step's memory passes around its kernel: the forward merges the block into the
-    rows' (out, lse); the backward adds its dq, dk and dv into the partial sums."""
+    rows' (out, lse); the backward adds its dq, dk and dv into the partial sums. ``out``
+    and ``v``: those on V's width (None: as wide as ``q`` and ``kv``)."""
+    out = q if out is None else out
+    v = kv if v is None else v
     if phase == FWD:
-        return hw.merge.seconds(q)
-    return hw.accumulate.seconds(q) + 2 * hw.accumulate.seconds(kv)
+        return hw.merge.seconds(out)
+    return hw.accumulate.seconds(q) + hw.accumulate.seconds(kv) + hw.accumulate.seconds(v)
+
+
+def sinks_s(hw: Hardware, phase: str, attn: AttentionConfig, ranks: int) -> float:
+    """The attention sinks' own passes on a rank (every strategy adds the sink once per
+    query, after its last merge): the forward rescales the rank's output rows by
+    exp(lse - lse'), a merge-like pass; the backward's dsink sums exp(s - lse') · rowsum(dout
+    · out) over them, an accumulate-like pass. A rank holds 1 / ``ranks`` of the problem's
+    query rows × heads (by sequence or by heads). The (heads,) gradient's sum over ranks
+    rides the data-parallel gradient reduction, not the attention step."""
+    if not attn.sinks:
+        return 0.0
+    rows = attn.batch * attn.seqlen * attn.heads * attn.dv / ranks
+    return hw.merge.seconds(rows) if phase == FWD else hw.accumulate.seconds(rows)
 
 
 def shared_compute(computes: list[float], nodes, speedup: float) -> list[float]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from cpbench.comm import RingComm
-from cpbench.merge import OutLseAccumulator
+from cpbench.merge import OutLseAccumulator, add_sink, sink_grad
 from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, option, save_for_backward
 from cpbench.strategies.layout import Block, slice_len
 
@@ -85,11 +85,11 @@ def _send_kv(comm: RingComm, k, v, into=(None, None)):
 
 class KVRingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, strat, q, k, v):
+    def forward(ctx, strat, q, k, v, sinks):
         g = strat.groups["ring"]
         n, me = g.size, g.index
-        b, s, h, d = q.shape
-        acc = OutLseAccumulator(b, s, h, d, q.device)
+        b, s, h, _ = q.shape
+        acc = OutLseAccumulator(b, s, h, v.shape[-1], q.device)  # out: V's width
         comm = RingComm(g, queue_behind=True)
         k_home, v_home = k, v
         for step in range(n):
@@ -106,14 +106,15 @@ class KVRingAttention(torch.autograd.Function):
             if step + 1 < n:
                 comm.wait()
                 k, v = next_k, next_v
-        out, lse = acc.result(q.dtype)
-        save_for_backward(ctx, strat, q, k_home, v_home, out, lse, lse=lse)
+        out, lse = add_sink(*acc.result(torch.float32), sinks)  # once, after every step
+        out = out.to(q.dtype)
+        save_for_backward(ctx, strat, q, k_home, v_home, out, lse, sinks, lse=lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         strat = ctx.strat
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         g = strat.groups["ring"]
         n, me, s = g.size, g.index, q.shape[1]
         dout = dout.contiguous()
@@ -129,7 +130,7 @@ class KVRingAttention(torch.autograd.Function):
             if step > 0:
                 dkv_comm.wait()
                 spare, (dk, dv) = (dk, dv), (next_dk, next_dv)
-            dk, dv = _add_block(grads, dq, dk, dv, k)
+            dk, dv = _add_block(grads, dq, dk, dv, k, v)
             if step + 1 < n:
                 kv_comm.wait()
                 k, v = next_k, next_v
@@ -138,7 +139,8 @@ class KVRingAttention(torch.autograd.Function):
         if n > 1:
             dkv_comm.wait()  # after n hops every block's dK/dV is back on its owner
             dk, dv = next_dk, next_dv
-        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                sink_grad(out, dout, lse, sinks))
 
 
 def _block_grads(strat, me, step, n, s, dout, q, k, v, out, lse):
@@ -160,12 +162,12 @@ def _block_grads(strat, me, step, n, s, dout, q, k, v, out, lse):
     return blk, bq, bk, bv
 
 
-def _add_block(grads, dq, dk, dv, k):
+def _add_block(grads, dq, dk, dv, k, v):
     """Add a block's gradients: dQ locally, dK/dV into the partial sums received (in place;
     the first step starts them)."""
     if dk is None:  # step 0: the partial sums start here, at the sizes of K and V
         dk = torch.zeros_like(k, dtype=torch.float32)
-        dv = torch.zeros_like(dk)
+        dv = torch.zeros_like(v, dtype=torch.float32)
     if grads is not None:
         blk, bq, bk, bv = grads
         dq[:, blk.q] += bq
@@ -179,8 +181,8 @@ def kv_ring_schedule(strat) -> list[Step]:
     V separately; dK and dV in fp32, separately, posted after the step's kernel)."""
     g, g_dkv = strat.groups["ring"], _dkv_group(strat)
     n, me, s = g.size, g.index, strat.local_seqlen
-    kv = strat.kv_bytes(s)
-    dkv = kv * 4 // strat.attn.element_size
+    kv = strat.k_bytes(s), strat.v_bytes(s)
+    dkv = strat.k_bytes(s, element_size=4), strat.v_bytes(s, element_size=4)
     steps = []
     areas = kv_ring_areas(strat, [strat.rank])[0] if not strat.mask.plain else None
     for phase in (FWD, BWD):
@@ -188,11 +190,12 @@ def kv_ring_schedule(strat) -> list[Step]:
             blk = strat.block(me, src_of(me, step, n), s) if areas is None else None
             msgs = []
             if step + 1 < n:
-                msgs += [Message("p2p", g.name, kv, g.crosses_nodes)] * 2
+                msgs += [Message("p2p", g.name, nbytes, g.crosses_nodes) for nbytes in kv]
             if phase == BWD and n > 1:
                 # the last dK/dV hop has nothing left to hide behind
-                msgs += [Message("p2p", g_dkv.name, dkv, g_dkv.crosses_nodes,
-                                 overlapped=step + 1 < n, after_compute=True)] * 2
+                msgs += [Message("p2p", g_dkv.name, nbytes, g_dkv.crosses_nodes,
+                                 overlapped=step + 1 < n, after_compute=True)
+                         for nbytes in dkv]
             if areas is not None:
                 keys = strat.seq_index(strat.ring_rank(src_of(me, step, n)))
                 steps.append(strat.pairs_step(phase, step, areas[step], (s, s), msgs,
@@ -209,6 +212,7 @@ class KVRing(Strategy):
     per-step areas. A subclass gives its layout (``seq_index``) and ``block``."""
 
     masks = frozenset({"documents", "window"})
+    takes_sinks = True
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
@@ -221,8 +225,8 @@ class KVRing(Strategy):
     def block(self, me: int, src: int, local_len: int) -> Block | None:
         """What ``me``'s queries compute of ring position ``src``'s K/V (None: nothing)."""
 
-    def attention(self, q, k, v):
-        return KVRingAttention.apply(self, q, k, v)
+    def attention(self, q, k, v, sinks=None):
+        return KVRingAttention.apply(self, q, k, v, sinks)
 
     def schedule(self) -> list[Step]:
         return kv_ring_schedule(self)

@@ -30,7 +30,7 @@ import torch
 
 from cpbench.comm import RingComm
 from cpbench.kernels import masked
-from cpbench.merge import OutLseAccumulator
+from cpbench.merge import OutLseAccumulator, add_sink
 from cpbench.strategies.base import FWD, Message, Step, Strategy, save_for_backward
 from cpbench.strategies.layout import Block, slice_len, zigzag_block
 from cpbench.topology import Group, double_ring_groups
@@ -159,12 +159,12 @@ def mask_tiles(strat: Strategy, src: int) -> masked.Block:
 EVERY = Block(slice(None), slice(None), False)  # a masked step: all local rows and keys
 
 
-def zigzag_forward(strat: Strategy, rings: Rings, q, k, v):
+def zigzag_forward(strat: Strategy, rings: Rings, q, k, v, sinks=None):
     """Local out, lse: K and V circulate the rings; each step computes the zigzag rule
     (layout.zigzag_block) of the block's source position, or under a mask what it lets
     through, merged by LSE in fp32."""
-    b, s, h, d = q.shape
-    acc = OutLseAccumulator(b, s, h, d, q.device)
+    b, s, h, _ = q.shape
+    acc = OutLseAccumulator(b, s, h, v.shape[-1], q.device)  # out: V's width
     for j, t, (bk, bv) in circulate(rings, (k, v)):
         if not strat.mask.plain:
             tiles = mask_tiles(strat, rings.source(j, t))
@@ -175,7 +175,8 @@ def zigzag_forward(strat: Strategy, rings: Rings, q, k, v):
         out, lse = strat.kernel_call("forward", q[:, blk.q], bk[:, blk.kv], bv[:, blk.kv],
                                      causal=blk.causal)
         acc.update(out, lse, blk.q)
-    return acc.result(q.dtype)
+    out, lse = add_sink(*acc.result(torch.float32), sinks)  # once, after every step
+    return out.to(q.dtype), lse
 
 
 class ZigzagRingsAttention(torch.autograd.Function):
@@ -183,9 +184,9 @@ class ZigzagRingsAttention(torch.autograd.Function):
     subclasses it with its own backward."""
 
     @staticmethod
-    def forward(ctx, strat, q, k, v):
-        out, lse = zigzag_forward(strat, strat.rings, q, k, v)
-        save_for_backward(ctx, strat, q, k, v, out, lse, lse=lse)
+    def forward(ctx, strat, q, k, v, sinks):
+        out, lse = zigzag_forward(strat, strat.rings, q, k, v, sinks)
+        save_for_backward(ctx, strat, q, k, v, out, lse, sinks, lse=lse)
         return out, lse
 
 
@@ -218,6 +219,6 @@ def ring_areas(strat: Strategy, window: int) -> list[list[int]]:
 
 def forward_schedule(strat: Strategy, rings: Rings) -> list[Step]:
     """The steps of ``zigzag_forward``: K and V, one message each."""
-    kv = strat.kv_bytes(strat.local_seqlen)
-    return [ring_step(strat, rings, FWD, index, j, t, rings.circulate_messages(j, t, (kv, kv)))
+    kv = strat.k_bytes(strat.local_seqlen), strat.v_bytes(strat.local_seqlen)
+    return [ring_step(strat, rings, FWD, index, j, t, rings.circulate_messages(j, t, kv))
             for index, (j, t) in enumerate(rings.steps())]

@@ -78,6 +78,11 @@ class Strategy(ABC):
     # whether it computes padded documents as cpbench.mask defines them (pad tokens attend to
     # nothing): an adapter handing document lengths to a library as they are does not
     pads_documents: ClassVar[bool] = True
+    # why it cannot compute a V head dim of its own (MLA's --v-head-dim), or None: it can
+    # (cpbench's own strategies carry K, V, out and their gradients each at its width)
+    no_v_head_dim: ClassVar[str | None] = None
+    # whether it adds sinks (--sinks) once per query, after its last merge (merge.add_sink)
+    takes_sinks: ClassVar[bool] = False
 
     def __init__(self, attn: AttentionConfig, topo: Topology, rank: int, *,
                  kernel: KernelBackend, options=None, create_groups: bool = True,
@@ -154,10 +159,19 @@ class Strategy(ABC):
         """Global sequence positions held by ``rank``, in local order."""
 
     @abstractmethod
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  sinks: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Local q, k, v (b, s_local, h, d) → local out (b, s_local, h, d), lse (b, h, s_local)
-        (None where ``returns_lse`` is False: a library that does not hand it out)."""
+        (None where ``returns_lse`` is False: a library that does not hand it out).
+        ``sinks`` (h,), given where ``attn.sinks``: its gradient is this rank's queries'
+        share (``merge.sink_grad``); the caller sums it over the ranks."""
+
+    def attend(self, q, k, v, sinks=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``attention`` as the bench calls it: ``sinks`` handed over only where the problem
+        has them (a plugin's three-argument ``attention`` runs every other problem)."""
+        assert (sinks is not None) == self.attn.sinks, "sinks given where the problem has them"
+        return self.attention(q, k, v) if sinks is None else self.attention(q, k, v, sinks)
 
     @abstractmethod
     def schedule(self) -> list[Step]:
@@ -180,9 +194,23 @@ class Strategy(ABC):
         to skip a row with the reason before any process starts."""
         if self.causal_only and not self.attn.causal:
             raise UsageError(f"{self.name} only runs causal attention; drop --no-causal")
+        if self.attn.sinks and not self.takes_sinks:
+            library = f" ({self.upstream.package})" if self.upstream else ""
+            raise Skipped(f"{self.name}{library} cannot add attention sinks once per query; "
+                          f"drop --sinks")
         why = self.unsupported_mask(self.mask)
         if why:
             raise Skipped(why)
+        if self.attn.v_head_dim is not None and (why := self.v_head_dim_refusal()):
+            raise Skipped(f"{self.name} refuses --v-head-dim: {why}")
+
+    def v_head_dim_refusal(self) -> str | None:
+        """Why this instance cannot compute V at a head dim of its own (``no_v_head_dim``
+        unless an adapter's options decide it); cpbench's own strategies run their kernel,
+        which must take it (built through the Python API, no plan checked it before)."""
+        if self.upstream is None and not self.kernel.unequal_head_dims:
+            return f"its kernel {self.kernel.name} takes one head dim for Q, K and V"
+        return self.no_v_head_dim
 
     def area_per_rank(self) -> list[int]:
         """Attended (query, key) pairs each rank computes, from its layout and the mask:
@@ -215,7 +243,7 @@ class Strategy(ABC):
         the fp32 out in the forward; fp32 dQ, dK and dV in the backward."""
         s = self.local_seqlen
         if phase == FWD:
-            return self.q_bytes(s, element_size=4)
+            return self.out_bytes(s, element_size=4)
         return self.q_bytes(s, element_size=4) + self.late_accumulator_bytes(phase)
 
     def finish_bytes(self, phase: str) -> int:
@@ -225,7 +253,9 @@ class Strategy(ABC):
         s = self.local_seqlen
         if self.attn.element_size == 4:
             return 0
-        return self.q_bytes(s) + (0 if phase == FWD else 2 * self.kv_bytes(s))
+        if phase == FWD:
+            return self.out_bytes(s)
+        return self.q_bytes(s) + self.kv_bytes(s)
 
     def receives_in_place(self, phase: str) -> bool:
         """True when ``phase``'s messages arrive in buffers allocated before its loop and
@@ -241,7 +271,7 @@ class Strategy(ABC):
         """The part of ``accumulator_bytes`` that starts from the phase's first kernel call's
         results (a ring's dK, dV partial sums); not alive during that call."""
         wide = 4 // self.attn.element_size
-        return 0 if phase == FWD else 2 * self.kv_bytes(self.local_seqlen) * wide
+        return 0 if phase == FWD else self.kv_bytes(self.local_seqlen) * wide
 
     def merges(self) -> bool:
         """Whether each kernel call's result is merged into the rank's fp32 (out, lse) and
@@ -335,7 +365,7 @@ class Strategy(ABC):
         block's (query, key) ``positions``, also what its largest varlen call packs."""
         a = self.attn
         flops = pairs_flops(pairs, batch=a.batch, heads=a.heads, head_dim=a.head_dim,
-                            mode=phase)
+                            mode=phase, v_head_dim=a.v_head_dim)
         packed = None
         if positions is not None and pairs:
             try:
@@ -371,7 +401,7 @@ class Strategy(ABC):
     def block_flops(self, seqlen_q: int, seqlen_k: int, causal: bool, mode: str = FWD) -> float:
         return attention_flops(batch=self.attn.batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                heads=self.attn.heads, head_dim=self.attn.head_dim,
-                               causal=causal, mode=mode)
+                               causal=causal, mode=mode, v_head_dim=self.attn.v_head_dim)
 
     def kernel_step(self, phase: str, index: int, seqlen_q: int, seqlen_k: int, causal: bool,
                     messages=(), *, head_share: int = 1) -> Step:
@@ -379,14 +409,27 @@ class Strategy(ABC):
         flops = self.block_flops(seqlen_q, seqlen_k, causal, phase) / head_share
         return Step(phase, index, flops, tuple(messages), (seqlen_q, seqlen_k, causal))
 
-    def kv_bytes(self, seqlen: int) -> int:
-        """Bytes of one K (or V) block of ``seqlen`` tokens in the activation dtype."""
+    def k_bytes(self, seqlen: int, element_size: int | None = None) -> int:
+        """Bytes of one K block (or dK) of ``seqlen`` tokens, in the activation dtype."""
         a = self.attn
-        return a.batch * seqlen * a.num_kv_heads * a.head_dim * a.element_size
+        return a.batch * seqlen * a.num_kv_heads * a.head_dim * (element_size or a.element_size)
+
+    def v_bytes(self, seqlen: int, element_size: int | None = None) -> int:
+        """Bytes of one V block (or dV): V's own head dim."""
+        return self.k_bytes(seqlen, element_size) * self.attn.dv // self.attn.head_dim
+
+    def kv_bytes(self, seqlen: int) -> int:
+        """Bytes of one K block and one V block together (or dK and dV)."""
+        return self.k_bytes(seqlen) + self.v_bytes(seqlen)
 
     def q_bytes(self, seqlen: int, element_size: int | None = None) -> int:
+        """Bytes of a Q block (or dQ)."""
         a = self.attn
         return a.batch * seqlen * a.heads * a.head_dim * (element_size or a.element_size)
+
+    def out_bytes(self, seqlen: int, element_size: int | None = None) -> int:
+        """Bytes of an out block (or dout): V's head dim."""
+        return self.q_bytes(seqlen, element_size) * self.attn.dv // self.attn.head_dim
 
     def lse_bytes(self, seqlen: int) -> int:
         return self.attn.batch * self.attn.heads * seqlen * 4

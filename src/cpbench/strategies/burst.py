@@ -36,6 +36,7 @@ import torch
 
 from cpbench.comm import RingComm
 from cpbench.errors import UsageError
+from cpbench.merge import sink_grad
 from cpbench.strategies import register
 from cpbench.strategies._rings import (
     Rings,
@@ -132,7 +133,7 @@ class _BurstAttention(ZigzagRingsAttention):
     def backward(ctx, dout, _dlse):
         strat = ctx.strat
         rings, opt_bwd = strat.rings, strat.opts.opt_bwd
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         s = q.shape[1]
         dout = dout.contiguous()
         mine = (_delta(out, dout) if opt_bwd else out, dout, q, lse)
@@ -153,12 +154,14 @@ class _BurstAttention(ZigzagRingsAttention):
             dk[:, blk.kv] += bk
             dv[:, blk.kv] += bv
             dq.add(t, blk.q, bq)
-        return None, dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return (None, dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                sink_grad(out, dout, lse, sinks))
 
 
 @register
 class Burst(ZigzagLayout, Strategy):
     name = "burst"
+    takes_sinks = True
     description = ("BurstAttention: zigzag K/V (double) ring forward; backward keeps K/V home "
                    "and circulates Q, dO, lse, delta with dQ following")
 
@@ -233,7 +236,7 @@ class Burst(ZigzagLayout, Strategy):
         # K/V stay home: their fp32 dK, dV; dQ is the partial sum that travels
         s = self.local_seqlen
         dq = self.q_bytes(s, element_size=4 if self.opts.dq_dtype == "fp32" else None)
-        return 2 * self.kv_bytes(s) * 4 // self.attn.element_size + dq
+        return self.kv_bytes(s) * 4 // self.attn.element_size + dq
 
     def call_setup_bytes(self, phase: str) -> tuple[int, int]:
         """With delta on the wire, each backward step rebuilds an O for the kernel
@@ -241,15 +244,17 @@ class Burst(ZigzagLayout, Strategy):
         if phase == FWD or not self.opts.opt_bwd:
             return 0, 0
         s = self.local_seqlen  # .float() of fp32 is no copy
-        return self.q_bytes(s), 2 * self.q_bytes(s, element_size=4) * (self.attn.element_size < 4)
+        return self.out_bytes(s), 2 * self.out_bytes(s, element_size=4) * (
+            self.attn.element_size < 4)
 
-    def attention(self, q, k, v):
-        return _BurstAttention.apply(self, q, k, v)
+    def attention(self, q, k, v, sinks=None):
+        return _BurstAttention.apply(self, q, k, v, sinks)
 
     def schedule(self) -> list[Step]:
         rings, s = self.rings, self.local_seqlen
-        row, act = self.lse_bytes(s), self.q_bytes(s)  # lse / delta: one fp32 per row, head
-        bundle = (row if self.opts.opt_bwd else act, act, act, row)  # delta or O, dO, Q, lse
+        row, out = self.lse_bytes(s), self.out_bytes(s)  # lse / delta: one fp32 per row, head
+        bundle = (row if self.opts.opt_bwd else out, out, self.q_bytes(s), row)  # delta or O,
+        # dO (V's width), Q, lse
         steps = forward_schedule(self, rings)
         for index, (j, t) in enumerate(rings.steps()):
             blk = zigzag_block(rings.source(j, t), rings.position, s, self.attn.causal)

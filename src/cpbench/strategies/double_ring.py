@@ -33,6 +33,7 @@ import torch
 
 from cpbench.comm import RingComm
 from cpbench.errors import UsageError
+from cpbench.merge import sink_grad
 from cpbench.strategies import register
 from cpbench.strategies._rings import (
     EVERY,
@@ -59,8 +60,8 @@ class _DkvHome:
     """dK/dV partial sums on their way home (``add`` after each step's kernel, ``result`` at
     the end), on the "inner_dkv"/"outer_dkv" rings."""
 
-    def __init__(self, strat: "DoubleRing", like: torch.Tensor):
-        self.rings, self.strat, self.like = strat.dkv_rings, strat, like
+    def __init__(self, strat: "DoubleRing", like: tuple[torch.Tensor, torch.Tensor]):
+        self.rings, self.strat, self.like = strat.dkv_rings, strat, like  # K and V
         self.inner = RingComm(self.rings.inner) if self.rings.inner else None
         self.outer = RingComm(self.rings.outer) if self.rings.outer else None
         self.late = strat.opts.dkv_await == "window-end"
@@ -82,7 +83,7 @@ class _DkvHome:
             self.acc = self._wait_outer() if j > 0 and not self.late else None
         if self.acc is None:
             dtype = self.strat.dkv_dtype(j)
-            self.acc = tuple(fresh_sum(g, rows, self.like, dtype) for g in (bk, bv))
+            self.acc = tuple(fresh_sum(g, rows, x, dtype) for g, x in zip((bk, bv), self.like))
         else:
             self.acc[0][:, rows] += bk
             self.acc[1][:, rows] += bv
@@ -137,24 +138,26 @@ class _DoubleRingAttention(ZigzagRingsAttention):
     def backward(ctx, dout, _dlse):
         strat = ctx.strat
         rings = strat.rings
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         s = q.shape[1]
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
-        home = _DkvHome(strat, k)
+        home = _DkvHome(strat, (k, v))
         for j, t, (bk_in, bv_in) in circulate(rings, (k, v)):
             blk, bq, bk, bv = _block_grads(strat, rings.source(j, t), s, dout, q, bk_in,
                                            bv_in, out, lse)
             dq[:, blk.q] += bq
             home.add(j, t, blk.kv, bk, bv)  # an empty block's sums go on all the same
         dk, dv = home.result()
-        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                sink_grad(out, dout, lse, sinks))
 
 
 @register
 class DoubleRing(ZigzagLayout, Strategy):
     name = "double-ring"
     masks = frozenset({"documents", "window"})
+    takes_sinks = True
     description = ("LoongTrain DoubleRing: zigzag K/V inner rings within a node, "
                    "outer hop across nodes hidden behind a whole inner ring")
 
@@ -213,17 +216,17 @@ class DoubleRing(ZigzagLayout, Strategy):
         # (mixed): a copy of that size only
         if self.mask.plain or phase == FWD:
             return super().late_accumulator_bytes(phase)
-        return 0 if self.opts.dkv_dtype == "fp32" else 2 * self.kv_bytes(self.local_seqlen)
+        return 0 if self.opts.dkv_dtype == "fp32" else self.kv_bytes(self.local_seqlen)
 
-    def attention(self, q, k, v):
-        return _DoubleRingAttention.apply(self, q, k, v)
+    def attention(self, q, k, v, sinks=None):
+        return _DoubleRingAttention.apply(self, q, k, v, sinks)
 
     def schedule(self) -> list[Step]:
         rings = self.rings
-        kv = self.kv_bytes(self.local_seqlen)
+        kv = self.k_bytes(self.local_seqlen), self.v_bytes(self.local_seqlen)
         steps = forward_schedule(self, rings)
         for index, (j, t) in enumerate(rings.steps()):
-            msgs = rings.circulate_messages(j, t, (kv, kv)) + self._dkv_messages(j, t)
+            msgs = rings.circulate_messages(j, t, kv) + self._dkv_messages(j, t)
             steps.append(ring_step(self, rings, BWD, index, j, t, msgs))
         return steps
 
@@ -233,17 +236,19 @@ class DoubleRing(ZigzagLayout, Strategy):
     def _dkv_messages(self, j: int, t: int) -> list[Message]:
         """What ``_DkvHome.add`` sends at (j, t), after the step's kernel: dK and dV."""
         home = self.dkv_rings
-        a = self.attn
-        elems = a.batch * self.local_seqlen * a.num_kv_heads * a.head_dim
+        s = self.local_seqlen
+
+        def sizes(dtype: torch.dtype) -> tuple[int, int]:  # dK, dV: each its own width
+            return self.k_bytes(s, dtype.itemsize), self.v_bytes(s, dtype.itemsize)
+
         msgs = []
         if home.inner:  # the last of a window is awaited at once
-            n = elems * self.dkv_dtype(j).itemsize
             msgs += [Message("p2p", home.inner.name, n, home.inner.crosses_nodes,
-                             overlapped=t + 1 < home.window, after_compute=True)] * 2
+                             overlapped=t + 1 < home.window, after_compute=True)
+                     for n in sizes(self.dkv_dtype(j))]
         if home.outer and t + 1 == home.window:  # the last one ends the backward
-            n = elems * self.dkv_dtype(j + 1).itemsize
             wait = home.window if self.opts.dkv_await == "window-end" else 1
             msgs += [Message("p2p", home.outer.name, n, home.outer.crosses_nodes,
                              overlapped=j + 1 < home.windows, overlap_steps=wait,
-                             after_compute=True)] * 2
+                             after_compute=True) for n in sizes(self.dkv_dtype(j + 1))]
         return msgs

@@ -39,7 +39,7 @@ import torch
 
 from cpbench.comm import all_gather_seq_async, reduce_scatter_seq
 from cpbench.errors import UsageError
-from cpbench.merge import OutLseAccumulator
+from cpbench.merge import OutLseAccumulator, add_sink, sink_grad
 from cpbench.strategies import register
 from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, option, save_for_backward
 from cpbench.strategies.layout import check_divisible, contiguous_index, zigzag_index
@@ -67,21 +67,23 @@ def _gathered(strat, k, v):
 
 class _Llama3Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, strat, q, k, v):
-        out = torch.empty_like(q)
+    def forward(ctx, strat, q, k, v, sinks):
+        out = q.new_empty(*q.shape[:3], v.shape[-1])  # V's width
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32,
                           device=q.device)
         for qh, _, k_all, v_all in _gathered(strat, k, v):
-            o, lse[:, qh] = _attend(strat, q[:, :, qh], k_all, v_all)
+            # every key of these heads is in: their sinks join once, here
+            o, lse[:, qh] = add_sink(*_attend(strat, q[:, :, qh], k_all, v_all),
+                                     None if sinks is None else sinks[qh])
             out[:, :, qh] = o.to(q.dtype)
-        save_for_backward(ctx, strat, q, k, v, out, lse, lse=lse)
+        save_for_backward(ctx, strat, q, k, v, out, lse, sinks, lse=lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         dout = dout.contiguous()
         strat = ctx.strat
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         g = strat.groups["cp"]
         dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
         for qh, kh, k_all, v_all in _gathered(strat, k, v):
@@ -90,7 +92,7 @@ class _Llama3Attention(torch.autograd.Function):
             dq[:, :, qh] = dq_c.to(q.dtype)
             dk[:, :, kh] = reduce_scatter_seq(dk_all, g).to(k.dtype)
             dv[:, :, kh] = reduce_scatter_seq(dv_all, g).to(v.dtype)
-        return None, dq, dk, dv
+        return None, dq, dk, dv, sink_grad(out, dout, lse, sinks)
 
 
 def _attend(strat, q, k_all, v_all):
@@ -98,8 +100,9 @@ def _attend(strat, q, k_all, v_all):
     if not strat.mask.plain:
         return strat.masked_forward(q, k_all, v_all, strat.gathered_tiles())
     k_all, v_all = strat.in_sequence_order(k_all), strat.in_sequence_order(v_all)
-    b, s, h, d = q.shape
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    b, s, h, _ = q.shape
+    d = v_all.shape[-1]  # out has V's width
+    out = torch.empty(b, s, h, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
     for rows, parts in strat.plain_parts():
         acc = OutLseAccumulator(b, len(range(s)[rows]), h, d, q.device)
@@ -122,7 +125,7 @@ def _attend_grads(strat, dout, q, k_all, v_all, out, lse):
     k_all, v_all = strat.in_sequence_order(k_all), strat.in_sequence_order(v_all)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k_all.shape, dtype=dtype, device=q.device)
-    dv = torch.zeros_like(dk)
+    dv = torch.zeros(v_all.shape, dtype=dtype, device=q.device)
     for rows, parts in strat.plain_parts():
         for keys, causal in parts:
             bq, bk, bv = strat.kernel_call("backward", dout[:, rows], q[:, rows],
@@ -140,6 +143,7 @@ class Llama3(Strategy):
     description = ("all-gather K/V, local queries attend to the whole sequence; dK/dV "
                    "reduce-scattered (Llama 3's CP; zigzag layout by default)")
     masks = frozenset({"documents", "window"})
+    takes_sinks = True
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
@@ -206,13 +210,15 @@ class Llama3(Strategy):
         rows' accumulator) in the forward; dq in fp32 and the gathered sequence's dK, dV in
         the backward; plain zigzag also reorders the gathered K/V (a copy)."""
         s, share = self.local_seqlen, self.stride / self.attn.num_kv_heads
-        q32, gathered = self.q_bytes(s, element_size=4), 2 * self.cp_size * self.kv_bytes(s)
+        q32, gathered = self.q_bytes(s, element_size=4), self.cp_size * self.kv_bytes(s)
         plain = self.mask.plain  # under a mask the masked kernels return the fp32 sums
         reordered = gathered if plain and self.opts.layout == "zigzag" else 0
-        if phase == FWD:
-            return self.q_bytes(s) + self.lse_bytes(s) + int(share * (plain * 2 * q32 + reordered))
+        if phase == FWD:  # out and its rows' accumulator: V's width
+            out32 = self.out_bytes(s, element_size=4)
+            return self.out_bytes(s) + self.lse_bytes(s) + int(
+                share * (plain * 2 * out32 + reordered))
         wide = 4 // self.attn.element_size if self.opts.dkv_dtype == "fp32" else 1
-        return self.q_bytes(s) + 2 * self.kv_bytes(s) + int(
+        return self.q_bytes(s) + self.kv_bytes(s) + int(
             share * plain * (q32 + wide * gathered) + share * reordered)
 
     def finish_bytes(self, phase: str) -> int:
@@ -223,7 +229,7 @@ class Llama3(Strategy):
         if phase == FWD:
             return base
         share = self.stride / self.attn.num_kv_heads
-        gathered = 2 * self.cp_size * self.kv_bytes(self.local_seqlen)
+        gathered = self.cp_size * self.kv_bytes(self.local_seqlen)
         wide = 4 // self.attn.element_size if self.opts.dkv_dtype == "fp32" else 1
         if not self.mask.plain:
             return base + int(share * gathered) * (self.dkv_dtype.itemsize < 4)
@@ -298,27 +304,30 @@ class Llama3(Strategy):
         ring = next(lst for lst in self.cp_lists if self.rank in lst)
         return self.tiles("gathered", self.seq_index(self.rank), self.positions(sorted(ring)))
 
-    def attention(self, q, k, v):
-        return _Llama3Attention.apply(self, q, k, v)
+    def attention(self, q, k, v, sinks=None):
+        return _Llama3Attention.apply(self, q, k, v, sinks)
 
     # -- the schedule -------------------------------------------------------------------------
 
     def schedule(self) -> list[Step]:
         g, a = self.groups["cp"], self.attn
         n, chunks = g.size, len(self.head_chunks())
-        elems = a.batch * self.local_seqlen * self.stride * a.head_dim * (n - 1)
-        kv, dkv = elems * a.element_size, elems * self.dkv_dtype.itemsize
+        elems = a.batch * self.local_seqlen * self.stride * (n - 1)  # times a head dim
+        kv = tuple(elems * d * a.element_size for d in (a.head_dim, a.dv))  # K, V
+        dkv = tuple(elems * d * self.dkv_dtype.itemsize for d in (a.head_dim, a.dv))
         steps: list[Step] = []
         for phase in (FWD, BWD):
             for i in range(chunks):
                 gathers = []
                 if n > 1 and i == 0:  # the first chunk's gathers: nothing to hide them
-                    gathers += [Message("ag", g.name, kv, g.crosses_nodes, overlapped=False)] * 2
+                    gathers += [Message("ag", g.name, b, g.crosses_nodes, overlapped=False)
+                                for b in kv]
                 if n > 1 and i + 1 < chunks:  # the next chunk's, behind this one's kernels
-                    gathers += [Message("ag", g.name, kv, g.crosses_nodes,
-                                        overlap_steps=self._steps_per_chunk())] * 2
-                scatters = [Message("rs", g.name, dkv, g.crosses_nodes, overlapped=False,
-                                    after_compute=True)] * 2 if phase == BWD and n > 1 else []
+                    gathers += [Message("ag", g.name, b, g.crosses_nodes,
+                                        overlap_steps=self._steps_per_chunk()) for b in kv]
+                scatters = [Message("rs", g.name, b, g.crosses_nodes, overlapped=False,
+                                    after_compute=True)
+                            for b in dkv] if phase == BWD and n > 1 else []
                 steps += self._chunk_steps(phase, len(steps), chunks, gathers, scatters)
         return steps
 

@@ -5,7 +5,8 @@ the schedule is transcribed with line numbers in tests/unit/test_parity_te.py).
 
 Reproduced for bshd without FP8 — what is sent, its dtype, when it is posted and awaited:
 - layout: 2N chunks, rank r holds chunks r and 2N-1-r;
-- forward (CP L1686-1970): K and V packed in ONE buffer in the activation dtype (L1690), sent to
+- forward (CP L1686-1970): K and V packed in ONE buffer in the activation dtype (L1690; each
+  flattened and concatenated, as TE does for MLA's unequal head dims: ``KVPack``), sent to
   the next rank, received from the previous. Step i first waits for the K/V posted at step i-1
   (L1701-1703), then posts the forward of what it holds (L1705-1715), then runs its tile, so
   each transfer hides behind one tile. Causal tiles: step 0 "diagonal", a source before r
@@ -43,6 +44,7 @@ import contextlib
 import torch
 
 from cpbench.comm import RingComm
+from cpbench.merge import sink_grad, sink_lse
 from cpbench.strategies import register
 from cpbench.strategies._kv_ring import kv_ring_areas
 from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, save_for_backward
@@ -108,6 +110,22 @@ class TileStreams:
             self.streams[0].wait_stream(self.streams[1])
 
 
+class KVPack:
+    """K and V flattened into one buffer and viewed back: TE's packing when their head dims
+    differ (``enable_mla``: ``torch.cat((k.view(-1), v.view(-1)))``), the same bytes as its
+    stacked (2, ...) buffer when they do not."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k_shape, self.v_shape, self.k_numel = k.shape, v.shape, k.numel()
+
+    @staticmethod
+    def pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.cat((k.reshape(-1), v.reshape(-1)))
+
+    def unpack(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return buf[:self.k_numel].view(self.k_shape), buf[self.k_numel:].view(self.v_shape)
+
+
 def _mask_tiles(strat, src: int) -> list:
     """The masked kernel's tiles of the local queries against ring position ``src``'s K/V."""
     return strat.tiles(("ring", src), strat.seq_index(strat.rank),
@@ -115,8 +133,8 @@ def _mask_tiles(strat, src: int) -> list:
 
 
 def _tile(strat, q, kv, me: int, src: int):
-    """One forward tile: (block, out, lse) of the local q against K/V block ``src``; None
-    when the mask hides all of it."""
+    """One forward tile: (block, out, lse) of the local q against K/V block ``src`` (the
+    pair ``kv``); None when the mask hides all of it."""
     if not strat.mask.plain:
         tiles = _mask_tiles(strat, src)
         return (_EVERY, *strat.masked_forward(q, kv[0], kv[1], tiles)) if tiles else None
@@ -157,11 +175,13 @@ def _sum_outputs(q, tiles, lse):
     return out
 
 
-def p2p_forward(strat, q, k, v, comm, streams: TileStreams):
-    """TE's forward loop (CP L1697-1970); returns out, lse and the last K/V received."""
+def p2p_forward(strat, q, k, v, comm, streams: TileStreams, sinks=None):
+    """TE's forward loop (CP L1697-1970); returns out, lse and the last K/V received.
+    ``sinks`` join the final lse once, before the outputs are rescaled to it."""
     g = strat.groups["ring"]
     n, me = g.size, g.index
-    kv_bufs = [torch.stack([k, v])]  # TE's p2p_comm_buffers: every one kept to the end
+    pack = KVPack(k, v)
+    kv_bufs = [pack.pack(k, v)]  # TE's p2p_comm_buffers: every one kept to the end
     tiles, lse = [], None
     for i in range(n + 1):
         if i < n:
@@ -171,20 +191,23 @@ def p2p_forward(strat, q, k, v, comm, streams: TileStreams):
                 if i + 1 < n:
                     kv_bufs.append(comm.send_recv(kv_bufs[i]))
                     comm.commit()
-                tiles.append(_tile(strat, q, kv_bufs[i], me, _fwd_src(me, i, n)))
+                tiles.append(_tile(strat, q, pack.unpack(kv_bufs[i]), me, _fwd_src(me, i, n)))
         if i > 0:  # step i-1's correction runs behind step i's tile
             lse = _correct_lse(lse, tiles[i - 1], i - 1, n, streams)
     streams.join()
+    assert lse is not None, "a ring of at least one step"
+    lse = sink_lse(lse, sinks)  # exp(lse_step - lse') then leaves each row the sink's share
     return _sum_outputs(q, tiles, lse), lse, kv_bufs[-1]
 
 
-def p2p_backward(strat, dout, q, kv, out, lse):
-    """TE's backward loop (CP L2452-2810): dq, and the rank's own dK/dV as (2, ...) rows."""
+def p2p_backward(strat, dout, q, kv, out, lse, pack: KVPack):
+    """TE's backward loop (CP L2452-2810): dq, and the rank's own dK/dV (views of a ring
+    buffer). ``kv``: the packed K/V buffer the forward saved."""
     g = strat.groups["ring"]
     n, me = g.size, g.index
     dq = torch.zeros_like(q)  # activation dtype, as TE's dq_buffer
     # bufs[i][0]: K/V, bufs[i][1]: dK/dV of the block before, both in the activation dtype
-    bufs = [kv.new_empty((2, *kv.shape)) for _ in range(2)]
+    bufs = [kv.new_empty((2, kv.numel())) for _ in range(2)]
     bufs[0][0].copy_(kv)
     comm = RingComm(g)
     for step in range(n):
@@ -194,20 +217,21 @@ def p2p_backward(strat, dout, q, kv, out, lse):
             part = slice(0, 1) if step == 0 else slice(1, 2) if step == n - 1 else slice(0, 2)
             comm.send_recv(cur[part], nxt[part], reverse=True)
             comm.commit()
-        grads = _bwd_tile(strat, dout, q, cur[0], out, lse, me, _bwd_src(me, step, n))
+        grads = _bwd_tile(strat, dout, q, pack.unpack(cur[0]), out, lse, me,
+                          _bwd_src(me, step, n))
         if grads is not None:
             dq[:, grads[0].q] += grads[1]
         comm.wait()
         # the dK/dV that came in belongs to the block just computed: add ours and it
         # leaves with the next step's message, rounded to the activation dtype
-        dkv = nxt[1]
         if step == 0:
-            dkv.zero_()
+            nxt[1].zero_()
+        dk, dv = pack.unpack(nxt[1])
         if grads is not None:
             blk, _, bk, bv = grads
-            dkv[0][:, blk.kv] += bk
-            dkv[1][:, blk.kv] += bv
-    return dq, bufs[n % 2][1]  # own block: every rank's contribution, the diagonal last
+            dk[:, blk.kv] += bk
+            dv[:, blk.kv] += bv
+    return dq, pack.unpack(bufs[n % 2][1])  # own block: every rank's, the diagonal last
 
 
 def _bwd_tile(strat, dout, q, kv, out, lse, me: int, src: int):
@@ -224,23 +248,27 @@ def _bwd_tile(strat, dout, q, kv, out, lse, me: int, src: int):
 
 class _TEP2PAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, strat: "MegatronCP", q, k, v):
+    def forward(ctx, strat: "MegatronCP", q, k, v, sinks):
         comm = RingComm(strat.groups["ring"])
-        out, lse, kv_last = p2p_forward(strat, q, k, v, comm, TileStreams.for_tensor(q, strat))
-        save_for_backward(ctx, strat, q, kv_last, out, lse, lse=lse)
+        out, lse, kv_last = p2p_forward(strat, q, k, v, comm, TileStreams.for_tensor(q, strat),
+                                        sinks)
+        save_for_backward(ctx, strat, q, kv_last, out, lse, sinks, lse=lse)
+        ctx.pack = KVPack(k, v)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, kv, out, lse = ctx.saved_tensors
-        dq, dkv = p2p_backward(ctx.strat, dout.contiguous(), q, kv, out, lse)
-        return None, dq, dkv[0], dkv[1]  # views of the ring buffer, as TE returns them
+        q, kv, out, lse, sinks = ctx.saved_tensors
+        dq, dkv = p2p_backward(ctx.strat, dout.contiguous(), q, kv, out, lse, ctx.pack)
+        # dK/dV: views of the ring buffer, as TE returns them
+        return None, dq, dkv[0], dkv[1], sink_grad(out, dout, lse, sinks)
 
 
 @register
 class MegatronCP(ZigzagLayout, Strategy):
     name = "megatron-cp"
     masks = frozenset({"documents", "window"})
+    takes_sinks = True
     description = ("TransformerEngine p2p CP (Megatron): zigzag layout, packed K/V ring, kept "
                    "per-step outputs, reverse ring with K/V+dK/dV in the activation dtype; "
                    "two forward streams on GPU")
@@ -249,15 +277,15 @@ class MegatronCP(ZigzagLayout, Strategy):
     def group_lists(self):
         return {"ring": self.cp_lists}
 
-    def attention(self, q, k, v):
-        return _TEP2PAttention.apply(self, q, k, v)
+    def attention(self, q, k, v, sinks=None):
+        return _TEP2PAttention.apply(self, q, k, v, sinks)
 
     def accumulator_bytes(self, phase: str) -> int:
         """Forward: its own K/V stacked into the first ring buffer (TE keeps outputs, not an
         fp32 sum); backward: dq in the activation dtype, the K/V saved stacked, and the two
         ring buffers of K/V + dK/dV."""
         s = self.local_seqlen
-        kv = 2 * self.kv_bytes(s)
+        kv = self.kv_bytes(s)
         return kv if phase == FWD else self.q_bytes(s) + kv + 2 * 2 * kv
 
     def receives_in_place(self, phase: str) -> bool:
@@ -270,7 +298,7 @@ class MegatronCP(ZigzagLayout, Strategy):
         """Forward: the outputs summed (each rescaled in fp32, the last two alive, into out)."""
         s = self.local_seqlen
         if phase == FWD:
-            return 2 * self.q_bytes(s, element_size=4) + self.q_bytes(s)
+            return 2 * self.out_bytes(s, element_size=4) + self.out_bytes(s)
         return super().finish_bytes(phase)
 
     def held_bytes(self) -> int:
@@ -283,13 +311,13 @@ class MegatronCP(ZigzagLayout, Strategy):
                     for step in range(n)]
         else:  # a masked step keeps every row's output, an empty one none
             rows = [s if pairs else 0 for pairs in kv_ring_areas(self, [self.rank])[0]]
-        return (n - 1) * 2 * self.kv_bytes(s) + sum(self.q_bytes(r) + self.lse_bytes(r)
+        return (n - 1) * self.kv_bytes(s) + sum(self.out_bytes(r) + self.lse_bytes(r)
                                                      for r in rows)
 
     def schedule(self) -> list[Step]:
         g = self.groups["ring"]
         n, me, s = g.size, g.index, self.attn.seqlen // g.size
-        kv = 2 * self.kv_bytes(s)  # K and V; dK/dV travel in the same dtype, same size
+        kv = self.kv_bytes(s)  # K and V; dK/dV travel in the same dtype, same size
         steps = []
         for phase, src_of in ((FWD, _fwd_src), (BWD, _bwd_src)):
             for step in range(n):

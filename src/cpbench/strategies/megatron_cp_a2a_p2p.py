@@ -42,7 +42,7 @@ from cpbench.errors import Skipped
 from cpbench.strategies import register
 from cpbench.strategies.base import option
 from cpbench.strategies.layout import check_divisible, zigzag_index
-from cpbench.strategies.ulysses import local_attention
+from cpbench.strategies.ulysses import head_sinks, local_attention
 from cpbench.strategies.usp import Usp
 from cpbench.topology import HEAD_FIRST, Group, node_local_block
 
@@ -159,14 +159,14 @@ class MegatronCPA2AP2P(Usp):
             cache[device] = (chunks_to_ring(a, device), chunks_to_members(a, device))
         return cache[device]
 
-    def attention(self, q, k, v):
+    def attention(self, q, k, v, sinks=None):
         g = self.groups["ulysses"]
         if self.replicas > 1:  # not TE (see the docstring): replicas' gradients summed in fp32
             k, v = (t.float().repeat_interleave(self.replicas, 2).to(t.dtype) for t in (k, v))
         order = self.chunk_order(g.size, q.device)
         q_full, k_full, v_full = _ToHeads.apply(g, order, q, k, v)
         inner = local_attention(self) if self.ring is None else self.ring.attention
-        out_full, lse_full = inner(q_full, k_full, v_full)
+        out_full, lse_full = inner(q_full, k_full, v_full, head_sinks(sinks, g))
         out = _ToSequence.apply(g, order, out_full)
         if not self.need_lse:
             return out, None

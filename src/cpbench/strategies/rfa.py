@@ -56,6 +56,8 @@ PACKAGE, MODULE = "ring-flash-attn", "ring_flash_attn"
 class _RingFlashAttn(Strategy):
     """One of ring-flash-attn's functions over the CP group."""
     pads_documents = False  # the library takes document lengths as they are
+    # its buffers (llama3's one K/V all-gather buffer, out) are shaped like K and q
+    no_v_head_dim = "ring-flash-attn sizes its buffers like K (flash-attn 2)"
 
     module: ClassVar[str]  # the library's file of the algorithm
     function: ClassVar[str]
@@ -117,7 +119,8 @@ class _RingFlashAttn(Strategy):
     def group_lists(self):
         return {"rfa": self.cp_lists}
 
-    def attention(self, q, k, v):
+    def attention(self, q, k, v, sinks=None):
+        assert sinks is None, "a problem with sinks is refused on construction (takes_sinks)"
         if self.attn.documents:
             return self.varlen_attention(q, k, v)
         out, lse, _ = self.fn(q, k, v, softmax_scale=self.attn.softmax_scale,
@@ -240,7 +243,8 @@ class RfaLlama3(_RingFlashAttn):
         self.varlen_args = prepare(cu.to(torch.int32), self.attn.causal,
                                    self.cp_index(self.rank), self.cp_size)
 
-    def attention(self, q, k, v):
+    def attention(self, q, k, v, sinks=None):
+        assert sinks is None, "a problem with sinks is refused on construction (takes_sinks)"
         cu_q, cu_k, max_q, max_k, k_slice = self.on_device(q.device)
         window = tuple(self.attn.window_size) if self.attn.window_size else (-1, -1)
         out, lse, _ = self.fn(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k,

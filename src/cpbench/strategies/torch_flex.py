@@ -207,7 +207,8 @@ class TorchFlex(Strategy):
         finally:
             options.enable_load_balance = saved
 
-    def attention(self, q, k, v):
+    def attention(self, q, k, v, sinks=None):
+        assert sinks is None, "a problem with sinks is refused on construction (takes_sinks)"
         out, lse = self.module(*(t.transpose(1, 2) for t in (q, k, v)),
                                block_mask=self.block_mask)
         return out.transpose(1, 2), lse

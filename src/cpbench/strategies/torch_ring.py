@@ -116,6 +116,8 @@ class TorchRing(Strategy):
     # the op it calls is these kernels; not flash-attn, which it never calls: a row recorded
     # as flash-attn would name a kernel that did not run (auto hands it sdpa on CUDA)
     accepted_kernels = {"cpu": ("sdpa-cpu",), "cuda": ("sdpa",)}
+    # aten: "Q/K/V should have the same head size"
+    no_v_head_dim = "its aten flash op takes one head dim"
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
@@ -146,7 +148,8 @@ class TorchRing(Strategy):
         order = _HeadTailLoadBalancer(s, n, "cpu")._generate_indices(restore=False)
         return order[0].view(n, -1)[r].long()
 
-    def attention(self, q, k, v):
+    def attention(self, q, k, v, sinks=None):
+        assert sinks is None, "a problem with sinks is refused on construction (takes_sinks)"
         return _TorchRing.apply(self, q, k, v)
 
     def resolved_options(self) -> dict:

@@ -30,12 +30,14 @@ import torch
 
 from cpbench.comm import all_to_all
 from cpbench.errors import UsageError
+from cpbench.merge import add_sink, sink_grad
 from cpbench.strategies import register
 from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, save_for_backward
 from cpbench.strategies.layout import check_divisible, contiguous_index
 from cpbench.topology import Group, divisors
 
-Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+# q, k, v and their heads' sinks (or None) → out, lse
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
                      tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -78,18 +80,20 @@ class _LocalAttention(torch.autograd.Function):
     """The kernel on the whole sequence of the local heads (no split left to merge)."""
 
     @staticmethod
-    def forward(ctx, strat: Strategy, q, k, v):
+    def forward(ctx, strat: Strategy, q, k, v, sinks):
         if strat.mask.plain:
             out, lse = strat.kernel_call("forward", q, k, v, causal=strat.attn.causal)
         else:
             out, lse = strat.masked_forward(q, k, v, _tiles(strat))
-            out = out.to(q.dtype)
-        save_for_backward(ctx, strat, q, k, v, out, lse, lse=lse)
+        # every key of these heads was in the one call: their sinks join once, here
+        out, lse = add_sink(out, lse, sinks)
+        out = out.to(q.dtype)
+        save_for_backward(ctx, strat, q, k, v, out, lse, sinks, lse=lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         strat = ctx.strat
         if strat.mask.plain:
             dq, dk, dv = strat.kernel_call("backward", dout.contiguous(), q, k, v, out, lse,
@@ -97,7 +101,8 @@ class _LocalAttention(torch.autograd.Function):
         else:
             dq, dk, dv = strat.masked_backward(dout.contiguous(), q, k, v, out, lse,
                                                _tiles(strat))
-        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                sink_grad(out, dout, lse, sinks))
 
 
 def _tiles(strat: Strategy):
@@ -115,22 +120,31 @@ def head_layout_bytes(strat: Strategy, phase: str, replicas: int) -> int:
     if phase == FWD:
         return 0
     s = strat.local_seqlen
-    return 2 * strat.q_bytes(s) + 2 * replicas * strat.kv_bytes(s)
+    return strat.q_bytes(s) + strat.out_bytes(s) + replicas * strat.kv_bytes(s)
 
 
 def local_attention(strat: Strategy) -> Attention:
-    return lambda q, k, v: _LocalAttention.apply(strat, q, k, v)
+    def attend(q, k, v, sinks=None):
+        return _LocalAttention.apply(strat, q, k, v, sinks)
+
+    return attend
+
+
+def head_sinks(sinks: torch.Tensor | None, group: Group) -> torch.Tensor | None:
+    """The sinks of the heads an all-to-all to head shards leaves this member (its chunk
+    of the heads, in member order): its inner attention adds those."""
+    return None if sinks is None else sinks.chunk(group.size)[group.index]
 
 
 def ulysses_attention(q_bshd, k_bshd, v_bshd, group: Group, inner: Attention, replicas: int,
-                      need_lse: bool = False):
-    """Sequence shards → head shards, ``inner`` on them, and back: out, and lse when
-    ``need_lse`` (else None)."""
+                      need_lse: bool = False, sinks: torch.Tensor | None = None):
+    """Sequence shards → head shards, ``inner`` on them (with these heads' ``sinks``), and
+    back: out, and lse when ``need_lse`` (else None)."""
     if replicas > 1:
         k_bshd, v_bshd = _RepeatKV.apply(k_bshd, replicas), _RepeatKV.apply(v_bshd, replicas)
     # scatter heads (dim 2), gather sequence (dim 1): q, k, v one all-to-all each
     q_full, k_full, v_full = (_AllToAll.apply(t, group, 2, 1) for t in (q_bshd, k_bshd, v_bshd))
-    out_full, lse_full_bhs = inner(q_full, k_full, v_full)
+    out_full, lse_full_bhs = inner(q_full, k_full, v_full, head_sinks(sinks, group))
     out = _AllToAll.apply(out_full, group, 1, 2)
     if not need_lse:
         return out, None
@@ -151,18 +165,20 @@ def ulysses_messages(strat: Strategy, group: Group, seqlen_local: int, kv_heads:
         return Message("a2a", group.name, nbytes * (n - 1) // n, group.crosses_nodes,
                        overlapped=False)
 
-    q = strat.q_bytes(seqlen_local)
-    kv = a.batch * seqlen_local * kv_heads * a.head_dim * a.element_size  # k or v
-    return {"fwd_in": (a2a(q), a2a(kv), a2a(kv)),  # q, k, v
-            "fwd_out": (a2a(q),),  # out (the lse only for --check: not timed, not here)
-            "bwd_in": (a2a(q),),  # dout
-            "bwd_out": (a2a(q), a2a(kv), a2a(kv))}  # dq, dk, dv
+    q, out = strat.q_bytes(seqlen_local), strat.out_bytes(seqlen_local)
+    k = a.batch * seqlen_local * kv_heads * a.head_dim * a.element_size
+    v = k * a.dv // a.head_dim  # V's own head dim
+    return {"fwd_in": (a2a(q), a2a(k), a2a(v)),  # q, k, v
+            "fwd_out": (a2a(out),),  # out (the lse only for --check: not timed, not here)
+            "bwd_in": (a2a(out),),  # dout
+            "bwd_out": (a2a(q), a2a(k), a2a(v))}  # dq, dk, dv
 
 
 @register
 class Ulysses(Strategy):
     name = "ulysses"
     masks = frozenset({"documents", "window"})  # heads split: the mask never is
+    takes_sinks = True
     description = ("DeepSpeed-Ulysses: all-to-all to head shards, full-sequence attention, "
                    "all-to-all back; K/V heads replicated when fewer than ranks (LoongTrain)")
 
@@ -206,9 +222,9 @@ class Ulysses(Strategy):
         return 1 / self.cp_size
 
 
-    def attention(self, q, k, v):
+    def attention(self, q, k, v, sinks=None):
         return ulysses_attention(q, k, v, self.groups["ulysses"], local_attention(self),
-                                 self.replicas, self.need_lse)
+                                 self.replicas, self.need_lse, sinks)
 
     def schedule(self) -> list[Step]:
         g = self.groups["ulysses"]

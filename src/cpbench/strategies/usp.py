@@ -110,6 +110,7 @@ class _DkvHop(torch.autograd.Function):
 class Usp(Strategy):
     name = "usp"
     masks = frozenset({"documents", "window"})  # through its ring (any ring_impl) or kernel
+    takes_sinks = True  # its heads' sinks, added by its ring (every ring_impl) or kernel
     description = ("ulysses all-to-all inside groups of u ranks × a ring strategy over N/u "
                    "ring positions (yunchang LongContextAttention)")
 
@@ -302,28 +303,29 @@ class Usp(Strategy):
 
     # -- the algorithm -----------------------------------------------------------------------
 
-    def attention(self, q, k, v):
+    def attention(self, q, k, v, sinks=None):
         if self.ring is None:
             inner = local_attention(self)
         else:
             inner = self._ring_then_hop if self.burstengine_hop else self.ring.attention
         return ulysses_attention(q, k, v, self.groups["ulysses"], inner, self.replicas,
-                                 self.need_lse)
+                                 self.need_lse, sinks)
 
-    def _ring_then_hop(self, q, k, v):
+    def _ring_then_hop(self, q, k, v, sinks=None):
         """The double ring, whose backward is followed by BurstEngine's extra dK/dV hop on
         the ring's own dK/dV group (upstream passes that group as both dK/dV groups)."""
         assert self.ring is not None
         k, v = _DkvHop.apply(self.groups["inner_dkv"], k, v)
-        return self.ring.attention(q, k, v)
+        return self.ring.attention(q, k, v, sinks)
 
     def _hop_messages(self) -> tuple[Message, ...]:
         """``_DkvHop``'s dK and dV, in the activation dtype (upstream's window returns them
         cast, L281), awaited at once (L414)."""
         assert self.ring is not None
         g = self.groups["inner_dkv"]
-        n = self.ring.kv_bytes(self.ring.local_seqlen)
-        return (Message("p2p", g.name, n, g.crosses_nodes, overlapped=False),) * 2
+        s = self.ring.local_seqlen
+        return tuple(Message("p2p", g.name, n, g.crosses_nodes, overlapped=False)
+                     for n in (self.ring.k_bytes(s), self.ring.v_bytes(s)))
 
     def schedule(self) -> list[Step]:
         g = self.groups["ulysses"]

@@ -109,6 +109,7 @@ class YunchangUsp(Strategy):
     returns_lse = False
     upstream = Upstream("yunchang", "yunchang", twin="usp")
     accepted_kernels = FLASH_KERNELS
+    no_v_head_dim = "its ring is ring-flash-attn's (flash-attn 2)"
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
@@ -184,7 +185,8 @@ class YunchangUsp(Strategy):
             return contiguous_index(s, self.world_size, rank)
         return zigzag_index(s, r, ring.index(rank)).chunk(u)[uly.index(rank)]
 
-    def attention(self, q, k, v):
+    def attention(self, q, k, v, sinks=None):
+        assert sinks is None, "a problem with sinks is refused on construction (takes_sinks)"
         out = self.layer(q, k, v, softmax_scale=self.attn.softmax_scale,
                          causal=self.attn.causal)
         return out, None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from cpbench import strategies
+from cpbench import models, strategies
 from cpbench.bench import plan as planning
 from cpbench.config import (
     GPU_ATTENTION,
@@ -26,7 +26,8 @@ TOP_KEYS = ("topology", "timeout", "base", "sweep", "cases", "description")
 # settings of the sweep itself, not passed to `cpbench run`; the two protocols set seqlen:
 # tokens_per_rank (weak scaling: S = tokens × CP ranks, MagiAttention's 8K-per-GPU curves),
 # total_tokens (a fixed token budget split as batch × S: S = total / batch)
-SWEEP_ONLY = ("timeout", "tokens_per_rank", "total_tokens")
+# model: a --model preset (cpbench.models), its fields under the case's own
+SWEEP_ONLY = ("timeout", "tokens_per_rank", "total_tokens", "model")
 PROTOCOLS = ("tokens_per_rank", "total_tokens")
 RESERVED = ("out",)  # the sweep sets these
 
@@ -199,6 +200,11 @@ def _typed(raw: dict, spec: dict, default_timeout, gpu: bool,
             settings[k] = spec[k].from_yaml(v)
         except UsageError as e:
             errors.append(str(e))
+    if raw.get("model") is not None:
+        try:
+            settings, _ = models.resolve(str(raw["model"]), settings)
+        except UsageError as e:
+            errors.append(str(e))
     try:
         seqlen = protocol_seqlen(raw, settings, world)
     except UsageError as e:
@@ -273,6 +279,15 @@ def _grouped(message: str, where: list[tuple[int, str]]) -> str:
                                 for r in runs) + f": {message}"
 
 
+def _preset_keys(raw: dict) -> set[str]:
+    """The fields a case's ``model`` preset sets: the GPU defaults stay under them (a bad
+    name is reported with the case's typed settings)."""
+    try:
+        return set(models.get(str(raw["model"])).fields()) if raw.get("model") else set()
+    except UsageError:
+        return set()
+
+
 def load(path: str | os.PathLike) -> Sweep:
     """Read and validate a sweep config; raises SweepError listing every problem."""
     try:
@@ -294,7 +309,8 @@ def load(path: str | os.PathLike) -> Sweep:
         # keys do not depend on whether the machine checking the sweep has a GPU
         gpu_defaults = {**GPU_ATTENTION, **GPU_ITERS}
         raw_cases = [{**{k: v for k, v in gpu_defaults.items()
-                         if k != "seqlen" or not any(raw.get(p) for p in PROTOCOLS)}, **raw}
+                         if (k != "seqlen" or not any(raw.get(p) for p in PROTOCOLS))
+                         and k not in _preset_keys(raw)}, **raw}
                      for raw in raw_cases]
         base = {**gpu_defaults, **base}
     cases = _cases(raw_cases, base, spec, doc, topology, errors)
