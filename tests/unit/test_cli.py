@@ -417,3 +417,11 @@ def test_dryruns_errors_suggest_only_its_own_flags(capsys, args):
     fix = err.replace("(see cpbench dryrun --help)", "")  # the pointer to help is no fix
     named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", fix)) - given
     assert named <= set(dryrun._option_string_actions) - {"--help"}, err
+
+
+def test_a_commands_help_lists_the_strategy_options(capsys):
+    """The options added when a command reads its arguments are there for --help too."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["dryrun", "--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and "strategy options" in out and "--ulysses-degree" in out
