@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from cpbench import traces
 from cpbench.errors import UsageError
@@ -19,11 +17,30 @@ from cpbench.mask import (
     resolve_documents,
 )
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# the dtype names, torch-free: the CLI parses and checks them without importing torch (which
+# takes seconds); ``DTYPES`` maps them to torch's dtypes, imported on first use
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 FORMATS = ("table", "markdown", "csv", "json")  # how results print (cpbench run and report)
 DEVICES = ("auto", "cpu", "cuda")
 LAUNCHERS = ("processes", "threads")  # how --nproc starts its ranks
 PADDINGS = ("pad", "refuse")  # --document-padding
+
+
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """Dtype name → torch dtype (imports torch)."""
+    import torch
+
+    return {name: getattr(torch, attr) for name, attr in _TORCH_DTYPES.items()}
+
+
+def __getattr__(name: str) -> Any:  # DTYPES, built (and torch imported) when first read
+    if name == "DTYPES":
+        return torch_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def flag(name: str) -> str:
@@ -62,8 +79,9 @@ class AttentionConfig:
                 f"kv_heads {self.kv_heads} must divide heads {self.heads}; use one of: "
                 + ", ".join(str(d) for d in range(1, self.heads + 1) if self.heads % d == 0)
             )
-        if self.dtype not in DTYPES:
-            raise UsageError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
+        if self.dtype not in DTYPE_NAMES:
+            raise UsageError(f"unknown dtype {self.dtype!r}; choose one of: "
+                             f"{', '.join(DTYPE_NAMES)}")
         if self.document_padding not in PADDINGS:
             raise UsageError(f"--document-padding {self.document_padding!r}: choose one of "
                              f"{', '.join(PADDINGS)}")
@@ -98,7 +116,7 @@ class AttentionConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtypes()[self.dtype]
 
     @property
     def softmax_scale(self) -> float:
@@ -106,7 +124,7 @@ class AttentionConfig:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

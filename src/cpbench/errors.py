@@ -8,7 +8,13 @@ from typing import Callable, Iterable
 
 class UsageError(ValueError):
     """What the user got wrong, with the fix in the message: the commands print it as one
-    line and exit 2. A plain ValueError elsewhere is a bug, and is not reported as bad input."""
+    line and exit 2. A plain ValueError elsewhere is a bug, and is not reported as bad input.
+    ``more``: continuation lines where one line cannot hold the fix (the refusal of a run
+    over ``--max-minutes`` and its commands); ``str()`` is the first line alone."""
+
+    def __init__(self, message: str = "", *more: str) -> None:
+        super().__init__(message)
+        self.more = more
 
 
 class Skipped(UsageError):
@@ -26,6 +32,16 @@ def near_miss(given: str, known: Iterable[str]) -> str | None:
         return starts[0]
     close = difflib.get_close_matches(given, known, n=1)
     return close[0] if close else None
+
+
+def unknown(what: str, given: str, known: Iterable[str], lister: str) -> str:
+    """"unknown {what} 'x' (did you mean y?); use a, b, c", the names listed where the
+    bad-input line (120 columns, after its "cpbench COMMAND: error: ") has room for them,
+    else where they are listed (``lister``)."""
+    known = list(known)
+    head = f"unknown {what} {given!r}{did_you_mean(given, known, str)}"
+    names = f"{head}; use {', '.join(known)}"
+    return names if len(names) <= 95 else f"{head}; {lister} lists them"
 
 
 def did_you_mean(given: str, known: Iterable[str], quote: Callable[[str], str] = repr) -> str:

@@ -21,12 +21,13 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from cpbench import traces
 from cpbench.errors import UsageError
+
+if TYPE_CHECKING:  # torch is imported where a mask meets tensors: parsing a mask needs none
+    import torch
 
 DISTRIBUTIONS = ("uniform", "lognormal", "file", "trace")
 
@@ -49,6 +50,14 @@ def parse_size(text: str) -> int:
 
 
 _size = parse_size
+
+
+def size_text(n: int) -> str:
+    """A token count as the flags take it, ``parse_size``'s inverse: 524288 → 512K."""
+    for unit, scale in (("M", 2 ** 20), ("K", 2 ** 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
 
 
 def parse_documents(text: str) -> tuple[int, ...] | str:
@@ -141,7 +150,7 @@ def resolve_documents(documents: str | Iterable[int] | None, seqlen: int, seed: 
         given = tuple(int(x) for x in documents)
         if sum(given) != seqlen or min(given, default=0) < 1:
             raise UsageError(f"--documents lengths sum to {sum(given)}, not --seqlen "
-                             f"{seqlen}; give positive lengths that add up to the sequence")
+                             f"{seqlen}; give lengths that add up to --seqlen")
         return given
     cap = max_document or max(1, seqlen // 4)
     draw, rng, total = _sampler(documents), random.Random(seed), 0
@@ -193,6 +202,8 @@ class Mask:
 
     def key_interval(self, q_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For each query position, the first and last key position it sees (inclusive)."""
+        import torch
+
         q = q_pos.long()
         lo, hi = torch.full_like(q, -(2 ** 62)), torch.full_like(q, 2 ** 62)
         if self.documents is not None:
@@ -217,6 +228,8 @@ class Mask:
     def run_key(self, pos: torch.Tensor) -> torch.Tensor:
         """Positions made non-consecutive across a document boundary, so that runs of
         consecutive keys (``kernels.masked.runs``) never span two documents."""
+        import torch
+
         if self.documents is None:
             return pos
         ends = torch.tensor(self.documents, device=pos.device).cumsum(0)
@@ -231,6 +244,8 @@ class Mask:
     def pairs(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> int:
         """How many (query, key) pairs of these positions are visible, without the matrix
         (sorted keys, two binary searches per query), so it is cheap at any length."""
+        import torch
+
         lo, hi = self.key_interval(q_pos)
         k = torch.sort(k_pos.long().to(q_pos.device)).values
         n = torch.searchsorted(k, hi, right=True) - torch.searchsorted(k, lo)

@@ -201,8 +201,8 @@ def read(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 log.warning("%s: skipping a torn last line (%d bytes): the run writing it "
                             "stopped mid-write", path, len(line))
                 continue
-            raise UsageError(f"{path}:{i + 1}: not a JSON record; give a results file "
-                             f"written by cpbench run, sweep or simulate") from None
+            raise UsageError(f"{path}:{i + 1}: not a JSON record; give cpbench's records (run, "
+                             f"sweep, simulate)") from None
         records.append(_checked(record, f"{path}:{i + 1}"))
     return records
 
@@ -228,8 +228,8 @@ def read_from(path: str | os.PathLike[str], offset: int = 0) -> list[dict[str, A
 
 def _checked(record: Any, where: str) -> dict[str, Any]:
     if not isinstance(record, dict) or not {"config", "status"} <= set(record):
-        raise UsageError(f"{where}: not a cpbench record (no config / status); give a "
-                         f"results file written by cpbench run, sweep or simulate")
+        raise UsageError(f"{where}: not a cpbench record (no config / status); give "
+                         f"cpbench's records (run, sweep, simulate)")
     version = record.get("schema_version")
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise UsageError(f"{where}: schema_version {version!r} is not one this cpbench "

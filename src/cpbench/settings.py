@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from cpbench.config import (
     ATTENTION_HELP,
     ATTENTION_PARSE,
-    DTYPES,
+    DTYPE_NAMES,
     PADDINGS,
     AttentionConfig,
     RunConfig,
@@ -108,7 +108,7 @@ def settings_of(cls: type[DataclassInstance], *, help_map: Mapping[str, str] | N
 
 def attention_settings() -> list[Setting]:
     return settings_of(AttentionConfig, help_map=ATTENTION_HELP, parse_map=ATTENTION_PARSE,
-                       choices_map={"dtype": tuple(DTYPES),
+                       choices_map={"dtype": DTYPE_NAMES,
                                      "document_padding": PADDINGS})
 
 

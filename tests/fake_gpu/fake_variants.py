@@ -21,7 +21,7 @@ OWN = ["zigzag", "ring", "megatron-cp", "megatron-cp-a2a+p2p", "double-ring", "b
 REFUSED: dict[tuple[str, tuple], tuple[type[Exception], str]] = {
     ("ulysses", ()): (UsageError, "ulysses over 32 ranks needs heads (40) divisible by 32"),
     ("usp", (("ulysses_degree", 32),)): (
-        UsageError, "usp cannot split 32 ranks with ulysses degree 32 and 40 heads"),
+        UsageError, "usp: ulysses degree 32 must divide 32 ranks and 40 heads"),
 }
 
 

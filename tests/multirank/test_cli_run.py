@@ -76,9 +76,36 @@ def test_torchrun_bad_input_is_named_as_the_root_cause(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
                           env=env)
     assert done.returncode == 1, done.stdout + done.stderr
-    line = "cpbench run: error: unknown strategy 'zigzg' (did you mean 'zigzag'?); choose from: "
+    line = ("cpbench run: error: argument --strategy: unknown strategy 'zigzg' (did you mean "
+            "zigzag?); see cpbench strategies")
     workers, summary = done.stderr.split("Traceback (most recent call last)", 1)
     assert workers.count(line) == 1  # rank 0 alone prints
     root = summary.split("Root Cause (first observed failure):", 1)[1]
     assert "exitcode  : 2 " in root
     assert f"traceback : {line}" in root
+
+
+def test_torchrun_refusal_comes_first_in_three_lines_and_keeps_the_question(tmp_path):
+    """The headline request under torchrun, as a user types it (torchrun's own 4-line
+    OMP_NUM_THREADS banner included): cpbench's refusal starts within the first 5 lines, before
+    torchrun's report, in 3 lines of at most 120 columns; its suggestion is the same 4 ranks
+    at 512K, on a preset it names."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = str(REPO / "src")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "4", str(REPO / "benchmarks" / "run.py"), "--strategy", "zigzag", "--seqlen",
+           "524288"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env=env)
+    lines = done.stderr.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("cpbench run: error:"))
+    assert first < 5, done.stderr
+    refusal = lines[first:first + 3]
+    assert [line.startswith("  ") for line in refusal] == [False, True, True]
+    assert all(len(line) <= 120 for line in refusal)
+    assert "zigzag at seqlen 512K on 4 ranks" in refusal[0]
+    # torchrun's 4 local ranks: one node of 4
+    assert refusal[2].startswith("  cpbench simulate --nodes 1 --gpus-per-node 4 --strategy "
+                                 "zigzag --seqlen 512K")
+    assert "preset a800-sxm" in refusal[1]
+    assert lines.index(next(line for line in lines if "Traceback" in line)) > first + 2

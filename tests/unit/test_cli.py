@@ -2,6 +2,8 @@
 line with the fix, exit status 2, and nothing is launched."""
 
 import dataclasses
+import subprocess
+import sys
 import typing
 
 import pytest
@@ -35,6 +37,7 @@ def _error(capsys, *args):
     err = capsys.readouterr().err
     assert code == 2, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert len(err.rstrip("\n")) <= 120, err
     return err
 
 
@@ -55,7 +58,7 @@ def test_parse_size():
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--strategy", "nope"], "unknown strategy 'nope'; choose from:"),
+    (["--strategy", "nope"], "unknown strategy 'nope'; see cpbench strategies"),
     (["--strategy", "ring", "--seqlen", "1001"], "try --seqlen 1000"),
     (["--kv-heads", "3"], "must divide heads 8; use one of: 1, 2, 4, 8"),
     (["--ranks-per-node", "3"], "does not divide world size 4; use one of: 1, 2, 4"),
@@ -66,20 +69,27 @@ def test_parse_size():
     (["--head-dim", "0"], "head_dim must be a positive integer"),
     (["--iters", "0"], "--iters must be a positive integer"),
     (["--nproc", "100000"], "use --nproc"),
-    (["--strategy", "ring", "--seqlen", "64M"], "(an estimate)"),
-    (["--strategy", "ring", "--seqlen", "256k", "--check"], "without --check"),
+    (["--strategy", "ring", "--seqlen", "64M"], "needs >= "),
+    (["--strategy", "ring", "--seqlen", "256k", "--check"], "check at 8k, time this without it"),
     (["--seqlen", "8q"], "cannot read '8q' as a size"),
     (["--dtype", "fp64"], "invalid choice: 'fp64'"),
     (["--device", "cuda"], "torchrun"),
     (["--collective-timeout", "0"], "--collective-timeout must be a positive number"),
     (["--deadline", "-5"], "--deadline must be a positive number"),
-    (["--strategy", "zigzg"], "unknown strategy 'zigzg' (did you mean 'zigzag'?); choose from:"),
-    (["--strategy", "ring,megatron"], "(did you mean 'megatron-cp'?)"),
+    (["--strategy", "zigzg"], "unknown strategy 'zigzg' (did you mean zigzag?); see cpbench"),
+    (["--strategy", "ring,megatron"], "(did you mean megatron-cp?)"),
+    # each under 120 columns, each once (a strategy named once, not by its label again)
+    (["--strategy", "usp", "--ulysses-degree", "3"], "usp: ulysses degree 3 must divide 4 ranks"),
+    (["--strategy", "ring", "--kernel", "nope"], "unknown kernel 'nope'; use auto, torch,"),
+    (["--strategy", "ring", "--documents", "1k,2k"], "give lengths that add up to --seqlen"),
+    (["--strategy", "zigzag", "--seqlen", "1k", "--documents", "100,924", "--document-padding",
+      "refuse"], "zigzag over 4 ranks: 2 documents not multiples of 8 (e.g. 100); drop"),
+    (["--strategy", "double-ring", "--seqlen", "1001"], ": double-ring over 4 ranks (zigzag"),
     # an abbreviation is not taken silently (allow_abbrev=False), and gets a suggestion
     (["--seq", "2k"], "unrecognized arguments: --seq 2k (did you mean --seqlen?)"),
     (["--seq-len", "2k"], "unrecognized arguments: --seq-len 2k (did you mean --seqlen?)"),
     (["--seq-len=2k", "--head", "4"],
-     "(did you mean --seqlen for --seq-len, --heads for --head?)"),
+     "(did you mean --seqlen, --heads?)"),
 ])
 def test_bad_input_is_one_line_exit_2(no_launch, capsys, args, needle):
     assert needle in _error(capsys, *args)
@@ -143,7 +153,7 @@ def test_deadline_under_torchrun(no_launch, capsys, monkeypatch):
     for var, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2",
                            MASTER_ADDR="127.0.0.1").items():
         monkeypatch.setenv(var, value)
-    assert "drop --deadline" in _error(capsys, "--strategy", "ring", "--deadline", "60")
+    assert "under torchrun drop it" in _error(capsys, "--strategy", "ring", "--deadline", "60")
 
 
 def test_unwritable_out_is_one_line_exit_2(no_launch, capsys, tmp_path):
@@ -152,7 +162,7 @@ def test_unwritable_out_is_one_line_exit_2(no_launch, capsys, tmp_path):
     code = cli.main(["run", "--strategy", "ring", "--out", str(blocker / "r.jsonl")])
     err = capsys.readouterr().err
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert "cannot write there" in err and "--out none" in err
+    assert "cannot write there" in err and "give another or none" in err
 
 
 def test_out_directory_and_file_are_made_before_any_rank_starts(tmp_path):
@@ -166,8 +176,9 @@ def test_only_rank_0_prints_a_bad_input_under_torchrun(no_launch, capsys, monkey
     for var, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
                            MASTER_ADDR="127.0.0.1").items():
         monkeypatch.setenv(var, value)
-    assert cli.main(["run", "--strategy", "nope"]) == 2
-    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit) as info:  # argparse's: --strategy's names are checked there
+        cli.main(["run", "--strategy", "nope"])
+    assert info.value.code == 2 and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("rank, args", [("0", ["--strategy", "nope"]),
@@ -201,6 +212,7 @@ def test_every_rank_leaves_bad_input_for_torchrun_as_the_root_cause(no_launch, c
 
 def test_every_strategy_option_has_a_flag():
     parser = cli.build_parser()
+    parser.parse_args(["run"])  # the strategy options are added when run reads its arguments
     run = next(a for a in parser._subparsers._group_actions[0].choices.values()
                if a.prog.endswith(" run"))
     flags = set(run._option_string_actions)
@@ -315,10 +327,10 @@ def test_all_skips_a_baseline_that_cannot_fit_but_a_named_one_errors(monkeypatch
     p = _plan({"seqlen": 8192}, strategy=("all",), nproc=4)  # CP: 32 MiB; local: 128 MiB
     assert "local" not in {c.strategy for c in p.cases} and "ring" in {c.strategy for c in p.cases}
     note, = [s for s in p.skipped if s.startswith("local")]
-    assert "holds the whole sequence on every rank" in note and "more ranks" not in note
-    with pytest.raises(ValueError, match="holds the whole sequence on every rank"):
+    assert "holds all S each rank" in note and "more ranks" not in note
+    with pytest.raises(ValueError, match="holds all S each rank"):
         _plan({"seqlen": 8192}, strategy=("ring", "local"), nproc=4)
-    with pytest.raises(ValueError, match="or more ranks"):
+    with pytest.raises(ValueError, match="or add ranks"):
         _plan({"seqlen": 32768}, strategy=("ring",), nproc=4)
 
 
@@ -351,5 +363,65 @@ def test_more_local_ranks_than_gpus_is_one_line_before_any_group(no_launch, caps
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set", d)))
     monkeypatch.setattr(planning.env_mod, "torchrun_world", lambda: (0, 8, 8))  # rank 0 speaks
     err = _error(capsys, "--strategy", "ring")
-    assert "8 ranks on this node but 4 GPU(s)" in err and "--nproc-per-node 4" in err
+    assert "8 ranks on this node, 4 GPU(s) visible" in err and "--nproc-per-node 4" in err
     assert calls[:2] == ["count", ("set", 2)] and calls[2:] == ["count"]
+
+
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["run", "--strategy", "zigzg"], 2),
+                                        (["run", "--seqlen", "8q"], 2),
+                                        (["dryrun", "--strategy", "nope"], 2),
+                                        (["simulate", "--strategy", "ring,nope"], 2)])
+def test_help_and_bad_arguments_answer_without_importing_torch(argv, code):
+    """torch's import takes seconds: ``--help`` and a mistake in the flags are answered
+    before it (the strategy options, which need every strategy, are added when a command's
+    parser reads its arguments; the names are checked against the registry's list)."""
+    script = ("import sys\nfrom cpbench.cli import main\n"
+              f"try:\n    main({argv!r})\nexcept SystemExit as e:\n    code = e.code\n"
+              "print(code, 'torch' in sys.modules, file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    *said, last = done.stderr.splitlines()
+    assert last == f"{code} False", done.stderr
+    assert len(said) == (0 if code == 0 else 1) and all(len(line) <= 120 for line in said)
+
+
+def test_python_dash_m_cpbench_is_the_command():
+    done = subprocess.run([sys.executable, "-m", "cpbench", "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("usage: cpbench ")
+
+
+@pytest.mark.parametrize("args", [["--strategy", "ulysses", "--heads", "6"],
+                                  ["--strategy", "ring", "--seqlen", "1001"],
+                                  ["--strategy", "ring", "--kernel", "flash-attn"],
+                                  ["--strategy", "ring", "--check"],
+                                  ["--strategy", "ring", "--device", "cuda"],
+                                  ["--strategy", "ring", "--nproc", "4"]])
+def test_dryruns_errors_suggest_only_its_own_flags(capsys, args):
+    """A fix names flags of the command it is given for: dryrun has no --nproc, --check or
+    --launcher (run's), and a near miss is never --help."""
+    import re
+
+    parser = cli.build_parser()
+    parser.parse_args(["dryrun"])  # its strategy options added, as when it runs
+    dryrun = parser._subparsers._group_actions[0].choices["dryrun"]
+    try:
+        code = cli.main(["dryrun", *args])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    if code == 0:  # a CUDA build of torch runs the --device cuda dry run
+        return
+    assert code == 2 and len(err.splitlines()) == 1 and len(err.rstrip("\n")) <= 120, err
+    given = {a for a in args if a.startswith("--")}
+    fix = err.replace("(see cpbench dryrun --help)", "")  # the pointer to help is no fix
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", fix)) - given
+    assert named <= set(dryrun._option_string_actions) - {"--help"}, err
+
+
+def test_a_commands_help_lists_the_strategy_options(capsys):
+    """The options added when a command reads its arguments are there for --help too."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["dryrun", "--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and "strategy options" in out and "--ulysses-degree" in out

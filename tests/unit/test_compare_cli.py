@@ -305,3 +305,33 @@ def test_a_step_timed_with_the_harness_sync_against_one_without_gets_no_verdict(
         "the other's not"}
     same = _json(capsys, a, _write(tmp_path / "a2.jsonl", synced))  # both synced: tested
     assert "not comparable" not in {r["verdict"] for r in same}
+
+
+def test_a_run_compared_with_itself_is_warned(tmp_path, capsys):
+    """The same path twice, or a copy with the same bytes: one warning line on stderr; two
+    different runs: none."""
+    copy_path = _write(tmp_path / "copy.jsonl", _records())
+    for b in (FIXTURE, copy_path):
+        assert cpbench_compare(FIXTURE, b) == 0
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("cpbench compare: warning: A and B ")
+        assert err[0].endswith("the run is compared with itself")
+    other = _write(tmp_path / "b.jsonl", _map_samples(_records(), _scaled(1.2)))
+    assert cpbench_compare(FIXTURE, other) == 0
+    assert "compared with itself" not in capsys.readouterr().err
+
+
+def test_what_else_changed_says_the_load_each_run_ran_under(tmp_path, capsys):
+    """The records' load meter readings (``load``: others' CPU seconds over the timing's
+    wall time): 0.9 of 2 cores in A, 1.0 in B; the fixture's records have none."""
+    records = _records()
+    busier = copy.deepcopy(records)
+    for r in records:
+        r["load"] = {"foreign_cpu_s": 9.0, "wall_s": 10.0, "cpus": 2, "share": 0.45}
+    for r in busier:
+        r["load"] = {"foreign_cpu_s": 10.0, "wall_s": 10.0, "cpus": 2, "share": 0.5}
+    a, b = _write(tmp_path / "a.jsonl", records), _write(tmp_path / "b.jsonl", busier)
+    assert cpbench_compare(a, b) == 0
+    out = capsys.readouterr().out
+    assert "load  others kept 0.9 of 2 cores busy  →  others kept 1.0 of 2 cores busy" in out
+    assert "nothing the records capture" not in out

@@ -252,3 +252,18 @@ def test_a_dry_rank_with_sinks_sends_its_schedule(name):
         assert r.status == "ok", (rank, r.error, r.where)
         want = dryrun.schedule_bytes(name, opts, attn, TOPO, rank, kernel_name="sdpa-cpu")
         assert {p: r.sent_bytes(p) for p in ("fwd", "bwd")} == want
+
+
+def test_the_table_fits_120_columns(capsys):
+    """An OOM verdict (the longest cell) wraps in the room the other columns leave; the peaks
+    of both phases share a column, as the bytes sent do."""
+    assert main(["dryrun", "--device", "cpu", "--hardware", "a800-sxm", "--strategy", "local",
+                 "--nodes", "1", "--gpus-per-node", "2", "--seqlen", "1M", "--heads", "40",
+                 "--head-dim", "128", "--dtype", "bf16", "--ranks", "0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert max(map(len, out)) <= 120, "\n".join(out)
+    header = next(line for line in out if line.startswith("Strategy"))
+    assert header.split() == ["Strategy", "Worst", "rank", "Peak", "GiB", "FWD/+BWD", "Sim",
+                              "GiB", "(err)", "Sent", "GiB", "FWD/BWD", "Verdict"]
+    row = next(i for i, line in enumerate(out) if line.startswith("local "))
+    assert "OOM: needs" in out[row] and out[row + 1].startswith(" ") and "over)" in out[row + 1]

@@ -1,6 +1,6 @@
 """The estimate before every case (``bench.estimate``): its arithmetic on a given rate, the
-refusal over --max-minutes with what to do instead, and the headline request refused from the
-command line within seconds, exit 2, before anything runs."""
+refusal over --max-minutes with what to do instead (``bench.refusal``), and the headline
+request refused from the command line within seconds, exit 2, before anything runs."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import pytest
 from cpbench import metrics
 from cpbench.bench import estimate
 from cpbench.bench.plan import plan
+from cpbench.cli import main as cli_main
 from cpbench.config import AttentionConfig, RunConfig
 from cpbench.errors import UsageError
+from cpbench.mask import parse_size
 
 RATE = estimate.Rate(fwd=20e9, bwd=10e9, side=1024, kernel="sdpa-cpu", threads=1)
 ATTN = AttentionConfig(batch=1, seqlen=8192, heads=8, head_dim=64, dtype="fp32", causal=True)
@@ -73,18 +75,24 @@ def test_durations_read_as_people_say_them():
         "12 ms", "3.4 s", "5.6 min", "4 h", "3.5 d"]
 
 
-def test_over_the_limit_is_refused_in_one_line_with_what_to_do(monkeypatch):
+def test_over_the_limit_is_refused_in_three_lines_that_keep_the_question(monkeypatch, capsys):
     monkeypatch.setattr(estimate, "probe", lambda *a: RATE)  # a fixed rate: the sums below
     run = RunConfig(strategy=("zigzag",), nproc=2, out="none")
     with pytest.raises(UsageError) as e:
         plan(run, {"seqlen": 524288}, {}, launcher="self")
-    text = str(e.value)
-    assert "\n" not in text and "zigzag at seqlen 524288: estimated" in text
-    assert "over --max-minutes 10" in text and "--max-minutes 0 to run it anyway" in text
-    assert "`cpbench simulate --strategy zigzag --seqlen 524288`" in text
-    assert "`cpbench dryrun --strategy zigzag --seqlen 524288`" in text
+    first, second, command = str(e.value), *e.value.more
+    assert "\n" not in first and first.startswith("zigzag at seqlen 512K on 2 ranks: ~")
+    assert first.endswith("over --max-minutes 10") and "--max-minutes 0 (no limit)" in second
+    assert all(len(line) <= 118 for line in (second, command)) and len(first) <= 100
+    # the same question: 2 ranks on 2 (emulated) nodes, 512K, run's CPU shape, on a preset
+    # the line names; and simulate takes every flag it is given (it runs: a model, seconds)
+    assert "on 2 GPUs of preset a800-sxm in bf16:" in second
+    assert command == ("cpbench simulate --nodes 2 --gpus-per-node 1 --strategy zigzag "
+                       "--seqlen 512K --heads 8 --head-dim 64")
+    assert cli_main(command.split()[1:]) == 0
+    assert "zigzag" in capsys.readouterr().out
     # the largest power-of-two length that fits, with its own estimate
-    suggested = int(text.split("try --seqlen ")[1].split(" ")[0])
+    suggested = parse_size(second.split("try --seqlen ")[1].split(" ")[0])
     fits = plan(RunConfig(strategy=("zigzag",), nproc=2, out="none"), {"seqlen": suggested},
                 {}, launcher="self")
     assert fits.estimates[0].case_s <= 600
@@ -126,7 +134,8 @@ def test_the_headline_request_is_refused_within_seconds(tmp_path):
     took = time.monotonic() - t0
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("cpbench run: error: zigzag")
-    assert "estimated" in lines[0] and "--max-minutes 0" in lines[0]
+    assert len(lines) == 3 and lines[0].startswith("cpbench run: error: zigzag at seqlen 512K")
+    assert "--max-minutes 0" in lines[1] and lines[2].startswith("  cpbench simulate")
+    assert max(map(len, lines)) <= 120
     assert done.stdout == "" and not out.exists()  # before anything ran or was written
     assert took < 60, took  # seconds on an idle machine; bounded loosely on a shared one

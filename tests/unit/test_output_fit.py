@@ -303,7 +303,7 @@ def test_plot_panels_hold_at_most_8_series_none_alike(which, request):
 def test_make_bench_prints_under_100_lines(bench, tmp_path):
     """`make bench`'s output as the driver prints it (its header, each case's line, the
     summary), from the fixture's 18 records: under 100 lines, the summary last."""
-    from cpbench.bench import driver
+    from cpbench.bench import runlog
     from cpbench.bench.plan import plan
     from cpbench.config import RunConfig
     from cpbench.report import console
@@ -317,12 +317,12 @@ def test_make_bench_prints_under_100_lines(bench, tmp_path):
     stdout, sys.stdout = sys.stdout, out
     try:
         console.setup(0, "table")
-        driver._header(p, 4)
+        runlog.header(p, 4)
         for i, record in enumerate(bench, 1):
             prefix = f"[{i}/{len(bench)}] {report.row_label(record)}"
             logging.getLogger("cpbench").info("%s", prefix, extra={"transient": "plain"})
-            driver._say_record(p, record, prefix, 1.0)
-        driver._footer(p, bench, False, False)
+            runlog.say_record(p, record, prefix, 1.0)
+        runlog.footer(p, bench, False, False)
     finally:
         sys.stdout = stdout
         for lg, (handlers, propagate, level) in zip(loggers, saved):

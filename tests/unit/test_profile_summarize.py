@@ -189,3 +189,30 @@ def test_a_real_key_averages_table_cut_at_a_row_limit(capsys, tmp_path):
     assert "(not listed in the table)" in {k["name"] for k in other["kernels"]}
     code, out, _ = _summarize(capsys, table)
     assert code == 0 and "torch.profiler table (Self CPU)" in out
+
+
+def _rank_trace(path: Path, step_us: int) -> Path:
+    """A rank's trace as ``cpbench run --profile`` names it: one step of ``step_us``, a
+    forward kernel the whole step."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _trace([{"ph": "X", "cat": "user_annotation", "name": "cpbench/step", "ts": 0,
+                    "dur": step_us},
+                   {"ph": "X", "cat": "kernel", "name": "flash_fwd_kernel<…>", "ts": 0,
+                    "dur": step_us}], path, gz=True)
+
+
+def test_a_cases_rank_traces_summarize_the_slowest_rank_and_say_which(capsys, tmp_path):
+    """The step ends when its last rank does: of rank0..2's traces, rank 1's (the longest
+    step) is summarized, saying so; --every-rank gives each; another file is kept."""
+    case = tmp_path / "prof" / "1_zigzag_abc"
+    traces = [_rank_trace(case / f"rank{r}.trace.json.gz", us)
+              for r, us in enumerate((100, 300, 200))]
+    other = _trace([{"ph": "X", "cat": "kernel", "name": "flash_fwd_kernel<…>", "ts": 0,
+                     "dur": 5}], tmp_path / "elsewhere.json")
+    code, out, err = _summarize(capsys, *traces, other)
+    assert code == 0, err
+    assert out.count("Chrome trace") == 2 and f"{case}/rank1.trace.json.gz:" in out
+    assert "  rank 1 of 3, the slowest (ms a step, by rank: 0: 0.100, 1: 0.300, 2: 0.200)" in out
+    assert "rank0.trace" not in out and "rank2.trace" not in out and "elsewhere.json:" in out
+    code, out, _ = _summarize(capsys, *traces, "--every-rank")
+    assert code == 0 and out.count("Chrome trace") == 3 and "the slowest" not in out

@@ -1,9 +1,12 @@
 """The strategy registry: duplicate names are a ValueError; a third-party entry point that
-fails to load is skipped with a warning instead of breaking every command."""
+fails to load is skipped with a warning instead of breaking every command; the names are
+known, and checked, without importing a strategy (or torch)."""
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from importlib.metadata import EntryPoint
 
 import pytest
@@ -57,3 +60,34 @@ def test_duplicate_name_is_a_value_error(plugins):
     with pytest.raises(ValueError, match="two strategies are named 'zigzag'.*NotZigzag"):
         strategies.names()
     strategies.register(Zigzag)  # the same class again is fine
+
+
+def test_the_names_known_without_importing_are_the_loaded_registrys():
+    """``BUILTIN`` (what the CLI checks names against before torch is imported) lists every
+    strategy this package registers, each under the module that registers it."""
+    own = {n: strategies.get(n).__module__ for n in strategies.names()
+           if strategies.get(n).__module__.startswith("cpbench.strategies.")}
+    assert own == {n: f"cpbench.strategies.{m}" for n, m in strategies.BUILTIN.items()}
+    assert set(strategies.known_names()) >= set(strategies.names())
+
+
+def test_a_module_registering_an_unlisted_name_is_refused():
+    class Unlisted(Zigzag):
+        name = "zigzag-unlisted"
+    Unlisted.__module__ = "cpbench.strategies.zigzag"
+    with pytest.raises(AssertionError, match="list it in cpbench.strategies.BUILTIN"):
+        strategies.register(Unlisted)
+
+
+def test_names_are_checked_without_importing_a_strategy():
+    code = ("import sys\nfrom cpbench import strategies\n"
+            "strategies.check_names(['zigzag', 'all'])\n"
+            "try:\n    strategies.check_names(['zigzg'])\nexcept ValueError as e:\n"
+            "    print(e)\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or "
+            "m.startswith('cpbench.strategies.')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)
+    said, imported = done.stdout.splitlines()
+    assert said == "unknown strategy 'zigzg' (did you mean zigzag?); see cpbench strategies"
+    assert imported == "[]"

@@ -294,7 +294,8 @@ def _submit_main(*argv):
      "cannot read the cases file: [Errno 2] No such file or directory: '/nonexistent'"),
     (["--cases", "EMPTY", "--", "--out", "r.jsonl"], "has no cases"),
     (["--cases", "CASES", "--", "--out", "r.jsonl"],
-     "case 2 of CASES (--strategy zigzg --seqlen 128K): unknown strategy 'zigzg'"),
+     "case 2 of CASES (--strategy zigzg --seqlen 128K): argument --strategy: unknown strategy "
+     "'zigzg'"),
     (["--cases", "CASES", "--array", "--", "--out", "r.jsonl"], "case 2 of CASES"),
     (["--sweep", "SWEEP", "--", "--out", "r.jsonl"],
      "its topology is 4 nodes x 8 GPUs, the job 2 nodes x 8 GPUs"),

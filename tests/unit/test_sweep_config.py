@@ -56,14 +56,14 @@ cases: [{strategy: ring, causal: maybe}, {strategy: ring, timeout: -1}]
     assert "unknown key 'colour'" in text
     assert "unknown setting 'seqlenn' (did you mean 'seqlen'?)" in text
     assert "'out' is set by `cpbench sweep`" in text
-    assert any(e.startswith("case 3 (strategy=ulysses seqlen=256):") for e in errors)
-    assert any(e.startswith("case 5 (strategy=nosuch seqlen=256): unknown strategy")
-               for e in errors)
+    # one error of several cases: one line naming them
+    assert any(e.startswith("cases 3, 4: ulysses over 2 ranks needs heads (3)") for e in errors)
+    assert "cases 5, 6: unknown strategy 'nosuch'; see cpbench strategies" in errors
     assert any(e.startswith("case 2 (strategy=ring seqlen=257):") for e in errors)
     assert any(e.startswith("case 7 (strategy=ring causal=maybe): causal must be true")
                for e in errors)
     assert "case 8 (strategy=ring timeout=-1): timeout must be a positive number" in text
-    assert len(errors) == 10
+    assert len(errors) == 8
     assert not any(e.startswith("case 1 ") for e in errors)  # ring at 256 on 2 ranks is fine
 
 
@@ -78,18 +78,18 @@ cases: [{strategy: [ring, zigzg]}, {strategy: ring, head_dim: x, batch: 0, kv_he
 """)
     with pytest.raises(sweep.SweepError) as info:
         sweep.load(path)
-    first = [e for e in info.value.errors if e.startswith("case 1 ")]
+    first = [e for e in info.value.errors if e.startswith(("case 1 ", "cases 1, 2: "))]
     assert [e.split(": ", 1)[1].split(" (did")[0].split(";")[0] for e in first] == [
         "unknown strategy 'zigzg'", "--iters must be a positive integer, got 0",
         "--warmup must be >= 0, got -1", "unknown dtype 'fp64'"]
+    assert "cases 1, 2: --iters must be a positive integer, got 0" in info.value.errors
     second = "\n".join(e for e in info.value.errors if e.startswith("case 2 "))
     assert "cannot read head_dim: 'x' as int" in second and "batch must be a positive" in second
     assert "kv_heads 4 must divide heads 6" in second  # a pair, neither wrong alone
     assert not any("kv_heads 3" in e for e in info.value.errors)  # 3 divides the case's 6
     assert main(["sweep", str(path), "--dry-run", "--out", "r.jsonl"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == f"cpbench sweep: {len(info.value.errors)} error(s) in the sweep config:"
-    assert len(err) == 1 + len(info.value.errors)  # one line each
+    assert err == [f"cpbench sweep: error: {e}" for e in info.value.errors]  # one line each
 
 
 def test_repeated_rows_are_an_error(tmp_path):
@@ -169,3 +169,32 @@ def test_seed001_dry_run_prints_the_node_commands(capsys):
     assert len(launches) == 28
     assert all(" srun --nodes=4 " in line and " torchrun --nnodes=4 --nproc-per-node=8 " in line
                for line in launches)
+
+
+def test_one_error_in_many_cases_is_one_line_naming_them(tmp_path, capsys):
+    """A bad strategy swept over 4 lengths: one line naming the value and the 4 cases, not 4
+    copies; the good strategy's cases are not named."""
+    from cpbench.cli import main
+
+    path = _write(tmp_path, """
+base: {nproc: 2, heads: 2, head_dim: 16}
+sweep: {strategy: [zigzg, ring], seqlen: [256, 512, 1k, 2k]}
+cases: [{strategy: zigzg, seqlen: 4k, iters: 0}]
+""")
+    assert main(["sweep", str(path), "--dry-run", "--out", "r.jsonl"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["cpbench sweep: error: cases 1-4, 9: unknown strategy 'zigzg' (did you mean "
+                   "zigzag?); see cpbench strategies",
+                   "cpbench sweep: error: case 9 (strategy=zigzg seqlen=4k iters=0): --iters "
+                   "must be a positive integer, got 0"]
+    assert all(len(line) <= 120 for line in err)
+
+
+def test_a_yaml_mistake_is_one_line_with_its_place(tmp_path, capsys):
+    from cpbench.cli import main
+
+    path = _write(tmp_path, "base: {heads: 2\nsweep:\n  strategy: [ring]\n")
+    assert main(["sweep", str(path), "--dry-run", "--out", "r.jsonl"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"cpbench sweep: error: {path}, line 2, column ")
+    assert "not YAML: expected ',' or '}'" in err[0]

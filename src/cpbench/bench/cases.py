@@ -19,7 +19,7 @@ from cpbench.bench import memory
 from cpbench.config import AttentionConfig, flag
 from cpbench.errors import Skipped, UsageError
 from cpbench.kernels import masked_varlen
-from cpbench.mask import mask_of
+from cpbench.mask import mask_of, size_text
 from cpbench.strategies._upstream import case_kernel
 from cpbench.topology import Topology
 
@@ -101,19 +101,18 @@ def _validate_case(case: Case, attn: AttentionConfig, topo: Topology, backend, d
     try:
         built = [cls(attn, topo, r, kernel=backend, options=case.options, create_groups=False)
                  for r in range(topo.world_size)]
-    except UsageError as e:
-        raise type(e)(f"{case.label}: {e}") from None
+    except UsageError as e:  # named once: the message may start with the strategy's name
+        raise type(e)(str(e) if str(e).startswith(f"{case.strategy} ")
+                      else f"{case.label}: {e}") from None
     strat = built[0]
     need = memory.step_lower_bound(local_seqlen=max(b.local_seqlen for b in built),
                                    **shape(attn))
     if capacity is not None and need > capacity:
-        fix = "use a smaller --seqlen or --batch" + (
-            ", or more ranks" if strat.ranks_per_problem > 1
-            else f" ({case.strategy} holds the whole sequence on every rank)")
+        fix = "lower --seqlen" + (
+            " or add ranks" if strat.ranks_per_problem > 1 else " (it holds all S each rank)")
         raise UsageError(
-            f"{case.label}: seqlen {attn.seqlen} needs at least {metrics.gib(need)} per rank "
-            f"for q, k, v, out and their gradients alone (an estimate), more than the "
-            f"{metrics.gib(capacity)} a rank has here; {fix}")
+            f"{case.label} at {size_text(attn.seqlen)} needs >= {metrics.gib(need)} a rank for its "
+            f"tensors, {metrics.gib(capacity)} here; {fix}")
     return strat
 
 

@@ -12,7 +12,7 @@
    timed step's bytes counted: ``bench.sentcount``), then measure peak memory
    (``bench.memory``), time the ideal block alone (``bench.ideal``) and, with
    ``--profile``, profile a few steps (``bench.profiling``), each a step of its own (a
-   failure there keeps the timings); on rank 0 append the record and print.
+   failure there keeps the timings); on rank 0 append the record and print (``bench.runlog``).
 
 Every phase ends with all ranks agreeing on its outcome (``bench.agreement``), so an OOM or
 an exception in one case becomes that row's status on every rank and the run goes on.
@@ -42,6 +42,7 @@ from cpbench.bench import (
     memory,
     profiling,
     recovery,
+    runlog,
     sentcount,
     steps,
     timer,
@@ -50,12 +51,10 @@ from cpbench.bench import env as env_mod
 from cpbench.bench.check import check_strategy, sink_logits
 from cpbench.bench.plan import Case, Plan
 from cpbench.config import RunConfig
-from cpbench.reference import Comparison
 from cpbench.report import console
 from cpbench.strategies.base import Strategy
 
 log = logging.getLogger("cpbench")
-out_log = logging.getLogger("cpbench.out")  # results: stdout in every format (report.console)
 
 
 # -- 3. on every rank ------------------------------------------------------------------------
@@ -319,22 +318,6 @@ def _phases(c: _CaseRun, env: dict, ref_cache: dict, store, key: str, index: int
     return record, ("device" if any(ph.sticky for ph in broke) else "group") if broke else None
 
 
-def _say_record(p: Plan, record: dict, prefix: str, seconds: float) -> None:
-    """Rank 0: append the record and say how the case went in one line (its detail block
-    with --details); a failed check's tensors below it."""
-    from cpbench import report
-
-    if p.out:
-        results.append(p.out, record)
-    log.info("%s: %s", prefix, report.case_line(record, seconds))
-    if p.run.format == "table" and p.run.details:
-        out_log.info(report.detail(record))
-    elif record.get("check") and (p.run.format != "table"
-                                  or record["derived"]["check_passed"] is False):
-        for c in record["check"]:
-            log.info("  %s", Comparison(**c).line())
-
-
 def _run_cases(p: Plan, rank: int, env: dict) -> tuple[list[dict], bool, bool]:
     """(rank 0's records, whether any failed, whether the process group broke for good)."""
     ref_cache: dict = {}  # check_strategy's: the last problem's reference
@@ -350,47 +333,12 @@ def _run_cases(p: Plan, rank: int, env: dict) -> tuple[list[dict], bool, bool]:
         failed |= bool((record.get("profile") or {}).get("error"))
         failed |= record["derived"]["check_passed"] is False
         if rank == 0:
-            _say_record(p, record, prefix, tally.done(i - 1, record, time.perf_counter() - t0))
+            took = tally.done(i - 1, record, time.perf_counter() - t0)
+            runlog.say_record(p, record, prefix, took)
             records.append(record)
         if broken and not recovery.go_on_after(p, i, broken):
             return records, failed, True
     return records, failed, False
-
-
-def _header(p: Plan, world: int) -> None:
-    from cpbench import report
-
-    topo = p.topo
-    log.info("cpbench: %d case(s) on %d ranks (%d node(s) × %d), %s on %s, %s",
-             len(p.cases), world, topo.num_nodes, topo.ranks_per_node, p.kernel, p.run.device,
-             ", ".join(f"{k}={v}" for k, v in p.attn.to_dict().items()
-                       if v is not None))  # what is unset says nothing
-    if p.estimates:  # bench.estimate's, made before any rank started
-        log.info("%s", eta.total_line(p.estimates))
-    if p.packed:  # the documents above are the first packing's
-        log.info("%d packings of %s (seeds %d..%d), each strategy on each", len(p.packed),
-                 p.documents_spec, p.run.seed, p.run.seed + len(p.packed) - 1)
-    if not p.timed:
-        log.info("ranks as threads on one %s: each case builds, checks (--check) and runs "
-                 "one untimed step; nothing is timed or measured", p.run.device)
-    for line in report.skipped_lines(list(p.skipped)):  # a line per reason, not per case
-        log.info("%s", line)
-
-
-def _footer(p: Plan, records: list[dict], failed: bool, broken: bool) -> None:
-    from cpbench import report
-    from cpbench.report.render import fitting, wide_width
-
-    with fitting(wide_width(p.run.wide)):
-        out_log.info(report.summary(records, p.run.format).rstrip("\n"))
-    if p.run.format == "table":
-        log.info("%s", report.outcome_line(records))
-    if p.out:
-        log.info("records: %s  (re-render: cpbench report %s)", p.out, p.out)
-    if broken:
-        log.info("FAILED: a collective failed and the run stopped there (see above)")
-    elif failed:
-        log.info("FAILED: a strategy raised or a check failed (see above)")
 
 
 def rank_main(rank: int, world: int, p: Plan) -> int:
@@ -411,12 +359,12 @@ def _rank_main(rank: int, world: int, p: Plan) -> tuple[int, bool]:
                           world_size=world, ranks_per_node=p.ranks_per_node,
                           cpus=cpus, kernel_package=kernels.get(p.kernel).provenance()
                           ) if rank == 0 else {}
-    _header(p, world)
+    runlog.header(p, world)
     for line in env_mod.cpu_warnings(hostnames, cpus) if p.timed else ():
         log.info("%s", line)
     records, failed, broken = _run_cases(p, rank, env)
     if rank == 0:
-        _footer(p, records, failed, broken)
+        runlog.footer(p, records, failed, broken)
     if not broken:
         try:
             _barrier(p.run.device)()  # leave together: gloo can abort when peers close first

@@ -12,8 +12,8 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-import torch
-
+# torch is imported inside the functions that read it: the CLI's bad-input line (which asks
+# under_torchrun) must not wait seconds for torch's import
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 # A rank process costs roughly this much RAM before it holds any tensor (torch, gloo).
 RANK_OVERHEAD_BYTES = 400 * 2 ** 20
@@ -55,6 +55,8 @@ def bind_local_gpu() -> None:
     """Under torchrun with GPUs: make this rank's GPU (LOCAL_RANK) current before anything
     touches torch.cuda (the plan reads the device's memory), so no rank opens a context on
     GPU 0. Leaves it to the plan to refuse more local ranks than GPUs."""
+    import torch
+
     if under_torchrun() and torch.cuda.is_available():
         local = int(os.environ["LOCAL_RANK"])
         if local < torch.cuda.device_count():
@@ -128,6 +130,8 @@ def _git(*args: str) -> str | None:
 
 
 def device_name(device: str) -> str:
+    import torch
+
     if device == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.cuda.current_device())
     try:
@@ -142,6 +146,8 @@ def device_name(device: str) -> str:
 
 def nccl_version() -> str | None:
     """The NCCL torch runs with, or None (no GPU, or a build without NCCL)."""
+    import torch
+
     if not torch.cuda.is_available():
         return None
     try:
@@ -157,6 +163,8 @@ def capture(*, device: str, launcher: str, hostnames: list[str], world_size: int
     """The environment record of this run (called on rank 0; ``hostnames`` and ``cpus``, the
     usable cores, by rank). ``cpus_usable``: the fewest any rank may use. ``kernel_package``:
     the kernel's distribution, version and file (``KernelBackend.provenance``)."""
+    import torch
+
     nccl = nccl_version()
     sha = _git("rev-parse", "HEAD")
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if sha else None

@@ -1,4 +1,5 @@
-"""What a case will take, said before it runs, and a run refused when that is too long.
+"""What a case will take, said before it runs (a run refused when that is too long:
+``bench.refusal``).
 
 The kernel's rate on this machine comes from a probe: the plan's kernel backend runs one
 full (non-causal) block's forward and backward, at the case's heads, head dim and dtype, on
@@ -37,7 +38,6 @@ import torch
 from cpbench import kernels, metrics
 from cpbench.bench import ideal, timer
 from cpbench.config import DTYPES, AttentionConfig, RunConfig
-from cpbench.errors import UsageError
 from cpbench.metrics import duration
 
 # seconds one probe's forward + backward should take: the quick one, the refined one
@@ -281,44 +281,3 @@ def _nominal(pr: Problem, run: RunConfig, machine: Machine) -> Estimate:
     rate = Rate(fwd=nominal, bwd=nominal, side=0, kernel=pr.kernel, threads=machine.cpus)
     return case_estimate(pr.attn, run, pr.ranks_per_problem, pr.imbalance, rate, machine,
                          has_ideal=pr.has_ideal, extra=pr.extra_s)
-
-
-def refuse_over(problems: Sequence[Problem], ests: Sequence[Estimate], run: RunConfig,
-                machine: Machine) -> None:
-    """UsageError, one line, when a case's estimate is over ``--max-minutes`` (0: no limit):
-    the longest such case, its estimate and what to do instead."""
-    limit_s = run.max_minutes * 60
-    over = [(pr, est) for pr, est in zip(problems, ests) if limit_s and est.case_s > limit_s]
-    if not over:
-        return
-    pr, est = max(over, key=lambda pair: pair[1].case_s)
-    many = f"{len(over)} of {len(problems)} cases are over the limit; the longest, " \
-        if len(over) > 1 else ""
-    seqlen = pr.attn.seqlen
-    fits = _fitting_seqlen(pr, est, run, machine)
-    names = ",".join(dict.fromkeys(p.label.split(" ")[0] for p, _ in over))
-    raise UsageError(
-        f"{many}{pr.label} at seqlen {seqlen}: {est.line()} on this machine "
-        f"({est.rate.text()}), over --max-minutes {run.max_minutes:g}; "
-        + (f"try --seqlen {fits[0]} (~{duration(fits[1])}), " if fits else "")
-        + f"or predict it without running: `cpbench simulate --strategy {names} --seqlen "
-        f"{seqlen}` (time on a GPU preset), `cpbench dryrun --strategy {names} --seqlen "
-        f"{seqlen}` (memory); or --max-minutes 0 to run it anyway")
-
-
-def _fitting_seqlen(pr: Problem, est: Estimate, run: RunConfig, machine: Machine
-                    ) -> tuple[int, float] | None:
-    """The largest power-of-two --seqlen below the case's whose estimate fits the limit
-    (time grows about as S²; the case's imbalance kept), and its estimate; None when none
-    from 1k up does, or the problem is documents (its lengths fix the sequence)."""
-    if pr.attn.documents:
-        return None
-    limit_s = run.max_minutes * 60
-    seqlen = 2 ** int(math.log2(pr.attn.seqlen * math.sqrt(limit_s / est.case_s)))
-    while seqlen >= 1024:
-        smaller = dataclasses.replace(pr, attn=dataclasses.replace(pr.attn, seqlen=seqlen))
-        got = estimate(smaller, run, machine, refined=True)
-        if got.case_s + FIRST_CASE_S <= limit_s:  # were it the run's first case
-            return seqlen, got.case_s + FIRST_CASE_S
-        seqlen //= 2
-    return None

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from cpbench.bench import estimate, load
+from cpbench.bench import estimate, load, refusal
 from cpbench.bench.estimate import Estimate, Machine, Problem
 from cpbench.config import RunConfig
 from cpbench.metrics import duration
@@ -34,7 +34,7 @@ def planned(problems: Sequence[Problem], run: RunConfig, machine: Machine, launc
         meter = (lambda: load.Meter(period=1.0)) if load.Meter.available() else _NoMeter
     machine = estimate.under_load(problems, run, machine, meter)
     ests = estimate.estimates(problems, run, machine)
-    estimate.refuse_over(problems, ests, run, machine)
+    refusal.refuse_over(problems, ests, run, machine)
     if not ests:
         return ests
     start = startup_s(process_age_s() if age_s is None else age_s, launcher)

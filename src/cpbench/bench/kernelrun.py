@@ -16,7 +16,7 @@ from cpbench import results, strategies
 from cpbench.bench import env as env_mod
 from cpbench.bench import kernelbench
 from cpbench.config import AttentionConfig, RunConfig
-from cpbench.errors import UsageError
+from cpbench.errors import UsageError, unknown
 from cpbench.kernels.base import dtype_name
 
 log = logging.getLogger("cpbench")
@@ -49,7 +49,7 @@ class Grid:
         known = kernelbench.names()
         for name in self.kernels:
             if name not in known:
-                raise UsageError(f"unknown kernel {name!r}; choose from {', '.join(known)}")
+                raise UsageError(unknown("kernel", name, known, "docs/run.md (cpbench kernels)"))
         self.cases()
 
 

@@ -25,7 +25,7 @@ import torch
 
 from cpbench import kernels, metrics, results, strategies
 from cpbench.bench import env as env_mod
-from cpbench.bench import estimate, eta, ideal, memory, order
+from cpbench.bench import estimate, eta, ideal, memory, order, outputs
 from cpbench.bench.cases import Case, expand_cases, request, runnable, shape
 from cpbench.config import (
     AttentionConfig,
@@ -34,6 +34,7 @@ from cpbench.config import (
     packed_problems,
 )
 from cpbench.errors import UsageError
+from cpbench.mask import size_text
 from cpbench.topology import Topology, divisors
 
 DEFAULT_NPROC = 4
@@ -163,9 +164,8 @@ def check_gpu_count(local_ranks: int, visible: int) -> None:
     """Under torchrun on CUDA every local rank needs its own GPU: LOCAL_RANK indexes them."""
     if local_ranks > visible:
         raise UsageError(
-            f"torchrun starts {local_ranks} ranks on this node but {visible} GPU(s) are "
-            f"visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-            f"use --nproc-per-node {visible} (or --nproc-per-node gpu)")
+            f"{local_ranks} ranks on this node, {visible} GPU(s) visible (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use --nproc-per-node {visible}")
 
 
 def _launcher(run: RunConfig, launcher: str) -> str:
@@ -197,9 +197,8 @@ def _pick_device(run: RunConfig, launcher: str) -> str:
         return "cuda" if launcher in ("torchrun", THREADS) and torch.cuda.is_available() \
             else "cpu"
     if run.device == "cuda" and launcher == "self":
-        raise UsageError("--nproc starts CPU ranks (gloo); for GPUs launch with torchrun: "
-                         "torchrun --nproc-per-node N benchmarks/run.py ..., or check every "
-                         "rank on one GPU with --launcher threads")
+        raise UsageError("--nproc runs CPU ranks; GPUs: torchrun --nproc-per-node N "
+                         "benchmarks/run.py, or --launcher threads")
     if run.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but no CUDA device is visible here; use --device cpu")
     return run.device
@@ -209,16 +208,15 @@ def _world(run: RunConfig, launcher: str) -> tuple[int, int]:
     """(world size, default ranks per node)."""
     if launcher == "torchrun":
         if run.nproc is not None:
-            raise UsageError("--nproc starts local ranks itself; under torchrun the world is "
-                             "torchrun's (--nnodes × --nproc-per-node): drop --nproc")
+            raise UsageError("--nproc starts ranks itself; under torchrun the world is "
+                             "--nnodes × --nproc-per-node: drop --nproc")
         _, world, local = env_mod.torchrun_world()
         return world, local
     nproc = run.nproc or DEFAULT_NPROC
     limit = env_mod.max_local_ranks()
     if nproc > limit:
-        raise UsageError(f"--nproc {nproc} is more ranks than this machine can run "
-                         f"({os.cpu_count()} cores; at most {limit}); use --nproc {limit} or "
-                         f"fewer, or torchrun across machines")
+        raise UsageError(f"--nproc {nproc}: this machine runs at most {limit} ranks "
+                         f"({os.cpu_count()} cores); use --nproc {limit} or fewer, or torchrun")
     # >= 2 emulated nodes wherever possible, so inter-node placements really differ
     return nproc, max([d for d in divisors(nproc) if nproc // d >= 2] or [nproc])
 
@@ -233,51 +231,9 @@ def _reference_fits(attn: AttentionConfig, device: str, local_ranks: int,
     sharing = local_ranks if device == "cpu" else threads  # ranks sharing rank 0's memory
     if per_rank * sharing + reference > capacity * sharing:
         raise UsageError(
-            f"--check builds the global tensors on every rank and a float64 reference "
-            f"on rank 0: at seqlen {attn.seqlen} that is about "
-            f"{metrics.gib(per_rank * sharing + reference)} (an estimate), more than the "
-            f"{metrics.gib(capacity * sharing)} here; check at a small --seqlen "
-            f"(e.g. 8k) and time this size without --check")
-
-
-def open_out(out: str) -> None:
-    """Create ``out``'s directory and open it for appending, so that a path the run could
-    not write is an error now rather than after the first case."""
-    path = Path(out)
-    if path.is_dir():
-        raise UsageError(f"--out {out} is a directory; give a file such as "
-                         f"{path / 'results.jsonl'}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        blocker = next((a for a in (path.parent, *path.parent.parents)
-                        if a.exists() and not a.is_dir()), None)
-        why = f"{blocker} is a file, not a directory" if blocker else (e.strerror or str(e))
-        raise UsageError(f"--out {out}: cannot write there ({why}); give a writable path, "
-                         f"or --out none for no file") from None
-
-
-def open_profile_dir(directory: str) -> None:
-    """Create ``--profile``'s directory now, so that one the run could not write is an error
-    before any rank starts rather than after the first case's timing."""
-    path = Path(directory)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".cpbench-write-test"
-        probe.touch()
-        probe.unlink()
-    except OSError as e:
-        why = f"{path} is a file" if path.is_file() else (e.strerror or str(e))
-        raise UsageError(f"--profile {directory}: cannot write traces there ({why}); give "
-                         f"a writable directory") from None
-
-
-def _default_out(run: RunConfig, attn: AttentionConfig) -> str:
-    utc = env_mod.utc_now().replace("-", "").replace(":", "")
-    names = "+".join(run.strategy).replace("/", "_")
-    return str(Path("runs") / f"{utc}_{names}_{attn.seqlen}" / "results.jsonl")
+            f"--check at {size_text(attn.seqlen)} needs "
+            f"~{metrics.gib(per_rank * sharing + reference)} (fp64 reference), "
+            f"{metrics.gib(capacity * sharing)} here; check at 8k, time this without it")
 
 
 def _kernel(run: RunConfig, device: str, attn: AttentionConfig, notes: list[str], *,
@@ -313,8 +269,8 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     world, default_rpn = _world(run, launcher) if job is None else job
     topo = Topology(world_size=world, ranks_per_node=run.ranks_per_node or default_rpn)
     if launcher == "torchrun" and run.deadline is not None:
-        raise UsageError("--deadline stops a --nproc self-launch; under torchrun use the "
-                         "scheduler's time limit (e.g. sbatch --time): drop --deadline")
+        raise UsageError("--deadline stops --nproc's ranks; under torchrun drop it, use the "
+                         "scheduler's limit (sbatch --time)")
     run = dataclasses.replace(run, ranks_per_node=topo.ranks_per_node,
                               nproc=None if launcher == "torchrun" else world)
     kernel_notes: list[str] = []
@@ -342,19 +298,19 @@ def plan(run: RunConfig, attention: dict, options: dict, *, launcher: str,
     cases = order.in_rounds(cases, run.rounds)
     if run.check:
         _reference_fits(attn, device, local_ranks, capacity, sharing)
-    out = None if (run.out or "").lower() == "none" else (run.out or _default_out(run, attn))
+    out = None if (run.out or "").lower() == "none" else (run.out or outputs.default_out(run, attn))
     writer = job is None and (launcher != "torchrun" or env_mod.torchrun_world()[0] == 0)
     # nothing is timed with ranks as threads (Plan.timed): a case's time is its check's
     estimates = _estimates(cases, strat_of, problems, run, backend.name, topo, local_ranks,
                            launcher, comm) if writer and launcher != THREADS else ()
     if out is not None and writer:
-        open_out(out)
+        outputs.open_out(out)
     if run.profile is not None:
         # absolute, so the record's trace paths still lead to the traces from elsewhere
         profile = str(Path(run.profile).resolve())
         run = dataclasses.replace(run, profile=profile)
         if writer:
-            open_profile_dir(profile)
+            outputs.open_profile_dir(profile)
     return Plan(attn=attn, run=run, world_size=world, ranks_per_node=topo.ranks_per_node,
                 kernel=backend.name, cases=tuple(cases), out=out, launcher=launcher,
                 skipped=(*kernel_notes, *skipped),

@@ -7,13 +7,15 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from typing import Callable
 
 from cpbench import strategies
-from cpbench.config import CPU_ATTENTION, GPU_ATTENTION, RunConfig
+from cpbench.config import CPU_ATTENTION, GPU_ATTENTION, RunConfig, parse_names
 from cpbench.errors import UsageError, near_miss
 from cpbench.settings import Setting, split
 
 USAGE_ERROR = 2
+MAX_COLUMNS = 120  # a bad-input line fits a terminal this wide (the help pointer only if it fits)
 OPT_PREFIX = "opt_"  # strategy options live under opt_<name> in the namespace
 
 
@@ -24,7 +26,8 @@ _READ_BY = "_cpbench_read_by"
 
 class Parser(argparse.ArgumentParser):
     """argparse with cpbench's bad-input line (``usage_error``), no abbreviations (``--seq``
-    is not ``--seqlen``), and a "did you mean" for a flag it does not know."""
+    is not ``--seqlen``), a "did you mean" for a flag it does not know, and flags added only
+    when this parser reads arguments (``defer``)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
@@ -32,8 +35,28 @@ class Parser(argparse.ArgumentParser):
         # "-8k" is a (negative) value, not a flag: let the size parser reject it with the fix
         # rather than argparse saying "expected one argument"
         self._negative_number_matcher = re.compile(r"^-\d+[kKmMgG]?$|^-\d*\.\d+$")
+        self._deferred: list[Callable[[], None]] = []
+
+    def defer(self, add: Callable[[], None]) -> None:
+        """Call ``add`` (which adds flags) when this parser is the one reading arguments:
+        the strategy options import every strategy (and torch, seconds), which neither
+        ``cpbench --help`` nor another command needs."""
+        self._deferred.append(add)
+
+    def _add_deferred(self, args) -> None:
+        if not self._deferred:
+            return
+        if not {"-h", "--help"} & set(args):
+            # the flags already here read first, so that a mistake among them (an unknown
+            # strategy, a bad size) is answered before the deferred ones import torch
+            super().parse_known_args(list(args), argparse.Namespace())
+        for add in self._deferred:
+            add()
+        self._deferred.clear()
 
     def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        self._add_deferred(args)
         # a command's parser runs first (inside its parent's), so its mark is kept
         namespace, extras = super().parse_known_args(args, namespace)
         if not hasattr(namespace, _READ_BY):
@@ -51,7 +74,7 @@ class Parser(argparse.ArgumentParser):
     def suggestion(self, extras: list[str]) -> str:
         """`` (did you mean --seqlen?)`` for the unknown flags among ``extras`` that are near
         misses of this parser's own."""
-        known = [o for o in self._option_string_actions if o.startswith("--")]
+        known = [o for o in self._option_string_actions if o.startswith("--") and o != "--help"]
         near = {}
         for word in extras:
             flag = word.split("=", 1)[0]
@@ -59,11 +82,14 @@ class Parser(argparse.ArgumentParser):
                 near[flag] = hit
         if len(near) == 1:
             return f" (did you mean {next(iter(near.values()))}?)"
-        return (" (did you mean " + ", ".join(f"{hit} for {flag}" for flag, hit in near.items())
-                + "?)") if near else ""
+        return (" (did you mean " + ", ".join(near.values()) + "?)") if near else ""
 
     def error(self, message):  # one line with the fix, not argparse's usage block
-        self.exit(usage_error(self.prog, f"{message} (see {self.prog} --help)"))
+        if len(f"{self.prog}: error: {message}") > MAX_COLUMNS and message.startswith("argument "):
+            message = message.split(": ", 1)[1]  # "argument --x: ": the message names --x
+        see = f" (see {self.prog} --help)"
+        fits = len(f"{self.prog}: error: {message}{see}") <= MAX_COLUMNS and "see " not in message
+        self.exit(usage_error(self.prog, message + see if fits else message))
 
 
 class KeepLines(argparse.HelpFormatter):
@@ -113,6 +139,14 @@ def converter(read, what: str):
     return convert
 
 
+def strategy_names(text: str) -> tuple[str, ...]:
+    """``--strategy``'s names (``zigzag``, ``ring,zigzag``, ``all``), each one checked against
+    the registry's names (no strategy imported: ``strategies.check_names``)."""
+    names = parse_names(text)
+    strategies.check_names(names)
+    return names
+
+
 def add_setting(group, s: Setting, *, help: str | None = None, dest: str | None = None,
                 choices: tuple | None = None) -> None:
     """``s`` as a flag: ``--x/--no-x`` for a bool, else one value read by ``s.from_text``."""
@@ -122,7 +156,8 @@ def add_setting(group, s: Setting, *, help: str | None = None, dest: str | None 
                            default=None, help=help)
         return
     choices = choices or s.choices
-    group.add_argument(s.flag, dest=dest, type=converter(s.from_text, s.what),
+    read = strategy_names if s.name == "strategy" else s.from_text
+    group.add_argument(s.flag, dest=dest, type=converter(read, s.what),
                        choices=choices, default=None,
                        metavar=s.metavar or (None if choices else s.name.upper()), help=help)
 
@@ -156,7 +191,12 @@ def option_usage(s: Setting) -> str:
 
 
 def add_strategy_options(p, reserved: set[str]) -> None:
-    """One flag per strategy option over every registered strategy (choices merged)."""
+    """One flag per strategy option over every registered strategy (choices merged), added
+    when ``p`` reads its arguments (they import every strategy: ``Parser.defer``)."""
+    p.defer(lambda: _add_strategy_options(p, reserved))
+
+
+def _add_strategy_options(p, reserved: set[str]) -> None:
     group = p.add_argument_group("strategy options (passed to the strategies that take them)")
     for opt, owners in strategies.option_settings().items():
         assert opt not in reserved, f"strategy option {opt!r} clashes with a run flag"
@@ -215,24 +255,30 @@ def request(args) -> tuple[RunConfig, dict, dict]:
     return (RunConfig(**run), *problem(args))
 
 
-def usage_error(prog: str, message: str) -> int:
+def usage_error(prog: str, message: str, more: tuple[str, ...] = ()) -> int:
     """Bad input: one line on stderr (after clearing a status line), exit status 2. Under
     torchrun every rank finds the same error: rank 0 says it, and each rank leaves it as its
     error file, so torchrun's failure summary names it as the root cause (torchrun itself
-    then exits 1: the agent's status is its own, see ``bench.env.tell_torchrun``)."""
+    then exits 1: the agent's status is its own, see ``bench.env.tell_torchrun``).
+    ``more``: continuation lines (``UsageError.more``), indented."""
     from cpbench.bench import env
-    from cpbench.report import console
 
-    line = f"{prog}: error: {' '.join(message.split())}"
+    line = "\n  ".join([f"{prog}: error: {' '.join(message.split())}",
+                        *(" ".join(m.split()) for m in more)])
     if env.under_torchrun():
         env.tell_torchrun(line)
         if env.torchrun_world()[0] != 0:
             return USAGE_ERROR
-    console.end_status()  # a status line on the terminal must not run into the error
+    # a status line on the terminal must not run into the error; only the console module
+    # draws one, so none is there unless it was imported (not imported here: it imports torch)
+    console = sys.modules.get("cpbench.report.console")
+    if console is not None:
+        console.end_status()
     sys.stderr.write(line + "\n")
     return USAGE_ERROR
 
 
 def fail(prog: str, e: Exception) -> int:
-    """Bad input ``e``: ``usage_error``'s one line, exit status 2."""
-    return usage_error(prog, str(e))
+    """Bad input ``e``: ``usage_error``'s one line (and ``e``'s continuation lines), exit
+    status 2."""
+    return usage_error(prog, str(e), getattr(e, "more", ()))

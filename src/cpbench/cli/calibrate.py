@@ -12,7 +12,7 @@ import os
 import sys
 
 from cpbench.cli import args as cli_args
-from cpbench.config import CPU_ATTENTION, DTYPES, GPU_ATTENTION
+from cpbench.config import CPU_ATTENTION, DTYPE_NAMES, GPU_ATTENTION
 from cpbench.errors import UsageError
 from cpbench.mask import parse_size
 
@@ -41,7 +41,7 @@ def add_parser(sub) -> None:
                         f"{','.join(map(str, CPU_SIDES))}, less any side near a block of the "
                         f"self-check's schedules, so its score is out of sample; on GPU up to "
                         f"32k)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), help="default fp32 on CPU, bf16 on GPU")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, help="default fp32 on CPU, bf16 on GPU")
     p.add_argument("--heads", type=integer,
                    help="default 2 on CPU (the self-check's), 40 on GPU")
     p.add_argument("--head-dim", type=integer, help="default 64 on CPU, 128 on GPU")

@@ -12,8 +12,10 @@ parts of the step changed.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
+from pathlib import Path
 
 from cpbench.cli.args import command, converter, fail, read_number
 from cpbench.errors import UsageError
@@ -76,6 +78,19 @@ def _check(args) -> None:
         check_target(args.plot)  # before any work: the fix, not half a report
 
 
+def same_inputs(files_a: list[str], files_b: list[str]) -> str | None:
+    """Why A and B are one run (the same files, or files with the same bytes), else None: a
+    run compared with itself says "same" everywhere, which is no finding."""
+    def digest(paths: list[str]) -> set[str]:
+        return {hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths}
+
+    if {Path(p).resolve() for p in files_a} == {Path(p).resolve() for p in files_b}:
+        return "A and B are the same file(s)"
+    if digest(files_a) == digest(files_b):
+        return "A and B hold the same bytes"
+    return None
+
+
 def _read(paths: list[str]) -> list[dict]:
     from cpbench import results
 
@@ -97,7 +112,10 @@ def main(args) -> int:
     try:
         files_a, files_b = _runs(args)
         _check(args)
-        cmp = analysis.compare(_read(files_a), _read(files_b), alpha=args.alpha,
+        a_records, b_records = _read(files_a), _read(files_b)
+        if why := same_inputs(files_a, files_b):
+            sys.stderr.write(f"{PROG}: warning: {why}: the run is compared with itself\n")
+        cmp = analysis.compare(a_records, b_records, alpha=args.alpha,
                                min_effect=args.min_effect, seed=args.seed,
                                resamples=args.resamples)
     except (OSError, UsageError) as e:

@@ -12,7 +12,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from cpbench.cli import args as cli_args
-from cpbench.config import FORMATS, AttentionConfig, default_attention, parse_names
+from cpbench.config import FORMATS, AttentionConfig, default_attention
 from cpbench.errors import UsageError
 from cpbench.settings import attention_settings
 
@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
     g.add_argument("--ranks", type=cli_args.converter(_read_ranks, "ranks"), metavar="R[,R...]",
                    help="run these ranks (default: every rank whose role differs)")
     s = p.add_argument_group("what")
-    s.add_argument("--strategy", type=cli_args.converter(parse_names, "names"),
+    s.add_argument("--strategy", type=cli_args.converter(cli_args.strategy_names, "names"),
                    default=("all",), metavar="NAME[,NAME...]|all",
                    help="strategies (default all)")
     s.add_argument("--kernel", default="auto", help="attention kernel (as run's)")
@@ -74,9 +74,8 @@ def _device(args) -> str:
     built = torch.backends.cuda.is_built()
     device = args.device or ("cuda" if built else "cpu")
     if device == "cuda" and not built:
-        raise UsageError("--device cuda needs a CUDA build of torch (this one is CPU-only: "
-                         f"{torch.__version__}); use --device cpu, or the fake-GPU venv of "
-                         "make test-fake-gpu")
+        raise UsageError(f"--device cuda needs a CUDA build of torch ({torch.__version__} is "
+                         "not); use --device cpu")
     from cpbench import torchcompat
 
     if why := torchcompat.dry_run_unavailable(device):
@@ -122,7 +121,7 @@ def request(args) -> Request:
     cases, skipped = cases_for(args.strategy, options, attn, topo, backend, device,
                                auto=args.kernel == kernels.AUTO)
     if args.out:
-        from cpbench.bench.plan import open_out
+        from cpbench.bench.outputs import open_out
 
         open_out(args.out)
     return Request(attn=attn, topo=topo, cases=tuple(cases), kernel=backend.name,

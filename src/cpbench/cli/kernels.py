@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from cpbench.cli import args as cli_args
-from cpbench.config import CPU_ATTENTION, DTYPES, FORMATS
+from cpbench.config import CPU_ATTENTION, DTYPE_NAMES, FORMATS
 from cpbench.errors import UsageError
 from cpbench.mask import parse_size
 
@@ -27,8 +27,8 @@ def _list(read, what: str):
 
 
 def _dtype(text: str) -> str:
-    if text not in DTYPES:
-        raise UsageError(f"unknown dtype {text!r}; choose from {', '.join(DTYPES)}")
+    if text not in DTYPE_NAMES:
+        raise UsageError(f"unknown dtype {text!r}; choose from {', '.join(DTYPE_NAMES)}")
     return text
 
 
@@ -116,7 +116,7 @@ def main(args) -> int:
             grid = _grid(args, device)
             warmup, iters, cap = _settings(args, device)
             if args.out:
-                from cpbench.bench.plan import open_out
+                from cpbench.bench.outputs import open_out
 
                 open_out(args.out)
         except (OSError, UsageError) as e:

@@ -27,6 +27,9 @@ def add_parser(sub) -> None:
                                    "group's time, % of device time, calls, average and top "
                                    "kernels, and for a trace the step breakdown.")
     s.add_argument("files", nargs="+", metavar="FILE")
+    s.add_argument("--every-rank", action="store_true",
+                   help="summarize every rank trace given (default: of one case's rank "
+                        "traces, rank*.trace.json.gz of one directory, the slowest rank's)")
     s.add_argument("--groups", metavar="FILE",
                    help="YAML rules (`rules:` list of {group, match}) read before the "
                         "shipped ones, so they win")
@@ -42,7 +45,11 @@ def main(args) -> int:
 
     try:
         rules = groups.load(args.groups)
-        done = [summary.summarize(path, parsers.read(path), rules) for path in args.files]
+        read = {path: parsers.read(path) for path in args.files}
+        chosen = {p: (prof, None) for p, prof in read.items()} if args.every_rank else \
+            summary.slowest_ranks(read, rules)
+        done = [summary.summarize(path, prof, rules, note)
+                for path, (prof, note) in chosen.items()]
     except UsageError as e:  # every input read before any output: no half a report
         return fail(PROG, e)
     if args.format == "json":

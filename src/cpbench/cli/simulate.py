@@ -15,7 +15,6 @@ from cpbench.config import (
     GPU_ATTENTION,
     AttentionConfig,
     packed_problems,
-    parse_names,
 )
 from cpbench.errors import UsageError
 from cpbench.mask import parse_size
@@ -84,7 +83,7 @@ def add_parser(sub) -> None:
                                      "is T x its GPUs (over --batch); a capacity table")
     g.add_argument("--gpus-per-node", type=integer, help="GPUs per node (default: the preset's)")
     s = p.add_argument_group("what to simulate")
-    s.add_argument("--strategy", type=cli_args.converter(parse_names, "names"),
+    s.add_argument("--strategy", type=cli_args.converter(cli_args.strategy_names, "names"),
                    default=("all",), metavar="NAME[,NAME...]|all",
                    help="strategies (default all)")
     s.add_argument("--seed", type=integer, default=0,
@@ -191,7 +190,7 @@ def _checked(args, hw):
     if (args.out or "").lower() == "none":
         args.out = None
     if args.out:
-        from cpbench.bench.plan import open_out
+        from cpbench.bench.outputs import open_out
 
         open_out(args.out)
     return (Topology(world_size=nodes * gpn, ranks_per_node=gpn), attention, options,
@@ -351,7 +350,7 @@ def _self_check_measure(args, hw, limits):
         raise UsageError(f"the {hw.name} preset models {'/'.join(hw.dtypes)} kernels; give "
                          f"--dtype {hw.dtypes[0]} or a preset from cpbench calibrate")
     if args.out:
-        from cpbench.bench.plan import open_out
+        from cpbench.bench.outputs import open_out
 
         open_out(args.out)
     return selfcheck.measure(args.strategy, attention, options,

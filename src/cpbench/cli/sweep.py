@@ -154,7 +154,8 @@ def main(args) -> int:
     try:
         prepared = prepare(args)
     except sweep.SweepError as e:
-        sys.stderr.write(f"{PROG}: {e}\n")  # every error, one per line
+        # every error, one line each (the cases with one error grouped on its line)
+        sys.stderr.write("".join(f"{PROG}: error: {line}\n" for line in e.errors))
         return USAGE_ERROR
     except UsageError as e:
         return fail(PROG, e)

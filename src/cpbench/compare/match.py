@@ -124,11 +124,25 @@ def _topologies(records: list[dict]) -> list[str]:
                    for r in records})
 
 
+def _loads(records: list[dict]) -> list[str]:
+    """The load each record timed under: the cores others kept busy (its ``load`` section,
+    the load meter's reading on rank 0's host), as their range over the records."""
+    read = [(r["load"]["foreign_cpu_s"] / r["load"]["wall_s"], r["load"]["cpus"])
+            for r in records if (r.get("load") or {}).get("wall_s")]
+    if not read:
+        return ["not metered"]
+    low, high = (f"{f(c for c, _ in read):.1f}" for f in (min, max))
+    cpus = "/".join(map(str, sorted({n for _, n in read})))
+    return [f"others kept {low if low == high else f'{low}-{high}'} of {cpus} cores busy"]
+
+
 def environment(a_records: list[dict], b_records: list[dict]) -> list[tuple[str, str, str]]:
     """(what, A's value(s), B's value(s)) for every environment field of the records, and
-    hosts and topologies; each side's distinct values joined by ", "."""
+    hosts, topologies and the load each ran under; each side's distinct values joined by
+    ", "."""
     rows = [(name, _values(a_records, field), _values(b_records, field))
             for field, name in ENV_FIELDS]
     rows += [("hosts", _hosts(a_records), _hosts(b_records)),
-             ("topology", _topologies(a_records), _topologies(b_records))]
+             ("topology", _topologies(a_records), _topologies(b_records)),
+             ("load", _loads(a_records), _loads(b_records))]
     return [(name, ", ".join(a), ", ".join(b)) for name, a, b in rows]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cpbench.errors import UsageError
+from cpbench.errors import UsageError, unknown
 from cpbench.kernels import flash_attn_cpu, sdpa, sdpa_cpu, torch_ref
 from cpbench.kernels.base import KernelBackend
 
@@ -38,7 +38,7 @@ def names() -> list[str]:
 
 def get(name: str) -> KernelBackend:
     if name not in _BACKENDS:
-        raise UsageError(f"unknown kernel {name!r}; choose one of: {', '.join(names())}")
+        raise UsageError(unknown("kernel", name, names(), "docs/run.md"))
     return _BACKENDS[name]
 
 
@@ -61,7 +61,8 @@ def resolve(name: str, *, notes: list[str] | None = None, **request: Any) -> Ker
     reason = backend.unsupported_reason(**request)
     if reason is not None:
         working = [n for n, b in _BACKENDS.items() if b.unsupported_reason(**request) is None]
-        hint = f"use --kernel {' or '.join(working)}" if working else "no backend can run it here"
+        hint = f"use --kernel {' or '.join(working[:2])}" if working else \
+            "no backend can run it here"
         raise UsageError(f"{reason}; {hint}")
     return backend
 

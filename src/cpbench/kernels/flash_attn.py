@@ -178,9 +178,12 @@ def _load(module: str):
 def import_error(module: str) -> str | None:
     """Why ``module`` does not load, as its exception says it (one line), or None. Not only
     ImportError: a build against another torch or CUDA fails with OSError (a missing
-    libcudart), RuntimeError or an undefined symbol, and that is what the user must see."""
+    libcudart), RuntimeError or an undefined symbol, and that is what the user must see. A
+    module not there says so without its type's name (the line has 120 columns)."""
     try:
         _load(module)
+    except ModuleNotFoundError as e:
+        return " ".join(str(e).split())
     except Exception as e:
         return " ".join(f"{type(e).__name__}: {e}".split())
     return None

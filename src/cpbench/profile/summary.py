@@ -10,6 +10,7 @@ breakdown charges it, so nested ops and gloo's spans over them are not counted t
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from cpbench.profile.groups import OTHER, TOP_GROUPS, Rules, top
 from cpbench.profile.parsers import KernelRow, KernelTable, Trace
 
 NAME_WIDTH = 90
+RANK_TRACE = re.compile(r"rank(\d+)\.trace\.json(\.gz)?$")  # cpbench run --profile's names
 
 
 @dataclass(frozen=True)
@@ -147,14 +149,45 @@ def detail_lines(profile: dict[str, Any]) -> list[str]:
             f"{profile['timeline']}):", *breakdown_lines(profile), f"  - Traces: {where}"]
 
 
-def summarize(path: str, profile: KernelTable | Trace, rules: Rules
+def slowest_ranks(profiles: dict[str, KernelTable | Trace], rules: Rules
+                  ) -> dict[str, tuple[KernelTable | Trace, str | None]]:
+    """Of the rank traces of one case (``rank{r}.trace.json.gz`` of one directory, as
+    ``cpbench run --profile`` writes them), the slowest rank's alone, with a line saying
+    which and every rank's step: a step ends when its last rank finishes, so the slowest is
+    what the step's time is (``bench.profiling`` puts the same one in the record). Any other
+    input is kept, with no line."""
+    cases: dict[str, dict[int, tuple[str, Trace]]] = defaultdict(dict)
+    for path, prof in profiles.items():
+        if isinstance(prof, Trace) and (m := RANK_TRACE.search(os.path.basename(path))):
+            cases[os.path.dirname(path)][int(m.group(1))] = (path, prof)
+    out: dict[str, tuple[KernelTable | Trace, str | None]] = {}
+    for path, prof in profiles.items():
+        ranks = cases.get(os.path.dirname(path), {})
+        if len(ranks) < 2 or path not in {p for p, _ in ranks.values()}:
+            out[path] = (prof, None)
+            continue
+        if path != next(iter(ranks.values()))[0]:
+            continue  # the case is summarized once, where its first rank's trace was given
+        step = {r: float(bd.breakdown(ranks[r][1], rules).to_dict()["step_ms"])
+                for r in sorted(ranks)}
+        rank = max(step, key=lambda r: (step[r], -r))
+        each = ", ".join(f"{r}: {ms:.3f}" for r, ms in step.items())
+        chosen, trace = ranks[rank]
+        out[chosen] = (trace, f"rank {rank} of {len(step)}, the slowest (ms a step, by rank: "
+                              f"{each}); --every-rank for each")
+    return out
+
+
+def summarize(path: str, profile: KernelTable | Trace, rules: Rules, note: str | None = None
               ) -> tuple[str, list[dict[str, Any]]]:
     """(the text, the JSON objects) of one input: its grouped table and, for a trace, its
-    step breakdown."""
+    step breakdown; ``note``: which rank it is (``slowest_ranks``), said first."""
     trace = profile if isinstance(profile, Trace) else None
     table = kernel_table(profile, rules) if isinstance(profile, Trace) else profile
     rows = group_rows(table, rules)
     lines, objects = table_lines(path, table, rows), json_rows(path, rows)
+    if note:
+        lines[1:1] = [f"  {note}"]
     if trace is not None:
         b = bd.breakdown(trace, rules).to_dict()
         lines += [f"step breakdown ({b['steps']} steps of {b['step_ms']:.3f} ms; "

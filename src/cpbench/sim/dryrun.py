@@ -12,6 +12,7 @@ the simulator's memory estimate and its error against the dry run's worst rank.
 from __future__ import annotations
 
 import logging
+import textwrap
 from dataclasses import dataclass
 
 from cpbench import results
@@ -203,13 +204,18 @@ def table_rows(summaries: list[dict]) -> list[list[str]]:
             "" if s["sim_error"] is None else f" ({s['sim_error']:+.0%})")
         verdict = w["status"] if w["status"] == results.OK else \
             f"{w['status']}: {w['error']}" + (f" at {w['where']}" if w["where"] else "")
-        out.append([s["case"], f"{w['rank']} ({s['ranks_run']} run)", _gib(w["peak_fwd_bytes"]),
-                    _gib(w["peak_fwd_bwd_bytes"]), sim, _sent(w), verdict])
+        out.append([s["case"], f"{w['rank']} ({s['ranks_run']} run)",
+                    f"{_gib(w['peak_fwd_bytes'])}/{_gib(w['peak_fwd_bwd_bytes'])}", sim,
+                    _sent(w), verdict])
     return out
 
 
-HEADER = ["Strategy", "Worst rank", "FWD GiB", "FWD+BWD GiB", "Sim GiB (err)",
-          "Sent FWD/BWD GiB", "Verdict"]
+# the peaks of FWD and of FWD+BWD share a column, as the bytes sent in each phase do: the
+# table fits 120 columns, the verdict (an error and its place) wrapping in what is left
+HEADER = ["Strategy", "Worst rank", "Peak GiB FWD/+BWD", "Sim GiB (err)", "Sent GiB FWD/BWD",
+          "Verdict"]
+WIDTH = 120
+MIN_VERDICT = 24
 
 
 def render(summaries: list[dict], fmt: str, banner: str) -> str:
@@ -219,10 +225,15 @@ def render(summaries: list[dict], fmt: str, banner: str) -> str:
         return banner + "\n\n" + "\n".join(lines + ["| " + " | ".join(r) + " |"
                                                     for r in rows]) + "\n"
     widths = [max(len(str(x)) for x in col) for col in zip(HEADER, *rows)]
+    widths[-1] = min(widths[-1], max(MIN_VERDICT, WIDTH - sum(widths[:-1]) - 2 * len(widths[:-1])))
     fmt_row = "  ".join(f"{{:<{w}}}" for w in widths)
-    body = [fmt_row.format(*HEADER), fmt_row.format(*("-" * w for w in widths))]
-    body += [fmt_row.format(*r) for r in rows]
-    return banner + "\n" + "\n".join(body) + "\n"
+    body = textwrap.wrap(banner, WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+    body += [fmt_row.format(*HEADER).rstrip(), fmt_row.format(*("-" * w for w in widths))]
+    for r in rows:
+        verdict = textwrap.wrap(r[-1], widths[-1], break_on_hyphens=False) or [""]
+        body += [fmt_row.format(*r[:-1], verdict[0]).rstrip()]
+        body += [fmt_row.format(*([""] * (len(r) - 1)), more).rstrip() for more in verdict[1:]]
+    return "\n".join(body) + "\n"
 
 
 def flat_rows(all_rows: list[dict]) -> list[dict]:

@@ -188,9 +188,8 @@ class DoubleRing(ZigzagLayout, Strategy):
     def validate(self) -> None:
         n, w = self.cp_size, self.opts.window
         if w < 0 or (w and n % w):
-            raise UsageError(f"double-ring --window {w} does not divide the CP ring of {n} "
-                             f"ranks; use one of: {', '.join(map(str, divisors(n)))} "
-                             f"(0: ranks per node)")
+            raise UsageError(f"double-ring --window {w} does not divide {n} ranks; use "
+                             f"{', '.join(map(str, divisors(n)))} or 0 (ranks per node)")
         super().validate()
 
     def dkv_dtype(self, j: int) -> torch.dtype:

@@ -46,11 +46,9 @@ def check_documents_divisible(documents: tuple[int, ...], multiple: int, who: st
     ``--document-padding refuse``; ``pad`` pads them first: ``config.padded``)."""
     bad = [d for d in documents if d % multiple]
     if bad:
-        raise Skipped(
-            f"{who} cuts each document into {multiple} chunks, so every document length "
-            f"must be a multiple of {multiple}; {len(bad)} are not (e.g. {bad[0]}): refused, "
-            f"not padded (--document-padding refuse); give such lengths, use "
-            f"--document-padding pad, or ring, llama3 or ulysses")
+        # it cuts each document into ``multiple`` chunks; padded (the default) they would be
+        raise Skipped(f"{who}: {len(bad)} documents not multiples of {multiple} (e.g. "
+                      f"{bad[0]}); drop --document-padding refuse")
 
 
 def slice_len(part: slice, total: int) -> int:
@@ -94,10 +92,8 @@ def nearest_multiple(seqlen: int, multiple: int) -> int:
 
 def check_divisible(seqlen: int, multiple: int, why: str) -> None:
     if seqlen % multiple:
-        raise UsageError(
-            f"seqlen {seqlen} cannot be split: {why} needs a multiple of {multiple}; "
-            f"try --seqlen {nearest_multiple(seqlen, multiple)}"
-        )
+        raise UsageError(f"{why}: seqlen {seqlen} must divide by {multiple}; try --seqlen "
+                         f"{nearest_multiple(seqlen, multiple)}")
 
 
 class ZigzagLayout(_MixinBase):
@@ -112,7 +108,7 @@ class ZigzagLayout(_MixinBase):
     def validate(self) -> None:
         n = self.cp_size
         check_divisible(self.attn.seqlen, 2 * n,
-                        f"{self.name} over {n} ranks (zigzag: 2 chunks per rank)")
+                        f"{self.name} over {n} ranks (zigzag: 2 chunks a rank)")
         if self.attn.documents:
             check_documents_divisible(self.attn.documents, 2 * n,
                                       f"{self.name} over {n} ranks")

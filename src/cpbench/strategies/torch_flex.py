@@ -118,9 +118,9 @@ class TorchFlex(Strategy):
         if not hasattr(_cp(), "_PTRRLoadBalancer"):
             return f"torch {torch.__version__} has no FlexAttention context parallel"
         if device != "cuda":
-            return (f"torch {torch.__version__}'s FlexAttention has no backward on {device} "
-                    f"(torch/nn/attention/flex_attention.py _validate_device raises); "
-                    f"torch-flex runs on CUDA GPUs")
+            # torch/nn/attention/flex_attention.py's _validate_device raises
+            return (f"torch {torch.__version__}'s FlexAttention has no backward on {device}: "
+                    f"CUDA GPUs only")
         return None
 
     def __init__(self, *args, create_groups: bool = True, **kwargs):

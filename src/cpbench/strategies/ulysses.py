@@ -185,14 +185,10 @@ class Ulysses(Strategy):
     def validate(self) -> None:
         n, h = self.cp_size, self.attn.heads
         if h % n:
-            *most, last = map(str, divisors(h))
-            worlds = f"{', '.join(most)} or {last}" if most else last
             # usp splits the same ranks into Ulysses groups of d (d | heads) × a ring
             degrees = [d for d in divisors(n) if h % d == 0]
-            raise UsageError(f"ulysses over {n} ranks needs heads ({h}) divisible by {n}: it "
-                             f"runs on {worlds} ranks; on {n} ranks use --strategy "
-                             f"usp --ulysses-degree {max(degrees)} (degrees that work here: "
-                             f"{', '.join(map(str, degrees))})")
+            raise UsageError(f"ulysses over {n} ranks needs heads ({h}) divisible by {n}, or "
+                             f"--strategy usp --ulysses-degree {max(degrees)}")
         check_divisible(self.attn.seqlen, n, f"ulysses over {n} ranks")
 
     def group_lists(self):

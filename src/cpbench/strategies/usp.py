@@ -215,10 +215,10 @@ class Usp(Strategy):
         self.ulysses_degree, self.placement, self.ring_impl = self._plan()
         u = self.ulysses_degree
         if u < 1 or n % u or a.heads % u:
-            ok = ", ".join(f"{d}x{n // d}" for d in divisors(n) if a.heads % d == 0)
-            raise UsageError(f"{self.name} cannot split {n} ranks with ulysses degree {u} and "
-                             f"{a.heads} heads (both must divide by it); ulysses x ring "
-                             f"splits that work: {ok}")
+            *most, last = [str(d) for d in divisors(n) if a.heads % d == 0]
+            ok = f"{', '.join(most)} or {last}" if most else last
+            raise UsageError(f"{self.name}: ulysses degree {u} must divide {n} ranks and "
+                             f"{a.heads} heads; these do: {ok}")
         self.ring_degree = n // u
         check_divisible(a.seqlen, n, f"{self.name} {u}x{self.ring_degree} "
                         f"(S/{self.ring_degree} tokens per ring position cut in {u})")

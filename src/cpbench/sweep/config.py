@@ -189,7 +189,7 @@ def protocol_seqlen(raw: dict, settings: dict, world: int | None) -> int | None:
     return tokens // batch
 
 
-def _typed(raw: dict, spec: dict, where: str, default_timeout, gpu: bool,
+def _typed(raw: dict, spec: dict, default_timeout, gpu: bool,
            world: int | None = None) -> tuple[dict, float | None, list[str]]:
     """(typed settings, timeout, errors) of one case."""
     settings, errors = {}, []
@@ -199,26 +199,26 @@ def _typed(raw: dict, spec: dict, where: str, default_timeout, gpu: bool,
         try:
             settings[k] = spec[k].from_yaml(v)
         except UsageError as e:
-            errors.append(f"{where}: {e}")
+            errors.append(str(e))
     if raw.get("model") is not None:
         try:
             settings, _ = models.resolve(str(raw["model"]), settings)
         except UsageError as e:
-            errors.append(f"{where}: {e}")
+            errors.append(str(e))
     try:
         seqlen = protocol_seqlen(raw, settings, world)
     except UsageError as e:
-        errors.append(f"{where}: {e}")
+        errors.append(str(e))
     else:
         if seqlen is not None:
             settings["seqlen"] = seqlen
     timeout = raw.get("timeout", default_timeout)
     if timeout is not None and (isinstance(timeout, bool) or
                                 not isinstance(timeout, (int, float)) or timeout <= 0):
-        errors.append(f"{where}: timeout must be a positive number of seconds, got {timeout!r}")
+        errors.append(f"timeout must be a positive number of seconds, got {timeout!r}")
     if gpu and settings.get("nproc") is not None:
-        errors.append(f"{where}: nproc starts local CPU ranks; this config has a topology "
-                      f"(torchrun): drop nproc")
+        errors.append("nproc starts local CPU ranks; this config has a topology (torchrun): "
+                      "drop nproc")
     return settings, None if timeout is None else float(timeout), errors
 
 
@@ -226,29 +226,57 @@ def _cases(raw_cases: list[dict], base: dict, spec: dict, doc: dict,
            topology: tuple | None, errors: list[str]) -> list[SweepCase]:
     cases: list[SweepCase] = []
     seen: dict[str, int] = {}  # a case's record key -> the first case that has it
+    found: dict[str, list[tuple[int, str]]] = {}  # an error -> the cases (and labels) with it
     for i, raw in enumerate(raw_cases, 1):
-        where = f"case {i} ({_label(raw, base)})"
+        label = _label(raw, base)
         world = topology[0] * topology[1] if topology else None
-        settings, timeout, bad = _typed(raw, spec, where, doc.get("timeout"),
-                                        topology is not None, world)
-        bad += [f"{where}: {e}" for e in _value_errors(settings)]
-        errors += bad
+        settings, timeout, bad = _typed(raw, spec, doc.get("timeout"), topology is not None,
+                                        world)
+        bad += _value_errors(settings)
+        for e in bad:
+            found.setdefault(e, []).append((i, label))
         if bad:
             continue
         try:
             p = _plan(settings, topology)
         except UsageError as e:
-            errors.append(f"{where}: {' '.join(str(e).split())}")
+            found.setdefault(" ".join(str(e).split()), []).append((i, label))
             continue
         keys = p.keys()
         repeated = next((seen[k] for k in keys if k in seen), None)
         if repeated is not None:
-            errors.append(f"{where}: repeats a row of case {repeated}; drop one of them")
+            errors.append(f"case {i} ({label}): repeats a row of case {repeated}; drop one")
         for k in keys:
             seen.setdefault(k, i)
-        cases.append(SweepCase(index=i, settings=settings, label=_label(raw, base),
+        cases.append(SweepCase(index=i, settings=settings, label=label,
                                timeout=timeout, plan=p, keys=keys))
+    errors += [_grouped(message, where) for message, where in found.items()]
     return cases
+
+
+def _yaml_error(path: str | os.PathLike, e: yaml.YAMLError) -> str:
+    """A YAML error in one line: where it is and what the parser expected (PyYAML says it in
+    four lines, each with its mark)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
+    problem = getattr(e, "problem", None) or " ".join(str(e).split())
+    context = getattr(e, "context", None)
+    return f"{where}: not YAML: {problem}" + (f" ({context})" if context else "")
+
+
+def _grouped(message: str, where: list[tuple[int, str]]) -> str:
+    """One line for an error and every case it is in: ``case 3 (its label): ...`` for one,
+    ``cases 1-4, 7: ...`` for more (the message names the bad value)."""
+    if len(where) == 1:
+        return f"case {where[0][0]} ({where[0][1]}): {message}"
+    runs: list[list[int]] = []
+    for i, _ in where:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return "cases " + ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r))
+                                for r in runs) + f": {message}"
 
 
 def _preset_keys(raw: dict) -> set[str]:
@@ -265,8 +293,10 @@ def load(path: str | os.PathLike) -> Sweep:
     try:
         with open(path) as f:
             doc = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise SweepError([f"{path}: {e}"]) from None
+    except OSError as e:
+        raise SweepError([f"{path}: {e.strerror or e}"]) from None
+    except yaml.YAMLError as e:
+        raise SweepError([_yaml_error(path, e)]) from None
     if not isinstance(doc, dict):
         raise SweepError([f"{path}: expected a mapping with base / sweep / cases"])
     errors = [f"top level: unknown key {k!r}; allowed: {', '.join(TOP_KEYS)}"
