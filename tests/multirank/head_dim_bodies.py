@@ -1,4 +1,4 @@
-"""Rank bodies for test_head_dims (module level so forkserver ranks can import them)."""
+"""Rank bodies for test_head_dims_run (module level so forkserver ranks can import them)."""
 
 from __future__ import annotations
 

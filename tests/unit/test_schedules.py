@@ -57,7 +57,7 @@ def test_ring_of_one_sends_nothing(name):
 @pytest.mark.parametrize("name", ["zigzag", "megatron-cp", "double-ring", "burst"])
 def test_zigzag_layout_names_nearest_seqlen(name):
     attn = AttentionConfig(batch=1, seqlen=90, heads=4, head_dim=8)
-    with pytest.raises(ValueError, match=f"{name} over 4 ranks.*multiple of 8.*--seqlen 88"):
+    with pytest.raises(ValueError, match=f"{name} over 4 ranks.*divide by 8.*--seqlen 88"):
         plan(name, 4, 2, 0, attn)
 
 

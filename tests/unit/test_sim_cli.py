@@ -64,7 +64,7 @@ def test_out_of_memory_prints_oom_in_every_figure_column(capsys):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--hardware", "tpu"], "no hardware preset 'tpu'"),
+    (["--hardware", "tpu"], "unknown preset 'tpu'"),
     (["--nodes", "0"], "--nodes and --gpus-per-node must be >= 1"),
     (["--strategy", "ulysses"], "needs heads (40) divisible by 32"),
     (["--dtype", "fp32"], "models bf16/fp16"),

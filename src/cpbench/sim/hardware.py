@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from cpbench.errors import UsageError
+from cpbench.errors import UsageError, unknown
 from cpbench.sim import curves, provenance
 from cpbench.sim.curves import KernelCurve, KernelSet
 from cpbench.sim.provenance import Fit
@@ -347,8 +347,9 @@ def load(name_or_path: str, kernel: str | None = None) -> Hardware:
     if not (path.suffix in (".yaml", ".yml") and path.exists()):
         path = PRESET_DIR / f"{name_or_path}.yaml"
     if not path.exists():
-        raise UsageError(f"no hardware preset {name_or_path!r}; choose one of "
-                         f"{', '.join(names())} or give a YAML file")
+        # a YAML file's path is the other answer: the names alone pass 120 columns
+        raise UsageError(unknown("preset", name_or_path, names(), "--list-hardware")
+                         + " (or give a .yaml)")
     try:
         with open(path) as f:
             data = yaml.safe_load(f)

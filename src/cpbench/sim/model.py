@@ -318,7 +318,7 @@ def predict(name: str, options, attn: AttentionConfig, topo: Topology, hw: Hardw
     """The predicted step times and memory of ``name`` on ``topo`` with ``hw``; ValueError
     when the strategy cannot run this configuration."""
     if attn.dtype not in hw.dtypes:
-        raise UsageError(f"the {hw.name} preset models {'/'.join(hw.dtypes)} attention "
+        raise UsageError(f"the {hw.name.split(' (')[0]} preset models {'/'.join(hw.dtypes)} attention "
                          f"kernels; simulate with --dtype {hw.dtypes[0]}")
     return evaluate(compiled_for(name, options, attn, topo), attn, hw)
 
