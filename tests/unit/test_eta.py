@@ -22,21 +22,42 @@ def test_others_demand_from_what_the_meter_saw_beside_the_probe():
     # 1.6 of 2: d threads shared the cores with the probe's, d * 2 / (d + 1) = 1.6: d = 4
     assert estimate.loaded(CPU, 1.6).others == pytest.approx(4.0)
     assert estimate.loaded(CPU, 2.5).others == 8.0  # all of them: capped at 4 x 2 cores
+    # beside a case's 2 ranks: 1 of 2 cores means d * 2 / (d + 2) = 1: d = 2
+    assert estimate.loaded(CPU, 1.0, beside=2).others == pytest.approx(2.0)
+    assert estimate.loaded(CPU, 0.0, beside=2).others == 0.0
     assert estimate.loaded(CPU, None) == CPU  # no meter: nothing counted
     gpu = estimate.Machine(device="cuda", local_ranks=8, threads_per_rank=1, cpus=2)
     assert estimate.loaded(gpu, 1.6) == gpu  # a GPU's rate is not the cores'
 
 
 def test_a_ranks_share_counts_others_threads():
-    # idle: each of 2 ranks one of the 2 cores, as the probe had
+    # idle: each of 2 ranks one of the 2 cores, as the probe had (its CPU time: a core)
     assert CPU.share(RATE) == 1.0
-    # others ask for 2 cores: 4 threads on 2 cores, a rank 0.5; the probe had 2 / 3
-    assert estimate.loaded(CPU, 4 / 3).share(RATE) == pytest.approx(0.5 / (2 / 3))
-    # so a step is 4/3 the idle one's: its rate measured at 2/3 of a core, the rank's 1/2
-    busy = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, estimate.loaded(CPU, 4 / 3),
-                                  has_ideal=False)
+    # 4/3 cores beside the probe: d * 2 / (d + 1) = 4/3, d = 2: 4 threads on 2 cores
+    busy_cpu = estimate.loaded(CPU, 4 / 3)
+    assert busy_cpu.thread_share() == 0.5 and busy_cpu.share(RATE) == 0.5
+    assert busy_cpu.alone(RATE) == pytest.approx(2 / 3)  # rank 0 alone: 3 threads, 2 cores
+    # so a step is twice the idle one's, and the set-up too
+    busy = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, busy_cpu, has_ideal=False)
     idle = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
-    assert busy.step_s == pytest.approx(idle.step_s * 4 / 3)
+    assert busy.step_s == pytest.approx(idle.step_s * 2)
+    # busy: the warm-up at its most, 2 + 5, against the idle middle, 5 (below)
+    assert busy.case_s == pytest.approx(2 * estimate.CASE_SETUP_S + busy.step_s * (7 + 5 + 1))
+    assert idle.case_s == pytest.approx(estimate.CASE_SETUP_S + idle.step_s * (5 + 5 + 1))
+
+
+def test_the_warm_up_the_settle_rule_is_expected_to_run():
+    def steps(warmup, iters, seen=0.0):
+        run = RunConfig(strategy=("zigzag",), warmup=warmup, iters=iters).resolved("cpu")
+        return estimate.warmup_steps(run, estimate.loaded(CPU, seen))
+
+    # idle: between the first it can stop at (3 settled steps) and its most, rounded up
+    assert steps(2, 5) == 5  # (3 + 7) / 2
+    assert steps(1, 3) == 4  # (3 + 4) / 2 = 3.5
+    assert steps(5, 5) == 8  # (5 + 10) / 2 = 7.5
+    assert steps(0, 5) == 0  # none asked: none run
+    assert steps(2, 5, seen=0.2) == 7  # others on a tenth of the cores: its most
+    assert steps(2, 5, seen=0.1) == 5  # under a tenth: idle
 
 
 def test_the_busy_machine_is_said():
@@ -62,9 +83,12 @@ def test_planned_counts_start_up_and_the_load(monkeypatch):
     (est,) = eta.planned([pr], RUN, CPU, "self", meter=lambda: _Meter(1.6), age_s=3.0)
     # --nproc: this process's 3 s so far, and the forkserver's import as long again
     assert est.start_s == 6.0 and est.busy == "others keep 1.6 of 2 cores busy"
-    # others ask for 4 threads: a rank 2 / 6 of a core, the probe had 2 / 5: step x 6/5
+    # others ask for 4 threads: a rank 2 / 6 of a core, the probe's CPU time a whole one
     idle = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
-    assert est.step_s == pytest.approx(idle.step_s * (2 / 5) / (2 / 6))
+    assert est.step_s == pytest.approx(idle.step_s * 3)
+    # the case: set-up and the first case's, 3x, and 7 + 5 + 1 steps (busy: warm-up at most)
+    assert est.case_s == pytest.approx(
+        3 * (estimate.CASE_SETUP_S + estimate.FIRST_CASE_S) + 13 * est.step_s)
     line = eta.total_line([est])
     assert line.startswith(f"estimated {estimate.duration(6.0 + est.case_s)} in all (6 s of "
                            f"start-up; sdpa-cpu at 0.02 / 0.01 TFLOP/s")
@@ -95,6 +119,40 @@ def test_what_is_left_is_re_estimated_from_what_the_cases_took():
     record: dict = {}
     assert tally.done(2, record, 33.0) == 33.0 and record["estimate"]["took_s"] == 33.0
     assert eta.Tally(()).before(0) is None and eta.Tally(()).after(0, 1.0) is None
+
+
+def _priced(*case_s: float) -> list[estimate.Estimate]:
+    return [estimate.Estimate(step_s=s / 10, case_s=s, rate=RATE, machine=CPU) for s in case_s]
+
+
+def _load(cores: float, wall_s: float = 10.0) -> dict:
+    return {"foreign_cpu_s": cores * wall_s, "wall_s": wall_s, "cpus": 2}
+
+
+def test_each_later_case_is_priced_at_the_load_the_cases_met():
+    tally = eta.Tally(_priced(10.0, 10.0, 10.0, 10.0))  # planned on 2 idle cores
+    # the first met others on 1 of the 2 cores beside the 2 ranks: 2 threads of theirs,
+    # a thread half a core, so its plan at that load is 20 s; it took 20 s: the model's
+    # error 1
+    tally.after(0, 20.0, _load(1.0))
+    assert tally.scale() == 1.0
+    # the next at the median demand of the plan's (0) and the case's (2): 1 thread, each of
+    # ours 2 / 3 of a core: 15 s
+    assert tally.before(1).case_s == pytest.approx(15.0)
+    # it met 2 threads of theirs too, and took 30 s: planned 20 s at that load, so far
+    # 50 s against 40 s: x 1.25; the median demand now 2: 20 s, x 1.25
+    tally.after(1, 30.0, _load(1.0))
+    assert tally.scale() == pytest.approx(1.25)
+    assert tally.before(2).case_s == pytest.approx(25.0)
+    assert tally.left_s(2) == pytest.approx(50.0)
+    # a case met a burst (1.6 of 2 cores: 8 threads of theirs): the median stays at 2
+    tally.after(2, 60.0, _load(1.6))
+    assert tally.before(3).case_s == pytest.approx(
+        20.0 * (50 + 60) / (20 + 20 + 10.0 * 10 / 2))  # its plan there: 10 / (2 / 10)
+    # no reading: the plan stands for that case
+    other = eta.Tally(_priced(10.0, 10.0))
+    other.after(0, 12.0, None)
+    assert other.before(1).case_s == pytest.approx(12.0)
 
 
 def test_the_detail_block_says_the_plan_the_re_estimate_and_what_it_took():
