@@ -4,6 +4,8 @@ stubbed, so nothing here depends on how busy this machine is."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cpbench.bench import estimate, eta
@@ -16,27 +18,24 @@ RUN = RunConfig(strategy=("zigzag",), warmup=2, iters=5).resolved("cpu")
 CPU = estimate.Machine(device="cpu", local_ranks=2, threads_per_rank=1, cpus=2)
 
 
-def test_others_demand_from_what_the_meter_saw_beside_the_probe():
-    # 0.5 of 2 cores beside the probe's one thread: room for both, 0.5 asked
-    assert estimate.loaded(CPU, 0.5).others == 0.5
-    # 1.6 of 2: d threads shared the cores with the probe's, d * 2 / (d + 1) = 1.6: d = 4
-    assert estimate.loaded(CPU, 1.6).others == pytest.approx(4.0)
-    assert estimate.loaded(CPU, 2.5).others == 8.0  # all of them: capped at 4 x 2 cores
-    # beside a case's 2 ranks: 1 of 2 cores means d * 2 / (d + 2) = 1: d = 2
-    assert estimate.loaded(CPU, 1.0, beside=2).others == pytest.approx(2.0)
-    assert estimate.loaded(CPU, 0.0, beside=2).others == 0.0
+def test_others_keep_what_the_meter_saw_them_use():
+    assert estimate.loaded(CPU, 0.5).others == 0.5 == estimate.loaded(CPU, 0.5).seen
     assert estimate.loaded(CPU, None) == CPU  # no meter: nothing counted
     gpu = estimate.Machine(device="cuda", local_ranks=8, threads_per_rank=1, cpus=2)
     assert estimate.loaded(gpu, 1.6) == gpu  # a GPU's rate is not the cores'
 
 
-def test_a_ranks_share_counts_others_threads():
+def test_a_ranks_share_is_its_part_of_what_others_leave():
     # idle: each of 2 ranks one of the 2 cores, as the probe had (its CPU time: a core)
-    assert CPU.share(RATE) == 1.0
-    # 4/3 cores beside the probe: d * 2 / (d + 1) = 4/3, d = 2: 4 threads on 2 cores
-    busy_cpu = estimate.loaded(CPU, 4 / 3)
+    assert CPU.thread_share() == 1.0 and CPU.share(RATE) == 1.0
+    # others on 0.5 of 2 cores leave 1.5: 0.75 each; on 1.6, 0.4: 0.2 each
+    assert estimate.loaded(CPU, 0.5).thread_share() == 0.75
+    assert estimate.loaded(CPU, 1.6).thread_share() == pytest.approx(0.2)
+    # a full machine read as fuller than full: the least part, not nothing
+    assert estimate.loaded(CPU, 2.5).thread_share() == estimate.MIN_CORE
+    busy_cpu = estimate.loaded(CPU, 1.0)
     assert busy_cpu.thread_share() == 0.5 and busy_cpu.share(RATE) == 0.5
-    assert busy_cpu.alone(RATE) == pytest.approx(2 / 3)  # rank 0 alone: 3 threads, 2 cores
+    assert busy_cpu.alone(RATE) == 1.0  # rank 0 alone: the core others leave
     # so a step is twice the idle one's, and the set-up too
     busy = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, busy_cpu, has_ideal=False)
     idle = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
@@ -44,6 +43,10 @@ def test_a_ranks_share_counts_others_threads():
     # busy: the warm-up at its most, 2 + 5, against the idle middle, 5 (below)
     assert busy.case_s == pytest.approx(2 * estimate.CASE_SETUP_S + busy.step_s * (7 + 5 + 1))
     assert idle.case_s == pytest.approx(estimate.CASE_SETUP_S + idle.step_s * (5 + 5 + 1))
+    # the ideal block on rank 0 alone: at the whole core others leave it, 1 / 4 of the
+    # problem, warmed up 2 and timed 5 times
+    ideal = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, busy_cpu, has_ideal=True)
+    assert ideal.case_s - busy.case_s == pytest.approx(idle.step_s / 2 * (2 + 5))
 
 
 def test_the_warm_up_the_settle_rule_is_expected_to_run():
@@ -78,21 +81,33 @@ class _Meter:
 
 def test_planned_counts_start_up_and_the_load(monkeypatch):
     monkeypatch.setattr(estimate, "probe", lambda *a, **k: RATE)  # a fixed rate
+    monkeypatch.setattr(estimate, "PLAN_METER_S", 0.0)  # the stub meter's reading at once
     pr = estimate.Problem(label="zigzag", attn=ATTN, ranks_per_problem=2, imbalance=1.0,
                           kernel="sdpa-cpu", has_ideal=False)
-    (est,) = eta.planned([pr], RUN, CPU, "self", meter=lambda: _Meter(1.6), age_s=3.0)
+    run = dataclasses.replace(RUN, max_minutes=0)  # no limit: the estimate alone
+    (est,) = eta.planned([pr], run, CPU, "self", meter=lambda: _Meter(1.6), age_s=3.0)
     # --nproc: this process's 3 s so far, and the forkserver's import as long again
     assert est.start_s == 6.0 and est.busy == "others keep 1.6 of 2 cores busy"
-    # others ask for 4 threads: a rank 2 / 6 of a core, the probe's CPU time a whole one
+    # others leave 0.4 of the 2 cores: a rank 0.2 of a core, the probe's CPU time a whole one
     idle = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
-    assert est.step_s == pytest.approx(idle.step_s * 3)
-    # the case: set-up and the first case's, 3x, and 7 + 5 + 1 steps (busy: warm-up at most)
+    assert est.step_s == pytest.approx(idle.step_s * 5)
+    # the case: set-up and the first case's, 5x, and 7 + 5 + 1 steps (busy: warm-up at most)
     assert est.case_s == pytest.approx(
-        3 * (estimate.CASE_SETUP_S + estimate.FIRST_CASE_S) + 13 * est.step_s)
+        5 * (estimate.CASE_SETUP_S + estimate.FIRST_CASE_S) + 13 * est.step_s)
     line = eta.total_line([est])
     assert line.startswith(f"estimated {estimate.duration(6.0 + est.case_s)} in all (6 s of "
                            f"start-up; sdpa-cpu at 0.02 / 0.01 TFLOP/s")
     assert line.endswith("others keep 1.6 of 2 cores busy: estimated on what they leave)")
+
+
+def test_the_plans_load_reading_lasts_its_least_window(monkeypatch):
+    monkeypatch.setattr(estimate, "probe", lambda *a, **k: RATE)
+    pr = estimate.Problem(label="zigzag", attn=ATTN, ranks_per_problem=2, imbalance=1.0,
+                          kernel="sdpa-cpu", has_ideal=False)
+    ticks = iter([0.0, 0.4, 0.8, 1.2, 99.0])  # the start, then each look at the clock
+    got = estimate.under_load([pr], RUN, CPU, lambda: _Meter(0.5), least_s=1.0,
+                              clock=lambda: next(ticks))
+    assert got.others == 0.5 and next(ticks) == 99.0  # read until 1.2 s, not past
 
 
 def test_start_up_is_this_processs_age():
@@ -131,24 +146,23 @@ def _load(cores: float, wall_s: float = 10.0) -> dict:
 
 def test_each_later_case_is_priced_at_the_load_the_cases_met():
     tally = eta.Tally(_priced(10.0, 10.0, 10.0, 10.0))  # planned on 2 idle cores
-    # the first met others on 1 of the 2 cores beside the 2 ranks: 2 threads of theirs,
-    # a thread half a core, so its plan at that load is 20 s; it took 20 s: the model's
-    # error 1
+    # the first met others on 1 of the 2 cores: each rank half a core, so its plan at that
+    # load is 20 s; it took 20 s: the model's error 1
     tally.after(0, 20.0, _load(1.0))
     assert tally.scale() == 1.0
-    # the next at the median demand of the plan's (0) and the case's (2): 1 thread, each of
-    # ours 2 / 3 of a core: 15 s
-    assert tally.before(1).case_s == pytest.approx(15.0)
-    # it met 2 threads of theirs too, and took 30 s: planned 20 s at that load, so far
-    # 50 s against 40 s: x 1.25; the median demand now 2: 20 s, x 1.25
+    # the next at the median of the plan's 0 and the case's 1: 0.5 cores busy, each of
+    # ours 0.75 of a core
+    assert tally.before(1).case_s == pytest.approx(10.0 / 0.75)
+    # it met 1 core busy too, and took 30 s: planned 20 s at that load, so far 50 s
+    # against 40 s: x 1.25; the median now 1: 20 s, x 1.25
     tally.after(1, 30.0, _load(1.0))
     assert tally.scale() == pytest.approx(1.25)
     assert tally.before(2).case_s == pytest.approx(25.0)
     assert tally.left_s(2) == pytest.approx(50.0)
-    # a case met a burst (1.6 of 2 cores: 8 threads of theirs): the median stays at 2
+    # a case met a burst (1.6 of 2 cores busy, 0.2 a rank): the median stays at 1
     tally.after(2, 60.0, _load(1.6))
     assert tally.before(3).case_s == pytest.approx(
-        20.0 * (50 + 60) / (20 + 20 + 10.0 * 10 / 2))  # its plan there: 10 / (2 / 10)
+        20.0 * (50 + 60) / (20 + 20 + 10.0 / 0.2))  # its plan there: 10 / 0.2
     # no reading: the plan stands for that case
     other = eta.Tally(_priced(10.0, 10.0))
     other.after(0, 12.0, None)

@@ -9,8 +9,8 @@ meanwhile (a wall-clock probe of 50 ms on a shared core read 0.015 to 0.09 TFLOP
 minutes here), so others' load enters once, through the load meter. A case's step is then its
 FLOPs (``metrics``: the mask's attended pairs, backward 2.5× the forward) on its slowest rank
 (the mean rank's share × the strategy's imbalance) at that rate, the rank's share of the
-device: on CPU the local ranks share the cores with each other and with what others' processes
-ask for, read by the load meter while the probe runs (``under_load``, ``loaded``).
+device: on CPU the local ranks share what others' processes leave of the cores, read by the
+load meter while the probe runs (``under_load``, ``loaded``).
 Communication, the merge and the layout are not counted: the estimate is a floor on big
 problems' steps, not a prediction (``cpbench simulate`` predicts; ``cpbench dryrun`` sizes
 memory).
@@ -58,6 +58,12 @@ PROFILED_STEPS = 3  # bench.profiling's
 # measured here with 2 ranks on 2 idle cores (0.6-0.9 s a case, 2.4 s the first); on a busy
 # machine they take longer as the steps do (``Machine.thread_share``)
 CASE_SETUP_S, FIRST_CASE_S = 1.0, 1.5
+# the least part of a core a thread of ours is counted to get: what others leave is read as a
+# difference of two near-equal figures on a full machine, where it can come out at nothing
+MIN_CORE = 0.05
+# the load meter's least window at the plan: the probes alone take ~0.2 s, in which one burst
+# of others' work read 1.4 cores busy where the next minutes had 0.9-1.1
+PLAN_METER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -166,18 +172,24 @@ class Machine:
     local_ranks: int
     threads_per_rank: int
     cpus: int
-    others: float = 0.0  # cores others' runnable threads ask for (``loaded``)
-    seen: float = 0.0  # cores the load meter saw them use
+    others: float = 0.0  # cores others keep busy beside the run (``loaded``)
+    seen: float = 0.0  # the same, as the load meter read it: what the first line says
 
     def thread_share(self, others: float | None = None, ours: int | None = None) -> float:
-        """The part of a core each runnable thread gets (1 on a GPU): ``ours`` threads of the
-        run (default: every local rank's) and ``others`` (default: ``self.others``) share the
-        cores, each an equal part where they ask for more than there are."""
+        """The part of a core each of ``ours`` runnable threads (default: every local
+        rank's) gets (1 on a GPU): an equal part of what ``others`` (default:
+        ``self.others``) cores busy leave, at most a core, at least MIN_CORE.
+
+        What others leave, not an equal part per thread: Linux shares the cores between
+        sessions (``sched_autogroup``, on here), so a run's 2 ranks get what its one probe
+        thread got, not twice; measured with others on 1.6 of 2 cores, each rank had 0.12
+        to 0.21 of a core, where per-thread fairness said 0.33. A scheduler fair per thread
+        gives more: then the re-estimate, from what each case's ranks were left, takes it up."""
         if self.device == "cuda":
             return 1.0
         ours = self.local_ranks * self.threads_per_rank if ours is None else ours
-        asked = (self.others if others is None else others) + ours
-        return min(1.0, self.cpus / asked) if asked > 0 else 1.0
+        left = self.cpus - (self.others if others is None else others)
+        return min(1.0, max(MIN_CORE, left / max(ours, 1)))
 
     def share(self, rate: Rate) -> float:
         """A rank's part of what the probe had: its threads' cores over the probe's (one
@@ -201,16 +213,12 @@ class Machine:
         return f"others keep {self.seen:.1f} of {self.cpus} cores busy"
 
 
-def loaded(machine: Machine, others_cores: float | None, beside: int = 1) -> Machine:
-    """``machine`` with others' demand, from the cores the load meter saw them use beside
-    ``beside`` threads of ours (the probe's one; a case's ranks'; None: no meter): used
-    ``c`` of ``n`` cores means ``c`` threads when ``c + b <= n``, else ``d`` threads sharing
-    the cores with our ``b``, ``d · n / (d + b) = c`` (at most 4n: a machine all but full)."""
+def loaded(machine: Machine, others_cores: float | None) -> Machine:
+    """``machine`` with the cores the load meter saw others keep busy (None: no meter)."""
     if others_cores is None or machine.device == "cuda":
         return machine
-    n, c, b = machine.cpus, max(0.0, others_cores), beside
-    demand = c if c + b <= n else (c * b / (n - c) if c < n else math.inf)
-    return dataclasses.replace(machine, others=min(demand, 4.0 * n), seen=c)
+    c = max(0.0, others_cores)
+    return dataclasses.replace(machine, others=c, seen=c)
 
 
 def warmup_steps(run: RunConfig, machine: Machine) -> int:
@@ -284,13 +292,20 @@ def estimate(pr: Problem, run: RunConfig, machine: Machine, *, refined: bool = F
 
 
 def under_load(problems: Sequence[Problem], run: RunConfig, machine: Machine,
-               meter: Callable[[], Any]) -> Machine:
+               meter: Callable[[], Any], *, least_s: float | None = None,
+               clock: Callable[[], float] = time.monotonic) -> Machine:
     """Probe every case's kernel (cached for ``estimates``) while ``meter`` (a
     ``bench.load.Meter``; a test gives its own) reads what others' processes use: the
-    machine as they leave it (``loaded``)."""
+    machine as they leave it (``loaded``). The reading lasts ``least_s`` at least, this
+    thread kept runnable meanwhile as the probe's was (idle, it would leave others more);
+    by default ``PLAN_METER_S``, or 5 % of the run on idle cores where less: its cost in
+    proportion (the tests' small plans pay nothing)."""
+    t0 = clock()
     with meter() as m:
-        for pr in problems:
-            estimate(pr, run, machine)
+        idle_s = sum(estimate(pr, run, machine).case_s for pr in problems)
+        least_s = min(PLAN_METER_S, 0.05 * idle_s) if least_s is None else least_s
+        while machine.device == "cpu" and clock() - t0 < least_s:
+            pass
     reading = m.load
     return loaded(machine, reading.cores if reading is not None else None)
 

@@ -129,11 +129,11 @@ class Tally:
         return est.case_s * est.machine.thread_share() / machine.thread_share()
 
     def _now(self) -> Machine | None:
-        """The machine as the next case is expected to find it: others' demand the median of
-        what the plan and the done cases met. Not the last case's alone: here one case met a
-        burst of others' work (1.6 cores against 0.9 before and 1.1 after) and the next,
-        priced at it, took 0.43 of its estimate; a lasting change moves the median in a
-        case or two."""
+        """The machine as the next case is expected to find it: the cores others keep busy,
+        the median of what the plan and the done cases met. Not the last case's alone: here
+        one case met a burst of others' work (1.6 cores against 0.9 before and 1.1 after)
+        and the next, priced at it, took 0.43 of its estimate; a lasting change moves the
+        median in a case or two."""
         plan = self.planned[0].machine if self.planned else None
         seen = [m.others for m in self.seen if m is not None]
         if plan is None or not seen:
@@ -179,11 +179,10 @@ class Tally:
                 if self.planned[i].case_s else 1.0}
 
     def _seen(self, load: dict[str, Any] | None) -> Machine | None:
-        """The machine as a case with this ``load`` section found it: others' cores beside
-        the ranks' threads (``estimate.loaded``); None without a reading (then its plan
+        """The machine as a case with this ``load`` section found it: the cores others kept
+        busy beside its ranks (``estimate.loaded``); None without a reading (then its plan
         stands for it)."""
         plan = self.planned[0].machine if self.planned else None
         if plan is None or not load or not load.get("wall_s"):
             return None
-        return estimate.loaded(plan, load["foreign_cpu_s"] / load["wall_s"],
-                               beside=plan.local_ranks * plan.threads_per_rank)
+        return estimate.loaded(plan, load["foreign_cpu_s"] / load["wall_s"])
