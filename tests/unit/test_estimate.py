@@ -42,6 +42,10 @@ def test_a_step_is_the_slowest_ranks_flops_at_its_share_of_the_probed_rate():
     four = estimate.Machine(device="cpu", local_ranks=4, threads_per_rank=1, cpus=2)
     assert estimate.case_estimate(ATTN, RUN, 4, 1.0, RATE, four, has_ideal=False
                                   ).step_s == pytest.approx(est.step_s)  # 1/4 work, 1/4 rate
+    # there the slowest of an imbalanced layout (1.75 x) takes a whole core while its peers
+    # wait, so the 4 ranks' work on 2 cores counts: 1.75 / 4 at 1 core against 1 / 4 at 1 / 2
+    assert estimate.case_estimate(ATTN, RUN, 4, 1.75, RATE, four, has_ideal=False
+                                  ).step_s == pytest.approx(est.step_s)
     # one rank of 2 threads (torchrun's one process): both cores
     one = estimate.Machine(device="cpu", local_ranks=1, threads_per_rank=2, cpus=2)
     assert estimate.case_estimate(ATTN, RUN, 1, 1.0, RATE, one, has_ideal=False

@@ -36,6 +36,14 @@ def test_a_ranks_share_is_its_part_of_what_others_leave():
     busy_cpu = estimate.loaded(CPU, 1.0)
     assert busy_cpu.thread_share() == 0.5 and busy_cpu.share(RATE) == 0.5
     assert busy_cpu.alone(RATE) == 1.0  # rank 0 alone: the core others leave
+    # an imbalanced layout on shared cores: the slowest rank at the whole core others leave
+    # (1.5 x the mean's work at 1.0) or both ranks' work at 0.5 each: the latter
+    even = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, busy_cpu, has_ideal=False)
+    assert estimate.case_estimate(ATTN, RUN, 2, 1.5, RATE, busy_cpu, has_ideal=False
+                                  ).step_s == pytest.approx(even.step_s)
+    # and at 3 x, the slowest rank's: 3 m at 1 core against 2 m
+    assert estimate.case_estimate(ATTN, RUN, 2, 3.0, RATE, busy_cpu, has_ideal=False
+                                  ).step_s == pytest.approx(1.5 * even.step_s)
     # so a step is twice the idle one's, and the set-up too
     busy = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, busy_cpu, has_ideal=False)
     idle = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)

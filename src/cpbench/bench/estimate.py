@@ -199,7 +199,8 @@ class Machine:
         return self.threads_per_rank * self.thread_share() / max(rate.threads, 1)
 
     def alone(self, rate: Rate) -> float:
-        """``share`` for rank 0 running alone while its peers wait (the ideal block)."""
+        """``share`` for a rank running while its peers wait: the ideal block's on rank 0,
+        the slowest rank's in an imbalanced step."""
         if self.device == "cuda":
             return 1.0
         return (self.threads_per_rank * self.thread_share(ours=self.threads_per_rank)
@@ -248,10 +249,19 @@ def case_estimate(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
                                      mode=mode)[0]
 
 
-    rank = imbalance / ranks_per_problem  # the slowest rank's part of the problem
-    alone = flops("fwd") * rank / rate.fwd + (0.0 if run.fwd_only else
-                                              flops("bwd") * rank / rate.bwd)
-    step = alone / machine.share(rate) + extra[0] + (0.0 if run.fwd_only else extra[1])
+    def kernel_s(part: float) -> float:  # a rank's kernel seconds on a core of its own
+        return flops("fwd") * part / rate.fwd + (0.0 if run.fwd_only else
+                                                 flops("bwd") * part / rate.bwd)
+
+    # the slowest rank's part of the problem (the mean's × the layout's imbalance), at as
+    # much of the cores as it can take; or, the longer, the mean rank's at its equal part: a
+    # rank that waits for its peers leaves them its part (gloo's waits block), so on cores
+    # shared with others it is the ranks' work together that counts (measured here, llama3's
+    # contiguous layout, 1.5 imbalanced, took its balanced layout's time, 0.6-1.1x, on 2
+    # shared cores)
+    slowest = kernel_s(imbalance / ranks_per_problem) / machine.alone(rate)
+    step = max(slowest, kernel_s(1 / ranks_per_problem) / machine.share(rate)) \
+        + extra[0] + (0.0 if run.fwd_only else extra[1])
     assert run.warmup is not None and run.iters is not None, "a resolved RunConfig"
     # warm-up, timed steps, the memory step, --profile's
     steps = warmup_steps(run, machine) + run.iters + 1 + (PROFILED_STEPS if run.profile else 0)
