@@ -44,12 +44,17 @@ def test_a_ranks_share_is_its_part_of_what_others_leave():
     # and at 3 x, the slowest rank's: 3 m at 1 core against 2 m
     assert estimate.case_estimate(ATTN, RUN, 2, 3.0, RATE, busy_cpu, has_ideal=False
                                   ).step_s == pytest.approx(1.5 * even.step_s)
-    # so a step is twice the idle one's, and the set-up too
+    # so a step is twice the idle one's; the set-up, one rank at a time, has the core others
+    # leave
     busy = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, busy_cpu, has_ideal=False)
     idle = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
     assert busy.step_s == pytest.approx(idle.step_s * 2)
     # busy: the warm-up at its most, 2 + 5, against the idle middle, 5 (below)
-    assert busy.case_s == pytest.approx(2 * estimate.CASE_SETUP_S + busy.step_s * (7 + 5 + 1))
+    assert busy.case_s == pytest.approx(estimate.CASE_SETUP_S + busy.step_s * (7 + 5 + 1))
+    # others on 1.6 cores leave 0.4 of one: the set-up 2.5 x
+    fuller = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, estimate.loaded(CPU, 1.6),
+                                    has_ideal=False)
+    assert fuller.case_s == pytest.approx(2.5 * estimate.CASE_SETUP_S + fuller.step_s * 13)
     assert idle.case_s == pytest.approx(estimate.CASE_SETUP_S + idle.step_s * (5 + 5 + 1))
     # the ideal block on rank 0 alone: at the whole core others leave it, 1 / 4 of the
     # problem, warmed up 2 and timed 5 times
@@ -99,9 +104,10 @@ def test_planned_counts_start_up_and_the_load(monkeypatch):
     # others leave 0.4 of the 2 cores: a rank 0.2 of a core, the probe's CPU time a whole one
     idle = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
     assert est.step_s == pytest.approx(idle.step_s * 5)
-    # the case: set-up and the first case's, 5x, and 7 + 5 + 1 steps (busy: warm-up at most)
+    # the case: set-up and the first case's at the 0.4 of a core others leave, 2.5x, and
+    # 7 + 5 + 1 steps (busy: warm-up at its most)
     assert est.case_s == pytest.approx(
-        5 * (estimate.CASE_SETUP_S + estimate.FIRST_CASE_S) + 13 * est.step_s)
+        2.5 * (estimate.CASE_SETUP_S + estimate.FIRST_CASE_S) + 13 * est.step_s)
     line = eta.total_line([est])
     assert line.startswith(f"estimated {estimate.duration(6.0 + est.case_s)} in all (6 s of "
                            f"start-up; sdpa-cpu at 0.02 / 0.01 TFLOP/s")

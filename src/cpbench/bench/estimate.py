@@ -18,7 +18,7 @@ memory).
 The case: its warm-up as the settle rule runs it (``warmup_steps``), timed steps, the memory
 step, ``--check``'s step and float64 reference, ``--profile``'s steps, the ideal block timed
 alone (``bench.ideal``), and an allowance for its set-up (``CASE_SETUP_S``), which is CPU work
-and so takes longer on a busy machine as the steps do. ``bench.eta`` adds the command's
+slowed on a busy machine to what others leave of a core. ``bench.eta`` adds the command's
 start-up and re-estimates what is left from the load and what each case took.
 
 Under torchrun only rank 0 estimates (and may refuse, exit 2, before any collective; torchrun
@@ -56,7 +56,7 @@ PROFILED_STEPS = 3  # bench.profiling's
 # samples and the bytes sent, the agreements, the record), and the first case's in a process
 # besides (the first exchanges, the kernels' first calls): seconds on cores of their own,
 # measured here with 2 ranks on 2 idle cores (0.6-0.9 s a case, 2.4 s the first); on a busy
-# machine they take longer as the steps do (``Machine.thread_share``)
+# machine they take longer (``case_estimate``)
 CASE_SETUP_S, FIRST_CASE_S = 1.0, 1.5
 # the least part of a core a thread of ours is counted to get: what others leave is read as a
 # difference of two near-equal figures on a full machine, where it can come out at nothing
@@ -265,8 +265,10 @@ def case_estimate(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
     assert run.warmup is not None and run.iters is not None, "a resolved RunConfig"
     # warm-up, timed steps, the memory step, --profile's
     steps = warmup_steps(run, machine) + run.iters + 1 + (PROFILED_STEPS if run.profile else 0)
-    # the set-up is CPU work of each rank's thread, slowed as the ranks' threads are
-    case = CASE_SETUP_S / machine.thread_share() + steps * step
+    # the set-up is CPU work mostly of one rank at a time (agreements, gathers, rank 0's
+    # record), slowed to what others leave of a core (measured here with 4 ranks on 2 cores
+    # others kept 1.6 of busy: ~6 s of set-up, where each rank's part of the cores said 27)
+    case = CASE_SETUP_S / machine.thread_share(ours=1) + steps * step
     if run.check:
         case += step + flops("fwd_bwd") * REFERENCE_SLOWDOWN / rate.fwd / machine.share(rate)
     if has_ideal:  # rank 0's ideal block alone (1 / N² of the problem), warmed up and timed
@@ -334,7 +336,7 @@ def estimates(problems: Sequence[Problem], run: RunConfig, machine: Machine
         if not long and est.case_s > bar:
             est = estimate(pr, run, machine, refined=True)
         out.append(est if i else dataclasses.replace(
-            est, case_s=est.case_s + FIRST_CASE_S / machine.thread_share()))
+            est, case_s=est.case_s + FIRST_CASE_S / machine.thread_share(ours=1)))
     return tuple(out)
 
 
