@@ -28,38 +28,43 @@ def test_others_keep_what_the_meter_saw_them_use():
 def test_a_ranks_share_is_its_part_of_what_others_leave():
     # idle: each of 2 ranks one of the 2 cores, as the probe had (its CPU time: a core)
     assert CPU.thread_share() == 1.0 and CPU.share(RATE) == 1.0
-    # others on 0.5 of 2 cores leave 1.5: 0.75 each; on 1.6, 0.4: 0.2 each
-    assert estimate.loaded(CPU, 0.5).thread_share() == 0.75
-    assert estimate.loaded(CPU, 1.6).thread_share() == pytest.approx(0.2)
-    # a full machine read as fuller than full: the least part, not nothing
-    assert estimate.loaded(CPU, 2.5).thread_share() == estimate.MIN_CORE
-    busy_cpu = estimate.loaded(CPU, 1.0)
+    # read beside the probe's one thread, the middle of two bounds for our 2: others on 0.5
+    # of 2 cores leave 1.5, or their 0.5 thread and our 2 share the 2 cores, 2 * 2 / 2.5 =
+    # 1.6 ours: 1.55, 0.775 each
+    assert estimate.loaded(CPU, 0.5).thread_share() == pytest.approx(0.775)
+    # on 1.6: 0.4 left, or their 4 threads (4 * 2 / 5 = 1.6) and our 2, 2 * 2 / 6 ours
+    assert estimate.loaded(CPU, 1.6).thread_share() == pytest.approx((0.4 + 2 / 3) / 2 / 2)
+    # read beside the ranks themselves: what others left them, 1 of 2 cores, 0.5 each
+    busy_cpu = estimate.loaded(CPU, 1.0, beside=2)
     assert busy_cpu.thread_share() == 0.5 and busy_cpu.share(RATE) == 0.5
-    assert busy_cpu.alone(RATE) == 1.0  # rank 0 alone: the core others leave
-    # an imbalanced layout on shared cores: the slowest rank at the whole core others leave
-    # (1.5 x the mean's work at 1.0) or both ranks' work at 0.5 each: the latter
+    # a full machine read as fuller than full: the least part, not nothing
+    assert estimate.loaded(CPU, 2.5, beside=2).thread_share() == estimate.MIN_CORE
+    # one thread of ours there: 1 core left, or their 2 threads (2 * 2 / 3 beside our 2)
+    # and our 1, 2 / 3: 5 / 6
+    alone = 5 / 6
+    assert busy_cpu.alone(RATE) == pytest.approx(alone)
+    # an imbalanced layout on shared cores: the slowest rank's 1.5 m at 5 / 6 of a core
+    # (1.8 m), or both ranks' work at 0.5 each (2 m): the latter
     even = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, busy_cpu, has_ideal=False)
     assert estimate.case_estimate(ATTN, RUN, 2, 1.5, RATE, busy_cpu, has_ideal=False
                                   ).step_s == pytest.approx(even.step_s)
-    # and at 3 x, the slowest rank's: 3 m at 1 core against 2 m
+    # and at 3 x, the slowest rank's: 3 m / (5 / 6) = 3.6 m against 2 m
     assert estimate.case_estimate(ATTN, RUN, 2, 3.0, RATE, busy_cpu, has_ideal=False
-                                  ).step_s == pytest.approx(1.5 * even.step_s)
-    # so a step is twice the idle one's; the set-up, one rank at a time, has the core others
-    # leave
-    busy = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, busy_cpu, has_ideal=False)
+                                  ).step_s == pytest.approx(1.8 * even.step_s)
+    # so a step is twice the idle one's; the set-up, one rank at a time, at 5 / 6 of a core
     idle = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
-    assert busy.step_s == pytest.approx(idle.step_s * 2)
-    # busy: the warm-up at its most, 2 + 5, against the idle middle, 5 (below)
-    assert busy.case_s == pytest.approx(estimate.CASE_SETUP_S + busy.step_s * (7 + 5 + 1))
-    # others on 1.6 cores leave 0.4 of one: the set-up 2.5 x
+    assert even.step_s == pytest.approx(idle.step_s * 2)
+    # busy: the warm-up at its most, 2 + 5, against the idle middle, 5
+    assert even.case_s == pytest.approx(estimate.CASE_SETUP_S / alone + even.step_s * 13)
+    assert idle.case_s == pytest.approx(estimate.CASE_SETUP_S + idle.step_s * (5 + 5 + 1))
+    # others on 1.6 cores beside the probe's thread left it 0.4 of one: the set-up 2.5 x
     fuller = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, estimate.loaded(CPU, 1.6),
                                     has_ideal=False)
     assert fuller.case_s == pytest.approx(2.5 * estimate.CASE_SETUP_S + fuller.step_s * 13)
-    assert idle.case_s == pytest.approx(estimate.CASE_SETUP_S + idle.step_s * (5 + 5 + 1))
-    # the ideal block on rank 0 alone: at the whole core others leave it, 1 / 4 of the
-    # problem, warmed up 2 and timed 5 times
+    # the ideal block on rank 0 alone, 1 / 4 of the problem (half the idle step) at 5 / 6
+    # of a core, warmed up 2 and timed 5 times
     ideal = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, busy_cpu, has_ideal=True)
-    assert ideal.case_s - busy.case_s == pytest.approx(idle.step_s / 2 * (2 + 5))
+    assert ideal.case_s - even.case_s == pytest.approx(idle.step_s / 2 / alone * (2 + 5))
 
 
 def test_the_warm_up_the_settle_rule_is_expected_to_run():
@@ -101,9 +106,10 @@ def test_planned_counts_start_up_and_the_load(monkeypatch):
     (est,) = eta.planned([pr], run, CPU, "self", meter=lambda: _Meter(1.6), age_s=3.0)
     # --nproc: this process's 3 s so far, and the forkserver's import as long again
     assert est.start_s == 6.0 and est.busy == "others keep 1.6 of 2 cores busy"
-    # others leave 0.4 of the 2 cores: a rank 0.2 of a core, the probe's CPU time a whole one
+    # others on 1.6 of 2 cores: a rank (0.4 + 2 / 3) / 4 of a core (above), the probe's CPU
+    # time a whole one
     idle = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
-    assert est.step_s == pytest.approx(idle.step_s * 5)
+    assert est.step_s == pytest.approx(idle.step_s * 4 / (0.4 + 2 / 3))
     # the case: set-up and the first case's at the 0.4 of a core others leave, 2.5x, and
     # 7 + 5 + 1 steps (busy: warm-up at its most)
     assert est.case_s == pytest.approx(
@@ -164,9 +170,9 @@ def test_each_later_case_is_priced_at_the_load_the_cases_met():
     # load is 20 s; it took 20 s: the model's error 1
     tally.after(0, 20.0, _load(1.0))
     assert tally.scale() == 1.0
-    # the next at the median of the plan's 0 and the case's 1: 0.5 cores busy, each of
-    # ours 0.75 of a core
-    assert tally.before(1).case_s == pytest.approx(10.0 / 0.75)
+    # the next at the load the done cases met beside their ranks (not the plan's, read
+    # beside one thread): 20 s
+    assert tally.before(1).case_s == pytest.approx(20.0)
     # it met 1 core busy too, and took 30 s: planned 20 s at that load, so far 50 s
     # against 40 s: x 1.25; the median now 1: 20 s, x 1.25
     tally.after(1, 30.0, _load(1.0))

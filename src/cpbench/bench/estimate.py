@@ -174,22 +174,28 @@ class Machine:
     cpus: int
     others: float = 0.0  # cores others keep busy beside the run (``loaded``)
     seen: float = 0.0  # the same, as the load meter read it: what the first line says
+    beside: int = 1  # threads of ours the meter read ``others`` beside
 
     def thread_share(self, others: float | None = None, ours: int | None = None) -> float:
         """The part of a core each of ``ours`` runnable threads (default: every local
-        rank's) gets (1 on a GPU): an equal part of what ``others`` (default:
-        ``self.others``) cores busy leave, at most a core, at least MIN_CORE.
+        rank's) gets (1 on a GPU) where others keep ``others`` (default: ``self.others``)
+        cores busy beside ``self.beside`` threads of ours: at most a core, at least MIN_CORE.
 
-        What others leave, not an equal part per thread: Linux shares the cores between
-        sessions (``sched_autogroup``, on here), so a run's 2 ranks get what its one probe
-        thread got, not twice; measured with others on 1.6 of 2 cores, each rank had 0.12
-        to 0.21 of a core, where per-thread fairness said 0.33. A scheduler fair per thread
-        gives more: then the re-estimate, from what each case's ranks were left, takes it up."""
+        Beside as many threads as read it, what others left. Beside fewer (the probe's one),
+        two bounds: others keep what they took (Linux shares the cores between sessions,
+        ``sched_autogroup``, on here), or every runnable thread gets an equal part (their
+        ``d`` threads from ``d · n / (d + b) = c``). Measured here, with 2 ranks on 2 cores
+        where the probe saw others on 1.5-1.8, each rank got 0.15 to 0.4 of a core, as often
+        near one bound as the other: the estimate takes the middle."""
         if self.device == "cuda":
             return 1.0
-        ours = self.local_ranks * self.threads_per_rank if ours is None else ours
-        left = self.cpus - (self.others if others is None else others)
-        return min(1.0, max(MIN_CORE, left / max(ours, 1)))
+        ours = max(1, self.local_ranks * self.threads_per_rank if ours is None else ours)
+        n, c, b = self.cpus, max(0.0, self.others if others is None else others), self.beside
+        left = n - c
+        demand = c if c + b <= n else (c * b / (n - c) if c < n else math.inf)
+        fair = min(ours, n * ours / (min(demand, 4.0 * n) + ours))
+        total = left if ours == b else (max(0.0, min(ours, left)) + fair) / 2
+        return min(1.0, max(MIN_CORE, total / ours))
 
     def share(self, rate: Rate) -> float:
         """A rank's part of what the probe had: its threads' cores over the probe's (one
@@ -214,12 +220,13 @@ class Machine:
         return f"others keep {self.seen:.1f} of {self.cpus} cores busy"
 
 
-def loaded(machine: Machine, others_cores: float | None) -> Machine:
-    """``machine`` with the cores the load meter saw others keep busy (None: no meter)."""
+def loaded(machine: Machine, others_cores: float | None, beside: int = 1) -> Machine:
+    """``machine`` with the cores the load meter saw others keep busy beside ``beside``
+    threads of ours (the probe's one; a case's ranks'; None: no meter)."""
     if others_cores is None or machine.device == "cuda":
         return machine
     c = max(0.0, others_cores)
-    return dataclasses.replace(machine, others=c, seen=c)
+    return dataclasses.replace(machine, others=c, seen=c, beside=beside)
 
 
 def warmup_steps(run: RunConfig, machine: Machine) -> int:

@@ -130,15 +130,16 @@ class Tally:
 
     def _now(self) -> Machine | None:
         """The machine as the next case is expected to find it: the cores others keep busy,
-        the median of what the plan and the done cases met. Not the last case's alone: here
+        the median of what the done cases met beside their ranks (the plan's reading, beside
+        one thread, until one is done). Not the last case's alone: here
         one case met a burst of others' work (1.6 cores against 0.9 before and 1.1 after)
         and the next, priced at it, took 0.43 of its estimate; a lasting change moves the
         median in a case or two."""
         plan = self.planned[0].machine if self.planned else None
-        seen = [m.others for m in self.seen if m is not None]
+        seen = [m for m in self.seen if m is not None]
         if plan is None or not seen:
             return plan
-        return dataclasses.replace(plan, others=statistics.median([plan.others, *seen]))
+        return dataclasses.replace(seen[-1], others=statistics.median(m.others for m in seen))
 
     def scale(self) -> float:
         """The model's error: what the cases so far took over their plan at the loads they
@@ -185,4 +186,5 @@ class Tally:
         plan = self.planned[0].machine if self.planned else None
         if plan is None or not load or not load.get("wall_s"):
             return None
-        return estimate.loaded(plan, load["foreign_cpu_s"] / load["wall_s"])
+        return estimate.loaded(plan, load["foreign_cpu_s"] / load["wall_s"],
+                               beside=plan.local_ranks * plan.threads_per_rank)
