@@ -179,8 +179,11 @@ def test_each_later_case_is_priced_at_the_load_the_cases_met():
     assert tally.scale() == pytest.approx(1.25)
     assert tally.before(2).case_s == pytest.approx(25.0)
     assert tally.left_s(2) == pytest.approx(50.0)
-    # a case met a burst (1.6 of 2 cores busy, 0.2 a rank): the median stays at 1
-    tally.after(2, 60.0, _load(1.6))
+    # a case met a burst (1.6 of 2 cores busy, 0.2 a rank): the median stays at 1; had
+    # the re-estimate known that load, it would have said 10 / 0.2 x 1.25
+    burst = tally.after(2, 60.0, _load(1.6))
+    assert burst["revised_s"] == pytest.approx(25.0)
+    assert burst["at_load_s"] == pytest.approx(50.0 * 1.25)
     assert tally.before(3).case_s == pytest.approx(
         20.0 * (50 + 60) / (20 + 20 + 10.0 / 0.2))  # its plan there: 10 / 0.2
     # no reading: the plan stands for that case

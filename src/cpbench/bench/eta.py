@@ -169,15 +169,18 @@ class Tally:
               ) -> dict[str, Any] | None:
         """The record's ``estimate`` once case ``i`` took ``seconds`` with ``load`` (the
         record's section, None: unread): the plan's figures, ``revised_s`` (what its line
-        said before it ran), ``took_s`` and the ``scale`` between the first two."""
-        revised = self.before(i)
+        said before it ran), ``took_s``, the ``scale`` between the first two, and
+        ``at_load_s``, what the re-estimate would have said had it known the load the case
+        met (the model alone, without the forecast of the load)."""
+        revised, k = self.before(i), self.scale()
         self.took.append(seconds)
         self.seen.append(self._seen(load))
         if revised is None:
             return None
         return {**self.planned[i].to_dict(), "revised_s": revised.case_s, "took_s": seconds,
                 "scale": revised.case_s / self.planned[i].case_s
-                if self.planned[i].case_s else 1.0}
+                if self.planned[i].case_s else 1.0,
+                "at_load_s": self._at(i, self.seen[-1]) * k}
 
     def _seen(self, load: dict[str, Any] | None) -> Machine | None:
         """The machine as a case with this ``load`` section found it: the cores others kept
