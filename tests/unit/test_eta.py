@@ -4,6 +4,8 @@ stubbed, so nothing here depends on how busy this machine is."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cpbench.bench import estimate, eta
@@ -16,27 +18,67 @@ RUN = RunConfig(strategy=("zigzag",), warmup=2, iters=5).resolved("cpu")
 CPU = estimate.Machine(device="cpu", local_ranks=2, threads_per_rank=1, cpus=2)
 
 
-def test_others_demand_from_what_the_meter_saw_beside_the_probe():
-    # 0.5 of 2 cores beside the probe's one thread: room for both, 0.5 asked
-    assert estimate.loaded(CPU, 0.5).others == 0.5
-    # 1.6 of 2: d threads shared the cores with the probe's, d * 2 / (d + 1) = 1.6: d = 4
-    assert estimate.loaded(CPU, 1.6).others == pytest.approx(4.0)
-    assert estimate.loaded(CPU, 2.5).others == 8.0  # all of them: capped at 4 x 2 cores
+def test_others_keep_what_the_meter_saw_them_use():
+    assert estimate.loaded(CPU, 0.5).others == 0.5 == estimate.loaded(CPU, 0.5).seen
     assert estimate.loaded(CPU, None) == CPU  # no meter: nothing counted
     gpu = estimate.Machine(device="cuda", local_ranks=8, threads_per_rank=1, cpus=2)
     assert estimate.loaded(gpu, 1.6) == gpu  # a GPU's rate is not the cores'
 
 
-def test_a_ranks_share_counts_others_threads():
-    # idle: each of 2 ranks one of the 2 cores, as the probe had
-    assert CPU.share(RATE) == 1.0
-    # others ask for 2 cores: 4 threads on 2 cores, a rank 0.5; the probe had 2 / 3
-    assert estimate.loaded(CPU, 4 / 3).share(RATE) == pytest.approx(0.5 / (2 / 3))
-    # so a step is 4/3 the idle one's: its rate measured at 2/3 of a core, the rank's 1/2
-    busy = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, estimate.loaded(CPU, 4 / 3),
-                                  has_ideal=False)
+def test_a_ranks_share_is_its_part_of_what_others_leave():
+    # idle: each of 2 ranks one of the 2 cores, as the probe had (its CPU time: a core)
+    assert CPU.thread_share() == 1.0 and CPU.share(RATE) == 1.0
+    # read beside the probe's one thread, the middle of two bounds for our 2: others on 0.5
+    # of 2 cores leave 1.5, or their 0.5 thread and our 2 share the 2 cores, 2 * 2 / 2.5 =
+    # 1.6 ours: 1.55, 0.775 each
+    assert estimate.loaded(CPU, 0.5).thread_share() == pytest.approx(0.775)
+    # on 1.6: 0.4 left, or their 4 threads (4 * 2 / 5 = 1.6) and our 2, 2 * 2 / 6 ours
+    assert estimate.loaded(CPU, 1.6).thread_share() == pytest.approx((0.4 + 2 / 3) / 2 / 2)
+    # read beside the ranks themselves: what others left them, 1 of 2 cores, 0.5 each
+    busy_cpu = estimate.loaded(CPU, 1.0, beside=2)
+    assert busy_cpu.thread_share() == 0.5 and busy_cpu.share(RATE) == 0.5
+    # a full machine read as fuller than full: the least part, not nothing
+    assert estimate.loaded(CPU, 2.5, beside=2).thread_share() == estimate.MIN_CORE
+    # one thread of ours there: 1 core left, or their 2 threads (2 * 2 / 3 beside our 2)
+    # and our 1, 2 / 3: 5 / 6
+    alone = 5 / 6
+    assert busy_cpu.alone(RATE) == pytest.approx(alone)
+    # an imbalanced layout on shared cores: the slowest rank's 1.5 m at 5 / 6 of a core
+    # (1.8 m), or both ranks' work at 0.5 each (2 m): the latter
+    even = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, busy_cpu, has_ideal=False)
+    assert estimate.case_estimate(ATTN, RUN, 2, 1.5, RATE, busy_cpu, has_ideal=False
+                                  ).step_s == pytest.approx(even.step_s)
+    # and at 3 x, the slowest rank's: 3 m / (5 / 6) = 3.6 m against 2 m
+    assert estimate.case_estimate(ATTN, RUN, 2, 3.0, RATE, busy_cpu, has_ideal=False
+                                  ).step_s == pytest.approx(1.8 * even.step_s)
+    # so a step is twice the idle one's; the set-up, one rank at a time, at 5 / 6 of a core
     idle = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
-    assert busy.step_s == pytest.approx(idle.step_s * 4 / 3)
+    assert even.step_s == pytest.approx(idle.step_s * 2)
+    # busy: the warm-up at its most, 2 + 5, against the idle middle, 5
+    assert even.case_s == pytest.approx(estimate.CASE_SETUP_S / alone + even.step_s * 13)
+    assert idle.case_s == pytest.approx(estimate.CASE_SETUP_S + idle.step_s * (5 + 5 + 1))
+    # others on 1.6 cores beside the probe's thread left it 0.4 of one: the set-up 2.5 x
+    fuller = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, estimate.loaded(CPU, 1.6),
+                                    has_ideal=False)
+    assert fuller.case_s == pytest.approx(2.5 * estimate.CASE_SETUP_S + fuller.step_s * 13)
+    # the ideal block on rank 0 alone, 1 / 4 of the problem (half the idle step) at 5 / 6
+    # of a core, warmed up 2 and timed 5 times
+    ideal = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, busy_cpu, has_ideal=True)
+    assert ideal.case_s - even.case_s == pytest.approx(idle.step_s / 2 / alone * (2 + 5))
+
+
+def test_the_warm_up_the_settle_rule_is_expected_to_run():
+    def steps(warmup, iters, seen=0.0):
+        run = RunConfig(strategy=("zigzag",), warmup=warmup, iters=iters).resolved("cpu")
+        return estimate.warmup_steps(run, estimate.loaded(CPU, seen))
+
+    # idle: between the first it can stop at (3 settled steps) and its most, rounded up
+    assert steps(2, 5) == 5  # (3 + 7) / 2
+    assert steps(1, 3) == 4  # (3 + 4) / 2 = 3.5
+    assert steps(5, 5) == 8  # (5 + 10) / 2 = 7.5
+    assert steps(0, 5) == 0  # none asked: none run
+    assert steps(2, 5, seen=0.2) == 7  # others on a tenth of the cores: its most
+    assert steps(2, 5, seen=0.1) == 5  # under a tenth: idle
 
 
 def test_the_busy_machine_is_said():
@@ -57,18 +99,35 @@ class _Meter:
 
 def test_planned_counts_start_up_and_the_load(monkeypatch):
     monkeypatch.setattr(estimate, "probe", lambda *a, **k: RATE)  # a fixed rate
+    monkeypatch.setattr(estimate, "PLAN_METER_S", 0.0)  # the stub meter's reading at once
     pr = estimate.Problem(label="zigzag", attn=ATTN, ranks_per_problem=2, imbalance=1.0,
                           kernel="sdpa-cpu", has_ideal=False)
-    (est,) = eta.planned([pr], RUN, CPU, "self", meter=lambda: _Meter(1.6), age_s=3.0)
+    run = dataclasses.replace(RUN, max_minutes=0)  # no limit: the estimate alone
+    (est,) = eta.planned([pr], run, CPU, "self", meter=lambda: _Meter(1.6), age_s=3.0)
     # --nproc: this process's 3 s so far, and the forkserver's import as long again
     assert est.start_s == 6.0 and est.busy == "others keep 1.6 of 2 cores busy"
-    # others ask for 4 threads: a rank 2 / 6 of a core, the probe had 2 / 5: step x 6/5
+    # others on 1.6 of 2 cores: a rank (0.4 + 2 / 3) / 4 of a core (above), the probe's CPU
+    # time a whole one
     idle = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
-    assert est.step_s == pytest.approx(idle.step_s * (2 / 5) / (2 / 6))
+    assert est.step_s == pytest.approx(idle.step_s * 4 / (0.4 + 2 / 3))
+    # the case: set-up and the first case's at the 0.4 of a core others leave, 2.5x, and
+    # 7 + 5 + 1 steps (busy: warm-up at its most)
+    assert est.case_s == pytest.approx(
+        2.5 * (estimate.CASE_SETUP_S + estimate.FIRST_CASE_S) + 13 * est.step_s)
     line = eta.total_line([est])
     assert line.startswith(f"estimated {estimate.duration(6.0 + est.case_s)} in all (6 s of "
                            f"start-up; sdpa-cpu at 0.02 / 0.01 TFLOP/s")
     assert line.endswith("others keep 1.6 of 2 cores busy: estimated on what they leave)")
+
+
+def test_the_plans_load_reading_lasts_its_least_window(monkeypatch):
+    monkeypatch.setattr(estimate, "probe", lambda *a, **k: RATE)
+    pr = estimate.Problem(label="zigzag", attn=ATTN, ranks_per_problem=2, imbalance=1.0,
+                          kernel="sdpa-cpu", has_ideal=False)
+    ticks = iter([0.0, 0.4, 0.8, 1.2, 99.0])  # the start, then each look at the clock
+    got = estimate.under_load([pr], RUN, CPU, lambda: _Meter(0.5), least_s=1.0,
+                              clock=lambda: next(ticks))
+    assert got.others == 0.5 and next(ticks) == 99.0  # read until 1.2 s, not past
 
 
 def test_start_up_is_this_processs_age():
@@ -95,6 +154,42 @@ def test_what_is_left_is_re_estimated_from_what_the_cases_took():
     record: dict = {}
     assert tally.done(2, record, 33.0) == 33.0 and record["estimate"]["took_s"] == 33.0
     assert eta.Tally(()).before(0) is None and eta.Tally(()).after(0, 1.0) is None
+
+
+def _priced(*case_s: float) -> list[estimate.Estimate]:
+    return [estimate.Estimate(step_s=s / 10, case_s=s, rate=RATE, machine=CPU) for s in case_s]
+
+
+def _load(cores: float, wall_s: float = 10.0) -> dict:
+    return {"foreign_cpu_s": cores * wall_s, "wall_s": wall_s, "cpus": 2}
+
+
+def test_each_later_case_is_priced_at_the_load_the_cases_met():
+    tally = eta.Tally(_priced(10.0, 10.0, 10.0, 10.0))  # planned on 2 idle cores
+    # the first met others on 1 of the 2 cores: each rank half a core, so its plan at that
+    # load is 20 s; it took 20 s: the model's error 1
+    tally.after(0, 20.0, _load(1.0))
+    assert tally.scale() == 1.0
+    # the next at the load the done cases met beside their ranks (not the plan's, read
+    # beside one thread): 20 s
+    assert tally.before(1).case_s == pytest.approx(20.0)
+    # it met 1 core busy too, and took 30 s: planned 20 s at that load, so far 50 s
+    # against 40 s: x 1.25; the median now 1: 20 s, x 1.25
+    tally.after(1, 30.0, _load(1.0))
+    assert tally.scale() == pytest.approx(1.25)
+    assert tally.before(2).case_s == pytest.approx(25.0)
+    assert tally.left_s(2) == pytest.approx(50.0)
+    # a case met a burst (1.6 of 2 cores busy, 0.2 a rank): the median stays at 1; had
+    # the re-estimate known that load, it would have said 10 / 0.2 x 1.25
+    burst = tally.after(2, 60.0, _load(1.6))
+    assert burst["revised_s"] == pytest.approx(25.0)
+    assert burst["at_load_s"] == pytest.approx(50.0 * 1.25)
+    assert tally.before(3).case_s == pytest.approx(
+        20.0 * (50 + 60) / (20 + 20 + 10.0 / 0.2))  # its plan there: 10 / 0.2
+    # no reading: the plan stands for that case
+    other = eta.Tally(_priced(10.0, 10.0))
+    other.after(0, 12.0, None)
+    assert other.before(1).case_s == pytest.approx(12.0)
 
 
 def test_the_detail_block_says_the_plan_the_re_estimate_and_what_it_took():

@@ -4,20 +4,23 @@
 The kernel's rate on this machine comes from a probe: the plan's kernel backend runs one
 full (non-causal) block's forward and backward, at the case's heads, head dim and dtype, on
 the device, sized to take ``PROBE_S`` (a quick probe; a second, larger one where the case comes
-near the limit, since small blocks run below the kernel's rate). A case's step is then its
+near the limit, since small blocks run below the kernel's rate). On CPU the probe reads its
+thread's CPU time, not the wall clock: the rate of a core of its own, whatever others run
+meanwhile (a wall-clock probe of 50 ms on a shared core read 0.015 to 0.09 TFLOP/s within
+minutes here), so others' load enters once, through the load meter. A case's step is then its
 FLOPs (``metrics``: the mask's attended pairs, backward 2.5× the forward) on its slowest rank
 (the mean rank's share × the strategy's imbalance) at that rate, the rank's share of the
-device: on CPU the local ranks share the cores with each other and with what others' processes
-ask for, read by the load meter while the probe runs (``under_load``, ``loaded``).
+device: on CPU the local ranks share what others' processes leave of the cores, read by the
+load meter while the probe runs (``under_load``, ``loaded``).
 Communication, the merge and the layout are not counted: the estimate is a floor on big
 problems' steps, not a prediction (``cpbench simulate`` predicts; ``cpbench dryrun`` sizes
 memory).
 
-The case: its warm-up at its most (``--warmup`` + ``--iters``: the settle rule ran every case
-measured under load that far), timed steps, the memory step, ``--check``'s step and float64
-reference, ``--profile``'s steps and the ideal block timed alone (``bench.ideal``), and a fixed
-allowance for its set-up (``CASE_SETUP_S``). ``bench.eta`` adds the command's start-up and
-re-estimates what is left from what each case took.
+The case: its warm-up as the settle rule runs it (``warmup_steps``), timed steps, the memory
+step, ``--check``'s step and float64 reference, ``--profile``'s steps, the ideal block timed
+alone (``bench.ideal``), and an allowance for its set-up (``CASE_SETUP_S``), which is CPU work
+slowed on a busy machine to what others leave of a core. ``bench.eta`` adds the command's
+start-up and re-estimates what is left from the load and what each case took.
 
 Under torchrun only rank 0 estimates (and may refuse, exit 2, before any collective; torchrun
 then stops the other ranks): a probe's time differs between ranks, and ranks that each
@@ -49,10 +52,18 @@ SIDES = (128, 32768)  # the probe's least and largest block side
 REFINE_ABOVE, REFINE_S = 0.25, 60.0
 REFERENCE_SLOWDOWN = 8.0  # --check's float64 reference against the kernel's own rate
 PROFILED_STEPS = 3  # bench.profiling's
-# a case's set-up, whatever its size (its groups, gathers, agreements), and the first case's
-# in a process besides (the first exchanges, the memory meter's first use): rough allowances,
-# from 2 busy cores (1-3 s a case, 8-20 s the first)
-CASE_SETUP_S, FIRST_CASE_S = 2.0, 5.0
+# a case's work beyond its steps, whatever its size (its groups, the inputs, gathering the
+# samples and the bytes sent, the agreements, the record), and the first case's in a process
+# besides (the first exchanges, the kernels' first calls): seconds on cores of their own,
+# measured here with 2 ranks on 2 idle cores (0.6-0.9 s a case, 2.4 s the first); on a busy
+# machine they take longer (``case_estimate``)
+CASE_SETUP_S, FIRST_CASE_S = 1.0, 1.5
+# the least part of a core a thread of ours is counted to get: what others leave is read as a
+# difference of two near-equal figures on a full machine, where it can come out at nothing
+MIN_CORE = 0.05
+# the load meter's least window at the plan: the probes alone take ~0.2 s, in which one burst
+# of others' work read 1.4 cores busy where the next minutes had 0.9-1.1
+PLAN_METER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,7 @@ class Estimate:
     start_s: float = 0.0  # the command's start-up, on the first case's (``bench.eta``)
     busy: str = ""  # what the load meter saw others take, on the first case's
     comm_from: str = ""  # the simulator's preset that priced what is beyond the kernel
+    machine: Machine | None = None  # as the estimate saw it: ``bench.eta`` re-prices the load
 
     def line(self) -> str:
         return f"estimated {duration(self.step_s)} a step, {duration(self.case_s)} for the case"
@@ -92,7 +104,7 @@ class Estimate:
 
 def _block_seconds(backend, device: str, side: int, heads: int, kv_heads: int,
                    head_dim: int, dtype: torch.dtype,
-                   clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
+                   clock: Callable[[], float]) -> tuple[float, float]:
     """(forward s, backward s) of one full block: its second call (the first pays the
     kernel's set-up), read on ``clock`` (a test gives its own)."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -130,11 +142,14 @@ def probe_side(device: str, heads: int, head_dim: int, target_s: float, largest:
 
 @functools.lru_cache(maxsize=64)
 def probe(kernel: str, device: str, dtype: str, heads: int, kv_heads: int, head_dim: int,
-          side: int, clock: Callable[[], float] = time.perf_counter) -> Rate:
+          side: int, clock: Callable[[], float] | None = None) -> Rate:
     """The kernel's FLOP/s on one full block of ``side`` (cached per process). On CPU on one
     thread: a rank's share is then counted in cores (``Machine.share``), and a parallel
     region's threads waiting on each other while other work holds a core, which the ranks'
-    single threads do not, cannot slow the probe."""
+    single threads do not, cannot slow the probe. Read on ``clock``: by default the thread's
+    CPU time on CPU (a core of its own, see the module docstring), the wall clock on a GPU."""
+    if clock is None:
+        clock = time.thread_time if device == "cpu" else time.perf_counter
     backend = kernels.get(kernel)
     threads = torch.get_num_threads()
     if device == "cpu":
@@ -157,19 +172,45 @@ class Machine:
     local_ranks: int
     threads_per_rank: int
     cpus: int
-    others: float = 0.0  # cores others' runnable threads ask for (``loaded``)
-    seen: float = 0.0  # cores the load meter saw them use
+    others: float = 0.0  # cores others keep busy beside the run (``loaded``)
+    seen: float = 0.0  # the same, as the load meter read it: what the first line says
+    beside: int = 1  # threads of ours the meter read ``others`` beside
 
-    def share(self, rate: Rate) -> float:
-        """A rank's part of what the probe had: on CPU the local ranks share the cores with
-        each other and with others' threads, each runnable thread an equal part where they
-        ask for more than there are, as the probe's one thread did among others'."""
+    def thread_share(self, others: float | None = None, ours: int | None = None) -> float:
+        """The part of a core each of ``ours`` runnable threads (default: every local
+        rank's) gets (1 on a GPU) where others keep ``others`` (default: ``self.others``)
+        cores busy beside ``self.beside`` threads of ours: at most a core, at least MIN_CORE.
+
+        Beside as many threads as read it, what others left. Beside fewer (the probe's one),
+        two bounds: others keep what they took (Linux shares the cores between sessions,
+        ``sched_autogroup``, on here), or every runnable thread gets an equal part (their
+        ``d`` threads from ``d · n / (d + b) = c``). Measured here, with 2 ranks on 2 cores
+        where the probe saw others on 1.5-1.8, each rank got 0.15 to 0.4 of a core, as often
+        near one bound as the other: the estimate takes the middle."""
         if self.device == "cuda":
             return 1.0
-        asked = self.others + self.local_ranks * self.threads_per_rank
-        rank = min(self.threads_per_rank, self.cpus * self.threads_per_rank / asked)
-        probe = min(1.0, self.cpus / (self.others + 1))
-        return rank / (probe * max(rate.threads, 1))
+        ours = max(1, self.local_ranks * self.threads_per_rank if ours is None else ours)
+        n, c, b = self.cpus, max(0.0, self.others if others is None else others), self.beside
+        left = n - c
+        demand = c if c + b <= n else (c * b / (n - c) if c < n else math.inf)
+        fair = min(ours, n * ours / (min(demand, 4.0 * n) + ours))
+        total = left if ours == b else (max(0.0, min(ours, left)) + fair) / 2
+        return min(1.0, max(MIN_CORE, total / ours))
+
+    def share(self, rate: Rate) -> float:
+        """A rank's part of what the probe had: its threads' cores over the probe's (one
+        core of its own on CPU: its CPU time; the whole device on a GPU)."""
+        if self.device == "cuda":
+            return 1.0
+        return self.threads_per_rank * self.thread_share() / max(rate.threads, 1)
+
+    def alone(self, rate: Rate) -> float:
+        """``share`` for a rank running while its peers wait: the ideal block's on rank 0,
+        the slowest rank's in an imbalanced step."""
+        if self.device == "cuda":
+            return 1.0
+        return (self.threads_per_rank * self.thread_share(ours=self.threads_per_rank)
+                / max(rate.threads, 1))
 
     def busy_text(self) -> str:
         """"others keep 1.6 of 2 cores busy" where the meter saw them use a tenth of the
@@ -179,16 +220,28 @@ class Machine:
         return f"others keep {self.seen:.1f} of {self.cpus} cores busy"
 
 
-def loaded(machine: Machine, others_cores: float | None) -> Machine:
-    """``machine`` with others' demand, from the cores the load meter saw them use while the
-    probe's one thread ran (None: no meter): used ``c`` of ``n`` cores beside it means
-    ``c`` threads when ``c + 1 <= n``, else ``d`` threads sharing the cores with the probe's,
-    ``d · n / (d + 1) = c`` (at most 4n: a machine all but full)."""
+def loaded(machine: Machine, others_cores: float | None, beside: int = 1) -> Machine:
+    """``machine`` with the cores the load meter saw others keep busy beside ``beside``
+    threads of ours (the probe's one; a case's ranks'; None: no meter)."""
     if others_cores is None or machine.device == "cuda":
         return machine
-    n, c = machine.cpus, max(0.0, others_cores)
-    demand = c if c + 1 <= n else (c / (n - c) if c < n else math.inf)
-    return dataclasses.replace(machine, others=min(demand, 4.0 * n), seen=c)
+    c = max(0.0, others_cores)
+    return dataclasses.replace(machine, others=c, seen=c, beside=beside)
+
+
+def warmup_steps(run: RunConfig, machine: Machine) -> int:
+    """The warm-up steps the settle rule is expected to run (``timer.warmup_rule``): it
+    stops once ``window`` steps lie within its tolerance, so not before ``max(least,
+    window)``, and at ``most`` whatever they do. A busy machine's steps jitter past the
+    tolerance: every case measured here with others on a tenth of the cores or more ran
+    ``most``; on idle cores they stopped anywhere between (3 to 6 of at most 7, mean 4.2):
+    there, the middle, off by at most half the range either way."""
+    assert run.warmup is not None and run.iters is not None, "a resolved RunConfig"
+    rule = timer.warmup_rule(run.warmup, run.iters)
+    least = min(rule.most, max(rule.least, rule.window))
+    if machine.device == "cpu" and machine.seen >= 0.1 * machine.cpus:
+        return rule.most
+    return (least + rule.most + 1) // 2
 
 
 def case_estimate(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
@@ -203,22 +256,33 @@ def case_estimate(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
                                      mode=mode, v_head_dim=attn.v_head_dim)[0]
 
 
-    rank = imbalance / ranks_per_problem  # the slowest rank's part of the problem
-    alone = flops("fwd") * rank / rate.fwd + (0.0 if run.fwd_only else
-                                              flops("bwd") * rank / rate.bwd)
-    step = alone / machine.share(rate) + extra[0] + (0.0 if run.fwd_only else extra[1])
+    def kernel_s(part: float) -> float:  # a rank's kernel seconds on a core of its own
+        return flops("fwd") * part / rate.fwd + (0.0 if run.fwd_only else
+                                                 flops("bwd") * part / rate.bwd)
+
+    # the slowest rank's part of the problem (the mean's × the layout's imbalance), at as
+    # much of the cores as it can take; or, the longer, the mean rank's at its equal part: a
+    # rank that waits for its peers leaves them its part (gloo's waits block), so on cores
+    # shared with others it is the ranks' work together that counts (measured here, llama3's
+    # contiguous layout, 1.5 imbalanced, took its balanced layout's time, 0.6-1.1x, on 2
+    # shared cores)
+    slowest = kernel_s(imbalance / ranks_per_problem) / machine.alone(rate)
+    step = max(slowest, kernel_s(1 / ranks_per_problem) / machine.share(rate)) \
+        + extra[0] + (0.0 if run.fwd_only else extra[1])
     assert run.warmup is not None and run.iters is not None, "a resolved RunConfig"
-    # warm-up at its most: under load the settle rule ran every case measured to the end
-    most = timer.warmup_rule(run.warmup, run.iters).most
-    steps = most + run.iters + 1 + (PROFILED_STEPS if run.profile else 0)
-    case = CASE_SETUP_S + steps * step
+    # warm-up, timed steps, the memory step, --profile's
+    steps = warmup_steps(run, machine) + run.iters + 1 + (PROFILED_STEPS if run.profile else 0)
+    # the set-up is CPU work mostly of one rank at a time (agreements, gathers, rank 0's
+    # record), slowed to what others leave of a core (measured here with 4 ranks on 2 cores
+    # others kept 1.6 of busy: ~6 s of set-up, where each rank's part of the cores said 27)
+    case = CASE_SETUP_S / machine.thread_share(ours=1) + steps * step
     if run.check:
-        case += step + flops("fwd_bwd") * REFERENCE_SLOWDOWN / rate.fwd
+        case += step + flops("fwd_bwd") * REFERENCE_SLOWDOWN / rate.fwd / machine.share(rate)
     if has_ideal:  # rank 0's ideal block alone (1 / N² of the problem), warmed up and timed
         block = (flops("fwd") / rate.fwd + flops("bwd") / rate.bwd) / ranks_per_problem ** 2
-        case += block * (min(max(1, run.warmup), ideal.MAX_WARMUP)
-                         + min(max(1, run.iters), ideal.MAX_ITERS))
-    return Estimate(step_s=step, case_s=case, rate=rate)
+        case += block / machine.alone(rate) * (min(max(1, run.warmup), ideal.MAX_WARMUP)
+                                               + min(max(1, run.iters), ideal.MAX_ITERS))
+    return Estimate(step_s=step, case_s=case, rate=rate, machine=machine)
 
 
 @dataclass(frozen=True)
@@ -247,13 +311,20 @@ def estimate(pr: Problem, run: RunConfig, machine: Machine, *, refined: bool = F
 
 
 def under_load(problems: Sequence[Problem], run: RunConfig, machine: Machine,
-               meter: Callable[[], Any]) -> Machine:
+               meter: Callable[[], Any], *, least_s: float | None = None,
+               clock: Callable[[], float] = time.monotonic) -> Machine:
     """Probe every case's kernel (cached for ``estimates``) while ``meter`` (a
     ``bench.load.Meter``; a test gives its own) reads what others' processes use: the
-    machine as they leave it (``loaded``)."""
+    machine as they leave it (``loaded``). The reading lasts ``least_s`` at least, this
+    thread kept runnable meanwhile as the probe's was (idle, it would leave others more);
+    by default ``PLAN_METER_S``, or 5 % of the run on idle cores where less: its cost in
+    proportion (the tests' small plans pay nothing)."""
+    t0 = clock()
     with meter() as m:
-        for pr in problems:
-            estimate(pr, run, machine)
+        idle_s = sum(estimate(pr, run, machine).case_s for pr in problems)
+        least_s = min(PLAN_METER_S, 0.05 * idle_s) if least_s is None else least_s
+        while machine.device == "cpu" and clock() - t0 < least_s:
+            pass
     reading = m.load
     return loaded(machine, reading.cores if reading is not None else None)
 
@@ -271,7 +342,8 @@ def estimates(problems: Sequence[Problem], run: RunConfig, machine: Machine
         est = estimate(pr, run, machine, refined=long)
         if not long and est.case_s > bar:
             est = estimate(pr, run, machine, refined=True)
-        out.append(est if i else dataclasses.replace(est, case_s=est.case_s + FIRST_CASE_S))
+        out.append(est if i else dataclasses.replace(
+            est, case_s=est.case_s + FIRST_CASE_S / machine.thread_share(ours=1)))
     return tuple(out)
 
 

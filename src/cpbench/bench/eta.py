@@ -5,15 +5,17 @@ Start-up: the interpreter and its imports (torch's above all), read as this proc
 when it plans (``process_age_s``: /proc's clock, or a test's), and, with ``--nproc``, the
 forkserver's own import of torch before the ranks fork from it, about as long again.
 
-Re-estimate: before each case, its planned estimate (``bench.estimate``) times what the cases
-so far took over what they were planned to take (``Tally``); the case's line says the
-re-estimate, and its record keeps the plan, the re-estimate and what it took.
+Re-estimate: before each case, its planned estimate (``bench.estimate``) re-priced at the load
+the last case met, times what the cases so far took over what the plan says at the loads
+they met (``Tally``); the case's line says the re-estimate, and its record keeps the plan,
+the re-estimate and what it took.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -103,40 +105,89 @@ def total_line(ests: Sequence[Estimate]) -> str:
 
 @dataclass
 class Tally:
-    """Each case's estimate before it runs, re-estimated from what the cases so far took;
-    the record's ``estimate`` section after it."""
+    """Each case's estimate before it runs, re-estimated from the load and from what the
+    cases so far took; the record's ``estimate`` section after it.
+
+    Two causes move a case off its plan, and each is read where it shows: others' load,
+    which the load meter reads over each case's timed steps (the record's ``load``), so
+    the next case is priced at the load the last one met (loads persist more than they
+    jump); and the model's own error (what it does not count: communication on CPU, a
+    kernel slower on causal blocks than on the probe's full one), the done cases' time over
+    what the plan says at the loads they met, which scales every later case."""
 
     planned: Sequence[Estimate]
     took: list[float] = field(default_factory=list)
+    seen: list[Machine | None] = field(default_factory=list)  # each done case's load
+
+    def _at(self, i: int, machine: Machine | None) -> float:
+        """Case ``i``'s plan at ``machine``'s load: each of its parts is CPU work of the ranks'
+        threads, slowed as their share of a core shrinks (the ideal block, rank 0's alone,
+        a little less: a few per cent of a case)."""
+        est = self.planned[i]
+        if est.machine is None or machine is None:
+            return est.case_s
+        return est.case_s * est.machine.thread_share() / machine.thread_share()
+
+    def _now(self) -> Machine | None:
+        """The machine as the next case is expected to find it: the cores others keep busy,
+        the median of what the done cases met beside their ranks (the plan's reading, beside
+        one thread, until one is done). Not the last case's alone: here
+        one case met a burst of others' work (1.6 cores against 0.9 before and 1.1 after)
+        and the next, priced at it, took 0.43 of its estimate; a lasting change moves the
+        median in a case or two."""
+        plan = self.planned[0].machine if self.planned else None
+        seen = [m for m in self.seen if m is not None]
+        if plan is None or not seen:
+            return plan
+        return dataclasses.replace(seen[-1], others=statistics.median(m.others for m in seen))
 
     def scale(self) -> float:
-        """What the cases so far took over their plan (1 before any)."""
-        done = sum(e.case_s for e in self.planned[:len(self.took)])
+        """The model's error: what the cases so far took over their plan at the loads they
+        met (1 before any)."""
+        done = sum(self._at(k, m) for k, m in enumerate(self.seen))
         return sum(self.took) / done if self.took and done > 0 else 1.0
 
     def before(self, i: int) -> Estimate | None:
         """Case ``i``'s (0-based) estimate, re-estimated; None without estimates."""
         if not self.planned:
             return None
-        est, k = self.planned[i], self.scale()
+        est = self.planned[i]
+        k = self._at(i, self._now()) / est.case_s * self.scale() if est.case_s else 1.0
         return dataclasses.replace(est, step_s=est.step_s * k, case_s=est.case_s * k)
 
     def left_s(self, i: int) -> float:
         """What cases ``i`` (0-based) on are re-estimated to take."""
-        return sum(e.case_s for e in self.planned[i:]) * self.scale()
+        now = self._now()
+        return sum(self._at(j, now) for j in range(i, len(self.planned))) * self.scale()
 
     def done(self, i: int, record: dict[str, Any], seconds: float) -> float:
         """Case ``i`` took ``seconds``: its record's ``estimate`` becomes ``after``'s."""
-        record["estimate"] = self.after(i, seconds)
+        record["estimate"] = self.after(i, seconds, record.get("load"))
         return seconds
 
-    def after(self, i: int, seconds: float) -> dict[str, Any] | None:
-        """The record's ``estimate`` once case ``i`` took ``seconds``: the plan's figures,
-        ``revised_s`` (what its line said before it ran) and ``took_s``."""
-        revised = self.before(i)
+    def after(self, i: int, seconds: float, load: dict[str, Any] | None = None
+              ) -> dict[str, Any] | None:
+        """The record's ``estimate`` once case ``i`` took ``seconds`` with ``load`` (the
+        record's section, None: unread): the plan's figures, ``revised_s`` (what its line
+        said before it ran), ``took_s``, the ``scale`` between the first two, and
+        ``at_load_s``, what the re-estimate would have said had it known the load the case
+        met (the model alone, without the forecast of the load)."""
+        revised, k = self.before(i), self.scale()
         self.took.append(seconds)
+        self.seen.append(self._seen(load))
         if revised is None:
             return None
         return {**self.planned[i].to_dict(), "revised_s": revised.case_s, "took_s": seconds,
                 "scale": revised.case_s / self.planned[i].case_s
-                if self.planned[i].case_s else 1.0}
+                if self.planned[i].case_s else 1.0,
+                "at_load_s": self._at(i, self.seen[-1]) * k}
+
+    def _seen(self, load: dict[str, Any] | None) -> Machine | None:
+        """The machine as a case with this ``load`` section found it: the cores others kept
+        busy beside its ranks (``estimate.loaded``); None without a reading (then its plan
+        stands for it)."""
+        plan = self.planned[0].machine if self.planned else None
+        if plan is None or not load or not load.get("wall_s"):
+            return None
+        return estimate.loaded(plan, load["foreign_cpu_s"] / load["wall_s"],
+                               beside=plan.local_ranks * plan.threads_per_rank)
