@@ -23,7 +23,7 @@ TORCH_LAYER := tests/unit/test_torchcompat.py tests/unit/test_threadpg.py \
 	tests/unit/test_dryrun.py tests/unit/test_gpu_check.py tests/multirank/test_threads_run.py \
 	tests/multirank/test_strategies.py tests/multirank/test_upstream.py
 
-.PHONY: bench test test-fast test-gpu test-fake-gpu test-torch-matrix gpu-check lint install clean
+.PHONY: bench test test-fast test-timing test-gpu test-fake-gpu test-torch-matrix gpu-check lint install clean
 
 $(STAMP): pyproject.toml scripts/ensure_torch.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,10 +43,16 @@ bench: $(STAMP)
 JOBS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(JOBS) --dist worksteal
+	$(PY) -m pytest -q -n $(JOBS) --dist worksteal -m "not timing"
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(JOBS) --dist worksteal -m "not multirank and not gpu and not slow"
+	$(PY) -m pytest -q -n $(JOBS) --dist worksteal -m "not multirank and not gpu and not slow and not timing"
+
+# the tests that time real work against cpbench's own prediction (the estimate): a change of
+# others' load between the meter's readings goes unseen, so they run alone, on a machine
+# otherwise idle (CI runs them first), never beside make test's workers
+test-timing: $(STAMP)
+	$(PY) -m pytest -q -p no:xdist -m timing
 
 # the GPU-marked tests (tests/gpu and a few unit ones). On one GPU: every strategy as threads
 # on it (tests/gpu/test_threads_one_gpu.py); with 2 or more GPUs and flash-attn installed

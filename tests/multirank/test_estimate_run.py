@@ -1,8 +1,10 @@
 """The estimate held against what followed, on a real run on this machine: every case within
 1.5× either way of the estimate at the load it met, as its record keeps both (``bench.eta``).
 
-Whatever the machine's load: the estimate reads it (the load meter, over each case's steps),
-so this asserts the same on an idle or a shared machine and never reads the load itself."""
+The assertion is the same at any load and never reads the load: the estimate reads it (the
+load meter, over each case's steps). But a change of others' load during a case's set-up,
+between the meter's readings, goes unseen (it failed 1 run in 3 on a machine shared with
+other test runs), so it is a ``timing`` test: run alone, on a machine otherwise idle."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ RUN = ["run", "--nproc", "2", "--strategy", "zigzag,ulysses,llama3", "--seqlen",
 WITHIN = 1.5
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_each_case_took_its_estimate_within_half_again(tmp_path):
     out = tmp_path / "r.jsonl"
