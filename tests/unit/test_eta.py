@@ -154,6 +154,9 @@ def test_what_is_left_is_re_estimated_from_what_the_cases_took():
     record: dict = {}
     assert tally.done(2, record, 33.0) == 33.0 and record["estimate"]["took_s"] == 33.0
     assert eta.Tally(()).before(0) is None and eta.Tally(()).after(0, 1.0) is None
+    unplanned = eta.Tally(())  # the threads launcher's: every case after the first too
+    assert [unplanned.after(i, 1.0, {"wall_s": 1.0, "foreign_cpu_s": 0.5}) for i in range(3)] \
+        == [None, None, None]
 
 
 def _priced(*case_s: float) -> list[estimate.Estimate]:

@@ -172,6 +172,8 @@ class Tally:
         said before it ran), ``took_s``, the ``scale`` between the first two, and
         ``at_load_s``, what the re-estimate would have said had it known the load the case
         met (the model alone, without the forecast of the load)."""
+        if not self.planned:  # no estimates (the threads launcher's): nothing to keep
+            return None
         revised, k = self.before(i), self.scale()
         self.took.append(seconds)
         self.seen.append(self._seen(load))
