@@ -318,8 +318,9 @@ def predict(name: str, options, attn: AttentionConfig, topo: Topology, hw: Hardw
     """The predicted step times and memory of ``name`` on ``topo`` with ``hw``; ValueError
     when the strategy cannot run this configuration."""
     if attn.dtype not in hw.dtypes:
-        raise UsageError(f"the {hw.name.split(' (')[0]} preset models {'/'.join(hw.dtypes)} attention "
-                         f"kernels; simulate with --dtype {hw.dtypes[0]}")
+        gpu = hw.name.split(" (")[0]  # the name without its network, to fit 120 columns
+        raise UsageError(f"the {gpu} preset models {'/'.join(hw.dtypes)} attention kernels; "
+                         f"simulate with --dtype {hw.dtypes[0]}")
     return evaluate(compiled_for(name, options, attn, topo), attn, hw)
 
 
