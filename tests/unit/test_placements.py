@@ -156,6 +156,33 @@ def test_plot_is_one_panel_of_the_differences(tmp_path):
     assert notes and "a note under it" in notes[0] and "hollow: flagged" in notes[0]
 
 
+def test_simulate_compare_placements_plots_the_same_one_panel(tmp_path, capsys, monkeypatch):
+    """``simulate --compare-placements --plot`` draws report's one panel (was a panel per
+    topology, its y axis from 0): a real PNG, one axes, a one-line title, the notes under."""
+    pytest.importorskip("matplotlib")
+    drawn = []
+    figure = placements.figure
+
+    def kept(*args, **kwargs):  # the figure the CLI saved, to read its parts
+        drawn.append(figure(*args, **kwargs))
+        return drawn[-1]
+
+    monkeypatch.setattr(placements, "figure", kept)
+    target = tmp_path / "placements.png"
+    assert main(["simulate", "--compare-placements", "--strategy", "usp,zigzag", "--nodes",
+                 "2", "--gpus-per-node", "2", "--plot", str(target)]) == 0
+    assert "plot written" in capsys.readouterr().err
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (fig,) = drawn
+    assert len(fig.axes) == 1
+    title = fig.axes[0].get_title()
+    assert title and "\n" not in title and not fig._suptitle
+    low, high = fig.axes[0].get_xlim()  # each strategy's fastest is 1: the axis is not from 0
+    assert 0.9 < low < 1.0 < high
+    notes = " ".join(t.get_text() for t in fig.texts)
+    assert "simulated on A800" in notes and "the model's stated error" in notes
+
+
 def test_cli_report_compare_placement_prints_one_table_with_a_winner(tmp_path, capsys):
     path = tmp_path / "r.jsonl"
     for r in _runs():

@@ -105,7 +105,9 @@ def add_parser(sub) -> None:
                         "beside it), the model's estimate elsewhere")
     _add_self_check(p, integer)
     s.add_argument("--plot", metavar="OUT.png",
-                   help="also draw TFLOPs/s per GPU against Seq Len (needs matplotlib)")
+                   help="also draw TFLOPs/s per GPU against Seq Len; with --compare-placements, "
+                        "each placement's time relative to its strategy's fastest, one "
+                        "panel (needs matplotlib)")
     s.add_argument("--details", action="store_true",
                    help="also each case's time by named term (kernel, block size, NCCL "
                         "contention, merge / rescale, launch / sync, communication): why a "
@@ -239,9 +241,10 @@ def _simulate(args) -> int:
                                         cases=cases, seed=args.seed, packings=args.packings)
     if peaks is not None:
         measured_memory.apply(records, peaks)
+    shown = records  # the plot draws what the table shows
     if args.compare_placements:
-        text = command.render_comparison(command.compare_placements(records), hw, topo,
-                                         args.format)
+        shown = [r for rows in command.compare_placements(records) for r in rows]
+        text = command.render_comparison([shown], hw, topo, args.format)
     else:
         text = command.render(records, hw, topo, args.format, with_details=args.details)
         if peaks is not None and args.format in ("table", "markdown"):
@@ -258,11 +261,26 @@ def _simulate(args) -> int:
         text += f"records: {args.out}\n" if args.format in ("table", "markdown") else ""
     sys.stdout.write(text)
     if args.plot:
-        from cpbench.report import plot
-
-        plot.plot(records, args.plot, title_note=f"simulated on {hw.name}")
-        sys.stderr.write(f"{PROG}: plot written to {args.plot}\n")
+        _plot(args, shown, hw)
     return 0
+
+
+def _plot(args, records: list[dict], hw) -> None:
+    """The plot of what the table shows: with --compare-placements, report's one panel of
+    the placements' differences (``report --compare placement --plot``), else TFLOPs/s
+    against Seq Len."""
+    from cpbench.report import placements, plot
+
+    note = f"simulated on {hw.name}"
+    if args.compare_placements:
+        from cpbench.sim.validate import stated_error
+
+        error = stated_error(hw)
+        placements.plot(records, args.plot, f"{note}; the model's stated error: "
+                        f"{error.what}" if error else note)
+    else:
+        plot.plot(records, args.plot, title_note=note)
+    sys.stderr.write(f"{PROG}: plot written to {args.plot}\n")
 
 
 

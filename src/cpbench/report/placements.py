@@ -254,8 +254,11 @@ def figure(records: list[dict], note: str | None = None):
         raise UsageError("--compare placement --plot: no CP row ran, nothing to plot; give "
                          "records of CP strategies")
     topos = list(dict.fromkeys(t for _, t, _, _ in points))
+    labels = [textwrap.fill(x, 44) for x in labels]
+    tallest = max(x.count("\n") + 1 for x in labels)  # a row as tall as its longest label
     # rows down the y axis (labels stay readable), the relative time across
-    fig, ax = plt.subplots(figsize=(7.5, max(2.5, 0.42 * len(labels) + 1.2)), dpi=120)
+    fig, ax = plt.subplots(figsize=(7.5, max(2.5, 0.14 * max(3, tallest) * len(labels) + 1.2)),
+                           dpi=120)
     for i, topo in enumerate(topos):
         colour = plt.get_cmap("tab10")(i % 10)
         for may_win in (True, False):
@@ -264,7 +267,7 @@ def figure(records: list[dict], note: str | None = None):
                 ax.scatter(*zip(*at), s=36, label=topo if may_win else f"{topo} (flagged)",
                            color=colour if may_win else "none", edgecolors=colour, zorder=3)
     ax.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_yticks(range(len(labels)), [textwrap.fill(x, 44) for x in labels], fontsize=7)
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
     ax.invert_yaxis()  # the table's order, top down
     ax.set_xlabel("time / the strategy's fastest (1 = its winner)", fontsize=8)
     xs = [y for _, _, y, _ in points]
@@ -279,7 +282,8 @@ def figure(records: list[dict], note: str | None = None):
                          if any(not e for *_, e in points) else None) if n]
     fig.tight_layout()
     if notes:
-        fig.text(0.01, 0.0, "\n".join(notes), fontsize=7, va="top")
+        fig.text(0.01, 0.0, "\n".join(textwrap.fill(n, 130) for n in notes), fontsize=7,
+                 va="top")
     return fig
 
 
