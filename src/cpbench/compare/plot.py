@@ -11,7 +11,7 @@ import numpy as np
 
 from cpbench.compare import cells
 from cpbench.compare.analysis import NOT_COMPARABLE, PHASES, Comparison, PhaseTest, Uncompared
-from cpbench.report.plot import require_matplotlib
+from cpbench.report.plot import require_matplotlib, save
 
 COLUMNS = 4  # panels per row: two cases' FWD and FWD+BWD
 COLOURS = {"A": "tab:blue", "B": "tab:orange"}
@@ -47,5 +47,4 @@ def plot(cmp: Comparison, path: str) -> None:
     fig.suptitle(f"Per-iteration step times (slowest rank), A vs B; ratio of medians with its "
                  f"{cells.percent(cmp.level)} interval", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
+    save(fig, path)

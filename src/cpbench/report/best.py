@@ -187,7 +187,7 @@ def _flagged(records: list[dict]) -> list[str]:
 def plot_winners(records: list[dict], path: str, min_effect: float = MIN_EFFECT) -> None:
     """The winner map: a row per problem, a column per topology, coloured by strategy;
     a tie (~) or an unclear call (?) is hatched and names both."""
-    from cpbench.report.plot import require_matplotlib
+    from cpbench.report.plot import require_matplotlib, save
 
     plt = require_matplotlib()
     vs = verdicts(records, min_effect)
@@ -195,7 +195,7 @@ def plot_winners(records: list[dict], path: str, min_effect: float = MIN_EFFECT)
     topos = list(dict.fromkeys(v.topology for v in vs))
     names = sorted({v.winner for v in vs})
     colours = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(names)}
-    fig, ax = plt.subplots(figsize=(2.2 * len(topos) + 4, 0.6 * len(problems) + 1.5))
+    fig, ax = plt.subplots(figsize=(2.2 * len(topos) + 4, 0.6 * len(problems) + 1.5), dpi=120)
     for v in vs:
         x, y = topos.index(v.topology), problems.index(v.problem)
         ax.add_patch(plt.Rectangle((x, y), 1, 1, color=colours[v.winner],
@@ -212,5 +212,4 @@ def plot_winners(records: list[dict], path: str, min_effect: float = MIN_EFFECT)
     ax.set_title("Fastest strategy per problem\n(hatched: a tie with the runner-up, or unclear)",
                  fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

@@ -232,12 +232,9 @@ def _under(simulated: bool, error: ModelError | None, fmt: str) -> list[str]:
 
 def plot(records: list[dict], path: str, note: str | None = None) -> None:
     """Write ``figure`` to ``path`` (format from its suffix)."""
-    from cpbench.report.plot import require_matplotlib
+    from cpbench.report.plot import save
 
-    plt = require_matplotlib()
-    fig = figure(records, note)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
+    save(figure(records, note), path)
 
 
 def figure(records: list[dict], note: str | None = None):

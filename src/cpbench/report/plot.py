@@ -30,6 +30,14 @@ def require_matplotlib():
     return plt
 
 
+def save(fig, path: str) -> None:
+    """Write ``fig`` to ``path`` (the format from its suffix), its text never cut off, and
+    free it: pyplot keeps every open figure."""
+    plt = require_matplotlib()
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+
+
 def check_target(path: str) -> None:
     """ValueError with the fix when there is no matplotlib or ``path`` cannot be written:
     called before any work or output, so a bad --plot is one line, not half a report."""
@@ -76,10 +84,7 @@ def panels(df) -> list[tuple[str, list[str]]]:
 
 def plot(records: list[dict], path: str, title_note: str | None = None) -> None:
     """Write ``figure(records, title_note)`` to ``path`` (the format from its suffix)."""
-    plt = require_matplotlib()
-    fig = figure(records, title_note)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
+    save(figure(records, title_note), path)
 
 
 def figure(records: list[dict], title_note: str | None = None):
@@ -232,6 +237,5 @@ def plot_breakdown(records: list[dict], path: str) -> bool:
               frameon=False)
     ax.set_title("Where the time goes", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
+    save(fig, path)
     return True
