@@ -14,6 +14,7 @@ from cpbench import results
 from cpbench.cli import main
 from cpbench.metrics import ratio_interval
 from cpbench.report import placements
+from cpbench.report.cells import sig
 from cpbench.report.render import WIDE, fitting
 from cpbench.sim import command, hardware
 from cpbench.topology import Topology
@@ -141,6 +142,9 @@ def test_simulated_placements_give_the_models_stated_error_and_no_interval():
                       r"\s+published\s+rows", text)
     assert error and int(error[2]) >= 5 and error[1] == f"{100 * hw.stated_error:.1f}"
     assert all(f"±{error[1]} %" in w for w in winners)
+    # a prediction to 3 significant figures, as the rest of simulate prints it
+    times = [r["FWD+BWD (ms)"] for r in rows]
+    assert all(t == sig(float(t)) for t in times) and min(map(float, times)) > 10, times
     assert len(text.splitlines()) <= 40  # was a table per length, every placement: 100+
 
 

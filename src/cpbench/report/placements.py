@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from cpbench.errors import UsageError
 from cpbench.metrics import ratio_interval
 from cpbench.report import tables
-from cpbench.report.cells import missing, ms
+from cpbench.report.cells import missing, ms, sig
 from cpbench.report.dataframe import PROBLEM
 from cpbench.report.labels import joined, rank_unit, ranks_text
 from cpbench.report.render import Fit, grouped, prose, render, width
@@ -88,8 +88,9 @@ def _cells(df) -> list[_Cell]:
         reason = tables.short_reason(r["not_measured"])
         notes = "; ".join(x for x in (r["flags"], reason) if x)
         samples = r[f"iters_{phase}"]
+        number = sig if r["simulated"] else ms  # a prediction: 3 significant figures
         out.append(_Cell(r["topo"], r["options"], time if ok else None,
-                         ms(time) if ok else r["status"],
+                         number(time) if ok else r["status"],
                          samples if isinstance(samples, list) else None,
                          ok and not notes, notes))
     return out
