@@ -360,6 +360,23 @@ def test_skipped_cases_a_line_per_reason():
         "skipped a note without a name"]
 
 
+def test_a_refusal_in_its_own_words_is_said_once_with_its_count():
+    """--sinks: each yunchang-usp variant is refused in words that name the strategy
+    (``strategies.base``), no ``name: `` before them; the line counts the cases, never an empty
+    name before the count (was "skipped  (3 cases): yunchang-usp (yunchang) cannot ...")."""
+    from cpbench.bench.plan import plan
+    from cpbench.config import RunConfig
+    from cpbench.report.lines import skipped_lines
+
+    run = RunConfig(strategy=("yunchang-usp", "zigzag"), nproc=4, out="none")
+    refusals = [r for r in plan(run, {"seqlen": 1024, "sinks": True}, {},
+                                launcher="threads").skipped if "sinks" in r]
+    refusal = "yunchang-usp (yunchang) cannot add attention sinks once per query; drop --sinks"
+    assert len(refusals) > 1 and set(refusals) == {refusal}  # a variant each, one reason
+    assert skipped_lines(refusals) == [f"skipped {len(refusals)} cases: {refusal}"]
+    assert skipped_lines(refusals[:1]) == [f"skipped {refusal}"]
+
+
 def test_a_case_in_one_line():
     from cpbench.report.lines import case_line, outcome_line
 

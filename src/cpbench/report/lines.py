@@ -71,15 +71,16 @@ def skipped_lines(reasons: list[str]) -> list[str]:
     """The cases a plan skipped, a line per reason rather than per case: ``skipped
     rfa-ring, rfa-stripe: <why>``; a strategy's variants skipped for one reason count as
     ``yunchang-usp (3 cases)``; what the names share after them (``cannot run here``)
-    said once."""
-    by: dict[str, list[str]] = {}
+    said once. A reason with no ``name: `` before it (a refusal that names its strategy in
+    its own words) is said once, its cases counted: ``skipped 3 cases: <reason>``."""
+    by: dict[tuple[bool, str], list[str]] = {}  # (named, why) -> the names
     for reason in reasons:
         who, sep, why = reason.partition(": ")
-        by.setdefault(why if sep else reason, []).append(who if sep else "")
+        by.setdefault((bool(sep), why if sep else reason), []).append(who)
     out = []
-    for why, whos in by.items():
-        if whos == [""]:
-            out.append(f"skipped {why}")
+    for (named, why), whos in by.items():
+        if not named:  # the reason is the whole line: nothing to list but how many
+            out.append(f"skipped {f'{len(whos)} cases: ' if len(whos) > 1 else ''}{why}")
             continue
         tails = {w.split(" ", 1)[1] if " " in w else "" for w in whos}
         shared = tails.pop() if len(tails) == 1 else None  # e.g. "cannot run here"
