@@ -167,11 +167,22 @@ def record_key(record: dict[str, Any]) -> str:
                     world_size=topo["world_size"], ranks_per_node=topo["ranks_per_node"])
 
 
+def _json(record: dict[str, Any]) -> str:
+    return json.dumps(record, sort_keys=True)
+
+
+def as_read(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` as ``read`` gives it back once appended (keys sorted, JSON's types): a run
+    renders its summary from what ``cpbench report`` will read, not from a live dict."""
+    back: dict[str, Any] = json.loads(_json(record))
+    return back
+
+
 def append(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
     """Append ``record`` as one line; returns once it is on disk. The append holds an
     exclusive lock on the file: writers sharing it (Slurm array tasks on NFS, where the
     client only emulates O_APPEND) would otherwise interleave their records."""
-    line = (json.dumps(record, sort_keys=True) + "\n").encode()
+    line = (_json(record) + "\n").encode()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

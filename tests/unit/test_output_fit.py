@@ -8,6 +8,7 @@ at most 8 series a panel, no two alike."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import io
@@ -300,33 +301,41 @@ def test_plot_panels_hold_at_most_8_series_none_alike(which, request):
         assert len(topologies) == 3 and len(expected) > 3 * plot.MAX_SERIES and len(axes) > 3
 
 
+@contextlib.contextmanager
+def _rank_zero_console(out):
+    """Rank 0's console (``console.setup``) writing to ``out``; logging as it was after."""
+    from cpbench.report import console
+
+    loggers = [logging.getLogger(n) for n in ("cpbench", "cpbench.out")]
+    saved = [(lg.handlers[:], lg.propagate, lg.level) for lg in loggers]
+    stdout, sys.stdout = sys.stdout, out
+    try:
+        console.setup(0, "table")
+        yield
+    finally:
+        sys.stdout = stdout
+        for lg, (handlers, propagate, level) in zip(loggers, saved):
+            lg.handlers, lg.propagate, lg.level = handlers, propagate, level
+
+
 def test_make_bench_prints_under_100_lines(bench, tmp_path):
     """`make bench`'s output as the driver prints it (its header, each case's line, the
     summary), from the fixture's 18 records: under 100 lines, the summary last."""
     from cpbench.bench import runlog
     from cpbench.bench.plan import plan
     from cpbench.config import RunConfig
-    from cpbench.report import console
 
     p = plan(RunConfig(strategy=("all",), nproc=4, check=True, out="none"), {}, {},
              launcher="self")
     p = dataclasses.replace(p, out=str(tmp_path / "r.jsonl"))
     out = io.StringIO()
-    loggers = [logging.getLogger(n) for n in ("cpbench", "cpbench.out")]
-    saved = [(lg.handlers[:], lg.propagate, lg.level) for lg in loggers]
-    stdout, sys.stdout = sys.stdout, out
-    try:
-        console.setup(0, "table")
+    with _rank_zero_console(out):
         runlog.header(p, 4)
         for i, record in enumerate(bench, 1):
             prefix = f"[{i}/{len(bench)}] {report.row_label(record)}"
             logging.getLogger("cpbench").info("%s", prefix, extra={"transient": "plain"})
             runlog.say_record(p, record, prefix, 1.0)
         runlog.footer(p, bench, False, False)
-    finally:
-        sys.stdout = stdout
-        for lg, (handlers, propagate, level) in zip(loggers, saved):
-            lg.handlers, lg.propagate, lg.level = handlers, propagate, level
     text = out.getvalue()
     lines = text.splitlines()
     assert len(lines) < 100, text
@@ -340,6 +349,35 @@ def test_make_bench_prints_under_100_lines(bench, tmp_path):
                              f"records: {p.out}  (re-render: cpbench report {p.out})"]
     assert len(results.read(p.out)) == 18  # the records keep everything
     assert json.loads(Path(p.out).read_text().splitlines()[0])["samples_ms"]
+
+
+def test_the_run_prints_what_report_prints_of_its_file(tmp_path, capsys):
+    """The run's summary and outcome are ``cpbench report``'s text of the records it wrote:
+    the same function, width and records (as the file gives them back). An outcome line
+    over 120 columns (flagged passes, as a busy host gives) was folded by the run's console
+    and not by report: tests/multirank/test_cli_run.py's re-render then differed."""
+    from types import SimpleNamespace
+
+    from cpbench.bench import runlog
+
+    passed = [{"tensor": "out", "max_abs": 1e-6, "max_rel": 1e-7, "passed": True}]
+    records = [fake_record("zigzag", check=passed),
+               _with(fake_record("test-cp-off", check=passed),
+                     sizes={"world": [4] * 4, "cp": [1] * 4, "local_seqlen": [1024] * 4}),
+               _with(fake_record("ring", check=passed), comm=_comm([0] * 4, [0] * 4))]
+    assert len(report.outcome_line(records)) > 120
+    path = tmp_path / "r.jsonl"
+    for r in records:
+        results.append(path, r)
+    p = SimpleNamespace(run=SimpleNamespace(wide=False, format="table"), out=str(path))
+    out = io.StringIO()
+    with _rank_zero_console(out):
+        runlog.footer(p, records, False, False)
+    printed, said = out.getvalue().split("\nrecords: ")
+    assert said.startswith(f"{path}  (re-render: cpbench report")
+    assert cli.main(["report", str(path)]) == 0
+    assert capsys.readouterr().out == printed + "\n"
+    assert max(map(len, printed.splitlines())) <= 120
 
 
 def test_skipped_cases_a_line_per_reason():

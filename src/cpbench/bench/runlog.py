@@ -56,10 +56,11 @@ def footer(p: Plan, records: list[dict], failed: bool, broken: bool) -> None:
     from cpbench import report
     from cpbench.report.render import fitting, wide_width
 
+    # what `cpbench report --out` prints, by construction: its function, at its width, on
+    # the records as the file gives them back (the summary and, for a table, the outcome)
     with fitting(wide_width(p.run.wide)):
-        out_log.info(report.summary(records, p.run.format).rstrip("\n"))
-    if p.run.format == "table":
-        log.info("%s", report.outcome_line(records))
+        text = report.report([results.as_read(r) for r in records], p.run.format)
+    out_log.info(text.rstrip("\n"))
     if p.out:
         log.info("records: %s  (re-render: cpbench report %s)", p.out, p.out)
     if broken:

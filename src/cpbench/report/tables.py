@@ -280,5 +280,6 @@ def report(records: list[dict], fmt: str = "table", details: bool = False) -> st
         return summary(records, fmt)
     # a prediction has no run to detail (iterations, hosts, checks): its row says it all
     measured = [r for r in records if not r.get("env", {}).get("simulated")] if details else []
+    # the outcome line folded here, as every line of the summary: the run prints this text
     return "".join(detail(r) + "\n" for r in measured) + summary(records, fmt) + \
-        outcome_line(records) + "\n"
+        "".join(f"{line}\n" for line in prose([outcome_line(records)]))
