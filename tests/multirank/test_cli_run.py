@@ -85,6 +85,27 @@ def test_torchrun_bad_input_is_named_as_the_root_cause(tmp_path):
     assert f"traceback : {line}" in root
 
 
+def test_torchrun_bad_input_is_said_when_rank_0_starts_last(tmp_path):
+    """A busy host can start rank 0 seconds after the others (here: 5 s late, by design).
+    torchrun's agent stops every worker at the first exit, so the others wait for rank 0:
+    it still says the line (it was stopped before it spoke), and is the root cause."""
+    late = tmp_path / "late_rank0.py"
+    late.write_text("import os, sys, time\n"
+                    "if os.environ['RANK'] == '0':\n    time.sleep(5)\n"
+                    "from cpbench.run import main\nsys.exit(main())\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", str(late), "--strategy", "zigzg"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    workers, summary = done.stderr.split("Traceback (most recent call last)", 1)
+    assert workers.startswith("cpbench run: error: argument --strategy: unknown strategy "
+                              "'zigzg'"), done.stderr
+    root = summary.split("Root Cause (first observed failure):", 1)[1]
+    assert "rank      : 0 " in root and "exitcode  : 2 " in root
+
+
 def test_torchrun_refusal_comes_first_in_three_lines_and_keeps_the_question(tmp_path):
     """The headline request under torchrun, as a user types it (torchrun's own 4-line
     OMP_NUM_THREADS banner included): cpbench's refusal starts within the first 5 lines, before

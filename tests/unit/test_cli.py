@@ -188,9 +188,16 @@ def test_every_rank_leaves_bad_input_for_torchrun_as_the_root_cause(no_launch, c
                                                                       monkeypatch, tmp_path,
                                                                       rank, args):
     """Under torchrun each rank writes cpbench's line to its error file, as torch's own
-    ErrorHandler lays it out: torchrun's summary (ProcessFailure) reads it as the message."""
+    ErrorHandler lays it out: torchrun's summary (ProcessFailure) reads it as the message.
+    A rank other than 0 outlives rank 0 (torchrun's agent stops the job at its first exit:
+    rank 0, the one that prints, must be that one), and writes its file after (the summary's
+    root cause is the earliest file: rank 0's)."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+    from cpbench.bench import env
+
+    waited: list[bool] = []  # whether the error file was there while the rank waited
+    monkeypatch.setattr(env, "outlive_rank0", lambda: waited.append(error_file.exists()))
     error_file = tmp_path / "error.json"
     for var, value in dict(RANK=rank, WORLD_SIZE="2", LOCAL_RANK=rank, LOCAL_WORLD_SIZE="2",
                            MASTER_ADDR="127.0.0.1",
@@ -208,6 +215,7 @@ def test_every_rank_leaves_bad_input_for_torchrun_as_the_root_cause(no_launch, c
     assert message.startswith("cpbench") and ": error: " in message
     assert ("unknown strategy 'nope'" if "nope" in args else "--bogus-flag") in message
     assert err == (message + "\n" if rank == "0" else "")  # rank 0 alone prints
+    assert waited == ([] if rank == "0" else [False])  # the others wait, then write
 
 
 def test_every_strategy_option_has_a_flag():

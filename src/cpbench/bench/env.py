@@ -51,6 +51,43 @@ def tell_torchrun(message: str) -> None:
         pass
 
 
+# torchrun's agent ends the job when its first worker exits, stopping the rest: a rank other
+# than 0 that found bad input waits up to this long, so that rank 0, which says the error, is
+# that first worker. Under load rank 0 can start seconds after the others; stopped before it
+# spoke, the user saw no line (tests/multirank/test_cli_run.py). Bad input found by a rank
+# other than 0 alone costs this delay, then its error file names it.
+RANK0_FIRST_S = 30.0
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _stopped(signum, frame):
+    raise _Stopped
+
+
+def outlive_rank0() -> None:
+    """Under torchrun, on a rank other than 0 with bad input: wait, at most ``RANK0_FIRST_S``,
+    until the agent stops this rank (SIGTERM) once rank 0 has said the error and exited; then
+    return, for the caller to leave its error file (later than rank 0's: the summary's root
+    cause is the earliest) and exit with the bad-input status."""
+    import signal
+    import time
+
+    try:
+        previous = signal.signal(signal.SIGTERM, _stopped)
+    except ValueError:  # not the main thread: no handler, the agent's signal ends it
+        previous = None
+    try:
+        time.sleep(RANK0_FIRST_S)
+    except _Stopped:
+        pass
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def bind_local_gpu() -> None:
     """Under torchrun with GPUs: make this rank's GPU (LOCAL_RANK) current before anything
     touches torch.cuda (the plan reads the device's memory), so no rank opens a context on

@@ -266,9 +266,11 @@ def usage_error(prog: str, message: str, more: tuple[str, ...] = ()) -> int:
     line = "\n  ".join([f"{prog}: error: {' '.join(message.split())}",
                         *(" ".join(m.split()) for m in more)])
     if env.under_torchrun():
-        env.tell_torchrun(line)
         if env.torchrun_world()[0] != 0:
+            env.outlive_rank0()  # rank 0 speaks and exits first: torchrun stops the rest
+            env.tell_torchrun(line)  # after rank 0's: the root cause torchrun names is rank 0
             return USAGE_ERROR
+        env.tell_torchrun(line)
     # a status line on the terminal must not run into the error; only the console module
     # draws one, so none is there unless it was imported (not imported here: it imports torch)
     console = sys.modules.get("cpbench.report.console")
