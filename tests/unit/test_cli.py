@@ -173,12 +173,16 @@ def test_out_directory_and_file_are_made_before_any_rank_starts(tmp_path):
 
 
 def test_only_rank_0_prints_a_bad_input_under_torchrun(no_launch, capsys, monkeypatch):
+    from cpbench.bench import env
+
     for var, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
                            MASTER_ADDR="127.0.0.1").items():
         monkeypatch.setenv(var, value)
+    waited = []  # rank 1 outlives rank 0, the one that prints (not the 30 s here)
+    monkeypatch.setattr(env, "outlive_rank0", lambda: waited.append(1))
     with pytest.raises(SystemExit) as info:  # argparse's: --strategy's names are checked there
         cli.main(["run", "--strategy", "nope"])
-    assert info.value.code == 2 and capsys.readouterr().err == ""
+    assert info.value.code == 2 and capsys.readouterr().err == "" and waited == [1]
 
 
 @pytest.mark.parametrize("rank, args", [("0", ["--strategy", "nope"]),
