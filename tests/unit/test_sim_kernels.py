@@ -124,12 +124,13 @@ def test_every_simulated_table_and_record_states_its_evidence(capsys, tmp_path):
                      "--heads", "64", "--kv-heads", "8", "--strategy", "zigzag,ulysses",
                      "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert f"kernel fa3): {provenance.NO_EVIDENCE}." in " ".join(text.split())
+    h100 = hardware.load("h100-sxm").evidence
+    assert h100.startswith("validated on 40 published rows of this preset with fa3")
+    assert f"kernel fa3): {h100}." in " ".join(text.split())
     import json
 
     records = [json.loads(x) for x in out.read_text().splitlines()]
-    assert records and all(r["simulation"]["evidence"] == provenance.NO_EVIDENCE
-                           for r in records)
+    assert records and all(r["simulation"]["evidence"] == h100 for r in records)
     assert all(r["simulation"]["kernel"] == "fa3" for r in records)
     assert cli_main(["simulate", "--hardware", "h100-sxm", "--nodes", "1", "--seqlen", "64K",
                      "--strategy", "zigzag", "--compare-placements"]) == 0
@@ -150,21 +151,26 @@ def test_acceptance_commands_print_csv_that_pandas_reads(capsys):
         assert cli_main(["simulate", *flags, *common]) == 0
         df = pd.read_csv(io.StringIO(capsys.readouterr().out))
         assert len(df) >= 4 and set(df["strategy"]) == {"ulysses", "zigzag", "llama3", "usp"}
-        assert (df["evidence"] == provenance.NO_EVIDENCE).all()
+        stated = hardware.load(flags[1], kernel=flags[3]).evidence
+        assert (df["evidence"] == stated).all()
+        assert stated.startswith("validated on 40" if flags[1] == "h100-sxm" else
+                                 "no published CP rows on this hardware with fa4")
         for value in df["fwd_bwd_ms"]:  # predictions to 3 significant figures
             assert float(f"{value:.3g}") == value
 
 
-def test_the_a800_evidence_is_what_validate_scores_now():
+@pytest.mark.parametrize("preset,kernel", [("a800-sxm", "fa2"), ("h100-sxm", "fa3")])
+def test_the_evidence_is_what_validate_scores_now(preset, kernel):
     """The footer's figures are the validation's own: recomputed from the files they name,
     so a change to the model that moves them fails here until the preset says it."""
     from pathlib import Path
 
     from cpbench.sim import validate
 
-    stated = raw("a800-sxm")["evidence"]["fa2"]
+    stated = raw(preset)["evidence"][kernel]
     root = Path(__file__).resolve().parents[2]
-    got = validate.evidence(hardware.load("a800-sxm"), [str(root / f) for f in stated["files"]])
+    got = validate.evidence(hardware.load(preset, kernel=kernel),
+                            [str(root / f) for f in stated["files"]])
     assert got == {k: v for k, v in stated.items() if k != "files"}
     assert hardware.load("a800-sxm").evidence == (
         "validated on 26 published rows of this preset with fa2 (in-sample 8.2 %, held out "
@@ -223,5 +229,7 @@ def test_report_of_simulated_records_states_their_evidence(capsys, tmp_path):
     capsys.readouterr()
     assert cli_main(["report", str(out)]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert f"Evidence (HGX B200 (8x 400 Gb/s per node), kernel fa4): {provenance.NO_EVIDENCE}." \
+    stated = hardware.load("b200").evidence
+    assert stated.startswith("no published CP rows on this hardware with fa4")
+    assert f"Evidence (HGX B200 (8x 400 Gb/s per node), kernel fa4): {stated}." \
         in text

@@ -6,7 +6,9 @@ the cpbench strategy that runs that algorithm), the problem (``seqlen``, ``batch
 ``kv_heads``, ``head_dim``, ``dtype``, ``causal``), the topology (``nodes``,
 ``gpus_per_node``), the published ``fwd_ms``, ``fwd_bwd_ms`` and ``tflops`` (per GPU,
 FWD+BWD), ``score`` (no: shown, left out of the statistics, with the reason in ``note``),
-``printed_tflops`` and ``source``.
+``printed_tflops``, ``source`` and optionally ``kernel`` (the attention kernel the published
+run used, as ``--kernel`` names it: the headline says how many rows ran another than the
+one simulated).
 
 What is scored is per-GPU FWD+BWD TFLOP/s, both sides from cpbench's one FLOP formula (the
 published column where it is consistent with the published time; the note says where it was
@@ -61,6 +63,7 @@ class Row:
     published_fwd_ms: float | None
     scored: bool
     note: str
+    kernel: str | None = None  # the published run's kernel, where the file says
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ def _row(r: dict) -> Row:
     return Row(r["implementation"], r["strategy"], parse_options(r["strategy"], r["options"]),
                attn, topo, float(r["tflops"]), float(fwd) if fwd.strip() else None,
                _flag(r.get("score"), "score", default=True),
-               (r.get("note") or "").strip())
+               (r.get("note") or "").strip(), (r.get("kernel") or "").strip() or None)
 
 
 def run(rows: list[Row], hw: Hardware) -> list[Result]:
@@ -153,13 +156,14 @@ def run(rows: list[Row], hw: Hardware) -> list[Result]:
 
 
 def ranked_pairs(results: list[Result]) -> list[tuple[Result, Result]]:
-    """Pairs (same seqlen and topology, both scored) that published clearly ordered: the
-    higher first, more than ``RANK_TOLERANCE`` above the lower."""
+    """Pairs (same seqlen, mask and topology, both scored) that published clearly ordered:
+    the higher first, more than ``RANK_TOLERANCE`` above the lower."""
     scored = [r for r in results if r.row.scored]
     pairs = []
     for i, a in enumerate(scored):
         for b in scored[i + 1:]:
-            if (a.row.attn.seqlen, a.row.topo) != (b.row.attn.seqlen, b.row.topo):
+            if (a.row.attn.seqlen, a.row.attn.causal, a.row.topo) != \
+                    (b.row.attn.seqlen, b.row.attn.causal, b.row.topo):
                 continue
             hi, lo = (a, b) if a.row.published >= b.row.published else (b, a)
             if hi.row.published > lo.row.published * (1 + RANK_TOLERANCE):
@@ -231,6 +235,20 @@ def summary(results: list[Result], sample: list[str], tolerance: float = 0.15) -
     return lines
 
 
+def kernel_lines(results: list[Result], hw: Hardware) -> list[str]:
+    """One line per kernel the file names other than the one simulated: those rows measure
+    another kernel than the model prices."""
+    other: dict[str, int] = {}
+    for r in results:
+        if r.row.scored and r.row.kernel and r.row.kernel != hw.kernel_name:
+            other[r.row.kernel] = other.get(r.row.kernel, 0) + 1
+    has = {name for name, _, _ in hw.kernel_choices}
+    return [f"kernel: {n} scored rows were published with {k}, simulated with "
+            f"{hw.kernel_name}" + (f" (--kernel {k})" if k in has else
+                                   f" ({hw.name} has no {k} curves)")
+            for k, n in sorted(other.items())]
+
+
 def machine(results: list[Result], hw: Hardware, table: str, fmt: str,
             tolerance: float = 0.15) -> str:
     """``--validate --format csv|json``: one row per published row, its sample (in-sample,
@@ -248,10 +266,11 @@ def machine(results: list[Result], hw: Hardware, table: str, fmt: str,
             "simulated_tflops": float(cells.sig(r.predicted)),
             "error_pct": round(100 * r.error, 1), "sample": s if r.row.scored else NOT_SCORED,
             "scored": r.row.scored, "note": r.row.note or None,
-            "preset": hw.name, "kernel": hw.kernel_name})
+            "preset": hw.name, "kernel": hw.kernel_name, "published_kernel": r.row.kernel})
     if fmt == "json":
         return json.dumps({"table": table, "preset": hw.name, "kernel": hw.kernel_name,
-                           "rows": rows, "summary": summary(results, sample, tolerance)},
+                           "rows": rows, "summary": summary(results, sample, tolerance)
+                           + kernel_lines(results, hw)},
                           indent=1) + "\n"
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
@@ -296,7 +315,8 @@ def report(results: list[Result], hw: Hardware, table: str, tolerance: float = 0
         })
     fit = "" if hw.fit is None else f"; fitted to {hw.fit.file}"
     lines = [f"Validation against published rows ({table}) — simulated on {hw.name}{fit}",
-             *tables.render(None, rows, "table", _FIT), *summary(results, sample, tolerance)]
+             *tables.render(None, rows, "table", _FIT), *summary(results, sample, tolerance),
+             *kernel_lines(results, hw)]
     notes = [(r.row.implementation, r.row.attn.seqlen, r.row.note) for r in results if r.row.note]
     if hw.fit is not None:
         notes += [(i, s, f"in-sample: {w}") for i, s, w in hw.fit.measured_on

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Read MagiAttention's published distributed benchmark (H100 with FA3, B200 with cuDNN; 8-64
+GPUs; GQA 64:8, head dim 128) off its figures into a cpbench validation CSV.
+
+    git clone https://github.com/SandAI-org/MagiAttention   # read at 2c641357
+    python scripts/digitize_magiattention.py MagiAttention/assets/magi_attn/exp/distributed \
+        configs/validation/magiattention_h100.csv configs/validation/magiattention_b200.csv
+
+The figures (docs/source/blog/cp_benchmark.md, "Distributed Level"; added in 09fc31b2 "Dev
+v1.1.0", 2026-02-28) are bar charts, forward and backward TFLOP/s per GPU apart, with no
+numbers printed and no data file in the repository: each bar is measured in pixels. The
+y axis comes from the gridlines (a least-squares line through them, residual under 1 px);
+a bar's top is the most common top over its columns, reading up from the axis through other
+series' lines and stopping at the background (a 9504 x 4704 figure: 0.18-0.41 TFLOP/s a
+pixel). Their FLOPs are cpbench's (4 · mask area · query heads · head dim, backward 2.5x),
+so the FWD+BWD figure is 3.5 / (1 / fwd + 2.5 / bwd) and the times follow from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+GRID = (234, 234, 234)  # the figures' gridline grey
+COLOURS = {(199, 95, 133): "ulysses", (218, 136, 129): "ring_p2p",
+           (237, 218, 168): "ring_allgather", (255, 191, 171): "usp",
+           (150, 199, 168): "loongtrain", (83, 150, 159): "hybrid_dcp",
+           (71, 126, 184): "magi_attn-a2av", (66, 103, 129): "magi_attn-native"}
+# legend name -> (implementation, cpbench strategy); hybrid_dcp and MagiAttention have none
+IMPLS = {"ulysses": ("Ulysses", "ulysses"),
+         "ring_p2p": ("Ring P2P (TE p2p)", "megatron-cp"),
+         "ring_allgather": ("Ring AllGather (TE)", "llama3"),
+         "usp": ("USP", "usp"),
+         "loongtrain": ("LoongTrain", "usp")}
+RUNS = {"h100": (100, 8192, "fa3"), "b200": (200, 16384, "cudnn")}  # tick, tokens a GPU, kernel
+
+
+def _runs(mask) -> list[tuple[int, int]]:
+    out, start = [], None
+    for i, m in enumerate(list(mask) + [False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def _background(px) -> np.ndarray:
+    return (np.ptp(px, axis=-1) < 8) & (px.min(axis=-1) > 190)
+
+
+def _top(a, x: int, colour, probe: int) -> int:
+    """The bar's top in column x: up from ``probe`` through lines of other colours (at most
+    40 px of them), stopping at the background."""
+    col = a[:probe + 1, x]
+    match = np.all(np.abs(col - np.array(colour)) <= 6, axis=1)
+    bg = _background(col)
+    y, last, gap = probe, probe, 0
+    while y > 0 and gap <= 40:
+        y -= 1
+        if match[y]:
+            last, gap = y, 0
+        elif bg[y]:
+            break
+        else:
+            gap += 1
+    return last
+
+
+def bars(path: Path, tick: float) -> list[tuple[str, float]]:
+    """(legend name, TFLOP/s) of every bar, left to right."""
+    a = np.asarray(Image.open(path).convert("RGB")).astype(int)
+    x = int(a.shape[1] * 0.975)  # inside the plot, right of the last bar
+    lines = [(s + e - 1) / 2 for s, e in _runs(np.all(a[:, x] == GRID, axis=1))]
+    values = [(len(lines) - i) * tick for i in range(len(lines))]  # top gridline first
+    slope, y0 = np.polyfit(values, lines, 1)
+    probe = int(round(y0 + slope * 0.03 * tick))
+    row, out, cur = a[probe], [], None
+    for i in range(a.shape[1]):
+        p = tuple(int(c) for c in row[i])
+        if _background(np.array(p)):
+            cur = None
+            continue
+        if cur is not None and max(abs(p[k] - cur[2][k]) for k in range(3)) <= 10:
+            cur[1] = i + 1
+            continue
+        cur = [i, i + 1, p]
+        out.append(cur)
+    found = []
+    for s, e, colour in (b for b in out if b[1] - b[0] > 80):
+        tops = [_top(a, cx, colour, probe) for cx in range(s + (e - s) // 20, e - (e - s) // 20, 2)]
+        ys, counts = np.unique(tops, return_counts=True)
+        found.append((COLOURS[colour], float((ys[np.argmax(counts)] - y0) / slope)))
+    return found
+
+
+def _loongtrain_window(ring: int) -> int:
+    """exps/dist_attn/run_benchmark.py: window_num is the largest divisor i of the ring
+    with i <= ring / i (1 where that is the ring); shard.get_loongtrain_pg: ranks per
+    window = ring / window_num."""
+    num = max(i for i in range(1, ring + 1) if ring % i == 0 and i <= ring // i)
+    return ring // (1 if num >= ring else num)
+
+
+def rows(root: Path, hw: str) -> list[dict]:
+    tick, tokens, kernel = RUNS[hw]
+    out = []
+    for mask in ("full", "causal"):
+        read = {ph: bars(root / hw / f"{mask}_mask" / ph / "flops_report.png", tick)
+                for ph in ("fwd", "bwd")}
+        per = len(read["fwd"]) // 4
+        for i, ((name, fwd), (name_b, bwd)) in enumerate(zip(read["fwd"], read["bwd"])):
+            assert name == name_b, (name, name_b)
+            if name not in IMPLS:
+                continue
+            cp = 8 << (i // per)
+            seq = tokens * cp
+            flops = 4 * 64 * 128 * seq * seq / (2 if mask == "causal" else 1)  # forward
+            t_fwd, t_bwd = flops / (fwd * 1e12 * cp), 2.5 * flops / (bwd * 1e12 * cp)
+            impl, strategy = IMPLS[name]
+            options = ""
+            if name == "loongtrain":
+                options = f"ring_impl=double-ring;ring_window={_loongtrain_window(cp // 8)}"
+            out.append({
+                "implementation": f"{impl}, {mask}", "strategy": strategy, "options": options,
+                "seqlen": seq, "nodes": cp // 8, "gpus_per_node": 8, "batch": 1, "heads": 64,
+                "kv_heads": 8, "head_dim": 128, "dtype": "bf16",
+                "causal": "true" if mask == "causal" else "false",
+                "fwd_ms": f"{1e3 * t_fwd:.3f}", "fwd_bwd_ms": f"{1e3 * (t_fwd + t_bwd):.3f}",
+                "memory_mb": "", "tflops": f"{3.5 * flops / (t_fwd + t_bwd) / cp / 1e12:.1f}",
+                "printed_tflops": f"fwd {fwd:.1f}; bwd {bwd:.1f}", "score": "yes",
+                "kernel": kernel,
+                "source": f"MagiAttention cp_benchmark.md, {hw.upper()} {mask} mask, "
+                          f"distributed/{hw}/{mask}_mask/{{fwd,bwd}}/flops_report.png (digitized)",
+                "note": ""})
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("figures", type=Path, help="assets/magi_attn/exp/distributed of a checkout")
+    p.add_argument("h100_csv", type=Path)
+    p.add_argument("b200_csv", type=Path)
+    args = p.parse_args(argv)
+    for hw, path in (("h100", args.h100_csv), ("b200", args.b200_csv)):
+        table = rows(args.figures, hw)
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(table[0]), lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(table)
+        print(f"{path}: {len(table)} rows", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
