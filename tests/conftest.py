@@ -4,6 +4,17 @@ import sys
 
 import pytest
 
+# Each pytest-xdist worker gets its share of the cores, as launch gives each rank its share:
+# two workers at two threads each put 4 OpenMP threads on 2 cores, and an OpenMP barrier
+# waiting on a descheduled thread made float64 work 5-9x slower once anything else ran
+# (make test-fast: 188 s and a timeout failure, against 95 s at one thread a worker, under
+# the same load). Set before torch loads, so the commands the tests start inherit it.
+# Only in a worker: the controller's environment is the workers' (a value set there would
+# win over their own share), and a run without workers keeps torch's default.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _WORKERS = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
 # Rank bodies live in plain modules beside the tests so spawned ranks can import them; the
 # unit tests share helpers the same way.
 for _dir in ("multirank", "unit", "gpu"):
@@ -40,3 +51,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if f"{os.sep}multirank{os.sep}" in str(item.path):
             item.add_marker(pytest.mark.multirank)
+
+
+def pytest_configure(config):
+    """The share above, also where torch was loaded before this file (a plugin)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

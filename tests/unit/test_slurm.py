@@ -77,7 +77,10 @@ JOB_4x8 = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "g[045-046,072],h1",
 
 
 def _run_script(tmp_path, *args, env=None):
-    full = dict(os.environ, SLURM_SUBMIT_DIR=str(tmp_path), **JOB_4x8, **(env or {}))
+    # without the test run's own OMP_NUM_THREADS (tests/conftest.py): the script's default
+    # is under test
+    mine = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    full = dict(mine, SLURM_SUBMIT_DIR=str(tmp_path), **JOB_4x8, **(env or {}))
     return subprocess.run(["bash", str(SCRIPT), *args], env=full, capture_output=True,
                           text=True, timeout=30, cwd=tmp_path)
 

@@ -8,7 +8,6 @@ global order and rank 0 compares them tensor by tensor with the reference.
 from __future__ import annotations
 
 import math
-import os
 import pickle
 
 import torch
@@ -83,17 +82,16 @@ def run_local(strategy: Strategy, inputs: dict[str, torch.Tensor]) -> dict[str, 
 
 
 def _reference(inputs: dict, attn: AttentionConfig) -> dict[str, torch.Tensor]:
-    # the other ranks only wait meanwhile: let rank 0 use every core
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    try:
-        mask = mask_of(attn)
-        every = torch.arange(attn.seqlen)
-        return reference_by_head(inputs, heads=attn.heads, kv_heads=attn.num_kv_heads,
-                                 causal=attn.causal, softmax_scale=attn.softmax_scale,
-                                 visible=None if mask.plain else mask.visible(every, every))
-    finally:
-        torch.set_num_threads(threads)
+    # At the rank's own thread count, not every core: with others' load, an OpenMP barrier
+    # waiting on a descheduled thread made a 1K reference 5-9x slower at 2 threads than at
+    # 1 (measured on 2 busy cores), past the peers' collective timeout; idle, 2 threads
+    # gained nothing at 1K. Under the threads launcher the count is process-wide, so raising
+    # it also oversubscribed the ranks still computing.
+    mask = mask_of(attn)
+    every = torch.arange(attn.seqlen)
+    return reference_by_head(inputs, heads=attn.heads, kv_heads=attn.num_kv_heads,
+                             causal=attn.causal, softmax_scale=attn.softmax_scale,
+                             visible=None if mask.plain else mask.visible(every, every))
 
 
 def _worst(comparisons) -> Comparison:
