@@ -162,7 +162,11 @@ class Tally:
 
     def done(self, i: int, record: dict[str, Any], seconds: float) -> float:
         """Case ``i`` took ``seconds``: its record's ``estimate`` becomes ``after``'s."""
+        parts = dict((record.get("estimate") or {}).get("parts_s") or {})
         record["estimate"] = self.after(i, seconds, record.get("load"))
+        if parts and record["estimate"] is not None:  # what the marks did not see: "other"
+            parts["other"] = parts.get("other", 0.0) + max(0.0, seconds - sum(parts.values()))
+            record["estimate"]["parts_s"] = parts
         return seconds
 
     def after(self, i: int, seconds: float, load: dict[str, Any] | None = None
