@@ -297,6 +297,7 @@ def _phases(c: _CaseRun, env: dict, ref_cache: dict, store, key: str, index: int
     prof, profile = c.profile(step, store, key, index) \
         if p.run.profile and agreement.usable(phase) and not any(
             ph and ph.broken for ph in (mem, ideal_ph)) else (None, None)
+    c.status("writing the record")
     ranks_per_problem = c.strat.ranks_per_problem if c.strat is not None else p.world_size
     balance = c.strat.balance() if c.strat is not None and rank == 0 else None
     padding = c.strat.padding() if c.strat is not None else None

@@ -115,7 +115,7 @@ def samples_of(everyone: list[list[float]], iters: int) -> dict:
 PARTS = (("building", "build"), ("checking", "check"), ("drawing", "inputs"),
          ("timing FWD alone", "timed"), ("timing the ideal", "ideal"), ("timing", "warmup"),
          ("warm-up", "warmup"), ("timed", "timed"), ("one untimed", "timed"),
-         ("measuring memory", "memory"), ("profiling", "profile"))
+         ("measuring memory", "memory"), ("profiling", "profile"), ("writing", "record"))
 
 
 def part_of(text: str) -> str:
