@@ -303,8 +303,9 @@ def case_estimate(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
              "steps": (warmup + run.iters) * step, "check": 0.0, "ideal": 0.0}
     if run.check:  # the strategy's step on the global inputs; rank 0's reference on every
         # core (the other ranks wait), every pair computed at float64
-        parts["check"] = CHECK_STEPS * step + (flops("fwd_bwd", masked=False) * REFERENCE_SLOWDOWN / rate.fwd
-                                 / machine.cores(machine.cpus) if reference else 0.0)
+        ref = flops("fwd_bwd", masked=False) * REFERENCE_SLOWDOWN / rate.fwd
+        parts["check"] = CHECK_STEPS * step + (ref / machine.cores(machine.cpus)
+                                               if reference else 0.0)
     if has_ideal:  # rank 0's ideal block alone (1 / N² of the problem), warmed up and timed
         block = (flops("fwd") / rate.fwd + flops("bwd") / rate.bwd) / ranks_per_problem ** 2
         parts["ideal"] = block / machine.alone(rate) * (

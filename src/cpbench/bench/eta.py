@@ -177,9 +177,8 @@ class Tally:
         those of the done cases with as many ranks per problem where there are any (a
         step without communication, one rank a problem, pays none of what the model
         leaves out of one with it); ``scale`` where no done case planned the part."""
-        done = range(len(self.took))
-        if part == "setup" and len(self.took) > 1:
-            done = done[1:]
+        done = list(range(1 if part == "setup" and len(self.took) > 1 else 0,
+                          len(self.took)))
         if part == "steps" and i is not None:
             done = [k for k in done if self.planned[k].ranks == self.planned[i].ranks] or done
         got = plan = 0.0
