@@ -16,11 +16,12 @@ Communication, the merge and the layout are not counted: the estimate is a floor
 problems' steps, not a prediction (``cpbench simulate`` predicts; ``cpbench dryrun`` sizes
 memory).
 
-The case: its warm-up as the settle rule runs it (``warmup_steps``), timed steps, the memory
-step, ``--check``'s step and float64 reference, ``--profile``'s steps, the ideal block timed
-alone (``bench.ideal``), and an allowance for its set-up (``CASE_SETUP_S``), which is CPU work
-slowed on a busy machine to what others leave of a core. ``bench.eta`` adds the command's
-start-up and re-estimates what is left from the load and what each case took.
+The case, in parts (``Estimate.parts``): its set-up (``CASE_SETUP_S``, CPU work of every
+rank at once, slowed on a busy machine to what others leave of the cores) with the memory
+step and ``--profile``'s; its warm-up as the settle rule runs it (``warmup_steps``) and timed
+steps; ``--check``'s step and, where the problem is new, its float64 reference; the ideal
+block timed alone (``bench.ideal``). ``bench.eta`` adds the command's start-up and
+re-estimates each part of what is left from the load and what that part took.
 
 Under torchrun only rank 0 estimates (and may refuse, exit 2, before any collective; torchrun
 then stops the other ranks): a probe's time differs between ranks, and ranks that each

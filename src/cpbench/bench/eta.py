@@ -5,10 +5,10 @@ Start-up: the interpreter and its imports (torch's above all), read as this proc
 when it plans (``process_age_s``: /proc's clock, or a test's), and, with ``--nproc``, the
 forkserver's own import of torch before the ranks fork from it, about as long again.
 
-Re-estimate: before each case, its planned estimate (``bench.estimate``) re-priced at the load
-the last case met, times what the cases so far took over what the plan says at the loads
-they met (``Tally``); the case's line says the re-estimate, and its record keeps the plan,
-the re-estimate and what it took.
+Re-estimate: before each case, each part of its planned estimate (``bench.estimate``)
+re-priced at the load the done cases met, times what that part took in them over what the
+plan says at the loads they met (``Tally``); the case's line says the re-estimate, and its
+record keeps the plan, the re-estimate, what it took and where that went.
 """
 
 from __future__ import annotations
