@@ -54,8 +54,9 @@ def test_a_ranks_share_is_its_part_of_what_others_leave():
     # so a step is twice the idle one's; the set-up, every rank at once, at half a core
     idle = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
     assert even.step_s == pytest.approx(idle.step_s * 2)
-    # busy: the warm-up at its most, 2 + 5, against the idle middle, 5; the memory step
-    assert even.case_s == pytest.approx(estimate.CASE_SETUP_S / 0.5 + even.step_s * 13)
+    # busy: the warm-up 3 / 4 of the way from 3 to 2 + 5, 6, against the idle middle, 5;
+    # the memory step
+    assert even.case_s == pytest.approx(estimate.CASE_SETUP_S / 0.5 + even.step_s * 12)
     assert idle.case_s == pytest.approx(estimate.CASE_SETUP_S + idle.step_s * (5 + 5 + 1))
     assert idle.parts == pytest.approx({"setup": estimate.CASE_SETUP_S + idle.step_s,
                                         "steps": 10 * idle.step_s, "check": 0.0, "ideal": 0.0})
@@ -64,7 +65,7 @@ def test_a_ranks_share_is_its_part_of_what_others_leave():
     # (above), the set-up 3.75 x
     fuller = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, estimate.loaded(CPU, 1.6),
                                     has_ideal=False)
-    assert fuller.case_s == pytest.approx(3.75 * estimate.CASE_SETUP_S + fuller.step_s * 13)
+    assert fuller.case_s == pytest.approx(3.75 * estimate.CASE_SETUP_S + fuller.step_s * 12)
     # the ideal block on rank 0 alone, 1 / 4 of the problem (half the idle step) at 5 / 6
     # of a core, warmed up 2 and timed 5 times
     ideal = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, busy_cpu, has_ideal=True)
@@ -81,7 +82,8 @@ def test_the_warm_up_the_settle_rule_is_expected_to_run():
     assert steps(1, 3) == 4  # (3 + 4) / 2 = 3.5
     assert steps(5, 5) == 8  # (5 + 10) / 2 = 7.5
     assert steps(0, 5) == 0  # none asked: none run
-    assert steps(2, 5, seen=0.2) == 7  # others on a tenth of the cores: its most
+    assert steps(2, 5, seen=0.2) == 6  # others on a tenth of the cores: (3 + 3 x 7) / 4
+    assert steps(1, 3, seen=0.2) == 4  # (3 + 3 x 4) / 4 = 3.75
     assert steps(2, 5, seen=0.1) == 5  # under a tenth: idle
 
 
@@ -115,9 +117,9 @@ def test_planned_counts_start_up_and_the_load(monkeypatch):
     idle = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
     assert est.step_s == pytest.approx(idle.step_s * 4 / (0.4 + 2 / 3))
     # the case: set-up and the first case's at a rank's part of a core, 3.75x, and
-    # 7 + 5 + 1 steps (busy: warm-up at its most)
+    # 6 + 5 + 1 steps (busy: warm-up 3 / 4 of the way from 3 to 7)
     assert est.case_s == pytest.approx(
-        3.75 * (estimate.CASE_SETUP_S + estimate.FIRST_CASE_S) + 13 * est.step_s)
+        3.75 * (estimate.CASE_SETUP_S + estimate.FIRST_CASE_S) + 12 * est.step_s)
     line = eta.total_line([est])
     assert line.startswith(f"estimated {estimate.duration(6.0 + est.case_s)} in all (6 s of "
                            f"start-up; sdpa-cpu at 0.02 / 0.01 TFLOP/s")
@@ -262,19 +264,21 @@ def test_each_part_is_re_estimated_from_what_it_took():
     # what the marks did not see is "other": 20 - 18 = 2, the set-up's with build, memory
     assert record["estimate"]["parts_s"]["other"] == pytest.approx(2.0)
     # set-up 5 over 3: 5 / 3; steps 13 s for the 3 + 5 it ran, 8 planned: 1.625; ideal 2
-    # the next at the warm-up the first ran (3): steps 8 x 1.625 = 13; 2 x 5 / 3; 1 x 2
+    # the next at the mean of the plan's warm-up and the first's, (5 + 3) / 2: steps
+    # 9 x 1.625; 2 x 5 / 3; 1 x 2
     nxt = tally.before(1)
-    assert nxt.case_s == pytest.approx(13.0 + 2 * 5 / 3 + 2.0)
+    assert nxt.case_s == pytest.approx(9 * 1.625 + 2 * 5 / 3 + 2.0)
     assert nxt.step_s == pytest.approx(1.625)
     tally.done(1, {"estimate": {"parts_s": {"build": 1.0, "warmup": 5.0, "timed": 6.0,
                                             "ideal": 1.0}}, "timing": {"warmup": 5}}, 15.0)
     # the set-up from the second alone now (the first paid its first calls): 3 / 2; the
-    # ideal (2 + 1) / (1 + 1); the warm-up the mean of 3 and 5: 4, so 9 steps planned;
+    # ideal (2 + 1) / (1 + 1); the warm-up the mean of 5, 3 and 5: 13 / 3 (+ 5 timed);
     # steps by the cases of as many ranks a problem: the third's by the first's, 13 / 8,
     # the fourth's by the second's, 11 s for 5 + 5 planned 10
-    assert tally.before(2).case_s == pytest.approx(9 * 13 / 8 + 2 * 1.5 + 1.5)
-    assert tally.before(3).case_s == pytest.approx(9 * 11 / 10 + 2 * 1.5 + 1.5)
-    assert tally.left_s(2) == pytest.approx(9 * 13 / 8 + 9 * 11 / 10 + 2 * (3 + 1.5))
+    steps = 13 / 3 + 5
+    assert tally.before(2).case_s == pytest.approx(steps * 13 / 8 + 2 * 1.5 + 1.5)
+    assert tally.before(3).case_s == pytest.approx(steps * 11 / 10 + 2 * 1.5 + 1.5)
+    assert tally.left_s(2) == pytest.approx(steps * (13 / 8 + 11 / 10) + 2 * (3 + 1.5))
 
 
 def test_the_case_says_when_each_of_its_parts_began(monkeypatch):

@@ -194,10 +194,14 @@ class Tally:
         return got / plan if plan > 0 else self.scale()
 
     def _warmup(self) -> float | None:
-        """The warm-up steps a case is expected to run: the done cases' mean (the settle
-        rule stops where the machine lets it), None (as planned) before any."""
+        """The warm-up steps a case is expected to run: the mean of the plan's count and
+        what the done cases ran (the settle rule stops where the machine lets it: here
+        anywhere from its least to its most, 3 to 7, busy or not, so one or two cases
+        alone say little); None (as planned) before any."""
         ran = [w for w in self.warmups if w is not None]
-        return sum(ran) / len(ran) if ran else None
+        if not ran or not self.planned[0].counts[1]:
+            return None
+        return (self.planned[0].counts[0] + sum(ran)) / (1 + len(ran))
 
     def price(self, i: int, machine: Machine | None) -> tuple[float, float]:
         """(case ``i``'s step, its case) re-estimated at ``machine``'s load, each part
