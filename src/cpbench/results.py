@@ -54,10 +54,10 @@ A record holds what is needed to re-run it and to recompute every figure printed
   ``sizes`` (per rank: the world it ran in, its CP
   ring's size and its shard's tokens), which ``cpbench.guards`` holds to what was asked;
   ``load`` (how busy others kept rank 0's host while the case timed: ``bench.load``) and
-  ``estimate`` (what the case was estimated to take before the run, ``step_s`` and ``case_s``:
-  ``bench.estimate``; ``revised_s``, that re-estimated from the load and what the cases
-  before it took, ``at_load_s``, the same at the load the case met, and ``took_s``, what it
-  took: ``bench.eta``).
+  ``estimate`` (what the case was estimated to take before the run, ``step_s``, ``case_s``
+  and its ``parts``: ``bench.estimate``; ``revised_s``, that re-estimated from the load and
+  what the cases before it took, ``at_load_s``, the same at the load the case met,
+  ``took_s``, what it took, and ``parts_s``, where that went: ``bench.eta``).
   ``derived.not_measured``: why the row's timings do not measure CP (``guards.not_measured``:
   ranks sharing cores, a busy host), or null. Where a row is flagged or does not measure CP,
   its figures derived as CP performance (TFLOP/s, fraction of ideal, the slowest rank) are

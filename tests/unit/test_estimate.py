@@ -67,7 +67,17 @@ def test_the_case_counts_its_check_the_ideal_and_fwd_only():
     checked = estimate.case_estimate(ATTN, RunConfig(strategy=("zigzag",), check=True
                                                      ).resolved("cpu"),
                                      2, 1.0, RATE, CPU, has_ideal=False)
-    assert checked.case_s > plain.case_s + plain.step_s  # the step and the float64 reference
+    # --check: the strategy's step and the gathers (2 steps), and the float64 reference on
+    # every pair of the 8K (non-causal FLOPs, 3.5 x the forward's 4 S^2 d h), 12 x slower than
+    # the probe's forward rate, on both idle cores; without it where rank 0 kept the problem's
+    full_fwd_bwd = 4 * 8192 ** 2 * 64 * 8 * 3.5
+    assert checked.parts["check"] == pytest.approx(2 * plain.step_s
+                                                   + full_fwd_bwd * 12 / 20e9 / 2)
+    assert checked.case_s == pytest.approx(plain.case_s + checked.parts["check"])
+    kept = estimate.case_estimate(ATTN, RunConfig(strategy=("zigzag",), check=True
+                                                  ).resolved("cpu"),
+                                  2, 1.0, RATE, CPU, has_ideal=False, reference=False)
+    assert kept.parts["check"] == pytest.approx(2 * plain.step_s)
     fwd = estimate.case_estimate(ATTN, RunConfig(strategy=("zigzag",), fwd_only=True
                                                  ).resolved("cpu"),
                                  2, 1.0, RATE, CPU, has_ideal=False)
@@ -143,3 +153,32 @@ def test_the_headline_request_is_refused_within_seconds(tmp_path):
     assert max(map(len, lines)) <= 120
     assert done.stdout == "" and not out.exists()  # before anything ran or was written
     assert took < 60, took  # seconds on an idle machine; bounded loosely on a shared one
+
+
+def test_the_reference_is_counted_where_the_problem_is_new_and_the_first_case_pays_more(
+        monkeypatch):
+    monkeypatch.setattr(estimate, "probe", lambda *a, **k: RATE)
+    short = AttentionConfig(batch=1, seqlen=1024, heads=8, head_dim=64, dtype="fp32",
+                            causal=True)
+    other = AttentionConfig(batch=1, seqlen=1024, heads=8, head_dim=64, dtype="fp32",
+                            causal=False)
+
+    def pr(attn, checked=True):
+        return estimate.Problem(label="x", attn=attn, ranks_per_problem=2, imbalance=1.0,
+                                kernel="sdpa-cpu", has_ideal=False, checked=checked)
+
+    run = RunConfig(strategy=("zigzag",), warmup=2, iters=5, check=True,
+                    max_minutes=0).resolved("cpu")
+    ests = estimate.estimates([pr(short), pr(short), pr(short, checked=False), pr(other),
+                               pr(short)], run, CPU)
+    step = ests[1].step_s
+    reference = 4 * 1024 ** 2 * 64 * 8 * 3.5 * 12 / 20e9 / 2  # every pair: both masks alike
+    # the first: its reference; the second: rank 0 kept it; the third (a later round): no
+    # check; the fourth a new problem; the fifth the first's again, no longer kept
+    assert [e.parts["check"] for e in ests] == pytest.approx(
+        [2 * step + reference, 2 * step, 0.0, 2 * ests[3].step_s + reference,
+         2 * step + reference])
+    # the first case's first calls in its set-up, on idle cores a core's worth
+    assert ests[0].parts["setup"] == pytest.approx(
+        estimate.CASE_SETUP_S + estimate.FIRST_CASE_S + step)
+    assert ests[1].parts["setup"] == pytest.approx(estimate.CASE_SETUP_S + step)

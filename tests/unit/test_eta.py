@@ -51,16 +51,21 @@ def test_a_ranks_share_is_its_part_of_what_others_leave():
     # and at 3 x, the slowest rank's: 3 m / (5 / 6) = 3.6 m against 2 m
     assert estimate.case_estimate(ATTN, RUN, 2, 3.0, RATE, busy_cpu, has_ideal=False
                                   ).step_s == pytest.approx(1.8 * even.step_s)
-    # so a step is twice the idle one's; the set-up, one rank at a time, at 5 / 6 of a core
+    # so a step is twice the idle one's; the set-up, every rank at once, at half a core
     idle = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
     assert even.step_s == pytest.approx(idle.step_s * 2)
-    # busy: the warm-up at its most, 2 + 5, against the idle middle, 5
-    assert even.case_s == pytest.approx(estimate.CASE_SETUP_S / alone + even.step_s * 13)
+    # busy: the warm-up 3 / 4 of the way from 3 to 2 + 5, 6, against the idle middle, 5;
+    # the memory step
+    assert even.case_s == pytest.approx(estimate.CASE_SETUP_S / 0.5 + even.step_s * 12)
     assert idle.case_s == pytest.approx(estimate.CASE_SETUP_S + idle.step_s * (5 + 5 + 1))
-    # others on 1.6 cores beside the probe's thread left it 0.4 of one: the set-up 2.5 x
+    assert idle.parts == pytest.approx({"setup": estimate.CASE_SETUP_S + idle.step_s,
+                                        "steps": 10 * idle.step_s, "check": 0.0, "ideal": 0.0})
+    assert idle.counts == (5, 5) and idle.ranks == 2
+    # others on 1.6 cores beside the probe's thread: each rank (0.4 + 2 / 3) / 4 of a core
+    # (above), the set-up 3.75 x
     fuller = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, estimate.loaded(CPU, 1.6),
                                     has_ideal=False)
-    assert fuller.case_s == pytest.approx(2.5 * estimate.CASE_SETUP_S + fuller.step_s * 13)
+    assert fuller.case_s == pytest.approx(3.75 * estimate.CASE_SETUP_S + fuller.step_s * 12)
     # the ideal block on rank 0 alone, 1 / 4 of the problem (half the idle step) at 5 / 6
     # of a core, warmed up 2 and timed 5 times
     ideal = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, busy_cpu, has_ideal=True)
@@ -77,7 +82,8 @@ def test_the_warm_up_the_settle_rule_is_expected_to_run():
     assert steps(1, 3) == 4  # (3 + 4) / 2 = 3.5
     assert steps(5, 5) == 8  # (5 + 10) / 2 = 7.5
     assert steps(0, 5) == 0  # none asked: none run
-    assert steps(2, 5, seen=0.2) == 7  # others on a tenth of the cores: its most
+    assert steps(2, 5, seen=0.2) == 6  # others on a tenth of the cores: (3 + 3 x 7) / 4
+    assert steps(1, 3, seen=0.2) == 4  # (3 + 3 x 4) / 4 = 3.75
     assert steps(2, 5, seen=0.1) == 5  # under a tenth: idle
 
 
@@ -110,10 +116,10 @@ def test_planned_counts_start_up_and_the_load(monkeypatch):
     # time a whole one
     idle = estimate.case_estimate(ATTN, RUN, 2, 1.0, RATE, CPU, has_ideal=False)
     assert est.step_s == pytest.approx(idle.step_s * 4 / (0.4 + 2 / 3))
-    # the case: set-up and the first case's at the 0.4 of a core others leave, 2.5x, and
-    # 7 + 5 + 1 steps (busy: warm-up at its most)
+    # the case: set-up and the first case's at a rank's part of a core, 3.75x, and
+    # 6 + 5 + 1 steps (busy: warm-up 3 / 4 of the way from 3 to 7)
     assert est.case_s == pytest.approx(
-        2.5 * (estimate.CASE_SETUP_S + estimate.FIRST_CASE_S) + 13 * est.step_s)
+        3.75 * (estimate.CASE_SETUP_S + estimate.FIRST_CASE_S) + 12 * est.step_s)
     line = eta.total_line([est])
     assert line.startswith(f"estimated {estimate.duration(6.0 + est.case_s)} in all (6 s of "
                            f"start-up; sdpa-cpu at 0.02 / 0.01 TFLOP/s")
@@ -239,3 +245,55 @@ def test_on_a_gpu_the_simulators_preset_prices_what_is_beyond_the_kernel(monkeyp
     assert "beyond the kernel: the simulator's h800-sxm preset" in eta.total_line([named])
     (none,) = eta.planned([pr], run, gpu, "torchrun", meter=lambda: _Meter(0.0), age_s=1.0)
     assert "beyond the kernel: not counted, no simulator preset" in eta.total_line([none])
+
+
+def _parted(setup: float, ranks: int) -> estimate.Estimate:
+    parts = {"setup": setup, "steps": 10.0, "check": 0.0, "ideal": 1.0}
+    return estimate.Estimate(step_s=1.0, case_s=sum(parts.values()), rate=RATE, parts=parts,
+                             counts=(5, 5), ranks=ranks)
+
+
+def test_each_part_is_re_estimated_from_what_it_took():
+    # planned: set-up 2 s (3 the first), 5 warm-up and 5 timed steps of 1 s, the ideal 1 s;
+    # the second and the fourth one rank a problem (no communication in their steps)
+    tally = eta.Tally([_parted(3.0, 2), _parted(2.0, 1), _parted(2.0, 2), _parted(2.0, 1)])
+    record = {"estimate": {"parts_s": {"build": 0.5, "memory": 2.5, "warmup": 3.0,
+                                       "timed": 10.0, "ideal": 2.0}},
+              "timing": {"warmup": 3}}
+    tally.done(0, record, 20.0)
+    # what the marks did not see is "other": 20 - 18 = 2, the set-up's with build, memory
+    assert record["estimate"]["parts_s"]["other"] == pytest.approx(2.0)
+    # set-up 5 over 3: 5 / 3; steps 13 s for the 3 + 5 it ran, 8 planned: 1.625; ideal 2
+    # the next at the mean of the plan's warm-up and the first's, (5 + 3) / 2: steps
+    # 9 x 1.625; 2 x 5 / 3; 1 x 2
+    nxt = tally.before(1)
+    assert nxt.case_s == pytest.approx(9 * 1.625 + 2 * 5 / 3 + 2.0)
+    assert nxt.step_s == pytest.approx(1.625)
+    tally.done(1, {"estimate": {"parts_s": {"build": 1.0, "warmup": 5.0, "timed": 6.0,
+                                            "ideal": 1.0}}, "timing": {"warmup": 5}}, 15.0)
+    # the set-up from the second alone now (the first paid its first calls): 3 / 2; the
+    # ideal (2 + 1) / (1 + 1); the warm-up the mean of 5, 3 and 5: 13 / 3 (+ 5 timed);
+    # steps by the cases of as many ranks a problem: the third's by the first's, 13 / 8,
+    # the fourth's by the second's, 11 s for 5 + 5 planned 10
+    steps = 13 / 3 + 5
+    assert tally.before(2).case_s == pytest.approx(steps * 13 / 8 + 2 * 1.5 + 1.5)
+    assert tally.before(3).case_s == pytest.approx(steps * 11 / 10 + 2 * 1.5 + 1.5)
+    assert tally.left_s(2) == pytest.approx(steps * (13 / 8 + 11 / 10) + 2 * (3 + 1.5))
+
+
+def test_the_case_says_when_each_of_its_parts_began(monkeypatch):
+    from cpbench.bench import steps
+
+    clock = iter([10.5, 11.0, 11.0, 13.0, 14.0])  # each part's start; a step goes on one
+    monkeypatch.setattr(steps.time, "monotonic", lambda: next(clock))
+    pace = steps.Pace(None, t0=10.0)
+    for text in ("building groups", "drawing this rank's inputs", "timing FWD and BWD",
+                 "warm-up step 1 (at most 7, until the time settles)", "timed step 1/5",
+                 "writing the record"):
+        assert pace.mark(text) == text
+    # "timing FWD and BWD" and its warm-up steps are one part; the end at 15
+    assert pace.parts_s(15.0) == {"other": 0.5, "build": 0.5, "inputs": 0.0,
+                                  "warmup": 2.0, "timed": 1.0, "record": 1.0}
+    assert steps.part_of("timing the ideal block alone") == "ideal"
+    assert steps.part_of("timing FWD alone (FWD+BWD ran out of memory)") == "timed"
+    assert steps.part_of("something else") == "other"

@@ -274,7 +274,7 @@ def run_case(p: Plan, case: Case, rank: int, env: dict, ref_cache: dict, *, stor
     c = _CaseRun(p, case, rank, phase, lambda text: None, grace_s, timeout_s,
                  pace=steps.Pace(p.estimates[index - 1] if p.estimates else None))
     with console.Ticker(prefix or case.label, left=c.pace.left) as ticker:
-        c.status = ticker.set
+        c.status = lambda text: ticker.set(c.pace.mark(text))
         return _phases(c, env, ref_cache, store, key, index)
 
 
@@ -297,6 +297,7 @@ def _phases(c: _CaseRun, env: dict, ref_cache: dict, store, key: str, index: int
     prof, profile = c.profile(step, store, key, index) \
         if p.run.profile and agreement.usable(phase) and not any(
             ph and ph.broken for ph in (mem, ideal_ph)) else (None, None)
+    c.status("writing the record")
     ranks_per_problem = c.strat.ranks_per_problem if c.strat is not None else p.world_size
     balance = c.strat.balance() if c.strat is not None and rank == 0 else None
     padding = c.strat.padding() if c.strat is not None else None
@@ -313,7 +314,7 @@ def _phases(c: _CaseRun, env: dict, ref_cache: dict, store, key: str, index: int
         memory_error=mem.error if mem is not None else None, profile=profile,
         balance=balance, padding=padding, packing=p.packing_of(case), round=p.round_of(case),
         comm=comm, sizes=sizes, ideal=ideal_section, load=c.load, timing=c.timing,
-        estimate=c.pace.estimate.to_dict() if c.pace.estimate else None)
+        estimate=c.pace.section())
     broke = [ph for ph in (phase, mem, ideal_ph, prof) if ph is not None and ph.broken]
     return record, ("device" if any(ph.sticky for ph in broke) else "group") if broke else None
 

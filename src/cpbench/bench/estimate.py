@@ -16,11 +16,12 @@ Communication, the merge and the layout are not counted: the estimate is a floor
 problems' steps, not a prediction (``cpbench simulate`` predicts; ``cpbench dryrun`` sizes
 memory).
 
-The case: its warm-up as the settle rule runs it (``warmup_steps``), timed steps, the memory
-step, ``--check``'s step and float64 reference, ``--profile``'s steps, the ideal block timed
-alone (``bench.ideal``), and an allowance for its set-up (``CASE_SETUP_S``), which is CPU work
-slowed on a busy machine to what others leave of a core. ``bench.eta`` adds the command's
-start-up and re-estimates what is left from the load and what each case took.
+The case, in parts (``Estimate.parts``): its set-up (``CASE_SETUP_S``, CPU work of every
+rank at once, slowed on a busy machine to what others leave of the cores) with the memory
+step and ``--profile``'s; its warm-up as the settle rule runs it (``warmup_steps``) and timed
+steps; ``--check``'s step and, where the problem is new, its float64 reference; the ideal
+block timed alone (``bench.ideal``). ``bench.eta`` adds the command's start-up and
+re-estimates each part of what is left from the load and what that part took.
 
 Under torchrun only rank 0 estimates (and may refuse, exit 2, before any collective; torchrun
 then stops the other ranks): a probe's time differs between ranks, and ranks that each
@@ -50,14 +51,21 @@ NOMINAL_FLOPS = {"cpu": 20e9, "cuda": 200e12}
 SIDES = (128, 32768)  # the probe's least and largest block side
 # a case estimated above this share of the limit, or above REFINE_S, is probed again, larger
 REFINE_ABOVE, REFINE_S = 0.25, 60.0
-REFERENCE_SLOWDOWN = 8.0  # --check's float64 reference against the kernel's own rate
+# --check's float64 reference (``reference.reference_by_head``) against the kernel's rate,
+# on every pair of the S x S (it masks after computing them all): measured here on one core
+# in CPU time, 14x at S = 1K and 11.6x at 2K (8 heads of 64, fp32's sdpa-cpu probe)
+REFERENCE_SLOWDOWN = 12.0
 PROFILED_STEPS = 3  # bench.profiling's
-# a case's work beyond its steps, whatever its size (its groups, the inputs, gathering the
-# samples and the bytes sent, the agreements, the record), and the first case's in a process
-# besides (the first exchanges, the kernels' first calls): seconds on cores of their own,
-# measured here with 2 ranks on 2 idle cores (0.6-0.9 s a case, 2.4 s the first); on a busy
-# machine they take longer (``case_estimate``)
-CASE_SETUP_S, FIRST_CASE_S = 1.0, 1.5
+# a case's work beyond its steps, whatever its size, on every rank at once: its groups,
+# the inputs, the agreements, and above all the garbage collection that frees its graphs
+# before the next (``agreement.cleanup``: 0.09 s of CPU time in a bare process here, 0.3-0.9 s
+# of wall time in a case with 4 ranks on 2 shared cores); and the first case's besides (the
+# memory meter's first dispatch mode: 0.9 s of CPU time here): seconds of a rank on a core of
+# its own (the record's ``parts_s`` says where a case's time went)
+CASE_SETUP_S, FIRST_CASE_S = 0.15, 1.0
+# --check's step: the strategy's on the global inputs (with its lse), then the gathers and
+# rank 0's comparisons, as long again (0.2-0.27 s where a step took 0.08-0.13 s here)
+CHECK_STEPS = 2
 # the least part of a core a thread of ours is counted to get: what others leave is read as a
 # difference of two near-equal figures on a full machine, where it can come out at nothing
 MIN_CORE = 0.05
@@ -93,13 +101,24 @@ class Estimate:
     busy: str = ""  # what the load meter saw others take, on the first case's
     comm_from: str = ""  # the simulator's preset that priced what is beyond the kernel
     machine: Machine | None = None  # as the estimate saw it: ``bench.eta`` re-prices the load
+    # case_s in parts, each re-priced from what it took (``bench.eta.Tally``): "setup" (with
+    # the memory step), "steps" (warm-up and timed), "check" (with the reference), "ideal"
+    parts: dict[str, float] = dataclasses.field(default_factory=dict)
+    counts: tuple[int, int] = (0, 0)  # the warm-up steps and the timed ones "steps" counts
+    ranks: int = 0  # ranks per problem: 1, no communication in a step
 
     def line(self) -> str:
         return f"estimated {duration(self.step_s)} a step, {duration(self.case_s)} for the case"
 
+    def plus(self, part: str, seconds: float) -> Estimate:
+        """This estimate with ``seconds`` more in ``part``."""
+        parts = {**self.parts, part: self.parts.get(part, 0.0) + seconds}
+        return dataclasses.replace(self, case_s=self.case_s + seconds, parts=parts)
+
     def to_dict(self) -> dict[str, Any]:
         """The record's ``estimate`` section."""
-        return {"step_s": self.step_s, "case_s": self.case_s, "probe": self.rate.text()}
+        out = {"step_s": self.step_s, "case_s": self.case_s, "probe": self.rate.text()}
+        return {**out, "parts": dict(self.parts)} if self.parts else out
 
 
 def _block_seconds(backend, device: str, side: int, heads: int, kv_heads: int,
@@ -204,6 +223,11 @@ class Machine:
             return 1.0
         return self.threads_per_rank * self.thread_share() / max(rate.threads, 1)
 
+    def cores(self, ours: int) -> float:
+        """The cores ``ours`` threads get together (the reference's, on every core; on a GPU
+        1: the device)."""
+        return 1.0 if self.device == "cuda" else ours * self.thread_share(ours=ours)
+
     def alone(self, rate: Rate) -> float:
         """``share`` for a rank running while its peers wait: the ideal block's on rank 0,
         the slowest rank's in an imbalanced step."""
@@ -233,26 +257,29 @@ def warmup_steps(run: RunConfig, machine: Machine) -> int:
     """The warm-up steps the settle rule is expected to run (``timer.warmup_rule``): it
     stops once ``window`` steps lie within its tolerance, so not before ``max(least,
     window)``, and at ``most`` whatever they do. A busy machine's steps jitter past the
-    tolerance: every case measured here with others on a tenth of the cores or more ran
-    ``most``; on idle cores they stopped anywhere between (3 to 6 of at most 7, mean 4.2):
-    there, the middle, off by at most half the range either way."""
+    tolerance more often: of 115 cases measured here with others on 0.1 to 1.4 of 2 cores,
+    half ran ``most`` (7), the rest anywhere from 3, mean 5.5: there, three quarters of the
+    way up; on idle cores they stopped anywhere between (3 to 6 of at most 7, mean 4.2):
+    there, the middle. ``bench.eta`` counts what the done cases ran."""
     assert run.warmup is not None and run.iters is not None, "a resolved RunConfig"
     rule = timer.warmup_rule(run.warmup, run.iters)
     least = min(rule.most, max(rule.least, rule.window))
     if machine.device == "cpu" and machine.seen >= 0.1 * machine.cpus:
-        return rule.most
+        return (least + 3 * rule.most + 2) // 4
     return (least + rule.most + 1) // 2
 
 
 def case_estimate(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
                   imbalance: float, rate: Rate, machine: Machine, *, has_ideal: bool,
-                  extra: tuple[float, float] = (0.0, 0.0)) -> Estimate:
+                  extra: tuple[float, float] = (0.0, 0.0), reference: bool = True) -> Estimate:
     """The step and the case (see the module docstring). ``extra``: (FWD s, BWD s) a step
-    spends beyond its kernel on a GPU, the simulator's (``Problem.extra_s``)."""
-    def flops(mode: str) -> float:
+    spends beyond its kernel on a GPU, the simulator's (``Problem.extra_s``); ``reference``:
+    --check computes the float64 reference (rank 0 keeps the last problem's)."""
+    def flops(mode: str, masked: bool = True) -> float:
         return metrics.problem_flops(batch=attn.batch, seqlen=attn.seqlen, heads=attn.heads,
-                                     head_dim=attn.head_dim, causal=attn.causal,
-                                     documents=attn.documents, window=attn.window_size,
+                                     head_dim=attn.head_dim, causal=attn.causal and masked,
+                                     documents=attn.documents if masked else None,
+                                     window=attn.window_size if masked else None,
                                      mode=mode, v_head_dim=attn.v_head_dim)[0]
 
 
@@ -270,19 +297,23 @@ def case_estimate(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
     step = max(slowest, kernel_s(1 / ranks_per_problem) / machine.share(rate)) \
         + extra[0] + (0.0 if run.fwd_only else extra[1])
     assert run.warmup is not None and run.iters is not None, "a resolved RunConfig"
-    # warm-up, timed steps, the memory step, --profile's
-    steps = warmup_steps(run, machine) + run.iters + 1 + (PROFILED_STEPS if run.profile else 0)
-    # the set-up is CPU work mostly of one rank at a time (agreements, gathers, rank 0's
-    # record), slowed to what others leave of a core (measured here with 4 ranks on 2 cores
-    # others kept 1.6 of busy: ~6 s of set-up, where each rank's part of the cores said 27)
-    case = CASE_SETUP_S / machine.thread_share(ours=1) + steps * step
-    if run.check:
-        case += step + flops("fwd_bwd") * REFERENCE_SLOWDOWN / rate.fwd / machine.share(rate)
+    warmup = warmup_steps(run, machine)
+    # the set-up is CPU work of every rank at once, at its part of what others leave of the
+    # cores; with it the memory step and --profile's
+    parts = {"setup": CASE_SETUP_S / machine.thread_share()
+             + (1 + (PROFILED_STEPS if run.profile else 0)) * step,
+             "steps": (warmup + run.iters) * step, "check": 0.0, "ideal": 0.0}
+    if run.check:  # the strategy's step on the global inputs; rank 0's reference on every
+        # core (the other ranks wait), every pair computed at float64
+        ref = flops("fwd_bwd", masked=False) * REFERENCE_SLOWDOWN / rate.fwd
+        parts["check"] = CHECK_STEPS * step + (ref / machine.cores(machine.cpus)
+                                               if reference else 0.0)
     if has_ideal:  # rank 0's ideal block alone (1 / N² of the problem), warmed up and timed
         block = (flops("fwd") / rate.fwd + flops("bwd") / rate.bwd) / ranks_per_problem ** 2
-        case += block / machine.alone(rate) * (min(max(1, run.warmup), ideal.MAX_WARMUP)
-                                               + min(max(1, run.iters), ideal.MAX_ITERS))
-    return Estimate(step_s=step, case_s=case, rate=rate, machine=machine)
+        parts["ideal"] = block / machine.alone(rate) * (
+            min(max(1, run.warmup), ideal.MAX_WARMUP) + min(max(1, run.iters), ideal.MAX_ITERS))
+    return Estimate(step_s=step, case_s=sum(parts.values()), rate=rate, machine=machine,
+                    parts=parts, counts=(warmup, run.iters), ranks=ranks_per_problem)
 
 
 @dataclass(frozen=True)
@@ -297,17 +328,19 @@ class Problem:
     has_ideal: bool
     # on a GPU a preset matches: what a step spends beyond its kernel (sim.comm_estimate)
     extra_s: tuple[float, float] = (0.0, 0.0)
+    checked: bool = True  # --check runs (under --rounds, in the first round only)
 
 
-def estimate(pr: Problem, run: RunConfig, machine: Machine, *, refined: bool = False
-             ) -> Estimate:
+def estimate(pr: Problem, run: RunConfig, machine: Machine, *, refined: bool = False,
+             reference: bool = True) -> Estimate:
     a = pr.attn
     largest = max(1, a.seqlen // max(pr.ranks_per_problem, 1))
     side = probe_side(machine.device, a.heads, a.head_dim,
                       PROBE_S[machine.device][1 if refined else 0], largest)
     rate = probe(pr.kernel, machine.device, a.dtype, a.heads, a.num_kv_heads, a.head_dim, side)
-    return case_estimate(a, run, pr.ranks_per_problem, pr.imbalance, rate, machine,
-                         has_ideal=pr.has_ideal, extra=pr.extra_s)
+    checked = dataclasses.replace(run, check=run.check and pr.checked)
+    return case_estimate(a, checked, pr.ranks_per_problem, pr.imbalance, rate, machine,
+                         has_ideal=pr.has_ideal, extra=pr.extra_s, reference=reference)
 
 
 def under_load(problems: Sequence[Problem], run: RunConfig, machine: Machine,
@@ -333,17 +366,20 @@ def estimates(problems: Sequence[Problem], run: RunConfig, machine: Machine
               ) -> tuple[Estimate, ...]:
     """Each case's estimate: the quick probe's, or the larger probe's for a long case or one
     near or over ``run.max_minutes`` (by the quick probe, or already at the nominal rate: then
-    one probe)."""
+    one probe). --check's reference where the problem is not the last checked one's (rank 0
+    keeps that one: ``bench.check``); the first case's first calls in its set-up."""
     limit_s = run.max_minutes * 60
     bar = min(REFINE_S, REFINE_ABOVE * limit_s) if limit_s else REFINE_S
-    out = []
+    out, last = [], None
     for i, pr in enumerate(problems):
+        new = pr.attn != last
         long = _nominal(pr, run, machine).case_s > bar
-        est = estimate(pr, run, machine, refined=long)
+        est = estimate(pr, run, machine, refined=long, reference=new)
         if not long and est.case_s > bar:
-            est = estimate(pr, run, machine, refined=True)
-        out.append(est if i else dataclasses.replace(
-            est, case_s=est.case_s + FIRST_CASE_S / machine.thread_share(ours=1)))
+            est = estimate(pr, run, machine, refined=True, reference=new)
+        last = pr.attn if run.check and pr.checked else last
+        out.append(est.plus("setup", FIRST_CASE_S / machine.thread_share()) if i == 0
+                   else est)
     return tuple(out)
 
 

@@ -338,7 +338,7 @@ def _estimates(cases: list[Case], strat_of: dict, problems: tuple[AttentionConfi
         found.append(estimate.Problem(
             label=c.label, attn=attn, ranks_per_problem=strat.ranks_per_problem,
             imbalance=imbalance, kernel=c.kernel or kernel,
-            has_ideal=ideal.none_reason(attn) is None,
+            has_ideal=ideal.none_reason(attn) is None, checked=not c.round,
             extra_s=comm(c.strategy, c.options, attn, topo) if comm else (0.0, 0.0)))
     return eta.planned(found, run, machine, launcher, comm=comm)
 

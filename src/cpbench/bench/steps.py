@@ -110,16 +110,53 @@ def samples_of(everyone: list[list[float]], iters: int) -> dict:
     return {"fwd": cut[0], "bwd": cut[1], "fwd_bwd": cut[2]}
 
 
+# a case's parts, by the status text that begins each (``Pace.mark``): the record's
+# ``estimate.parts_s``, what ``bench.eta`` re-prices the next cases from
+PARTS = (("building", "build"), ("checking", "check"), ("drawing", "inputs"),
+         ("timing FWD alone", "timed"), ("timing the ideal", "ideal"), ("timing", "warmup"),
+         ("warm-up", "warmup"), ("timed", "timed"), ("one untimed", "timed"),
+         ("measuring memory", "memory"), ("profiling", "profile"), ("writing", "record"))
+
+
+def part_of(text: str) -> str:
+    """The part a status text begins ("other" for none of ``PARTS``)."""
+    return next((part for word, part in PARTS if text.startswith(word)), "other")
+
+
 @dataclass
 class Pace:
     """The progress line's words for the timer's steps and the case's time left: its
     estimate, scaled by the pace of the steps so far (none yet: as estimated), less the time
-    it has run."""
+    it has run; and when each part of the case began (``mark``)."""
 
     estimate: Estimate | None
     t0: float = field(default_factory=time.monotonic)
     paces: list[float] = field(default_factory=list)  # seconds of each step so far
     last: float | None = None  # when the timer last began a step
+    marks: list[tuple[float, str]] = field(default_factory=list)  # (when, part) it began
+
+    def mark(self, text: str) -> str:
+        """A status ``text`` as the case says it: the part it begins noted (its time)."""
+        part = part_of(text)
+        if not self.marks or self.marks[-1][1] != part:
+            self.marks.append((time.monotonic(), part))
+        return text
+
+    def parts_s(self, end: float | None = None) -> dict[str, float]:
+        """Seconds of each part until ``end`` (now): before the first mark and after the
+        last one's part (the record, the gathers) are "other"."""
+        end = time.monotonic() if end is None else end
+        out: dict[str, float] = {}
+        bounds = [(self.t0, "other"), *self.marks, (end, "")]
+        for (t, part), (t_next, _) in zip(bounds, bounds[1:]):
+            out[part] = out.get(part, 0.0) + max(0.0, t_next - t)
+        return out
+
+    def section(self) -> dict | None:
+        """The record's ``estimate`` as the case ends: the plan's and the parts' seconds."""
+        if self.estimate is None:
+            return None
+        return {**self.estimate.to_dict(), "parts_s": self.parts_s()}
 
     def step(self, what: str, index: int, most: int) -> str:
         """The timer's word before each step: the status text."""
