@@ -224,8 +224,7 @@ class Machine:
         return self.threads_per_rank * self.thread_share() / max(rate.threads, 1)
 
     def cores(self, ours: int) -> float:
-        """The cores ``ours`` threads get together (the reference's, on every core; on a GPU
-        1: the device)."""
+        """The cores ``ours`` threads get together (on a GPU 1: the device)."""
         return 1.0 if self.device == "cuda" else ours * self.thread_share(ours=ours)
 
     def alone(self, rate: Rate) -> float:
@@ -303,10 +302,10 @@ def case_estimate(attn: AttentionConfig, run: RunConfig, ranks_per_problem: int,
     parts = {"setup": CASE_SETUP_S / machine.thread_share()
              + (1 + (PROFILED_STEPS if run.profile else 0)) * step,
              "steps": (warmup + run.iters) * step, "check": 0.0, "ideal": 0.0}
-    if run.check:  # the strategy's step on the global inputs; rank 0's reference on every
-        # core (the other ranks wait), every pair computed at float64
+    if run.check:  # the strategy's step on the global inputs; rank 0's reference at its
+        # own threads (bench.check: every core stalled under load), every pair at float64
         ref = flops("fwd_bwd", masked=False) * REFERENCE_SLOWDOWN / rate.fwd
-        parts["check"] = CHECK_STEPS * step + (ref / machine.cores(machine.cpus)
+        parts["check"] = CHECK_STEPS * step + (ref / machine.cores(machine.threads_per_rank)
                                                if reference else 0.0)
     if has_ideal:  # rank 0's ideal block alone (1 / N² of the problem), warmed up and timed
         block = (flops("fwd") / rate.fwd + flops("bwd") / rate.bwd) / ranks_per_problem ** 2
