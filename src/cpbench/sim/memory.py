@@ -32,15 +32,57 @@ from cpbench.kernels import fa2_workspace
 from cpbench.strategies.base import BWD, FWD, Step, Strategy
 
 
-def peak_bytes(strat: Strategy, schedule: list[Step], kernel_buffers: bool = True) -> float:
+def peak_bytes(strat: Strategy, schedule: list[Step], kernel_buffers: bool = True,
+               calls: dict | None = None) -> float:
     """``strat``'s rank at its worst moment of a forward + backward (``kernel_buffers``: see
-    the module docstring)."""
-    return max(_phase_peak(strat, schedule, FWD, kernel_buffers),
-               _phase_peak(strat, schedule, BWD, kernel_buffers))
+    the module docstring). ``calls``: a cache of kernel calls' bytes (``_call_bytes``)."""
+    calls = {} if calls is None else calls
+    return max(_phase_peak(strat, schedule, FWD, kernel_buffers, calls),
+               _phase_peak(strat, schedule, BWD, kernel_buffers, calls))
+
+
+def peaks(ranks: list[Strategy], schedules: list[list[Step]]) -> tuple[float, float]:
+    """The largest ``peak_bytes`` of ``ranks`` with and without the kernel's buffers, each
+    distinct rank computed once: ranks whose hooks and schedules read the same have the same
+    peak (a block's sizes are ``BlockBytes``' functions of the strategy's type and problem)."""
+    distinct: dict[tuple, tuple[Strategy, list[Step]]] = {}
+    for strat, schedule in zip(ranks, schedules):
+        distinct.setdefault(_signature(strat, schedule), (strat, schedule))
+    calls: dict = {}
+    return tuple(max(peak_bytes(strat, schedule, buffers, calls)  # type: ignore[return-value]
+                     for strat, schedule in distinct.values()) for buffers in (True, False))
+
+
+def _signature(strat: Strategy, schedule: list[Step]) -> tuple:
+    """Everything of a rank that ``peak_bytes`` reads."""
+    hooks = tuple((strat.receives_in_place(p), strat.call_setup_bytes(p),
+                   strat.late_accumulator_bytes(p), strat.accumulator_bytes(p),
+                   strat.finish_bytes(p)) for p in (FWD, BWD))
+    steps = tuple((st.phase, st.block, st.packed,
+                   tuple((m.nbytes, m.overlapped, m.overlap_steps, m.after_compute)
+                         for m in st.messages)) for st in schedule)
+    return (_context(strat), strat.local_seqlen, strat.held_bytes(), hooks, steps)
+
+
+def _context(strat: Strategy) -> tuple:
+    """What one kernel call's bytes depend on besides its step."""
+    return type(strat), strat.attn, strat.kernel_head_share(), strat.mask.plain
+
+
+def _call_bytes(strat: Strategy, step: Step, kernel_buffers: bool, calls: dict
+                ) -> tuple[float, float]:
+    """``_kernel_bytes`` with ``_kernel_buffers`` added to the transient, once per call
+    shape."""
+    key = (_context(strat), step.phase, step.block, step.packed, kernel_buffers)
+    if key not in calls:
+        results, transient = _kernel_bytes(strat, step)
+        transient += _kernel_buffers(strat, step) if kernel_buffers else 0.0
+        calls[key] = results, transient
+    return calls[key]
 
 
 def _phase_peak(strat: Strategy, schedule: list[Step], phase: str,
-                kernel_buffers: bool) -> float:
+                kernel_buffers: bool, calls: dict) -> float:
     s = strat.local_seqlen
     q, out, kv, lse = strat.q_bytes(s), strat.out_bytes(s), strat.kv_bytes(s), strat.lse_bytes(s)
     resident = q + out + kv  # q, dout (V's width), k and v
@@ -53,8 +95,7 @@ def _phase_peak(strat: Strategy, schedule: list[Step], phase: str,
     # the late accumulators start from the first call's results: not alive during it
     late, worst, previous = strat.late_accumulator_bytes(phase), 0.0, None
     for i in steps:
-        results, transient = _kernel_bytes(strat, schedule[i])
-        transient += _kernel_buffers(strat, schedule[i]) if kernel_buffers else 0.0
+        results, transient = _call_bytes(strat, schedule[i], kernel_buffers, calls)
         step = blocks[i] + partial[i]
         if results:
             # its inputs made for it, its results and transients (or the scratch that made

@@ -255,10 +255,9 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
                                                "v_elements")}))
         steps.append(_step_load(first.phase, list(views.values())))
     rank0 = ranks[0]
-    peak = {buffers: max(memory.peak_bytes(s, sched, buffers)
-                         for s, sched in zip(ranks, schedules)) for buffers in (True, False)}
-    return Compiled(attn.seqlen, attn.batch, tuple(steps), peak[True],
-                    rank0.ranks_per_problem, rank0.resolved_options(), peak[False])
+    peak, bare = memory.peaks(ranks, schedules)
+    return Compiled(attn.seqlen, attn.batch, tuple(steps), peak,
+                    rank0.ranks_per_problem, rank0.resolved_options(), bare)
 
 
 def _step_load(phase: str, by_node: list[list[RankStep]]) -> StepLoad:
