@@ -69,11 +69,11 @@ def _context(strat: Strategy) -> tuple:
     return type(strat), strat.attn, strat.kernel_head_share(), strat.mask.plain
 
 
-def _call_bytes(strat: Strategy, step: Step, kernel_buffers: bool, calls: dict
+def _call_bytes(strat: Strategy, ctx: tuple, step: Step, kernel_buffers: bool, calls: dict
                 ) -> tuple[float, float]:
     """``_kernel_bytes`` with ``_kernel_buffers`` added to the transient, once per call
-    shape."""
-    key = (_context(strat), step.phase, step.block, step.packed, kernel_buffers)
+    shape (``ctx``: ``_context(strat)``)."""
+    key = (ctx, step.phase, step.block, step.packed, kernel_buffers)
     if key not in calls:
         results, transient = _kernel_bytes(strat, step)
         transient += _kernel_buffers(strat, step) if kernel_buffers else 0.0
@@ -88,15 +88,16 @@ def _phase_peak(strat: Strategy, schedule: list[Step], phase: str,
     resident = q + out + kv  # q, dout (V's width), k and v
     resident += strat.held_bytes() if phase == FWD else out + lse  # the forward's out
     steps = [i for i, st in enumerate(schedule) if st.phase == phase]
-    blocks, partial = _in_flight(schedule, phase, False), _in_flight(schedule, phase, True)
-    if strat.receives_in_place(phase):  # its buffers are among the accumulators
-        blocks = partial = [0.0] * len(schedule)
+    # its buffers are among the accumulators when it receives in place
+    flight = ([0.0] * len(schedule) if strat.receives_in_place(phase)
+              else _in_flight(schedule, phase))
+    ctx = _context(strat)
     kept, scratch = strat.call_setup_bytes(phase)
     # the late accumulators start from the first call's results: not alive during it
     late, worst, previous = strat.late_accumulator_bytes(phase), 0.0, None
     for i in steps:
-        results, transient = _call_bytes(strat, schedule[i], kernel_buffers, calls)
-        step = blocks[i] + partial[i]
+        results, transient = _call_bytes(strat, ctx, schedule[i], kernel_buffers, calls)
+        step = flight[i]
         if results:
             # its inputs made for it, its results and transients (or the scratch that made
             # those inputs, freed before the call), the previous call's results (alive
@@ -110,22 +111,24 @@ def _phase_peak(strat: Strategy, schedule: list[Step], phase: str,
     return resident + strat.accumulator_bytes(phase) + worst
 
 
-def _in_flight(schedule: list[Step], phase: str, partial: bool) -> list[float]:
-    """Bytes of the messages in flight at each step, of blocks (``partial`` False) or of
-    partial sums (posted after the kernel, in flight from the next step on), from the step
-    that posts one to the step that awaits it."""
+def _in_flight(schedule: list[Step], phase: str) -> list[float]:
+    """Bytes of the messages in flight at each step, of blocks and of partial sums (posted
+    after the kernel, in flight from the next step on), from the step that posts one to the
+    step that awaits it (whole bytes: exact in any order)."""
     flight = [0.0] * len(schedule)
+    in_phase = [st.phase == phase for st in schedule]
     for i, step in enumerate(schedule):
-        if step.phase != phase:
+        if not in_phase[i]:
             continue
-        for m in (m for m in step.messages if m.after_compute == partial):
-            first = i + 1 if m.after_compute else i
+        for m in step.messages:
+            partial = m.after_compute
+            first = i + 1 if partial else i
             last = first + max(m.overlap_steps, 1) - 1 if m.overlapped else i
             # the buffer received into, until the step that awaits it; a block (not a partial
             # sum) is the next step's input too (and what that step forwards: the buffer a
             # block is sent from is the one received before, or an input)
             for j in range(first, min(last + (not partial), len(schedule) - 1) + 1):
-                if schedule[j].phase == phase:
+                if in_phase[j]:
                     flight[j] += m.nbytes
     return flight
 

@@ -340,7 +340,13 @@ class Strategy(BlockBytes, ABC):
 
     @property
     def local_seqlen(self) -> int:
-        return len(self.seq_index(self.rank))
+        # read at every step of a schedule (the simulator builds one per rank): the layout's
+        # length once per (problem, rank), not a fresh index each time
+        key = self.attn, self.rank, self.cp_lists
+        cached = self.__dict__.get("_local_seqlen")
+        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
+            cached = self.__dict__["_local_seqlen"] = key, len(self.seq_index(self.rank))
+        return cached[1]
 
     def shard(self, x_bs: torch.Tensor, rank: int | None = None) -> torch.Tensor:
         """This rank's part of a global tensor whose dim 1 is the sequence."""
