@@ -32,25 +32,22 @@ from cpbench.kernels import fa2_workspace
 from cpbench.strategies.base import BWD, FWD, Step, Strategy
 
 
-def peak_bytes(strat: Strategy, schedule: list[Step], kernel_buffers: bool = True,
-               calls: dict | None = None) -> float:
+def peak_bytes(strat: Strategy, schedule: list[Step], kernel_buffers: bool = True) -> float:
     """``strat``'s rank at its worst moment of a forward + backward (``kernel_buffers``: see
-    the module docstring). ``calls``: a cache of kernel calls' bytes (``_call_bytes``)."""
-    calls = {} if calls is None else calls
-    return max(_phase_peak(strat, schedule, FWD, kernel_buffers, calls),
-               _phase_peak(strat, schedule, BWD, kernel_buffers, calls))
+    the module docstring)."""
+    return _peaks(strat, schedule, {})[0 if kernel_buffers else 1]
 
 
 def peaks(ranks: list[Strategy], schedules: list[list[Step]]) -> tuple[float, float]:
     """The largest ``peak_bytes`` of ``ranks`` with and without the kernel's buffers, each
     distinct rank computed once: ranks whose hooks and schedules read the same have the same
-    peak (a block's sizes are ``BlockBytes``' functions of the strategy's type and problem)."""
+    peaks (a block's sizes are ``BlockBytes``' functions of the strategy's type and problem)."""
     distinct: dict[tuple, tuple[Strategy, list[Step]]] = {}
     for strat, schedule in zip(ranks, schedules):
         distinct.setdefault(_signature(strat, schedule), (strat, schedule))
     calls: dict = {}
-    return tuple(max(peak_bytes(strat, schedule, buffers, calls)  # type: ignore[return-value]
-                     for strat, schedule in distinct.values()) for buffers in (True, False))
+    both = [_peaks(strat, schedule, calls) for strat, schedule in distinct.values()]
+    return max(p[0] for p in both), max(p[1] for p in both)
 
 
 def _signature(strat: Strategy, schedule: list[Step]) -> tuple:
@@ -69,20 +66,24 @@ def _context(strat: Strategy) -> tuple:
     return type(strat), strat.attn, strat.kernel_head_share(), strat.mask.plain
 
 
-def _call_bytes(strat: Strategy, ctx: tuple, step: Step, kernel_buffers: bool, calls: dict
-                ) -> tuple[float, float]:
-    """``_kernel_bytes`` with ``_kernel_buffers`` added to the transient, once per call
-    shape (``ctx``: ``_context(strat)``)."""
-    key = (ctx, step.phase, step.block, step.packed, kernel_buffers)
+def _call_bytes(strat: Strategy, ctx: tuple, step: Step, calls: dict
+                ) -> tuple[float, float, float]:
+    """``_kernel_bytes`` and ``_kernel_buffers``, once per call shape (``ctx``:
+    ``_context(strat)``)."""
+    key = (ctx, step.phase, step.block, step.packed)
     if key not in calls:
-        results, transient = _kernel_bytes(strat, step)
-        transient += _kernel_buffers(strat, step) if kernel_buffers else 0.0
-        calls[key] = results, transient
+        calls[key] = (*_kernel_bytes(strat, step), _kernel_buffers(strat, step))
     return calls[key]
 
 
-def _phase_peak(strat: Strategy, schedule: list[Step], phase: str,
-                kernel_buffers: bool, calls: dict) -> float:
+def _peaks(strat: Strategy, schedule: list[Step], calls: dict) -> tuple[float, float]:
+    """(with the kernel's buffers, without): the worse phase of each."""
+    fwd, bwd = (_phase_peak(strat, schedule, phase, calls) for phase in (FWD, BWD))
+    return max(fwd[0], bwd[0]), max(fwd[1], bwd[1])
+
+
+def _phase_peak(strat: Strategy, schedule: list[Step], phase: str, calls: dict
+                ) -> tuple[float, float]:
     s = strat.local_seqlen
     q, out, kv, lse = strat.q_bytes(s), strat.out_bytes(s), strat.kv_bytes(s), strat.lse_bytes(s)
     resident = q + out + kv  # q, dout (V's width), k and v
@@ -94,21 +95,23 @@ def _phase_peak(strat: Strategy, schedule: list[Step], phase: str,
     ctx = _context(strat)
     kept, scratch = strat.call_setup_bytes(phase)
     # the late accumulators start from the first call's results: not alive during it
-    late, worst, previous = strat.late_accumulator_bytes(phase), 0.0, None
+    late, worst, previous = strat.late_accumulator_bytes(phase), [0.0, 0.0], None
     for i in steps:
-        results, transient = _call_bytes(strat, ctx, schedule[i], kernel_buffers, calls)
-        step = flight[i]
-        if results:
-            # its inputs made for it, its results and transients (or the scratch that made
-            # those inputs, freed before the call), the previous call's results (alive
-            # until these return)
-            step += kept + max(scratch, results + transient)
-            step += previous if previous is not None else -late
-            previous = results
-        worst = max(worst, step)
+        results, transient, buffers = _call_bytes(strat, ctx, schedule[i], calls)
+        for n, extra in enumerate((buffers, 0.0)):  # with the kernel's buffers, without
+            step = flight[i]
+            if results:
+                # its inputs made for it, its results and transients (or the scratch that
+                # made those inputs, freed before the call), the previous call's results
+                # (alive until these return)
+                step += kept + max(scratch, results + (transient + extra))
+                step += previous if previous is not None else -late
+            worst[n] = max(worst[n], step)
+        previous = results if results else previous
     # the end: the last call's results alive while the phase's results are made
-    worst = max(worst, (previous or 0.0) + strat.finish_bytes(phase))
-    return resident + strat.accumulator_bytes(phase) + worst
+    end = (previous or 0.0) + strat.finish_bytes(phase)
+    base = resident + strat.accumulator_bytes(phase)
+    return base + max(worst[0], end), base + max(worst[1], end)
 
 
 def _in_flight(schedule: list[Step], phase: str) -> list[float]:

@@ -289,7 +289,10 @@ class Strategy(BlockBytes, ABC):
 
     @property
     def mask(self) -> Mask:
-        return mask_of(self.attn)
+        cached = self.__dict__.get("_mask")  # read at every step of a schedule: once a problem
+        if cached is None or cached[0] is not self.attn:
+            cached = self.__dict__["_mask"] = self.attn, mask_of(self.attn)
+        return cached[1]
 
     def ring_rank(self, position: int) -> int:
         """The rank at ``position`` of this rank's CP ring."""
