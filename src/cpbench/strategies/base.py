@@ -345,11 +345,12 @@ class Strategy(BlockBytes, ABC):
     def local_seqlen(self) -> int:
         # read at every step of a schedule (the simulator builds one per rank): the layout's
         # length once per (problem, rank), not a fresh index each time
-        key = self.attn, self.rank, self.cp_lists
         cached = self.__dict__.get("_local_seqlen")
-        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
-            cached = self.__dict__["_local_seqlen"] = key, len(self.seq_index(self.rank))
-        return cached[1]
+        if (cached is None or cached[0] is not self.attn or cached[1] != self.rank
+                or cached[2] is not self.cp_lists):
+            cached = self.__dict__["_local_seqlen"] = (
+                self.attn, self.rank, self.cp_lists, len(self.seq_index(self.rank)))
+        return cached[3]
 
     def shard(self, x_bs: torch.Tensor, rank: int | None = None) -> torch.Tensor:
         """This rank's part of a global tensor whose dim 1 is the sequence."""
