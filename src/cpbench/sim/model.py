@@ -291,7 +291,17 @@ def _step_load(phase: str, by_node: list[list[RankStep]]) -> StepLoad:
 
 @lru_cache(maxsize=4096)
 def _compiled(name: str, options, attn: AttentionConfig, world: int, rpn: int) -> Compiled:
-    return compile_schedule(name, options, attn, Topology(world_size=world, ranks_per_node=rpn))
+    # a schedule indexes a few thousand positions at a time (integers: exact on any number
+    # of threads): a parallel region's threads would only wait for each other, or for a core
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return compile_schedule(name, options, attn,
+                                Topology(world_size=world, ranks_per_node=rpn))
+    finally:
+        torch.set_num_threads(threads)
 
 
 _REFERENCE: dict[tuple, AttentionConfig] = {}  # shape → the problem compiled for it
