@@ -55,9 +55,7 @@ def _signature(strat: Strategy, schedule: list[Step]) -> tuple:
     hooks = tuple((strat.receives_in_place(p), strat.call_setup_bytes(p),
                    strat.late_accumulator_bytes(p), strat.accumulator_bytes(p),
                    strat.finish_bytes(p)) for p in (FWD, BWD))
-    steps = tuple((st.phase, st.block, st.packed,
-                   tuple((m.nbytes, m.overlapped, m.overlap_steps, m.after_compute)
-                         for m in st.messages)) for st in schedule)
+    steps = tuple((st.phase, st.block, st.packed, st.messages) for st in schedule)
     return (_context(strat), strat.local_seqlen, strat.held_bytes(), hooks, steps)
 
 
