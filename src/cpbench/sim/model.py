@@ -204,9 +204,11 @@ def _span(phases: list[str], i: int, m) -> list[int]:
     return span or [i]
 
 
-def _rank_loads(strat: Strategy, schedule, topo: Topology, spans: dict) -> _Loads:
+def _rank_loads(strat: Strategy, schedule, topo: Topology, spans: dict | None = None
+                ) -> _Loads:
     """A message spread over k steps moves 1/k of its bytes at each (the link carries it
     while they compute). ``spans``: ``_span``'s answers, shared by ranks of one phase order."""
+    spans = {} if spans is None else spans
     me = topo.node_of(strat.rank)
     phases = [st.phase for st in schedule]
     loads = _Loads([[0.0] * 4 for _ in schedule], [[0.0, 0.0] for _ in schedule])
