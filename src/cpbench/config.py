@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from cpbench import traces
@@ -32,9 +33,20 @@ PADDINGS = ("pad", "refuse")  # --document-padding
 
 def torch_dtypes() -> dict[str, torch.dtype]:
     """Dtype name → torch dtype (imports torch)."""
+    return dict(_torch_dtypes())
+
+
+@lru_cache(maxsize=1)
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    # read millions of times by the simulator's schedules: built once (callers get copies)
     import torch
 
     return {name: getattr(torch, attr) for name, attr in _TORCH_DTYPES.items()}
+
+
+@lru_cache(maxsize=None)
+def _element_size(dtype: str) -> int:
+    return _torch_dtypes()[dtype].itemsize
 
 
 def __getattr__(name: str) -> Any:  # DTYPES, built (and torch imported) when first read
@@ -116,7 +128,7 @@ class AttentionConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return torch_dtypes()[self.dtype]
+        return _torch_dtypes()[self.dtype]
 
     @property
     def softmax_scale(self) -> float:
@@ -124,7 +136,7 @@ class AttentionConfig:
 
     @property
     def element_size(self) -> int:
-        return self.torch_dtype.itemsize
+        return _element_size(self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

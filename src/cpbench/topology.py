@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import lru_cache
 from typing import Any, Callable, Sequence
 
 from cpbench import ranklocal
@@ -142,6 +143,13 @@ def node_local_block(topo: Topology, rings: Sequence[Sequence[int]], *,
     node it is 1. USP head-first uses it as its default Ulysses degree (all-to-alls inside a
     node), DoubleRing as its default window (inner rings inside a node).
     """
+    return _node_local_block(topo, tuple(map(tuple, rings)), also_divides)
+
+
+@lru_cache(maxsize=4096)
+def _node_local_block(topo: Topology, rings: tuple[tuple[int, ...], ...],
+                      also_divides: int | None) -> int:
+    # every rank of a simulated strategy asks this of the same rings, per step: once each
     n = len(rings[0])
     return max(d for d in divisors(n)
                if (also_divides is None or also_divides % d == 0)

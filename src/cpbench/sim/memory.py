@@ -35,56 +35,101 @@ from cpbench.strategies.base import BWD, FWD, Step, Strategy
 def peak_bytes(strat: Strategy, schedule: list[Step], kernel_buffers: bool = True) -> float:
     """``strat``'s rank at its worst moment of a forward + backward (``kernel_buffers``: see
     the module docstring)."""
-    return max(_phase_peak(strat, schedule, FWD, kernel_buffers),
-               _phase_peak(strat, schedule, BWD, kernel_buffers))
+    return _peaks(strat, schedule, {})[0 if kernel_buffers else 1]
 
 
-def _phase_peak(strat: Strategy, schedule: list[Step], phase: str,
-                kernel_buffers: bool) -> float:
+def peaks(ranks: list[Strategy], schedules: list[list[Step]]) -> tuple[float, float]:
+    """The largest ``peak_bytes`` of ``ranks`` with and without the kernel's buffers, each
+    distinct rank computed once: ranks whose hooks and schedules read the same have the same
+    peaks (a block's sizes are ``BlockBytes``' functions of the strategy's type and problem)."""
+    distinct: dict[tuple, tuple[Strategy, list[Step]]] = {}
+    for strat, schedule in zip(ranks, schedules):
+        distinct.setdefault(_signature(strat, schedule), (strat, schedule))
+    calls: dict = {}
+    both = [_peaks(strat, schedule, calls) for strat, schedule in distinct.values()]
+    return max(p[0] for p in both), max(p[1] for p in both)
+
+
+def _signature(strat: Strategy, schedule: list[Step]) -> tuple:
+    """Everything of a rank that ``peak_bytes`` reads."""
+    hooks = tuple((strat.receives_in_place(p), strat.call_setup_bytes(p),
+                   strat.late_accumulator_bytes(p), strat.accumulator_bytes(p),
+                   strat.finish_bytes(p)) for p in (FWD, BWD))
+    steps = tuple((st.phase, st.block, st.packed, st.messages) for st in schedule)
+    return (_context(strat), strat.local_seqlen, strat.held_bytes(), hooks, steps)
+
+
+def _context(strat: Strategy) -> tuple:
+    """What one kernel call's bytes depend on besides its step."""
+    return type(strat), strat.attn, strat.kernel_head_share(), strat.mask.plain
+
+
+def _call_bytes(strat: Strategy, ctx: tuple, step: Step, calls: dict
+                ) -> tuple[float, float, float]:
+    """``_kernel_bytes`` and ``_kernel_buffers``, once per call shape (``ctx``:
+    ``_context(strat)``)."""
+    key = (ctx, step.phase, step.block, step.packed)
+    if key not in calls:
+        calls[key] = (*_kernel_bytes(strat, step), _kernel_buffers(strat, step))
+    return calls[key]
+
+
+def _peaks(strat: Strategy, schedule: list[Step], calls: dict) -> tuple[float, float]:
+    """(with the kernel's buffers, without): the worse phase of each."""
+    fwd, bwd = (_phase_peak(strat, schedule, phase, calls) for phase in (FWD, BWD))
+    return max(fwd[0], bwd[0]), max(fwd[1], bwd[1])
+
+
+def _phase_peak(strat: Strategy, schedule: list[Step], phase: str, calls: dict
+                ) -> tuple[float, float]:
     s = strat.local_seqlen
     q, out, kv, lse = strat.q_bytes(s), strat.out_bytes(s), strat.kv_bytes(s), strat.lse_bytes(s)
     resident = q + out + kv  # q, dout (V's width), k and v
     resident += strat.held_bytes() if phase == FWD else out + lse  # the forward's out
     steps = [i for i, st in enumerate(schedule) if st.phase == phase]
-    blocks, partial = _in_flight(schedule, phase, False), _in_flight(schedule, phase, True)
-    if strat.receives_in_place(phase):  # its buffers are among the accumulators
-        blocks = partial = [0.0] * len(schedule)
+    # its buffers are among the accumulators when it receives in place
+    flight = ([0.0] * len(schedule) if strat.receives_in_place(phase)
+              else _in_flight(schedule, phase))
+    ctx = _context(strat)
     kept, scratch = strat.call_setup_bytes(phase)
     # the late accumulators start from the first call's results: not alive during it
-    late, worst, previous = strat.late_accumulator_bytes(phase), 0.0, None
+    late, worst, previous = strat.late_accumulator_bytes(phase), [0.0, 0.0], None
     for i in steps:
-        results, transient = _kernel_bytes(strat, schedule[i])
-        transient += _kernel_buffers(strat, schedule[i]) if kernel_buffers else 0.0
-        step = blocks[i] + partial[i]
-        if results:
-            # its inputs made for it, its results and transients (or the scratch that made
-            # those inputs, freed before the call), the previous call's results (alive
-            # until these return)
-            step += kept + max(scratch, results + transient)
-            step += previous if previous is not None else -late
-            previous = results
-        worst = max(worst, step)
+        results, transient, buffers = _call_bytes(strat, ctx, schedule[i], calls)
+        for n, extra in enumerate((buffers, 0.0)):  # with the kernel's buffers, without
+            step = flight[i]
+            if results:
+                # its inputs made for it, its results and transients (or the scratch that
+                # made those inputs, freed before the call), the previous call's results
+                # (alive until these return)
+                step += kept + max(scratch, results + (transient + extra))
+                step += previous if previous is not None else -late
+            worst[n] = max(worst[n], step)
+        previous = results if results else previous
     # the end: the last call's results alive while the phase's results are made
-    worst = max(worst, (previous or 0.0) + strat.finish_bytes(phase))
-    return resident + strat.accumulator_bytes(phase) + worst
+    end = (previous or 0.0) + strat.finish_bytes(phase)
+    base = resident + strat.accumulator_bytes(phase)
+    return base + max(worst[0], end), base + max(worst[1], end)
 
 
-def _in_flight(schedule: list[Step], phase: str, partial: bool) -> list[float]:
-    """Bytes of the messages in flight at each step, of blocks (``partial`` False) or of
-    partial sums (posted after the kernel, in flight from the next step on), from the step
-    that posts one to the step that awaits it."""
+def _in_flight(schedule: list[Step], phase: str) -> list[float]:
+    """Bytes of the messages in flight at each step, of blocks and of partial sums (posted
+    after the kernel, in flight from the next step on), from the step that posts one to the
+    step that awaits it (whole bytes: exact in any order)."""
     flight = [0.0] * len(schedule)
+    in_phase = [st.phase == phase for st in schedule]
     for i, step in enumerate(schedule):
-        if step.phase != phase:
+        if not in_phase[i]:
             continue
-        for m in (m for m in step.messages if m.after_compute == partial):
-            first = i + 1 if m.after_compute else i
+        for m in step.messages:
+            partial = m.after_compute
+            first = i + 1 if partial else i
             last = first + max(m.overlap_steps, 1) - 1 if m.overlapped else i
             # the buffer received into, until the step that awaits it; a block (not a partial
             # sum) is the next step's input too (and what that step forwards: the buffer a
             # block is sent from is the one received before, or an input)
             for j in range(first, min(last + (not partial), len(schedule) - 1) + 1):
-                if schedule[j].phase == phase:
+                if in_phase[j]:
                     flight[j] += m.nbytes
     return flight
 

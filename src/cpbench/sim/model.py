@@ -192,22 +192,25 @@ class _Loads:
     leaving: list[list[float]]
 
 
-def _span(schedule, i: int, m) -> list[int]:
+def _span(phases: list[str], i: int, m) -> list[int]:
     """The steps whose compute a message declared at step ``i`` overlaps: its own and the next
     ``overlap_steps`` - 1, or, posted after the step's kernel, the next ``overlap_steps``;
     never past its phase. An exposed message costs at its own step."""
     if not m.overlapped:
         return [i]
     first = i + 1 if m.after_compute else i
-    span = [j for j in range(first, min(first + m.overlap_steps, len(schedule)))
-            if schedule[j].phase == schedule[i].phase]
+    span = [j for j in range(first, min(first + m.overlap_steps, len(phases)))
+            if phases[j] == phases[i]]
     return span or [i]
 
 
-def _rank_loads(strat: Strategy, schedule, topo: Topology) -> _Loads:
+def _rank_loads(strat: Strategy, schedule, topo: Topology, spans: dict | None = None
+                ) -> _Loads:
     """A message spread over k steps moves 1/k of its bytes at each (the link carries it
-    while they compute)."""
+    while they compute). ``spans``: ``_span``'s answers, shared by ranks of one phase order."""
+    spans = {} if spans is None else spans
     me = topo.node_of(strat.rank)
+    phases = [st.phase for st in schedule]
     loads = _Loads([[0.0] * 4 for _ in schedule], [[0.0, 0.0] for _ in schedule])
     shares: dict[tuple[str, str], tuple[float, float]] = {}
     for i, step in enumerate(schedule):
@@ -216,7 +219,10 @@ def _rank_loads(strat: Strategy, schedule, topo: Topology) -> _Loads:
             if key not in shares:
                 shares[key] = _shares(strat.groups[m.group], m.op, me, topo)
             remote, out = shares[key]
-            span = _span(schedule, i, m)
+            at = (i, m.overlapped, m.after_compute, m.overlap_steps)
+            if at not in spans:
+                spans[at] = _span(phases, i, m)
+            span = spans[at]
             kind = 0 if m.overlapped else 2
             share = m.nbytes / len(span)
             for j in span:
@@ -233,32 +239,43 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
     assert len({len(s) for s in schedules}) == 1, f"{name}: ranks disagree on the step count"
     assert len({tuple(st.phase for st in s) for s in schedules}) == 1, \
         f"{name}: ranks disagree on the phases of their steps"
-    loads = [_rank_loads(strat, sched, topo) for strat, sched in zip(ranks, schedules)]
+    spans: dict = {}
+    loads = [_rank_loads(strat, sched, topo, spans) for strat, sched in zip(ranks, schedules)]
+    nodes = [topo.node_of(strat.rank) for strat in ranks]
+    # a kernel call's elements depend on its block and the rank's head share only
+    share = [(strat.merges(), strat.kernel_head_share()) for strat in ranks]
+    made: dict[tuple, RankStep] = {}  # equal views built once
     steps = []
     for i, first in enumerate(schedules[0]):
         node_out: dict[int, list[float]] = {}
-        for strat, rank_loads in zip(ranks, loads):
-            acc = node_out.setdefault(topo.node_of(strat.rank), [0.0, 0.0])
+        for node, rank_loads in zip(nodes, loads):
+            acc = node_out.setdefault(node, [0.0, 0.0])
             acc[0] += rank_loads.leaving[i][0]
             acc[1] += rank_loads.leaving[i][1]
         views: dict[int, list[RankStep]] = {}
-        for strat, sched, rank_loads in zip(ranks, schedules, loads):
+        for strat, sched, rank_loads, node, own in zip(ranks, schedules, loads, nodes, share):
             step = sched[i]
-            side = math.sqrt(step.block[0] * step.block[1]) if step.block else 0.0
-            node = topo.node_of(strat.rank)
-            moved, out = rank_loads.moved[i], node_out[node]
-            el = sharing.elements(strat, attn, step.block) if strat.merges() else {}
-            views.setdefault(node, []).append(RankStep(
-                step.flops, side, moved[0], moved[1], moved[2], moved[3], out[0], out[1],
-                causal=bool(step.block and step.block[2]),
-                **{k: el.get(k, 0.0) for k in ("q_elements", "kv_elements", "out_elements",
-                                               "v_elements")}))
+            key = (step.flops, step.block, *rank_loads.moved[i], *node_out[node], own)
+            if key not in made:
+                made[key] = _view(strat, attn, step, rank_loads.moved[i], node_out[node])
+            views.setdefault(node, []).append(made[key])
         steps.append(_step_load(first.phase, list(views.values())))
     rank0 = ranks[0]
-    peak = {buffers: max(memory.peak_bytes(s, sched, buffers)
-                         for s, sched in zip(ranks, schedules)) for buffers in (True, False)}
-    return Compiled(attn.seqlen, attn.batch, tuple(steps), peak[True],
-                    rank0.ranks_per_problem, rank0.resolved_options(), peak[False])
+    peak, bare = memory.peaks(ranks, schedules)
+    return Compiled(attn.seqlen, attn.batch, tuple(steps), peak,
+                    rank0.ranks_per_problem, rank0.resolved_options(), bare)
+
+
+def _view(strat: Strategy, attn: AttentionConfig, step, moved: list[float],
+          out: list[float]) -> RankStep:
+    """One rank's step as the model reads it."""
+    side = math.sqrt(step.block[0] * step.block[1]) if step.block else 0.0
+    el = sharing.elements(strat, attn, step.block) if strat.merges() else {}
+    return RankStep(
+        step.flops, side, moved[0], moved[1], moved[2], moved[3], out[0], out[1],
+        causal=bool(step.block and step.block[2]),
+        **{k: el.get(k, 0.0) for k in ("q_elements", "kv_elements", "out_elements",
+                                       "v_elements")})
 
 
 def _step_load(phase: str, by_node: list[list[RankStep]]) -> StepLoad:
@@ -276,7 +293,17 @@ def _step_load(phase: str, by_node: list[list[RankStep]]) -> StepLoad:
 
 @lru_cache(maxsize=4096)
 def _compiled(name: str, options, attn: AttentionConfig, world: int, rpn: int) -> Compiled:
-    return compile_schedule(name, options, attn, Topology(world_size=world, ranks_per_node=rpn))
+    # a schedule indexes a few thousand positions at a time (integers: exact on any number
+    # of threads): a parallel region's threads would only wait for each other, or for a core
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return compile_schedule(name, options, attn,
+                                Topology(world_size=world, ranks_per_node=rpn))
+    finally:
+        torch.set_num_threads(threads)
 
 
 _REFERENCE: dict[tuple, AttentionConfig] = {}  # shape → the problem compiled for it

@@ -185,17 +185,17 @@ def kv_ring_schedule(strat) -> list[Step]:
     dkv = strat.k_bytes(s, element_size=4), strat.v_bytes(s, element_size=4)
     steps = []
     areas = kv_ring_areas(strat, [strat.rank])[0] if not strat.mask.plain else None
+    hop = tuple(Message("p2p", g.name, nbytes, g.crosses_nodes) for nbytes in kv)
+    # the last dK/dV hop has nothing left to hide behind
+    dkv_hop = {last: tuple(Message("p2p", g_dkv.name, nbytes, g_dkv.crosses_nodes,
+                                   overlapped=not last, after_compute=True) for nbytes in dkv)
+               for last in (False, True)}
     for phase in (FWD, BWD):
         for step in range(n):
             blk = strat.block(me, src_of(me, step, n), s) if areas is None else None
-            msgs = []
-            if step + 1 < n:
-                msgs += [Message("p2p", g.name, nbytes, g.crosses_nodes) for nbytes in kv]
+            msgs = hop if step + 1 < n else ()
             if phase == BWD and n > 1:
-                # the last dK/dV hop has nothing left to hide behind
-                msgs += [Message("p2p", g_dkv.name, nbytes, g_dkv.crosses_nodes,
-                                 overlapped=step + 1 < n, after_compute=True)
-                         for nbytes in dkv]
+                msgs = msgs + dkv_hop[step + 1 == n]
             if areas is not None:
                 keys = strat.seq_index(strat.ring_rank(src_of(me, step, n)))
                 steps.append(strat.pairs_step(phase, step, areas[step], (s, s), msgs,

@@ -25,6 +25,7 @@ the zigzag rule; a step that sees nothing computes nothing, and the blocks still
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -88,16 +89,22 @@ class Rings:
 
     def circulate_messages(self, j: int, t: int, sizes: tuple[int, ...]) -> list[Message]:
         """What ``circulate`` sends at (j, t): one message per tensor of the block."""
-        msgs = []
+        msgs: list[Message] = []
         if t == 0 and j + 1 < self.windows:  # awaited after the window's last kernel
             assert self.outer is not None, "more than one window has an outer ring"
-            msgs += [Message("p2p", self.outer.name, n, self.outer.crosses_nodes,
-                             overlap_steps=self.window) for n in sizes]
+            msgs += _hops(self.outer.name, self.outer.crosses_nodes, sizes, self.window)
         if t + 1 < self.window:
             assert self.inner is not None, "a window of more than one rank has an inner ring"
-            msgs += [Message("p2p", self.inner.name, n, self.inner.crosses_nodes)
-                     for n in sizes]
+            msgs += _hops(self.inner.name, self.inner.crosses_nodes, sizes, 1)
         return msgs
+
+
+@lru_cache(maxsize=4096)
+def _hops(group: str, crosses_nodes: bool, sizes: tuple[int, ...], overlap_steps: int
+          ) -> tuple[Message, ...]:
+    """One p2p message per size (immutable: every step and rank of a schedule shares them)."""
+    return tuple(Message("p2p", group, n, crosses_nodes, overlap_steps=overlap_steps)
+                 for n in sizes)
 
 
 def send_block(comm: RingComm, block: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import ClassVar
 
 import torch
@@ -289,7 +290,10 @@ class Strategy(BlockBytes, ABC):
 
     @property
     def mask(self) -> Mask:
-        return mask_of(self.attn)
+        cached = self.__dict__.get("_mask")  # read at every step of a schedule: once a problem
+        if cached is None or cached[0] is not self.attn:
+            cached = self.__dict__["_mask"] = self.attn, mask_of(self.attn)
+        return cached[1]
 
     def ring_rank(self, position: int) -> int:
         """The rank at ``position`` of this rank's CP ring."""
@@ -340,7 +344,14 @@ class Strategy(BlockBytes, ABC):
 
     @property
     def local_seqlen(self) -> int:
-        return len(self.seq_index(self.rank))
+        # read at every step of a schedule (the simulator builds one per rank): the layout's
+        # length once per (problem, rank), not a fresh index each time
+        cached = self.__dict__.get("_local_seqlen")
+        if (cached is None or cached[0] is not self.attn or cached[1] != self.rank
+                or cached[2] is not self.cp_lists):
+            cached = self.__dict__["_local_seqlen"] = (
+                self.attn, self.rank, self.cp_lists, len(self.seq_index(self.rank)))
+        return cached[3]
 
     def shard(self, x_bs: torch.Tensor, rank: int | None = None) -> torch.Tensor:
         """This rank's part of a global tensor whose dim 1 is the sequence."""
@@ -358,9 +369,9 @@ class Strategy(BlockBytes, ABC):
         return out
 
     def block_flops(self, seqlen_q: int, seqlen_k: int, causal: bool, mode: str = FWD) -> float:
-        return attention_flops(batch=self.attn.batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                               heads=self.attn.heads, head_dim=self.attn.head_dim,
-                               causal=causal, mode=mode, v_head_dim=self.attn.v_head_dim)
+        a = self.attn
+        return _block_flops(a.batch, seqlen_q, seqlen_k, a.heads, a.head_dim, causal, mode,
+                            a.v_head_dim)
 
     def kernel_step(self, phase: str, index: int, seqlen_q: int, seqlen_k: int, causal: bool,
                     messages=(), *, head_share: int = 1) -> Step:
@@ -372,3 +383,11 @@ class Strategy(BlockBytes, ABC):
         comm.record_kernel()
         fn = getattr(self.kernel, name)
         return fn(*args, causal=causal, softmax_scale=self.attn.softmax_scale)
+
+
+@lru_cache(maxsize=65536)
+def _block_flops(batch: int, seqlen_q: int, seqlen_k: int, heads: int, head_dim: int,
+                 causal: bool, mode: str, v_head_dim: int | None) -> float:
+    # the same few block shapes recur at every step of every rank's schedule
+    return attention_flops(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads=heads,
+                           head_dim=head_dim, causal=causal, mode=mode, v_head_dim=v_head_dim)

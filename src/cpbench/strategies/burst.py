@@ -255,17 +255,17 @@ class Burst(ZigzagLayout, Strategy):
         row, out = self.lse_bytes(s), self.out_bytes(s)  # lse / delta: one fp32 per row, head
         bundle = (row if self.opts.opt_bwd else out, out, self.q_bytes(s), row)  # delta or O,
         # dO (V's width), Q, lse
-        steps = forward_schedule(self, rings)
+        steps, home = forward_schedule(self, rings), self.dq_rings
         for index, (j, t) in enumerate(rings.steps()):
             blk = zigzag_block(rings.source(j, t), rings.position, s, self.attn.causal)
-            msgs = rings.circulate_messages(j, t, bundle) + self._dq_messages(j, t)
+            msgs = rings.circulate_messages(j, t, bundle) + self._dq_messages(j, t, home)
             steps.append(self.kernel_step(BWD, index, slice_len(blk.q, s), slice_len(blk.kv, s),
                                           blk.causal, msgs))
         return steps
 
-    def _dq_messages(self, j: int, t: int) -> list[Message]:
-        """What ``_DqHome`` sends at (j, t): a hop before the kernel, the last two after."""
-        home = self.dq_rings
+    def _dq_messages(self, j: int, t: int, home: Rings) -> list[Message]:
+        """What ``_DqHome`` sends at (j, t) (``home``: ``dq_rings``): a hop before the kernel,
+        the last two after."""
         n = self.q_bytes(self.local_seqlen, 4 if self.opts.dq_dtype == "fp32" else None)
         msgs = []
         if t > 0:

@@ -224,18 +224,18 @@ class DoubleRing(ZigzagLayout, Strategy):
     def schedule(self) -> list[Step]:
         rings = self.rings
         kv = self.k_bytes(self.local_seqlen), self.v_bytes(self.local_seqlen)
-        steps = forward_schedule(self, rings)
+        steps, home = forward_schedule(self, rings), self.dkv_rings
         for index, (j, t) in enumerate(rings.steps()):
-            msgs = rings.circulate_messages(j, t, kv) + self._dkv_messages(j, t)
+            msgs = rings.circulate_messages(j, t, kv) + self._dkv_messages(j, t, home)
             steps.append(ring_step(self, rings, BWD, index, j, t, msgs))
         return steps
 
     def area_per_step(self) -> list[list[int]]:
         return ring_areas(self, self.window)
 
-    def _dkv_messages(self, j: int, t: int) -> list[Message]:
-        """What ``_DkvHome.add`` sends at (j, t), after the step's kernel: dK and dV."""
-        home = self.dkv_rings
+    def _dkv_messages(self, j: int, t: int, home: Rings) -> list[Message]:
+        """What ``_DkvHome.add`` sends at (j, t), after the step's kernel: dK and dV
+        (``home``: ``dkv_rings``)."""
         s = self.local_seqlen
 
         def sizes(dtype: torch.dtype) -> tuple[int, int]:  # dK, dV: each its own width
