@@ -9,7 +9,9 @@ hardware preset (``cpbench.sim.hardware``). Modelling assumptions, and where the
 1. Lock-step. Ring neighbours exchange every step and collectives synchronise their group,
    so a step lasts as long as its slowest rank; a phase is the sum of its steps. (Ring
    attention papers and ring-flash-attention's per-step ``wait()``.) The causal imbalance of
-   ``ring`` shows up here: its last rank computes a full block at every step.
+   ``ring`` shows up here: its last rank computes a full block at every step. Steps that
+   wait for no other rank (``Step.joins`` False: llama3's kernels after a gather) follow
+   the step before at each rank's own pace: such a run lasts its slowest rank's sum.
 2. A rank's step costs ``max(compute, overlapped communication) + exposed communication``.
    Messages the schedule marks overlapped (the next K/V block, a partial dK/dV sum moving on)
    are in flight while the kernel runs; exposed ones (all-to-alls, the last backward hop)
@@ -120,6 +122,10 @@ class StepLoad:
     phase: str
     ranks: tuple[RankStep, ...]
     nodes: tuple[tuple[int, ...], ...] = ()
+    joins: bool = True  # ``Step.joins``: False, it waits for no other rank before it starts
+    # each rank's view (an index into ``ranks``), ranks in the same order at every step:
+    # what follows a rank through a run of steps that do not join
+    who: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -237,8 +243,8 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
     ranks = [build(name, options, attn, topo, r) for r in range(topo.world_size)]
     schedules = [s.schedule() for s in ranks]
     assert len({len(s) for s in schedules}) == 1, f"{name}: ranks disagree on the step count"
-    assert len({tuple(st.phase for st in s) for s in schedules}) == 1, \
-        f"{name}: ranks disagree on the phases of their steps"
+    assert len({tuple((st.phase, st.joins) for st in s) for s in schedules}) == 1, \
+        f"{name}: ranks disagree on the phases of their steps or where they join"
     spans: dict = {}
     loads = [_rank_loads(strat, sched, topo, spans) for strat, sched in zip(ranks, schedules)]
     nodes = [topo.node_of(strat.rank) for strat in ranks]
@@ -259,7 +265,7 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
             if key not in made:
                 made[key] = _view(strat, attn, step, rank_loads.moved[i], node_out[node])
             views.setdefault(node, []).append(made[key])
-        steps.append(_step_load(first.phase, list(views.values())))
+        steps.append(_step_load(first.phase, list(views.values()), first.joins))
     rank0 = ranks[0]
     peak, bare = memory.peaks(ranks, schedules)
     return Compiled(attn.seqlen, attn.batch, tuple(steps), peak,
@@ -278,8 +284,9 @@ def _view(strat: Strategy, attn: AttentionConfig, step, moved: list[float],
                                        "v_elements")})
 
 
-def _step_load(phase: str, by_node: list[list[RankStep]]) -> StepLoad:
-    """The distinct views of a step and, per distinct node, how many of its ranks have each."""
+def _step_load(phase: str, by_node: list[list[RankStep]], joins: bool = True) -> StepLoad:
+    """The distinct views of a step and, per distinct node, how many of its ranks have each
+    (and each rank's, node by node: ``StepLoad.who``)."""
     distinct = tuple(sorted({v for views in by_node for v in views}, key=dataclasses.astuple))
     index = {v: i for i, v in enumerate(distinct)}
     nodes = set()
@@ -288,7 +295,8 @@ def _step_load(phase: str, by_node: list[list[RankStep]]) -> StepLoad:
         for v in views:
             counts[index[v]] += 1
         nodes.add(tuple(counts))
-    return StepLoad(phase, distinct, tuple(sorted(nodes)))
+    who = tuple(index[v] for views in by_node for v in views)
+    return StepLoad(phase, distinct, tuple(sorted(nodes)), joins, who)
 
 
 @lru_cache(maxsize=4096)
@@ -371,13 +379,14 @@ def evaluate(c: Compiled, attn: AttentionConfig, hw: Hardware) -> Prediction:
     total = {FWD: 0.0, BWD: 0.0}
     compute_total = {FWD: 0.0, BWD: 0.0}
     by_term = {phase: dict.fromkeys(terms.TERMS, 0.0) for phase in (FWD, BWD)}
-    for step in c.steps:
-        worst, compute, parts = terms.step(hw, step, attn.head_dim, scale)
-        total[step.phase] += worst
+    for run in terms.runs(c.steps):
+        worst, compute, parts = terms.run(hw, run, attn.head_dim, scale)
+        phase = run[0].phase
+        total[phase] += worst
         # the slowest rank's kernel time as the step runs it (shared, where a CPU shares)
-        compute_total[step.phase] += compute
+        compute_total[phase] += compute
         for key, value in parts.items():
-            by_term[step.phase][key] += value
+            by_term[phase][key] += value
     for phase in total:  # the sinks, once per query after the last merge (a small pass)
         sink = sharing.sinks_s(hw, phase, attn, c.ranks_per_problem)
         total[phase] += sink

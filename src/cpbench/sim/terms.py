@@ -67,13 +67,13 @@ def _compute(hw: Hardware, phase: str, r, head_dim, s: Scale) -> dict[str, float
             "launch / sync": hw.step_overhead_us * 1e-6}
 
 
-def step(hw: Hardware, load, head_dim, s: Scale) -> tuple[float, float, dict[str, float]]:
-    """(the step's time, its slowest rank's kernel time, the terms of the rank that sets
-    it): lock-step, a rank's step max(compute, overlapped messages) + exposed ones."""
+def _views(hw: Hardware, load, head_dim, s: Scale) -> list[tuple[float, float, dict]]:
+    """Each distinct rank view's (step time, kernel time, terms): max(compute, overlapped
+    messages) + exposed ones."""
     parts = [_compute(hw, load.phase, r, head_dim, s) for r in load.ranks]
     finishes = sharing.shared_compute([sum(p.values()) for p in parts], load.nodes,
                                       hw.idle_speedup)
-    worst, terms = -1.0, {}
+    out = []
     for finish, r, p in zip(finishes, load.ranks, parts):
         exp, lat = comm_s(hw, r.intra_exp * s.linear, r.inter_exp * s.linear,
                           r.node_exp * s.linear)
@@ -82,10 +82,53 @@ def step(hw: Hardware, load, head_dim, s: Scale) -> tuple[float, float, dict[str
             hidden_not, total = hw.overlapped * ov, finish + hw.overlapped * ov + exp
         else:
             hidden_not, total = max(finish, ov) - finish, max(finish, ov) + exp
+        # a CPU's shared cores stretch the compute terms alike (finish over their sum)
+        stretch = finish / sum(p.values()) if p and sum(p.values()) else 1.0
+        out.append((total, finish, {**{k: v * stretch for k, v in p.items()},
+                                    "comm not hidden": hidden_not, "comm latency": lat,
+                                    "comm bandwidth": exp - lat}))
+    return out
+
+
+def step(hw: Hardware, load, head_dim, s: Scale) -> tuple[float, float, dict[str, float]]:
+    """(the step's time, its slowest rank's kernel time, the terms of the rank that sets
+    it): lock-step, the step lasts as long as its slowest rank."""
+    views = _views(hw, load, head_dim, s)
+    worst, terms = -1.0, {}
+    for total, _, t in views:
         if total > worst:
-            # a CPU's shared cores stretch the compute terms alike (finish over their sum)
-            stretch = finish / sum(p.values()) if p and sum(p.values()) else 1.0
-            worst, terms = total, {**{k: v * stretch for k, v in p.items()},
-                                   "comm not hidden": hidden_not, "comm latency": lat,
-                                   "comm bandwidth": exp - lat}
-    return worst, max(finishes), terms
+            worst, terms = total, t
+    return worst, max(finish for _, finish, _ in views), terms
+
+
+def runs(steps) -> list[tuple]:
+    """The steps (``StepLoad``) in runs: a step that joins the other ranks starts one, and
+    the following steps of its phase that do not join go with it."""
+    out: list[list] = []
+    for st in steps:
+        if out and not st.joins and st.phase == out[-1][0].phase:
+            out[-1].append(st)
+        else:
+            out.append([st])
+    return [tuple(r) for r in out]
+
+
+def run(hw: Hardware, loads, head_dim, s: Scale) -> tuple[float, float, dict[str, float]]:
+    """``step`` over a run of steps of which only the first waits for the other ranks
+    (``Step.joins``): each rank goes through the rest at its own pace, so the run lasts as
+    long as the slowest rank's sum of its own step times (not the sum of per-step maxima).
+    A rank is followed through the run by its view at each step (``StepLoad.who``)."""
+    if len(loads) == 1:
+        return step(hw, loads[0], head_dim, s)
+    views = [_views(hw, load, head_dim, s) for load in loads]
+    worst, compute, path = -1.0, 0.0, ()
+    for p in dict.fromkeys(zip(*(load.who for load in loads))):  # ranks alike: once
+        total = sum(views[i][v][0] for i, v in enumerate(p))
+        compute = max(compute, sum(views[i][v][1] for i, v in enumerate(p)))
+        if total > worst:
+            worst, path = total, p
+    terms = dict.fromkeys(TERMS, 0.0)
+    for i, v in enumerate(path):
+        for key, value in views[i][v][2].items():
+            terms[key] += value
+    return worst, compute, terms

@@ -359,4 +359,6 @@ class Llama3(Strategy):
                   for i, (sq, sk, causal) in enumerate(blocks)]
         steps[0] = dataclasses.replace(steps[0], messages=tuple(gathers))
         steps[-1] = dataclasses.replace(steps[-1], messages=steps[-1].messages + tuple(scatters))
-        return steps
+        # after the gather, each rank runs its kernels back to back: no rank waits for another
+        # until the next chunk's gather or the reduce-scatter (the simulator sums them per rank)
+        return steps[:1] + [dataclasses.replace(st, joins=False) for st in steps[1:]]

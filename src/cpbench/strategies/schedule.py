@@ -33,7 +33,10 @@ class Message:
 class Step:
     """One step of a rank's schedule: the kernel FLOPs it computes, the shape of that kernel
     call (``block``: seqlen_q, seqlen_k, causal; None when the step computes nothing) and what
-    it sends. The simulator prices the FLOPs at the kernel's speed for that shape."""
+    it sends. The simulator prices the FLOPs at the kernel's speed for that shape.
+    ``joins``: the step waits for the other ranks before it starts (a ring hop, a collective);
+    False: it follows the rank's previous step at once (llama3's kernels after a gather), so
+    the simulator times such a run of steps by each rank's own sum, not step by step."""
 
     phase: str
     index: int
@@ -43,3 +46,4 @@ class Step:
     # under a mask, the (rows, keys) its largest varlen call packs and how many calls it
     # makes (the simulator's memory model; None: the block's, one call)
     packed: tuple[int, int, int] | None = None
+    joins: bool = True
