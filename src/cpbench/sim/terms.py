@@ -121,7 +121,8 @@ def run(hw: Hardware, loads, head_dim, s: Scale) -> tuple[float, float, dict[str
     if len(loads) == 1:
         return step(hw, loads[0], head_dim, s)
     views = [_views(hw, load, head_dim, s) for load in loads]
-    worst, compute, path = -1.0, 0.0, ()
+    worst, compute = -1.0, 0.0
+    path: tuple[int, ...] = ()
     for p in dict.fromkeys(zip(*(load.who for load in loads))):  # ranks alike: once
         total = sum(views[i][v][0] for i, v in enumerate(p))
         compute = max(compute, sum(views[i][v][1] for i, v in enumerate(p)))
