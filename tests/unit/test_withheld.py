@@ -78,6 +78,12 @@ def test_details_and_case_lines_quote_no_cp_figure():
     assert "TFLOPs/s (forward" in idle and "Fraction of Ideal: 77.4 %" in idle
     line = lines.case_line(zigzag, 2.0)
     assert "FWD+BWD 31.00 ms" in line and "TFLOP" not in line
+    # the estimate's probe rate was read on the same busy machine: not quoted either
+    probe = {"step_s": 0.1, "case_s": 6.1, "probe": "sdpa-cpu at 0.0788 / 0.0781 TFLOP/s fwd / bwd"}
+    busy_text = report.detail({**zigzag, "estimate": probe})
+    assert "Estimated Beforehand: 100 ms a step, 6.1 s for the case" in busy_text
+    assert "TFLOP" not in busy_text
+    assert "0.0788 / 0.0781 TFLOP/s" in report.detail({**_runs(None)[1], "estimate": probe})
 
 
 def test_a_flagged_row_withholds_its_cp_figures_too():

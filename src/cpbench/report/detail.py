@@ -145,9 +145,11 @@ def _revised(est: dict) -> str:
 def _ideal_lines(record: dict, d: dict) -> list[str]:
     ideal = record.get("ideal")
     est = record.get("estimate")
+    # the probe's TFLOP/s was read on the same machine: not quoted where the row's are not
+    quiet = d.get("not_measured") or guards.withheld_reason(d)
     lines = [f"  - Estimated Beforehand: {duration(est['step_s'])} a step, "
-             f"{duration(est['case_s'])} for the case" + _revised(est) + f" ({est['probe']})"
-             ] if est else []
+             f"{duration(est['case_s'])} for the case" + _revised(est)
+             + ("" if quiet else f" ({est['probe']})")] if est else []
     if d.get("not_measured"):  # guards.not_measured: no fraction of ideal, no efficiency
         return lines + [f"  - Not Measuring CP: {d['not_measured']}"]
     if not ideal:
