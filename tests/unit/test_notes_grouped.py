@@ -81,3 +81,9 @@ def test_run_summary_groups_the_busy_notes_and_keeps_cp_and_imbalance():
     assert {"CP", "Imbal"} <= set(header), header
     notes = [x for x in lines if x.startswith("[")]
     assert notes == ["[1] others kept 0.4-1.3 of 2 cores busy: not CP"], notes
+
+
+def test_a_range_among_the_notes_widens_the_range():
+    # a record's own range ("1.2-1.3", its ranks apart) beside plain readings: one range
+    texts = [f"others kept {x} of 2 cores busy: not CP" for x in ("1.2-1.3", "1.2-1.4", "0.9")]
+    assert set(render.grouped(texts).values()) == {"others kept 0.9-1.4 of 2 cores busy: not CP"}

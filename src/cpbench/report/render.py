@@ -201,14 +201,16 @@ def _notes(rows: list[dict], columns: tuple[str, ...], limit: int) -> tuple[list
     return out, lines
 
 
-# a number standing alone (not part of a name: fp32, h100, v2.1)
-_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])")
+# a number standing alone (not part of a name: fp32, h100, v2.1), or a range of two
+# ("1.2-1.3": a note already grouped, or a record's own range), read as one value
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?(?![\w.])")
 
 
 def grouped(texts: list[str]) -> dict[str, str]:
     """Each note → the note its kind prints: notes alike but for their numbers are one note,
     each number that differs among them given as its range (``others kept 0.3 of 2 cores
-    busy`` and ``… 0.9 …`` → ``others kept 0.3-0.9 of 2 cores busy``)."""
+    busy`` and ``… 0.9 …`` → ``others kept 0.3-0.9 of 2 cores busy``; a range among them
+    widens it: ``1.2-1.3`` and ``1.4`` → ``1.2-1.4``)."""
     kinds: dict[str, list[str]] = {}
     for text in dict.fromkeys(texts):
         kinds.setdefault(_NUMBER.sub("#", text), []).append(text)
@@ -218,8 +220,8 @@ def grouped(texts: list[str]) -> dict[str, str]:
         parts = template.split("#")
         text = parts[0]
         for i, part in enumerate(parts[1:]):
-            values = [n[i] for n in numbers]
-            low, high = min(values, key=float), max(values, key=float)
+            ends = [e for n in numbers for e in n[i].split("-")]
+            low, high = min(ends, key=float), max(ends, key=float)
             text += (low if float(low) == float(high) else f"{low}-{high}") + part
         out.update(dict.fromkeys(members, text))
     return out
