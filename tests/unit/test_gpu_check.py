@@ -56,10 +56,11 @@ def _alive(pid: int) -> bool:
 
 def test_a_command_past_its_limit_is_killed_with_its_children(tmp_path):
     pid_file = tmp_path / "child.pid"
-    code = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); "
-            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); "
-            "time.sleep(60)")
-    step = steps.Step("slow", "a slow step", 60, lambda c: [_py(code, 2), _py("print(7)", 30)])
+    # sh, not python: its grandchild and pid file exist within milliseconds, well inside the
+    # 2-s limit on a busy host too (a python took longer there: no pid file, CI failed)
+    slow = steps.Command("sh", ["sh", "-c", f"sleep 60 & echo $! > {pid_file}; echo started; "
+                                            "sleep 60"], 2)
+    step = steps.Step("slow", "a slow step", 60, lambda c: [slow, _py("print(7)", 30)])
     t0 = time.monotonic()
     result = runner.run_step(step, 1, _ctx(tmp_path, CPU_ENV), time.monotonic() + 60,
                                 lambda line: None)
