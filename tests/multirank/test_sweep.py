@@ -11,13 +11,17 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from cpbench import results
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = "base: {nproc: 2, heads: 2, head_dim: 16, seqlen: 256, warmup: 0, iters: 1}\n"
 
 
-def _sweep(*args, timeout=120):
+# a guard against a hang, not a measure: under others' load a launch's start (python, torch)
+# alone took a minute (a busy-loop run of the suite: 3 cases past 120 s)
+def _sweep(*args, timeout=280):
     cmd = [sys.executable, "-m", "cpbench.cli", "sweep", *map(str, args)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
@@ -29,6 +33,7 @@ def _statuses(out: Path) -> list[tuple[str, int, str]]:
             for r in results.read(out)]
 
 
+@pytest.mark.timeout(900)  # three sweeps, each under _sweep's hang guard
 def test_failures_recorded_then_resume_then_rerun_failed(tmp_path):
     config, out = tmp_path / "s.yaml", tmp_path / "r.jsonl"
     # case 1 dies at run time (its --deadline stops the launch before any rank reports),
@@ -95,13 +100,14 @@ def _procs(*, mentioning: str | None = None, group: int | None = None) -> list[i
     return found
 
 
+@pytest.mark.timeout(600)  # the start guard below, then the stop
 def test_ctrl_c_stops_the_case_and_leaves_a_readable_file(tmp_path):
     config, out = tmp_path / "s.yaml", tmp_path / "r.jsonl"
     config.write_text(BASE + "cases: [{strategy: ring, iters: 100000}]\n")
     cmd = [sys.executable, "-m", "cpbench.cli", "sweep", str(config), "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=REPO)
-    deadline, group = time.monotonic() + 60, None
+    deadline, group = time.monotonic() + 240, None  # a hang guard: a busy host starts slowly
     while time.monotonic() < deadline:  # until the case's launch has started its 2 ranks
         leaders = [p for p in _procs(mentioning=str(out)) if p != proc.pid]  # `cpbench run`
         group = os.getpgid(leaders[0]) if leaders else None
