@@ -6,7 +6,6 @@ import torch
 
 from cpbench.config import DTYPE_NAMES, AttentionConfig
 from cpbench.errors import Skipped
-from cpbench.metrics import attention_flops
 from cpbench.sim import memory, model
 from cpbench.topology import Topology, node_local_block
 
@@ -58,12 +57,3 @@ def test_memory_peaks_of_distinct_ranks_equal_every_ranks_peak(documents):
         assert memory.peaks(ranks, schedules) == want, name
     assert checked >= 5
 
-
-def test_block_flops_equal_the_formula():
-    attn = AttentionConfig(seqlen=512, heads=6, head_dim=32, v_head_dim=16, dtype="bf16")
-    strat = model.build("ring", None, attn, Topology(world_size=2, ranks_per_node=2))
-    for q, k, causal, mode in [(256, 256, True, "fwd"), (256, 128, False, "bwd"),
-                               (17, 33, False, "fwd_bwd")]:
-        assert strat.block_flops(q, k, causal, mode) == attention_flops(
-            batch=1, seqlen_q=q, seqlen_k=k, heads=6, head_dim=32, causal=causal,
-            mode=mode, v_head_dim=16)

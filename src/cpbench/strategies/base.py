@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import ClassVar
 
 import torch
@@ -369,9 +368,9 @@ class Strategy(BlockBytes, ABC):
         return out
 
     def block_flops(self, seqlen_q: int, seqlen_k: int, causal: bool, mode: str = FWD) -> float:
-        a = self.attn
-        return _block_flops(a.batch, seqlen_q, seqlen_k, a.heads, a.head_dim, causal, mode,
-                            a.v_head_dim)
+        return attention_flops(batch=self.attn.batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                               heads=self.attn.heads, head_dim=self.attn.head_dim,
+                               causal=causal, mode=mode, v_head_dim=self.attn.v_head_dim)
 
     def kernel_step(self, phase: str, index: int, seqlen_q: int, seqlen_k: int, causal: bool,
                     messages=(), *, head_share: int = 1) -> Step:
@@ -384,10 +383,3 @@ class Strategy(BlockBytes, ABC):
         fn = getattr(self.kernel, name)
         return fn(*args, causal=causal, softmax_scale=self.attn.softmax_scale)
 
-
-@lru_cache(maxsize=65536)
-def _block_flops(batch: int, seqlen_q: int, seqlen_k: int, heads: int, head_dim: int,
-                 causal: bool, mode: str, v_head_dim: int | None) -> float:
-    # the same few block shapes recur at every step of every rank's schedule
-    return attention_flops(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads=heads,
-                           head_dim=head_dim, causal=causal, mode=mode, v_head_dim=v_head_dim)
