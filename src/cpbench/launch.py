@@ -14,6 +14,7 @@ rendezvous store (``DEAD_KEY``), so they stop waiting for it there.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -23,7 +24,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 class RankError(RuntimeError):
@@ -37,6 +38,21 @@ class RankError(RuntimeError):
 
 # set in the rendezvous store by the launcher when a rank died: reform_world stops waiting
 DEAD_KEY = "cpbench/dead"
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block at ``n`` torch threads (``None``: as it is) and restore the count after.
+    Process-wide: never while threads ranks compute (their shares are set by the launcher)."""
+    import torch
+
+    saved = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 # NCCL (the doctor's probe): a rank whose collective times out is ended by the watchdog
 # (communicators aborted), so the launcher sees it die instead of waiting on it; set on every
@@ -177,16 +193,12 @@ def run_threads(fn: Callable[..., Any], nproc: int, *args, device: str = "cpu",
             with done:
                 done.notify_all()
 
-    saved = torch.get_num_threads()
-    with threadpg.installed():
+    with threadpg.installed(), torch_threads(None):  # the ranks set their shares
         threads = [threading.Thread(target=body, args=(r,), name=f"cpbench-rank{r}",
                                     daemon=True) for r in range(nproc)]
         for t in threads:
             t.start()
-        try:
-            _join_threads(threads, done, timeout, launch, errors)
-        finally:
-            torch.set_num_threads(saved)
+        _join_threads(threads, done, timeout, launch, errors)
     if errors:  # the first to fail: the others' errors follow from it
         rank = next(iter(errors))
         raise RankError(f"rank {rank} failed:\n{errors[rank]}", by_rank)

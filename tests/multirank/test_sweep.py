@@ -107,6 +107,24 @@ def test_ctrl_c_stops_the_case_and_leaves_a_readable_file(tmp_path):
     cmd = [sys.executable, "-m", "cpbench.cli", "sweep", str(config), "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=REPO)
+    try:
+        _interrupt_and_check(proc, out)
+    finally:  # a failed or interrupted test leaves no sweep of 100,000 iterations running
+        _kill_all(proc)
+
+
+def _kill_all(proc) -> None:
+    proc.kill()  # in pytest's own group: killed alone
+    for pid in _procs(mentioning=str(proc.args[-1])):  # the case's launch leads its group
+        try:
+            if os.getpgid(pid) != os.getpgid(0):
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait(timeout=30)
+
+
+def _interrupt_and_check(proc, out: Path) -> None:
     deadline, group = time.monotonic() + 240, None  # a hang guard: a busy host starts slowly
     while time.monotonic() < deadline:  # until the case's launch has started its 2 ranks
         leaders = [p for p in _procs(mentioning=str(out)) if p != proc.pid]  # `cpbench run`

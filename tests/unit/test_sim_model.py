@@ -13,7 +13,7 @@ import pytest
 from cpbench import strategies
 from cpbench.config import AttentionConfig
 from cpbench.metrics import attention_flops
-from cpbench.sim import hardware, model
+from cpbench.sim import hardware, model, schedule
 from cpbench.topology import Topology
 
 FAST = 1e15  # GB/s or TFLOP/s: too fast to matter
@@ -189,7 +189,7 @@ def _leaving_per_node(name, world, rpn, attn) -> list[float]:
     out = [0.0] * topo.num_nodes
     for rank in range(world):
         st = model.build(name, cls.Options(), attn, topo, rank)
-        loads = model._rank_loads(st, st.schedule(), topo)
+        loads = schedule._rank_loads(st, st.schedule(), topo)
         out[topo.node_of(rank)] += sum(ov + exp for ov, exp in loads.leaving)
     return out
 

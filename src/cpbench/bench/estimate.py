@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from cpbench import kernels, metrics
+from cpbench import kernels, launch, metrics
 from cpbench.bench import ideal, timer
 from cpbench.config import DTYPES, AttentionConfig, RunConfig
 from cpbench.metrics import duration
@@ -171,13 +171,9 @@ def probe(kernel: str, device: str, dtype: str, heads: int, kv_heads: int, head_
         clock = time.thread_time if device == "cpu" else time.perf_counter
     backend = kernels.get(kernel)
     threads = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(1)
-    try:
+    with launch.torch_threads(1 if device == "cpu" else None):
         t_fwd, t_bwd = _block_seconds(backend, device, side, heads, kv_heads, head_dim,
                                       DTYPES[dtype], clock)
-    finally:
-        torch.set_num_threads(threads)
     fwd = metrics.pairs_flops(side * side, batch=1, heads=heads, head_dim=head_dim)
     return Rate(fwd=fwd / t_fwd, bwd=fwd * metrics.BWD_FACTOR / t_bwd, side=side,
                 kernel=kernel, threads=1 if device == "cpu" else threads)
