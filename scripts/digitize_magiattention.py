@@ -14,6 +14,13 @@ a bar's top is the most common top over its columns, reading up from the axis th
 series' lines and stopping at the background (a 9504 x 4704 figure: 0.18-0.41 TFLOP/s a
 pixel). Their FLOPs are cpbench's (4 · mask area · query heads · head dim, backward 2.5x),
 so the FWD+BWD figure is 3.5 / (1 / fwd + 2.5 / bwd) and the times follow from it.
+
+    python scripts/digitize_magiattention.py --kernel cudnn \
+        MagiAttention/assets/magi_attn/exp/kernel/b200
+
+prints one legend's bars of the "Kernel Level" figures (one GPU, batch 1, GQA 64:8, head dim
+128, seqlen 1K-32K; full and causal, forward and backward), read the same way: the B200
+preset's cuDNN curves (src/cpbench/sim/presets/b200.yaml).
 """
 
 from __future__ import annotations
@@ -38,6 +45,11 @@ IMPLS = {"ulysses": ("Ulysses", "ulysses"),
          "usp": ("USP", "usp"),
          "loongtrain": ("LoongTrain", "usp")}
 RUNS = {"h100": (100, 8192, "fa3"), "b200": (200, 16384, "cudnn")}  # tick, tokens a GPU, kernel
+# the kernel-level figures: the same palette, their own legend; x axis 1K..32K, ticks of 200
+KERNEL_COLOURS = {(218, 136, 129): "fa4", (255, 191, 171): "cudnn", (237, 218, 168): "flex",
+                  (150, 199, 168): "flash_mask", (83, 150, 159): "sdpa",
+                  (66, 103, 129): "ffa_fa4"}
+KERNEL_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 
 
 def _runs(mask) -> list[tuple[int, int]]:
@@ -73,7 +85,7 @@ def _top(a, x: int, colour, probe: int) -> int:
     return last
 
 
-def bars(path: Path, tick: float) -> list[tuple[str, float]]:
+def bars(path: Path, tick: float, colours: dict = COLOURS) -> list[tuple[str, float]]:
     """(legend name, TFLOP/s) of every bar, left to right."""
     a = np.asarray(Image.open(path).convert("RGB")).astype(int)
     x = int(a.shape[1] * 0.975)  # inside the plot, right of the last bar
@@ -96,7 +108,7 @@ def bars(path: Path, tick: float) -> list[tuple[str, float]]:
     for s, e, colour in (b for b in out if b[1] - b[0] > 80):
         tops = [_top(a, cx, colour, probe) for cx in range(s + (e - s) // 20, e - (e - s) // 20, 2)]
         ys, counts = np.unique(tops, return_counts=True)
-        found.append((COLOURS[colour], float((ys[np.argmax(counts)] - y0) / slope)))
+        found.append((colours[colour], float((ys[np.argmax(counts)] - y0) / slope)))
     return found
 
 
@@ -142,12 +154,34 @@ def rows(root: Path, hw: str) -> list[dict]:
     return out
 
 
+def kernel_curves(root: Path, legend: str) -> dict[tuple[str, str], list[tuple[int, float]]]:
+    """(mask, phase) -> [(seqlen, TFLOP/s)] of ``legend``'s bars in the kernel-level figures
+    under ``root`` (assets/magi_attn/exp/kernel/b200)."""
+    out = {}
+    for mask in ("full", "causal"):
+        for phase in ("fwd", "bwd"):
+            path = root / f"{mask}_mask" / phase / "flops_report.png"
+            read = [v for name, v in bars(path, 200, KERNEL_COLOURS) if name == legend]
+            if len(read) != len(KERNEL_LENGTHS):  # a length without its bar (an X)
+                raise SystemExit(f"{path}: {len(read)} {legend} bars, not one a length")
+            out[(mask, phase)] = list(zip(KERNEL_LENGTHS, read))
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("figures", type=Path, help="assets/magi_attn/exp/distributed of a checkout")
-    p.add_argument("h100_csv", type=Path)
-    p.add_argument("b200_csv", type=Path)
+    p.add_argument("figures", type=Path, help="assets/magi_attn/exp/distributed of a checkout "
+                   "(with --kernel: assets/magi_attn/exp/kernel/b200)")
+    p.add_argument("h100_csv", type=Path, nargs="?")
+    p.add_argument("b200_csv", type=Path, nargs="?")
+    p.add_argument("--kernel", metavar="LEGEND", help="print this legend's kernel-level bars")
     args = p.parse_args(argv)
+    if args.kernel:
+        for (mask, phase), points in kernel_curves(args.figures, args.kernel).items():
+            print(f"{mask} {phase}: " + ", ".join(f"{n} {v:.1f}" for n, v in points))
+        return 0
+    if args.b200_csv is None:
+        p.error("give the two CSVs to write, or --kernel LEGEND")
     for hw, path in (("h100", args.h100_csv), ("b200", args.b200_csv)):
         table = rows(args.figures, hw)
         with open(path, "w", newline="") as f:

@@ -2,7 +2,8 @@
 field runs on that GPU, and every case without a figure of its own said, not scaled.
 
 The published values are transcribed here a second time, independently of the presets (the
-FlashAttention-3 paper's H100 bar charts; FlashAttention-4's B200 point from its pull request).
+FlashAttention-3 paper's H100 bar charts; FlashAttention-4's B200 point from its pull request;
+cuDNN on B200 as read off MagiAttention's kernel-level figures, on GB200 from NVIDIA's CSV).
 """
 
 from __future__ import annotations
@@ -36,8 +37,23 @@ H100 = {
 }
 # flash-attention pull request #2280: FA4 on SM100 (B200), head dim 128, L = 8192
 FA4 = {"fwd": 1534.8, "bwd": 1359.8, "fwd_causal": 1418.1, "bwd_causal": 1208.6}
+B200_FWD = (247.1, 922.3, 1279.0, 1321.0, 1319.7, 1328.8)
+B200_BWD = (364.1, 623.4, 807.1, 862.0, 870.7, 863.0)
+B200_FWD_CAUSAL = (128.4, 531.2, 918.8, 1147.0, 1239.6, 1288.1)
+B200_BWD_CAUSAL = (178.8, 334.7, 504.2, 643.2, 709.3, 737.8)
+# cuDNN on B200: MagiAttention's kernel-level figures (cp_benchmark.md, "Kernel Level"),
+# digitized, batch 1, GQA 64:8, head dim 128, at L = 1k..32k
+B200_CUDNN = {"fwd": B200_FWD, "bwd": B200_BWD, "fwd_causal": B200_FWD_CAUSAL,
+              "bwd_causal": B200_BWD_CAUSAL}
+# cuDNN 9.27 on GB200: NVIDIA/cudnn-frontend's llama3.1_20260813_111214.csv, batch 2, 64:8,
+# head dim 128, at L = 2k..32k
+GB200_CUDNN = {"fwd": (1407, 1559, 1701, 1690, 1567), "bwd": (1114, 1325, 1434, 1305, 1304),
+               "fwd_causal": (1061, 1334, 1552, 1608, 1556),
+               "bwd_causal": (880, 1131, 1297, 1271, 1241)}
+CUDNN = {"b200": ((1024, 2048, 4096, 8192, 16384, 32768), B200_CUDNN, "cudnn-b200-magi"),
+         "gb200-nvl72": ((2048, 4096, 8192, 16384, 32768), GB200_CUDNN, "cudnn-gb200")}
 DEFAULTS = {"a100-sxm": "fa2", "a800-sxm": "fa2", "h100-sxm": "fa3", "h800-sxm": "fa3",
-            "h200-sxm": "fa3", "b200": "fa4", "gb200-nvl72": "fa4"}
+            "h200-sxm": "fa3", "b200": "cudnn", "gb200-nvl72": "cudnn"}
 
 
 def raw(name: str) -> dict:
@@ -85,6 +101,31 @@ def test_fa4_is_its_one_published_point_held_flat_and_said(name):
     assert any("one published backward point" in n for n in notes)
 
 
+@pytest.mark.parametrize("name", sorted(CUDNN))
+def test_blackwell_cudnn_points_are_the_published_figures_and_priced_on(name):
+    """Every phase at head dim 128 from one run of one cuDNN; beyond the last length a full
+    block holds flat and a causal block follows the stated causal-long rule."""
+    lengths, values, src = CUDNN[name]
+    section = raw(name)["kernels"]["cudnn"]
+    hw = hardware.load(name, "cudnn")
+    text = " ".join(section["sources"][src].split())
+    for phase, want in values.items():
+        points = section["head_dim_128"][phase]
+        assert [(s, v, c) for s, v, c in points[:len(lengths)]] == \
+            [(s, v, src) for s, v in zip(lengths, want)], phase
+        assert ", ".join(map(str, want)) in text, phase
+        base, causal = phase.split("_")[0], phase.endswith("causal")
+        for side, value in zip(lengths, want):
+            assert hw.kernel(base, causal, 128).tflops(side) == value
+        full, last = values[base][-1], want[-1]
+        for side, value, rule in points[len(lengths):]:
+            assert causal and rule == "causal-long"
+            extra = 1 / last - 1 / full
+            assert value == pytest.approx(1 / (1 / full + extra * lengths[-1] / side), abs=0.051)
+    assert hw.kernel_notes(128, True) == [] and hw.kernel_notes(128, False) == []
+    assert "digitized" in text.lower() if name == "b200" else "not read off a figure" in text
+
+
 def test_a_missing_figure_is_said_not_scaled():
     """FA3 has no causal backward figure and no head dim 256 backward: the notes say what
     prices them; a head dim with figures and a full block need no note."""
@@ -102,8 +143,8 @@ def test_a_missing_figure_is_said_not_scaled():
 
 
 def test_a_kernel_the_preset_has_no_figures_for_is_refused():
-    with pytest.raises(UsageError, match="b200 has no cudnn curves"):
-        hardware.load("b200", "cudnn")
+    with pytest.raises(UsageError, match="b200 has no fa3 curves"):
+        hardware.load("b200", "fa3")
     assert cli_main(["simulate", "--hardware", "a800-sxm", "--kernel", "fa3"]) == 2
 
 
@@ -115,7 +156,8 @@ def test_list_hardware_shows_each_kernel_with_its_sources(capsys):
     for name in hardware.names():
         for kernel, _, sources in hardware.load(name).kernel_choices:
             assert f"kernel {kernel}" in flat and all(s in flat for s in sources), name
-    assert "kernel fa3 (default)" in flat and "kernel fa4 (default)" in flat
+    assert "kernel fa3 (default)" in flat and "kernel cudnn (default)" in flat
+    assert "kernel fa4 (default)" not in flat
 
 
 def test_every_simulated_table_and_record_states_its_evidence(capsys, tmp_path):
@@ -146,20 +188,21 @@ def test_acceptance_commands_print_csv_that_pandas_reads(capsys):
               "--strategy", "ulysses,zigzag,llama3,usp", "--format", "csv"]
     for flags in (["--hardware", "h100-sxm", "--kernel", "fa3", "--nodes", "1",
                    "--gpus-per-node", "8", "--seqlen", "64K"],
-                  ["--hardware", "b200", "--kernel", "fa4", "--nodes", "8",
-                   "--gpus-per-node", "8", "--seqlen", "1M"]):
+                  *(["--hardware", "b200", "--kernel", kernel, "--nodes", "8",
+                     "--gpus-per-node", "8", "--seqlen", "1M"] for kernel in ("cudnn", "fa4"))):
         assert cli_main(["simulate", *flags, *common]) == 0
         df = pd.read_csv(io.StringIO(capsys.readouterr().out))
         assert len(df) >= 4 and set(df["strategy"]) == {"ulysses", "zigzag", "llama3", "usp"}
         stated = hardware.load(flags[1], kernel=flags[3]).evidence
         assert (df["evidence"] == stated).all()
-        assert stated.startswith("validated on 40" if flags[1] == "h100-sxm" else
-                                 "no published CP rows on this hardware with fa4")
+        assert stated.startswith("no published CP rows on this hardware with fa4"
+                                 if flags[3] == "fa4" else "validated on 40")
         for value in df["fwd_bwd_ms"]:  # predictions to 3 significant figures
             assert float(f"{value:.3g}") == value
 
 
-@pytest.mark.parametrize("preset,kernel", [("a800-sxm", "fa2"), ("h100-sxm", "fa3")])
+@pytest.mark.parametrize("preset,kernel", [("a800-sxm", "fa2"), ("h100-sxm", "fa3"),
+                                           ("b200", "cudnn")])
 def test_the_evidence_is_what_validate_scores_now(preset, kernel):
     """The footer's figures are the validation's own: recomputed from the files they name,
     so a change to the model that moves them fails here until the preset says it."""
@@ -230,6 +273,6 @@ def test_report_of_simulated_records_states_their_evidence(capsys, tmp_path):
     assert cli_main(["report", str(out)]) == 0
     text = " ".join(capsys.readouterr().out.split())
     stated = hardware.load("b200").evidence
-    assert stated.startswith("no published CP rows on this hardware with fa4")
-    assert f"Evidence (HGX B200 (8x 400 Gb/s per node), kernel fa4): {stated}." \
+    assert stated.startswith("validated on 40 published rows of this preset with cudnn")
+    assert f"Evidence (HGX B200 (8x 400 Gb/s per node), kernel cudnn): {stated}." \
         in text

@@ -25,14 +25,15 @@ digitize = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(digitize)
 
 
-def _chart(path: Path, heights: list[list[float]], tick: float) -> None:
+def _chart(path: Path, heights: list[list[float]], tick: float,
+           colours: dict = digitize.COLOURS) -> None:
     """Four groups of bars in the figures' colours, gridlines in their grey, each series'
     tops joined by a line with markers (crossing the other bars, as in the figures)."""
     matplotlib = pytest.importorskip("matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(digitize.COLOURS.items())[:len(heights[0])]
+    names = list(colours.items())[:len(heights[0])]
     fig, ax = plt.subplots(figsize=(20, 10), dpi=200)
     fig.subplots_adjust(left=0.06, right=0.99)
     width = 0.8 / len(names)
@@ -64,6 +65,38 @@ def test_the_digitizer_reads_random_bars_within_one_percent(tmp_path):
     assert [name for name, _ in read] == [n for n in list(digitize.COLOURS.values())[:5]] * 4
     want = [h for group in heights for h in group]
     assert all(abs(v / w - 1) < 0.01 for (_, v), w in zip(read, want)), (read, want)
+
+
+def test_the_digitizer_reads_the_kernel_figures_legend(tmp_path):
+    """The kernel-level figures: six kernels a length, ticks of 200, bars down to ~100."""
+    rng = random.Random()
+    heights = [[rng.uniform(100, 1500) for _ in range(6)] for _ in range(4)]
+    path = tmp_path / "chart.png"
+    _chart(path, heights, 200, digitize.KERNEL_COLOURS)
+    read = digitize.bars(path, 200, digitize.KERNEL_COLOURS)
+    assert [name for name, _ in read] == list(digitize.KERNEL_COLOURS.values()) * 4
+    want = [h for group in heights for h in group]
+    assert all(abs(v / w - 1) < 0.01 for (_, v), w in zip(read, want)), (read, want)
+
+
+def test_kernel_curves_pair_one_legends_bars_with_the_lengths(monkeypatch, tmp_path):
+    legends = list(digitize.KERNEL_COLOURS.values())
+    n = len(digitize.KERNEL_LENGTHS)
+    seen = []
+
+    def fake(path, tick, colours):
+        seen.append((path.relative_to(tmp_path).as_posix(), tick))
+        return [(name, 100.0 * i + j) for i in range(n) for j, name in enumerate(legends)]
+
+    monkeypatch.setattr(digitize, "bars", fake)
+    curves = digitize.kernel_curves(tmp_path, "cudnn")
+    assert set(curves) == {(m, p) for m in ("full", "causal") for p in ("fwd", "bwd")}
+    assert curves["full", "fwd"] == [(s, 100.0 * i + 1) for i, s in
+                                     enumerate(digitize.KERNEL_LENGTHS)]
+    assert ("causal_mask/bwd/flops_report.png", 200) in seen
+    monkeypatch.setattr(digitize, "bars", lambda path, tick, colours: [("cudnn", 1.0)])
+    with pytest.raises(SystemExit, match="1 cudnn bars, not one a length"):
+        digitize.kernel_curves(tmp_path, "cudnn")
 
 
 def test_loongtrain_windows_follow_its_benchmark():
@@ -101,9 +134,12 @@ def test_validate_holds_them_out_and_names_the_kernel_they_ran():
             assert validate.kernel_lines(results, fa2) == [
                 "kernel: 40 scored rows were published with fa3, simulated with fa2 "
                 "(--kernel fa3)"]
-        else:
-            assert len(lines) == 1 and "published with cudnn, simulated with fa4" in lines[0]
-            assert "has no cudnn curves" in lines[0]
+        else:  # cuDNN, the preset's default since it has B200 cuDNN curves
+            assert lines == []
+            fa4 = hardware.load(preset, kernel="fa4")
+            assert validate.kernel_lines(results, fa4) == [
+                "kernel: 40 scored rows were published with cudnn, simulated with fa4 "
+                "(--kernel cudnn)"]
 
 
 def test_rankings_compare_rows_of_one_mask_only():
