@@ -7,6 +7,7 @@ inputs the strategy saw, so the only error measured is the strategy's and its ke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -56,11 +57,13 @@ def reference_attention(q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torc
 
 
 def reference_by_head(inputs: dict[str, torch.Tensor], *, heads: int, kv_heads: int, causal: bool,
-                      softmax_scale: float, visible: torch.Tensor | None = None
+                      softmax_scale: float, visible: torch.Tensor | None = None,
+                      after_head: Callable[[], None] | None = None
                       ) -> dict[str, torch.Tensor]:
     """The float64 reference one query head at a time (heads are independent), so its S×S
     matrices exist for one head only; dK/dV of a shared KV head sum over its query heads.
-    ``inputs["sinks"]``, where present, gives each head its sink (and ``dsinks``)."""
+    ``inputs["sinks"]``, where present, gives each head its sink (and ``dsinks``).
+    ``after_head`` is called after each head (the check's heartbeat to waiting peers)."""
     group = heads // kv_heads
     sinks = inputs.get("sinks")
     parts: dict[str, list[torch.Tensor]] = {"out": [], "lse": [], "dq": []}
@@ -81,6 +84,8 @@ def reference_by_head(inputs: dict[str, torch.Tensor], *, heads: int, kv_heads: 
             parts[name].append(ref[name])
         dk[:, :, j:j + 1] += ref["dk"]
         dv[:, :, j:j + 1] += ref["dv"]
+        if after_head is not None:
+            after_head()
     ref = {"out": torch.cat(parts["out"], 2), "lse": torch.cat(parts["lse"], 1),
            "dq": torch.cat(parts["dq"], 2), "dk": dk, "dv": dv}
     return ref if sinks is None else {**ref, "dsinks": torch.cat(parts["dsinks"])}

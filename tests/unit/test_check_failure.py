@@ -44,7 +44,7 @@ def two_ranks(monkeypatch):
 
 
 def test_rank0_failure_is_broadcast_and_raised_everywhere(two_ranks, monkeypatch):
-    def oom(inputs, attn):
+    def oom(inputs, attn, after_head=None):
         raise torch.OutOfMemoryError("CUDA out of memory (injected in the reference)")
 
     monkeypatch.setattr(check, "_reference", oom)
@@ -59,7 +59,7 @@ def test_an_exception_that_cannot_be_pickled_travels_as_its_message(two_ranks, m
     class Local(Exception):  # defined in a function: pickle cannot find it
         pass
 
-    def fail(inputs, attn):
+    def fail(inputs, attn, after_head=None):
         raise Local("reference failed")
 
     monkeypatch.setattr(check, "_reference", fail)

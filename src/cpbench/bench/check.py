@@ -81,7 +81,7 @@ def run_local(strategy: Strategy, inputs: dict[str, torch.Tensor]) -> dict[str, 
     return got
 
 
-def _reference(inputs: dict, attn: AttentionConfig) -> dict[str, torch.Tensor]:
+def _reference(inputs: dict, attn: AttentionConfig, after_head=None) -> dict[str, torch.Tensor]:
     # At the rank's own thread count, not every core: with others' load, an OpenMP barrier
     # waiting on a descheduled thread made a 1K reference 5-9x slower at 2 threads than at
     # 1 (measured on 2 busy cores), past the peers' collective timeout; idle, 2 threads
@@ -91,7 +91,8 @@ def _reference(inputs: dict, attn: AttentionConfig) -> dict[str, torch.Tensor]:
     every = torch.arange(attn.seqlen)
     return reference_by_head(inputs, heads=attn.heads, kv_heads=attn.num_kv_heads,
                              causal=attn.causal, softmax_scale=attn.softmax_scale,
-                             visible=None if mask.plain else mask.visible(every, every))
+                             visible=None if mask.plain else mask.visible(every, every),
+                             after_head=after_head)
 
 
 def _worst(comparisons) -> Comparison:
@@ -118,28 +119,53 @@ def check_strategy(strategy: Strategy, seed: int, *, device="cpu",
         # dsinks is no shard: every rank holds its problem's whole sum, and each is checked
         whole = problems == 1 and name not in SINK_TENSORS
         solved[name] = [strategy.unshard(parts, seq_dim=seq_dim)] if whole else parts
-    found: list = [None]
-    if strategy.rank == 0:
-        # rank 0's failure (its reference can run out of memory) is the broadcast's payload:
-        # raised after the broadcast on every rank, so no rank is left waiting in it
-        try:
-            found = [_compare_on_rank0(solved, names, inputs, attn, seed, cache)]
-        except Exception as e:
-            found = [_portable(e)]
-    if strategy.world_size > 1:
-        dist.broadcast_object_list(found, src=0)
-    if isinstance(found[0], BaseException):
-        raise found[0]
-    return found[0]
+    if strategy.world_size == 1:
+        found = _on_rank0(solved, names, inputs, attn, seed, cache, None)
+    elif strategy.rank == 0:
+        found = _on_rank0(solved, names, inputs, attn, seed, cache, _beat)
+        dist.broadcast_object_list([found], src=0)
+    else:
+        found = _await_rank0()
+    if isinstance(found, BaseException):
+        raise found
+    return found
+
+
+# Rank 0 broadcasts this after each head of its reference: its peers wait one head at a time,
+# so the group's timeout bounds a head, not the whole reference (under others' load a 2k
+# reference took minutes, past the peers' 60 s: "Connection closed by peer").
+_WORKING = "cpbench: rank 0 computing the reference"
+
+
+def _beat() -> None:
+    dist.broadcast_object_list([_WORKING], src=0)
+
+
+def _await_rank0():
+    while True:
+        got: list = [None]
+        dist.broadcast_object_list(got, src=0)
+        if not (isinstance(got[0], str) and got[0] == _WORKING):
+            return got[0]
+
+
+def _on_rank0(solved: dict, names, inputs: dict, attn: AttentionConfig, seed: int,
+              cache: dict | None, beat):
+    """The comparisons, or rank 0's failure (its reference can run out of memory) as what it
+    sends: raised after the broadcast on every rank, so no rank is left waiting in it."""
+    try:
+        return _compare_on_rank0(solved, names, inputs, attn, seed, cache, beat)
+    except Exception as e:
+        return _portable(e)
 
 
 def _compare_on_rank0(solved: dict, names, inputs: dict, attn: AttentionConfig, seed: int,
-                      cache: dict | None) -> list[Comparison]:
+                      cache: dict | None, beat=None) -> list[Comparison]:
     cache = {} if cache is None else cache
     key = (attn, seed)
     if key not in cache:
         cache.clear()  # one problem at a time: never hold two references
-        cache[key] = {n: t.cpu() for n, t in _reference(inputs, attn).items()}
+        cache[key] = {n: t.cpu() for n, t in _reference(inputs, attn, beat).items()}
     return [_worst(compare(n, got.cpu(), cache[key][n], attn.dtype) for got in solved[n])
             for n in names]
 

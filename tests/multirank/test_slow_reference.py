@@ -1,0 +1,25 @@
+"""Rank 0's float64 reference may outlast the peers' collective timeout (under others' load a
+2k reference took minutes): the peers wait a head at a time, so only a single head slower
+than the timeout fails the check."""
+
+from __future__ import annotations
+
+from rankpool import run_ranks
+from slow_reference_bodies import check_with_slow_reference
+
+TIMEOUT_S, HEAD_S = 3.0, 1.0
+
+
+def test_a_reference_longer_than_the_timeout_is_waited_for():
+    # 6 heads of 1 s each: 6 s of reference under a 3-s collective timeout
+    verdicts = run_ranks(check_with_slow_reference, 2, 6, HEAD_S,
+                         TIMEOUT_S, timeout=120)
+    assert verdicts[0] == verdicts[1] and set(verdicts[0]) >= {"out", "lse", "dq", "dk", "dv"}
+    assert all(verdicts[0].values()), verdicts
+
+
+def test_one_head_longer_than_the_timeout_still_times_out():
+    # the negative control: the timeout is live, so the test above is not passing by default
+    verdicts = run_ranks(check_with_slow_reference, 2, 1,
+                         3 * TIMEOUT_S, TIMEOUT_S, timeout=120, leave_together=False)
+    assert any(isinstance(v, str) for v in verdicts), verdicts
