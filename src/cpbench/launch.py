@@ -54,6 +54,7 @@ def torch_threads(n: int | None) -> Iterator[None]:
     finally:
         torch.set_num_threads(saved)
 
+
 # NCCL (the doctor's probe): a rank whose collective times out is ended by the watchdog
 # (communicators aborted), so the launcher sees it die instead of waiting on it; set on every
 # rank whatever the environment says (torchrun's default is 1 too)
