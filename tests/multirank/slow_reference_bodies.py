@@ -12,7 +12,8 @@ from cpbench.topology import Topology
 
 def check_with_slow_reference(rank, world, heads, head_s, timeout_s):
     """``ring``'s check with each head of rank 0's reference taking ``head_s`` more, under a
-    collective timeout of ``timeout_s``: the verdicts per tensor, or the error's type name."""
+    collective timeout of ``timeout_s``: the verdicts per tensor. A timeout raises, so the
+    test pool drops a world whose pairs it closed."""
     attn = AttentionConfig(batch=1, seqlen=64, heads=heads, head_dim=8, causal=True,
                            dtype="fp32")
     saved = reference.reference_attention
@@ -27,7 +28,5 @@ def check_with_slow_reference(rank, world, heads, head_s, timeout_s):
         st = strategies.get("ring")(attn, Topology(world_size=world, ranks_per_node=world),
                                     rank, kernel=kernels.get("sdpa-cpu"))
         return {c.tensor: c.passed for c in check_strategy(st, seed=3)}
-    except Exception as e:  # the timeout, on whichever rank notices it
-        return type(e).__name__
     finally:
         reference.reference_attention = saved
