@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from cpbench import results
+from cpbench.sweep import runner
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = "base: {nproc: 2, heads: 2, head_dim: 16, seqlen: 256, warmup: 0, iters: 1}\n"
@@ -135,7 +136,9 @@ def _interrupt_and_check(proc, out: Path) -> None:
     assert group is not None and len(_procs(group=group)) >= 3, "the case did not start"
     assert group != os.getpgid(proc.pid)  # the launch leads its own group: it and its ranks
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=30)
+    # a hang guard past the sweep's own stop: SIGTERM, up to KILL_GRACE_S, SIGKILL, as long
+    # again for the group to go (30 s failed in CI and under load with the sweep still in it)
+    stdout, stderr = proc.communicate(timeout=2 * runner.KILL_GRACE_S + 30)
     assert proc.returncode == 130, stdout + stderr
     assert "interrupted" in stderr
     assert not out.exists() or results.read(out) == []  # the interrupted case wrote nothing
