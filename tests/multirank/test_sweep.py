@@ -101,13 +101,35 @@ def _procs(*, mentioning: str | None = None, group: int | None = None) -> list[i
     return found
 
 
+def _signal_state(pid: int) -> str:
+    """Each thread's signal masks and where it waits: why a process did not act on a signal."""
+    keys = ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+    parts = []
+    for tid in sorted(os.listdir(f"/proc/{pid}/task")):
+        try:
+            lines = Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines()
+            wchan = Path(f"/proc/{pid}/task/{tid}/wchan").read_text()
+        except OSError:
+            continue
+        fields = [line.split(":\t")[1] for line in lines if line.split(":")[0] in keys]
+        parts.append(f"{tid} {wchan} {' '.join(fields)}")
+    return "; ".join(parts)
+
+
 @pytest.mark.timeout(600)  # the start guard below, then the stop
 def test_ctrl_c_stops_the_case_and_leaves_a_readable_file(tmp_path):
     config, out = tmp_path / "s.yaml", tmp_path / "r.jsonl"
     config.write_text(BASE + "cases: [{strategy: ring, iters: 100000}]\n")
     cmd = [sys.executable, "-m", "cpbench.cli", "sweep", str(config), "--out", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=REPO)
+    # a suite started in the background by a script (`make test &`) ignores SIGINT, and so
+    # would the sweep (an inherited SIG_IGN survives exec, and Python keeps it): start it as a
+    # terminal would, its SIGINT at the default
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=REPO)
+    finally:
+        signal.signal(signal.SIGINT, before)
     try:
         _interrupt_and_check(proc, out)
     finally:  # a failed or interrupted test leaves no sweep of 100,000 iterations running
@@ -135,10 +157,16 @@ def _interrupt_and_check(proc, out: Path) -> None:
         time.sleep(0.2)
     assert group is not None and len(_procs(group=group)) >= 3, "the case did not start"
     assert group != os.getpgid(proc.pid)  # the launch leads its own group: it and its ranks
+    before = _signal_state(proc.pid)
     proc.send_signal(signal.SIGINT)
     # a hang guard past the sweep's own stop: SIGTERM, up to KILL_GRACE_S, SIGKILL, as long
     # again for the group to go (30 s failed in CI and under load with the sweep still in it)
-    stdout, stderr = proc.communicate(timeout=2 * runner.KILL_GRACE_S + 30)
+    try:
+        stdout, stderr = proc.communicate(timeout=2 * runner.KILL_GRACE_S + 30)
+    except subprocess.TimeoutExpired:
+        now = _signal_state(proc.pid)
+        raise AssertionError(f"the sweep did not stop; before SIGINT: {before}; now: {now}; "
+                             f"its group: {_procs(group=group)}") from None
     assert proc.returncode == 130, stdout + stderr
     assert "interrupted" in stderr
     assert not out.exists() or results.read(out) == []  # the interrupted case wrote nothing
