@@ -86,7 +86,9 @@ def _top(a, x: int, colour, probe: int) -> int:
 
 
 def bars(path: Path, tick: float, colours: dict = COLOURS) -> list[tuple[str, float]]:
-    """(legend name, TFLOP/s) of every bar, left to right."""
+    """(legend name, TFLOP/s) of every bar, left to right. A top is read at most a pixel
+    high and up to ~5 pixels low, where a series' line crosses it (tests/unit/
+    test_validate_magiattention.py)."""
     a = np.asarray(Image.open(path).convert("RGB")).astype(int)
     x = int(a.shape[1] * 0.975)  # inside the plot, right of the last bar
     lines = [(s + e - 1) / 2 for s, e in _runs(np.all(a[:, x] == GRID, axis=1))]

@@ -56,15 +56,26 @@ def _chart(path: Path, heights: list[list[float]], tick: float,
     plt.close(fig)
 
 
-def test_the_digitizer_reads_random_bars_within_one_percent(tmp_path):
+def _within_the_digitizers_bias(read: list[tuple[str, float]], heights: list[list[float]]):
+    """Each bar read as ``digitize.bars`` states: never more than 2 pixels high, at most 8
+    low (series lines crossing a top hide its first rows: 5.2 pixels low at worst over 3,840
+    random bars, 1.3 % of a bar of 340; a bound of 1 % failed about one run in eight). A
+    pixel of ``_chart``'s y axis: its limit over the axes' height (10 inches at 200 dpi,
+    matplotlib's default subplot top 0.88 and bottom 0.11)."""
+    pixel = max(max(h) for h in heights) * 1.1 / (10 * 200 * (0.88 - 0.11))
+    want = [h for group in heights for h in group]
+    assert all(-8 * pixel <= v - w <= 2 * pixel for (_, v), w in zip(read, want)), (
+        [(round(v, 1), round(w, 1)) for (_, v), w in zip(read, want)], pixel)
+
+
+def test_the_digitizer_reads_random_bars_within_its_stated_bias(tmp_path):
     rng = random.Random()
     heights = [[rng.uniform(300, 700) for _ in range(5)] for _ in range(4)]
     path = tmp_path / "chart.png"
     _chart(path, heights, 100)
     read = digitize.bars(path, 100)
     assert [name for name, _ in read] == [n for n in list(digitize.COLOURS.values())[:5]] * 4
-    want = [h for group in heights for h in group]
-    assert all(abs(v / w - 1) < 0.01 for (_, v), w in zip(read, want)), (read, want)
+    _within_the_digitizers_bias(read, heights)
 
 
 def test_the_digitizer_reads_the_kernel_figures_legend(tmp_path):
@@ -75,8 +86,7 @@ def test_the_digitizer_reads_the_kernel_figures_legend(tmp_path):
     _chart(path, heights, 200, digitize.KERNEL_COLOURS)
     read = digitize.bars(path, 200, digitize.KERNEL_COLOURS)
     assert [name for name, _ in read] == list(digitize.KERNEL_COLOURS.values()) * 4
-    want = [h for group in heights for h in group]
-    assert all(abs(v / w - 1) < 0.01 for (_, v), w in zip(read, want)), (read, want)
+    _within_the_digitizers_bias(read, heights)
 
 
 def test_kernel_curves_pair_one_legends_bars_with_the_lengths(monkeypatch, tmp_path):
