@@ -43,7 +43,7 @@ bench: $(STAMP)
 JOBS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(JOBS) --dist worksteal -m "not timing"
+	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup -m "not timing"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(JOBS) --dist worksteal -m "not multirank and not gpu and not slow and not timing"

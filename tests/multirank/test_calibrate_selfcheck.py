@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from cpbench.bench import load
 from cpbench.cli import main
 from cpbench.sim import hardware, selfcheck
+
+# starts cpbench commands with ranks of their own: one at a time across xdist workers
+pytestmark = pytest.mark.command
 
 
 def test_calibrate_then_self_check(tmp_path, capsys, monkeypatch):

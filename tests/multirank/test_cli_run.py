@@ -11,6 +11,10 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
+
+# starts cpbench commands with ranks of their own: one at a time across xdist workers
+pytestmark = pytest.mark.command
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--seqlen", "256", "--heads", "2", "--head-dim", "16", "--warmup", "1",

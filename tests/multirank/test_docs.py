@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 from doc_blocks import REPO, Block, all_blocks, missing_lines
 
+# starts cpbench commands with ranks of their own: one at a time across xdist workers
+pytestmark = pytest.mark.command
+
 BLOCKS = all_blocks()
 TIMEOUT = 600  # seconds one command may take: a guard against a hang; blocks take seconds
 # repository folders the commands name by relative path (configs/cpu_smoke.yaml, ...)

@@ -11,7 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cpbench import results
+
+# starts cpbench commands with ranks of their own: one at a time across xdist workers
+pytestmark = pytest.mark.command
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

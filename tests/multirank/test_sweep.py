@@ -16,6 +16,9 @@ import pytest
 from cpbench import results
 from cpbench.sweep import runner
 
+# starts cpbench commands with ranks of their own: one at a time across xdist workers
+pytestmark = pytest.mark.command
+
 REPO = Path(__file__).resolve().parents[2]
 BASE = "base: {nproc: 2, heads: 2, head_dim: 16, seqlen: 256, warmup: 0, iters: 1}\n"
 
