@@ -77,6 +77,10 @@ def test_the_digitizer_reads_the_kernel_figures_legend(tmp_path):
     assert [name for name, _ in read] == list(digitize.KERNEL_COLOURS.values()) * 4
     want = [h for group in heights for h in group]
     assert all(abs(v / w - 1) < 0.01 for (_, v), w in zip(read, want)), (read, want)
+    # the y axis spans 1.1 x the tallest bar over the axes' height (matplotlib's default
+    # subplot box: 0.77 of the figure's 2000 px)
+    top = 1.1 * max(want)
+    assert digitize.resolution(path, 200) == pytest.approx(top / (0.77 * 2000), rel=0.02)
 
 
 def test_kernel_curves_pair_one_legends_bars_with_the_lengths(monkeypatch, tmp_path):
