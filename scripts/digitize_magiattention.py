@@ -19,8 +19,10 @@ so the FWD+BWD figure is 3.5 / (1 / fwd + 2.5 / bwd) and the times follow from i
         MagiAttention/assets/magi_attn/exp/kernel/b200
 
 prints one legend's bars of the "Kernel Level" figures (one GPU, batch 1, GQA 64:8, head dim
-128, seqlen 1K-32K; full and causal, forward and backward), read the same way: the B200
-preset's cuDNN curves (src/cpbench/sim/presets/b200.yaml).
+128, seqlen 1K-32K; full and causal, forward and backward), read the same way, and each
+figure's TFLOP/s a pixel: the B200 preset's cuDNN curves (--kernel cudnn: TransformerEngine's
+fused attention) and FlashAttention-4's (--kernel fa4: flash_attn.cute's flash_attn_func) in
+src/cpbench/sim/presets/b200.yaml.
 """
 
 from __future__ import annotations
@@ -85,15 +87,26 @@ def _top(a, x: int, colour, probe: int) -> int:
     return last
 
 
+def _axis(a, tick: float) -> tuple[float, float]:
+    """(pixels a TFLOP/s, the axis' row): a least-squares line through the gridlines."""
+    x = int(a.shape[1] * 0.975)  # inside the plot, right of the last bar
+    lines = [(s + e - 1) / 2 for s, e in _runs(np.all(a[:, x] == GRID, axis=1))]
+    values = [(len(lines) - i) * tick for i in range(len(lines))]  # top gridline first
+    slope, y0 = np.polyfit(values, lines, 1)
+    return float(slope), float(y0)
+
+
+def resolution(path: Path, tick: float) -> float:
+    """TFLOP/s a pixel of the figure at ``path``: what one pixel of a bar's top is worth."""
+    return 1 / abs(_axis(np.asarray(Image.open(path).convert("RGB")).astype(int), tick)[0])
+
+
 def bars(path: Path, tick: float, colours: dict = COLOURS) -> list[tuple[str, float]]:
     """(legend name, TFLOP/s) of every bar, left to right. A top is read at most a pixel
     high and up to ~5 pixels low, where a series' line crosses it (tests/unit/
     test_validate_magiattention.py)."""
     a = np.asarray(Image.open(path).convert("RGB")).astype(int)
-    x = int(a.shape[1] * 0.975)  # inside the plot, right of the last bar
-    lines = [(s + e - 1) / 2 for s, e in _runs(np.all(a[:, x] == GRID, axis=1))]
-    values = [(len(lines) - i) * tick for i in range(len(lines))]  # top gridline first
-    slope, y0 = np.polyfit(values, lines, 1)
+    slope, y0 = _axis(a, tick)
     probe = int(round(y0 + slope * 0.03 * tick))
     row, out, cur = a[probe], [], None
     for i in range(a.shape[1]):
@@ -176,11 +189,14 @@ def main(argv=None) -> int:
                    "(with --kernel: assets/magi_attn/exp/kernel/b200)")
     p.add_argument("h100_csv", type=Path, nargs="?")
     p.add_argument("b200_csv", type=Path, nargs="?")
-    p.add_argument("--kernel", metavar="LEGEND", help="print this legend's kernel-level bars")
+    p.add_argument("--kernel", metavar="LEGEND", choices=sorted(set(KERNEL_COLOURS.values())),
+                   help="print this legend's kernel-level bars (cudnn, fa4, ...)")
     args = p.parse_args(argv)
     if args.kernel:
         for (mask, phase), points in kernel_curves(args.figures, args.kernel).items():
-            print(f"{mask} {phase}: " + ", ".join(f"{n} {v:.1f}" for n, v in points))
+            px = resolution(args.figures / f"{mask}_mask" / phase / "flops_report.png", 200)
+            print(f"{mask} {phase}: " + ", ".join(f"{n} {v:.1f}" for n, v in points)
+                  + f" ({px:.2f} TFLOP/s a pixel)")
         return 0
     if args.b200_csv is None:
         p.error("give the two CSVs to write, or --kernel LEGEND")

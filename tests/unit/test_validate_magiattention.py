@@ -87,6 +87,10 @@ def test_the_digitizer_reads_the_kernel_figures_legend(tmp_path):
     read = digitize.bars(path, 200, digitize.KERNEL_COLOURS)
     assert [name for name, _ in read] == list(digitize.KERNEL_COLOURS.values()) * 4
     _within_the_digitizers_bias(read, heights)
+    # the y axis spans 1.1 x the tallest bar over the axes' height (matplotlib's default
+    # subplot box: 0.77 of the figure's 2000 px)
+    top = 1.1 * max(max(h) for h in heights)
+    assert digitize.resolution(path, 200) == pytest.approx(top / (0.77 * 2000), rel=0.02)
 
 
 def test_kernel_curves_pair_one_legends_bars_with_the_lengths(monkeypatch, tmp_path):
