@@ -37,9 +37,10 @@ bench: $(STAMP)
 	$(VENV)/bin/cpbench run --strategy all --nproc 4 --check
 
 # pytest-xdist's workers: on 2 cores, 2 take about a third off the wall time (a test's ranks
-# and subprocesses leave a core idle much of the time); worksteal: an idle worker takes tests
-# queued on the other (the doc test's blocks, the longest, otherwise end on one); JOBS=0: one
-# process
+# and subprocesses leave a core idle much of the time). make test: --dist loadgroup, so the
+# long cpbench commands (marker `command`: doc blocks, sweeps, CLI runs) run on one worker in
+# turn, never two at once (tests/conftest.py); test-fast: worksteal, an idle worker takes
+# tests queued on the other. JOBS=0: one process
 JOBS ?= 2
 
 test: $(STAMP)

@@ -48,11 +48,12 @@ def _cpbench_loggers():
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """Everything under tests/multirank starts real gloo ranks: mark it, so the unit layer
-    runs alone with `-m "not multirank"` (make test-fast). The tests marked ``command`` (a
-    cpbench command with ranks of its own) form one xdist group: under `--dist loadgroup`
-    one worker runs them in turn, never two at once. Two such commands on 2 cores beside
-    others' load made each 10-100x slower than alone (a busy-host run of the suite: doc
-    blocks past their 600-s guard at a load of 30-56), where one alone was 1.7x."""
+    runs alone with `-m "not multirank"` (make test-fast). The tests marked ``command`` (the
+    long cpbench commands with ranks of their own: doc blocks, sweeps, CLI runs) form one
+    xdist group: under `--dist loadgroup` one worker runs them in turn, never two at once.
+    Two such commands on 2 cores beside others' load made each 10-100x slower than alone (a
+    busy-host run of the suite: doc blocks past their 600-s guard at a load of 30-56), where
+    one alone was 1.7x."""
     for item in items:
         if f"{os.sep}multirank{os.sep}" in str(item.path):
             item.add_marker(pytest.mark.multirank)

@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from test_cli_run import _cpbench
 
 from cpbench import results
-
-# starts cpbench commands with ranks of their own: one at a time across xdist workers
-pytestmark = pytest.mark.command
 
 STRATEGIES = "zigzag,ring,ulysses,megatron-cp,llama3,usp,burst,double-ring,torch-ring"
 PROBLEM = ["--seqlen", "1024", "--heads", "4", "--head-dim", "32", "--dtype", "fp32"]

@@ -16,9 +16,6 @@ from pathlib import Path
 
 import pytest
 
-# starts cpbench commands with ranks of their own: one at a time across xdist workers
-pytestmark = pytest.mark.command
-
 REPO = Path(__file__).resolve().parents[2]
 # three cases of ~2-5 s each on 2 idle cores, steps long enough (~0.1 s) to outweigh the
 # set-up allowance, the re-estimate used twice

@@ -10,11 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-# starts cpbench commands with ranks of their own: one at a time across xdist workers
-pytestmark = pytest.mark.command
-
 REPO = Path(__file__).resolve().parents[2]
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 SMALL = ["--seqlen", "256", "--heads", "2", "--head-dim", "16", "--warmup", "1",

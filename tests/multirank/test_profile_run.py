@@ -9,13 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from cpbench import results
 from cpbench.profile import breakdown, groups
-
-# starts cpbench commands with ranks of their own: one at a time across xdist workers
-pytestmark = pytest.mark.command
 
 REPO = Path(__file__).resolve().parents[2]
 # the acceptance command's cases and length, on a small problem: the suite runs on 2 cores

@@ -18,9 +18,6 @@ import torch
 from cpbench import guards, results, threadpg, torchcompat
 from cpbench.cli import main as cli_main
 
-# starts cpbench commands with ranks of their own: one at a time across xdist workers
-pytestmark = pytest.mark.command
-
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 SMALL = ["--seqlen", "256", "--heads", "4", "--head-dim", "16", "--nproc", "4"]
