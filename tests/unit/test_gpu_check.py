@@ -101,6 +101,9 @@ def _fake_steps(monkeypatch):
     monkeypatch.setattr(gpu_check, "MIN_STEP_S", 1)
 
 
+# real commands against a real budget of seconds: others' load moves what runs out of time
+# (two busy loops: a step's first command past its cap), so it runs in CI's idle phase
+@pytest.mark.timing
 def test_the_run_goes_on_after_a_failure_and_skips_what_is_out_of_time(tmp_path, monkeypatch,
                                                                        capsys):
     _fake_steps(monkeypatch)
@@ -139,6 +142,9 @@ def test_compact_packs_the_logs_and_a_rerun_replaces_only_its_own_files(tmp_path
     assert (foreign / "logs" / "x").exists()
 
 
+# real commands against a real budget of seconds: others' load moves what runs out of time
+# (two busy loops: a step's first command past its cap), so it runs in CI's idle phase
+@pytest.mark.timing
 def test_only_reruns_one_step_under_the_whole_budget(tmp_path, monkeypatch):
     """On a GPU a step stops at its cap and a command at its limit; --only STEP runs that step
     alone (after env), under the rerun budget instead: what ran out of time gets the room."""
