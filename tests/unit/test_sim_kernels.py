@@ -242,7 +242,7 @@ def test_the_evidence_is_what_validate_scores_now(preset, kernel):
     assert got == {k: v for k, v in stated.items() if k != "files"}
     assert hardware.load("a800-sxm").evidence == (
         "validated on 26 published rows of this preset with fa2 (in-sample 8.2 %, held out "
-        "3.6 % median error)")
+        "2.3 % median error)")
     assert hardware.load("a100-sxm").evidence == provenance.NO_EVIDENCE
 
 

@@ -10,7 +10,7 @@ import pytest
 from cpbench import strategies
 from cpbench.cli import main as cli_main
 from cpbench.config import AttentionConfig
-from cpbench.sim import hardware, model, terms
+from cpbench.sim import hardware, model, schedule, terms
 from cpbench.topology import Topology
 
 ATTN = AttentionConfig(batch=1, seqlen=65536, heads=64, kv_heads=8, head_dim=128,
@@ -59,3 +59,31 @@ def test_details_prints_every_term_per_case(capsys):
         assert f" {term} " in out, term
     header = next(x for x in out.splitlines() if "Term" in x)
     assert "zigzag" in header and "ulysses" in header
+
+
+def test_nccl_contention_only_in_steps_whose_messages_overlap_the_kernel():
+    """NCCL's kernels take SMs from attention only while they run beside it: a step whose
+    messages overlap its kernel (a ring's P2P) pays ``kernel.in_cp``; one whose messages are
+    exposed (Ulysses' all-to-alls, before and after the kernel) does not."""
+    hw = hardware.load("h100-sxm")
+    assert max(hw.kernel_in_cp) < 1
+    s = terms.Scale(linear=1.0, square=1.0, length=1.0, share_side=8192.0)
+    exposed = schedule.RankStep(flops=4e12, side=8192.0, intra_exp=1e8)
+    for phase, in_cp in zip(("fwd", "bwd"), hw.kernel_in_cp):
+        for ov in ({"intra_ov": 1e8}, {"inter_ov": 1e8}):
+            overlapped = dataclasses.replace(exposed, **ov)
+            quiet = terms.step(hw, schedule.StepLoad(phase, (exposed,), ((1,),)), 128, s)[2]
+            busy = terms.step(hw, schedule.StepLoad(phase, (overlapped,), ((1,),)), 128, s)[2]
+            assert quiet["NCCL contention"] == 0
+            at_side = busy["kernel"] + busy["block size"]
+            assert busy["NCCL contention"] == pytest.approx(at_side * (1 / in_cp - 1))
+    # whole strategies on one node: Ulysses' prediction does not move with the in-CP rate,
+    # a zigzag ring's does
+    alone = dataclasses.replace(hw, kernel_in_cp=(1.0, 1.0))
+    for name in ("ulysses", "zigzag"):
+        p, q = _predict(name, "", world=8, hw=hw), _predict(name, "", world=8, hw=alone)
+        nccl = {t: f + b for t, f, b in p.terms}["NCCL contention"]
+        if name == "ulysses":
+            assert nccl == 0 and p.fwd_s + p.bwd_s == pytest.approx(q.fwd_s + q.bwd_s)
+        else:
+            assert nccl > 0 and p.fwd_s + p.bwd_s > q.fwd_s + q.bwd_s

@@ -222,7 +222,7 @@ def _under(simulated: bool, error: ModelError | None, fmt: str) -> list[str]:
     if simulated:
         said = (f"the model's stated error: {error.what}; a margin under it does not tell the "
                 f"placements apart" if error else
-                "no stated error: the preset was not validated against published rows")
+                "no stated error: the preset was validated on no held-out published row")
         text = f"Winner: each strategy's fastest placement, its margin predicted ({said})."
     else:
         text = ("Winner: each strategy's fastest placement that is neither flagged nor off CP, "

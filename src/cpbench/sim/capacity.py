@@ -3,7 +3,7 @@ table. At each scale every strategy (and variant) runs the same tokens per GPU; 
 time, TFLOP/s per GPU, the fraction of the ideal and memory against the GPU's; the best
 strategy at each scale is marked, with its margin over the next strategy and whether that
 margin is larger than the model's stated error (the preset's held-out median, where it has
-published rows; none stated, the margin cannot be judged)."""
+held-out published rows; none stated, the margin cannot be judged)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def render(records: list[dict], hw: Hardware, skipped: list[str]) -> str:
     per_gpu = {r["config"]["attention"]["batch"] * r["config"]["attention"]["seqlen"]
                // r["ranks_per_problem"] for r in records if r["ranks_per_problem"] > 1}
     tokens = f", {per_gpu.pop()} tokens per GPU" if len(per_gpu) == 1 else ""
-    stated = "no published CP rows on this preset: a margin cannot be judged against it" \
+    stated = "none (no held-out published CP rows on this preset): a margin cannot be judged" \
         if error is None else f"{100 * error:.1f} % (the held-out median)"
     lines = [*prose([f"Capacity: {hw.name}, kernel {hw.kernel_name}{tokens} (simulated, "
                      f"not measured)"]),
