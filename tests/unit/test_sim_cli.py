@@ -302,8 +302,8 @@ def test_burstengine_runs_the_preset_was_not_fitted_to_hold_across_nodes():
     """BurstEngine's other published runs on the same 4 x 8 A800 (kernel_perf.csv; not used by
     the fit: held out): BurstAttention 128K-1M and USP head-first 128K-1M (as its benchmark
     ran it) within 15 %. Its
-    one-node BurstAttention rows at 4K and 8K tokens a GPU are over-predicted (+72.5 %,
-    +13.2 % on 2026-11-26; +77 %, +23 % before the refit): the small-block gap of issue 27."""
+    one-node BurstAttention rows at 4K and 8K tokens a GPU are over-predicted (+73.2 %,
+    +13.7 % on 2026-11-28; +77 %, +23 % before the refit): the small-block gap of issue 27."""
     rows = validate.load(ROOT / "configs" / "validation" / "burstengine_runs_a800.csv")
     results = validate.run(rows, hardware.load("a800-sxm"))
     across = [r for r in results if r.row.scored and r.row.topo.world_size == 32]

@@ -313,7 +313,7 @@ def report(results: list[Result], hw: Hardware, table: str, tolerance: float = 0
             "Rel. error": f"{100 * r.error:+.1f} %",
             "Sample": s if r.row.scored else NOT_SCORED,
         })
-    fit = "" if hw.fit is None else f"; fitted to {hw.fit.file}"
+    fit = "" if hw.fit is None else f"; shaped by {hw.fit.file} (in-sample)"
     lines = [f"Validation against published rows ({table}) — simulated on {hw.name}{fit}",
              *tables.render(None, rows, "table", _FIT), *summary(results, sample, tolerance),
              *kernel_lines(results, hw)]
