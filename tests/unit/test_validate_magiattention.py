@@ -57,13 +57,17 @@ def _chart(path: Path, heights: list[list[float]], tick: float,
     plt.close(fig)
 
 
+def _pixel(heights: list[list[float]]) -> float:
+    """TFLOP/s a pixel of ``_chart``'s y axis: its limit (1.1 x the tallest bar) over the
+    axes' height (10 inches at 200 dpi, matplotlib's default subplot top 0.88, bottom 0.11)."""
+    return max(max(h) for h in heights) * 1.1 / (10 * 200 * (0.88 - 0.11))
+
+
 def _within_the_digitizers_bias(read: list[tuple[str, float]], heights: list[list[float]]):
     """Each bar read as ``digitize.bars`` states: never more than 2 pixels high, at most 8
     low (series lines crossing a top hide its first rows: 5.2 pixels low at worst over 3,840
-    random bars, 1.3 % of a bar of 340; a bound of 1 % failed about one run in eight). A
-    pixel of ``_chart``'s y axis: its limit over the axes' height (10 inches at 200 dpi,
-    matplotlib's default subplot top 0.88 and bottom 0.11)."""
-    pixel = max(max(h) for h in heights) * 1.1 / (10 * 200 * (0.88 - 0.11))
+    random bars, 1.3 % of a bar of 340; a bound of 1 % failed about one run in eight)."""
+    pixel = _pixel(heights)
     want = [h for group in heights for h in group]
     assert all(-8 * pixel <= v - w <= 2 * pixel for (_, v), w in zip(read, want)), (
         [(round(v, 1), round(w, 1)) for (_, v), w in zip(read, want)], pixel)
@@ -88,10 +92,7 @@ def test_the_digitizer_reads_the_kernel_figures_legend(tmp_path):
     read = digitize.bars(path, 200, digitize.KERNEL_COLOURS)
     assert [name for name, _ in read] == list(digitize.KERNEL_COLOURS.values()) * 4
     _within_the_digitizers_bias(read, heights)
-    # the y axis spans 1.1 x the tallest bar over the axes' height (matplotlib's default
-    # subplot box: 0.77 of the figure's 2000 px)
-    top = 1.1 * max(max(h) for h in heights)
-    assert digitize.resolution(path, 200) == pytest.approx(top / (0.77 * 2000), rel=0.02)
+    assert digitize.resolution(path, 200) == pytest.approx(_pixel(heights), rel=0.02)
 
 
 def test_kernel_curves_pair_one_legends_bars_with_the_lengths(monkeypatch, tmp_path):
