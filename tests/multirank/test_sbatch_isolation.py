@@ -57,7 +57,8 @@ def test_sbatch_records_an_oom_the_job_could_not_and_runs_the_next_strategy(tmp_
     env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHONPATH=path, SLURM_JOB_ID="77",
                SLURM_JOB_NODELIST="localhost", SLURM_JOB_NUM_NODES="1",
                CPBENCH_GPUS_PER_NODE="2", CPBENCH_ENTRY=str(HERE / "faults.py"),
-               CPBENCH_TEST_WATCHDOG_S="3", OMP_NUM_THREADS="1",
+               CPBENCH_TEST_WATCHDOG_S="3", CPBENCH_TEST_OOM_MARK=str(tmp_path / "oom-raised"),
+               OMP_NUM_THREADS="1",
                TORCH_NCCL_ASYNC_ERROR_HANDLING="0")  # the script sets its own
     done = subprocess.run(
         ["bash", str(SCRIPT), "--strategy", "test-oom-in-ring,zigzag", "--device", "cpu",
