@@ -6,7 +6,7 @@ for it in the ring.
 With ``CPBENCH_TEST_WATCHDOG_S`` and ``CPBENCH_TEST_OOM_MARK`` (a path) set, it ends as a NCCL
 job does under ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (what every cpbench launch path sets): the
 peers stay blocked (as in a CUDA sync on a ring step that never completes) and the watchdog ends
-every rank's process that many seconds after rank 1 raised, so nobody can record the case from
+every rank's process that many seconds after rank 1 reported, so nobody can record the case from
 inside the job; the launcher has to. The failing rank's own path (its stderr line, the
 launcher's store) is cpbench's real code.
 
@@ -23,11 +23,12 @@ import time
 
 import torch
 
+from cpbench.bench import failures
 from cpbench.strategies import register
 from cpbench.strategies.zigzag import Zigzag
 
 WATCHDOG_ENV = "CPBENCH_TEST_WATCHDOG_S"
-MARK_ENV = "CPBENCH_TEST_OOM_MARK"  # a file rank 1 creates as it raises
+MARK_ENV = "CPBENCH_TEST_OOM_MARK"  # a file rank 1 creates once it has reported
 
 
 @register
@@ -37,26 +38,37 @@ class OomInRing(Zigzag):
 
     def attention(self, q, k, v):
         self.calls = getattr(self, "calls", 0) + 1
-        if self.calls == 3 and os.environ.get(WATCHDOG_ENV):
-            _watchdog(self.rank)
+        if self.calls == 3 and os.environ.get(WATCHDOG_ENV) and self.rank != 1:
+            _blocked_until_watchdog()
         if self.rank == 1 and self.calls == 3:
             raise torch.OutOfMemoryError("CUDA out of memory (injected on rank 1, call 3)")
         return super().attention(q, k, v)
 
 
-def _watchdog(rank: int) -> None:
-    """The watchdog's end of the process (SIGABRT), on every rank, counted from rank 1's raise:
-    on a busy host rank 1 reaches its third call seconds after its peers, and a peer's clock
-    started at its own third call would end the job before rank 1 had raised."""
-    mark = os.environ[MARK_ENV]
-    if rank != 1:
-        while not os.path.exists(mark):  # blocked on rank 1, which never comes
-            time.sleep(0.1)
-    else:
-        open(mark, "w").close()
+def _watchdog() -> None:
+    """The watchdog's end of this process (SIGABRT), that many seconds from now."""
     threading.Timer(float(os.environ[WATCHDOG_ENV]), os.abort).start()
-    while rank != 1:
+
+
+def _blocked_until_watchdog() -> None:
+    """A peer of rank 1: blocked on it for good; the watchdog counts from rank 1's report (on a
+    busy host rank 1 reaches its third call, and then reports, seconds after its peers)."""
+    while not os.path.exists(os.environ[MARK_ENV]):
+        time.sleep(0.1)
+    _watchdog()
+    while True:
         time.sleep(1)
+
+
+def _leave_then_mark(rank: int, *args) -> None:
+    """cpbench's own report of a rank's failure, then the mark its peers' watchdogs wait for."""
+    _leave(rank, *args)
+    if os.environ.get(WATCHDOG_ENV):
+        _watchdog()
+        open(os.environ[MARK_ENV], "w").close()
+
+
+_leave, failures.leave = failures.leave, _leave_then_mark
 
 
 if __name__ == "__main__":

@@ -20,7 +20,10 @@ from cpbench.sweep import runner
 pytestmark = pytest.mark.command
 
 REPO = Path(__file__).resolve().parents[2]
-BASE = "base: {nproc: 2, heads: 2, head_dim: 16, seqlen: 256, warmup: 0, iters: 1}\n"
+# collective_timeout: a hang guard. Under two busy loops a starved rank kept its peer in one
+# collective past the 60-s floor of the derived timeout, and the case failed (its peer left)
+BASE = ("base: {nproc: 2, heads: 2, head_dim: 16, seqlen: 256, warmup: 0, iters: 1, "
+        "collective_timeout: 900}\n")
 
 
 # a guard against a hang, not a measure: under others' load a launch's start (python, torch)
