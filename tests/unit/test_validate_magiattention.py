@@ -197,9 +197,9 @@ def test_the_varlen_rows_pack_documents_as_magiattention_and_are_held_out():
                    for a in r.packed)
         assert fit.sample(str(VARLEN), r.implementation, r.attn.seqlen) == "held out"
     with open(VARLEN, newline="") as f:
-        for r in csv.DictReader(f):  # FWD+BWD joined from the two figures' bars
+        for r in csv.DictReader(f):  # FWD+BWD joined from the two bars (printed to 0.1)
             fwd, bwd = (float(x.split()[1]) for x in r["printed_tflops"].split(";"))
-            assert float(r["tflops"]) == pytest.approx(3.5 / (1 / fwd + 2.5 / bwd), abs=0.05)
+            assert float(r["tflops"]) == pytest.approx(3.5 / (1 / fwd + 2.5 / bwd), abs=0.1)
     assert fit.sample(str(TABLES["h100-sxm"]), rows[0].implementation,
                       rows[0].attn.seqlen) == "in-sample"
 
