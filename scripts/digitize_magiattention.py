@@ -15,6 +15,14 @@ series' lines and stopping at the background (a 9504 x 4704 figure: 0.18-0.41 TF
 pixel). Their FLOPs are cpbench's (4 · mask area · query heads · head dim, backward 2.5x),
 so the FWD+BWD figure is 3.5 / (1 / fwd + 2.5 / bwd) and the times follow from it.
 
+    python scripts/digitize_magiattention.py MagiAttention/assets/magi_attn/exp/distributed \
+        configs/validation/magiattention_h100_varlen.csv /tmp/b200_varlen.csv \
+        --varlen 20 --max-gpus 8
+
+reads the varlen figures (packed documents: "varlen full", "varlen causal"), whose rows
+have no times (each packing has its own mask area) and name the documents cpbench packs
+(``VARLEN_DOCUMENTS``) and how many packings to simulate.
+
     python scripts/digitize_magiattention.py --kernel cudnn \
         MagiAttention/assets/magi_attn/exp/kernel/b200
 
@@ -135,38 +143,66 @@ def _loongtrain_window(ring: int) -> int:
     return ring // (1 if num >= ring else num)
 
 
-def rows(root: Path, hw: str) -> list[dict]:
+def rows(root: Path, hw: str, packings: int = 0, max_gpus: int = 64) -> list[dict]:
+    """The rows of ``hw``'s full and causal figures up to ``max_gpus``; ``packings`` > 0:
+    of its varlen figures (packed documents), each row sampling that many packings."""
     tick, tokens, kernel = RUNS[hw]
     out = []
     for mask in ("full", "causal"):
-        read = {ph: bars(root / hw / f"{mask}_mask" / ph / "flops_report.png", tick)
+        folder = f"varlen_{mask}_mask" if packings else f"{mask}_mask"
+        read = {ph: bars(root / hw / folder / ph / "flops_report.png", tick)
                 for ph in ("fwd", "bwd")}
         per = len(read["fwd"]) // 4
         for i, ((name, fwd), (name_b, bwd)) in enumerate(zip(read["fwd"], read["bwd"])):
             assert name == name_b, (name, name_b)
-            if name not in IMPLS:
-                continue
             cp = 8 << (i // per)
+            if name not in IMPLS or cp > max_gpus:
+                continue
             seq = tokens * cp
-            flops = 4 * 64 * 128 * seq * seq / (2 if mask == "causal" else 1)  # forward
-            t_fwd, t_bwd = flops / (fwd * 1e12 * cp), 2.5 * flops / (bwd * 1e12 * cp)
             impl, strategy = IMPLS[name]
             options = ""
             if name == "loongtrain":
                 options = f"ring_impl=double-ring;ring_window={_loongtrain_window(cp // 8)}"
-            out.append({
-                "implementation": f"{impl}, {mask}", "strategy": strategy, "options": options,
+            row = {
+                "implementation": f"{impl}, {folder[:-5].replace('_', ' ')}",
+                "strategy": strategy, "options": options,
                 "seqlen": seq, "nodes": cp // 8, "gpus_per_node": 8, "batch": 1, "heads": 64,
                 "kv_heads": 8, "head_dim": 128, "dtype": "bf16",
                 "causal": "true" if mask == "causal" else "false",
-                "fwd_ms": f"{1e3 * t_fwd:.3f}", "fwd_bwd_ms": f"{1e3 * (t_fwd + t_bwd):.3f}",
-                "memory_mb": "", "tflops": f"{3.5 * flops / (t_fwd + t_bwd) / cp / 1e12:.1f}",
+                **(_varlen(fwd, bwd) if packings else _dense(fwd, bwd, seq, cp, mask)),
                 "printed_tflops": f"fwd {fwd:.1f}; bwd {bwd:.1f}", "score": "yes",
                 "kernel": kernel,
-                "source": f"MagiAttention cp_benchmark.md, {hw.upper()} {mask} mask, "
-                          f"distributed/{hw}/{mask}_mask/{{fwd,bwd}}/flops_report.png (digitized)",
-                "note": ""})
+                "source": f"MagiAttention cp_benchmark.md, {hw.upper()} "
+                          f"{folder[:-5].replace('_', ' ')} mask, "
+                          f"distributed/{hw}/{folder}/{{fwd,bwd}}/flops_report.png (digitized)",
+                "note": ""}
+            if packings:
+                row.update(documents=VARLEN_DOCUMENTS, packings=packings)
+            out.append(row)
     return out
+
+
+def _dense(fwd: float, bwd: float, seq: int, cp: int, mask: str) -> dict:
+    """A full or causal row's times and FWD+BWD TFLOP/s from its two figures."""
+    flops = 4 * 64 * 128 * seq * seq / (2 if mask == "causal" else 1)  # forward
+    t_fwd, t_bwd = flops / (fwd * 1e12 * cp), 2.5 * flops / (bwd * 1e12 * cp)
+    return {"fwd_ms": f"{1e3 * t_fwd:.3f}", "fwd_bwd_ms": f"{1e3 * (t_fwd + t_bwd):.3f}",
+            "memory_mb": "", "tflops": f"{3.5 * flops / (t_fwd + t_bwd) / cp / 1e12:.1f}"}
+
+
+# MagiAttention's varlen runs (exps/dist_attn/benchmark_conf.py SAMPLE_CONFIG, benchmark/
+# utils.py DatasetSampler): its own length trace read as bin midpoints, documents over a
+# quarter of the sequence split into quarter-long pieces, the pieces of the whole trace
+# shuffled and packed; 20 packs, each phase's TFLOP/s (the real mask area's FLOPs) averaged
+# over them. cpbench draws the same pieces with this spec (cpbench.mask.TRACE_OPTIONS).
+VARLEN_DOCUMENTS = "trace:magiattention,split,midpoint"
+
+
+def _varlen(fwd: float, bwd: float) -> dict:
+    """A varlen row: no times (each packing has its own mask area), the FWD+BWD figure
+    joined from the two phases' averages as a dense row's is (the same FLOPs weights)."""
+    return {"fwd_ms": "", "fwd_bwd_ms": "", "memory_mb": "",
+            "tflops": f"{3.5 / (1 / fwd + 2.5 / bwd):.1f}"}
 
 
 def kernel_curves(root: Path, legend: str) -> dict[tuple[str, str], list[tuple[int, float]]]:
@@ -191,6 +227,12 @@ def main(argv=None) -> int:
     p.add_argument("b200_csv", type=Path, nargs="?")
     p.add_argument("--kernel", metavar="LEGEND", choices=sorted(set(KERNEL_COLOURS.values())),
                    help="print this legend's kernel-level bars (cudnn, fa4, ...)")
+    p.add_argument("--varlen", metavar="K", type=int, default=0,
+                   help="read the varlen (packed documents) figures instead, each row to be "
+                        "simulated over K packings")
+    p.add_argument("--max-gpus", type=int, default=64, help="only the runs on up to this "
+                   "many GPUs (varlen: the simulator plans every packed document of every "
+                   "ring step, minutes a packing at 16 GPUs)")
     args = p.parse_args(argv)
     if args.kernel:
         for (mask, phase), points in kernel_curves(args.figures, args.kernel).items():
@@ -201,7 +243,7 @@ def main(argv=None) -> int:
     if args.b200_csv is None:
         p.error("give the two CSVs to write, or --kernel LEGEND")
     for hw, path in (("h100", args.h100_csv), ("b200", args.b200_csv)):
-        table = rows(args.figures, hw)
+        table = rows(args.figures, hw, args.varlen, args.max_gpus)
         with open(path, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(table[0]), lineterminator="\n")
             writer.writeheader()

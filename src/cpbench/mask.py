@@ -10,8 +10,10 @@ step) follows from it.
 ``--documents`` takes explicit lengths (``4k,2k,1k,1k``) or a distribution sampled with the
 run's seed until the sequence is full (``uniform:MIN-MAX``, ``lognormal:MEDIAN,SIGMA``,
 ``trace:NAME`` of ``cpbench.traces``, ``file:PATH``), each length capped at
-``--max-document`` (default a quarter of the sequence, as MagiAttention's benchmark caps its
-documents). ``--document-padding pad`` pads them per strategy (``pad_documents``).
+``--max-document`` (default a quarter of the sequence, MagiAttention's benchmark's cap).
+A capped draw is cut to the cap; ``trace:NAME,split`` keeps the rest instead, as
+MagiAttention's benchmark does (``TRACE_OPTIONS``). ``--document-padding pad`` pads them per
+strategy (``pad_documents``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ if TYPE_CHECKING:  # torch is imported where a mask meets tensors: parsing a mas
     import torch
 
 DISTRIBUTIONS = ("uniform", "lognormal", "file", "trace")
+# ``trace:NAME,OPTION,...``: how a trace is drawn. Both options are what MagiAttention's CP
+# benchmark does (exps/dist_attn/benchmark/utils.py, DatasetSampler: chunk_ratio 0.25, a
+# binned CSV read as each bin's midpoint), so its published varlen runs can be re-sampled.
+TRACE_OPTIONS = {
+    "split": "a document over the cap becomes cap-long pieces and its remainder, all kept "
+             "and drawn in proportion to their number (the trace's tokens, not its documents: "
+             "a long document is not cut to the cap and its rest dropped)",
+    "midpoint": "each bin is drawn as its midpoint (LO+HI)//2, not uniformly inside it",
+}
 
 
 _SIZE_SUFFIX = {"k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
@@ -91,11 +102,18 @@ def parse_window(text: str) -> tuple[int, int]:
 Sampler = Callable[[random.Random], int]
 
 
-def _sampler(spec: str) -> Sampler:
-    """A function rng -> one document length for a distribution spec."""
+def _sampler(spec: str, cap: int | None = None) -> Sampler:
+    """A function rng -> one document length for a distribution spec (``cap``: the longest
+    document, which a ``split`` trace splits at; None only to check the spec)."""
     kind, _, rest = spec.partition(":")
     if kind == "trace":
-        return _histogram_sampler(traces.text(rest), spec)
+        name, *options = (part.strip() for part in rest.split(","))
+        unknown = [o for o in options if o not in TRACE_OPTIONS]
+        if unknown:
+            raise UsageError(f"--documents {spec}: unknown option {unknown[0]!r}; give "
+                             f"trace:NAME or trace:NAME,{','.join(TRACE_OPTIONS)}")
+        draw, longest = _histogram_sampler(traces.text(name), spec, "midpoint" in options)
+        return _split(draw, longest, cap or longest) if "split" in options else draw
     try:
         if kind == "uniform":
             lo, hi = (_size(x) for x in rest.split("-"))
@@ -108,7 +126,7 @@ def _sampler(spec: str) -> Sampler:
             return lambda rng: max(1, round(rng.lognormvariate(mu, sd)))
         content = Path(rest).read_text()
         if traces.is_histogram(content):
-            return _histogram_sampler(content, spec)
+            return _histogram_sampler(content, spec)[0]
         lengths = [int(line) for line in content.split() if line.strip()]
         if not lengths or min(lengths) < 1:
             raise ValueError
@@ -123,8 +141,10 @@ def _sampler(spec: str) -> Sampler:
                          f'"[LO, HI]",COUNT rows)') from None
 
 
-def _histogram_sampler(content: str, spec: str) -> Sampler:
-    """A bin drawn in proportion to its count, then a length uniform inside it."""
+def _histogram_sampler(content: str, spec: str, midpoint: bool = False
+                       ) -> tuple[Sampler, int]:
+    """(A bin drawn in proportion to its count, then a length uniform inside it or its
+    midpoint; the longest length it draws)."""
     try:
         bins = traces.histogram(content)
     except (ValueError, IndexError):
@@ -134,16 +154,35 @@ def _histogram_sampler(content: str, spec: str) -> Sampler:
 
     def draw(rng: random.Random) -> int:
         lo, hi, _ = rng.choices(bins, cum_weights=cum)[0]
-        return rng.randint(lo, hi)
+        return (lo + hi) // 2 if midpoint else rng.randint(lo, hi)
 
-    return draw
+    longest = max((lo + hi) // 2 if midpoint else hi for lo, hi, _ in bins)
+    return draw, longest
+
+
+def _split(draw: Sampler, longest: int, cap: int) -> Sampler:
+    """One piece of ``draw``'s documents split at ``cap`` (``TRACE_OPTIONS["split"]``): a
+    document of n tokens has ceil(n / cap) pieces, so it is taken with probability
+    proportional to that (rejection against the longest's count), then one of its pieces
+    uniformly: every piece of the trace equally likely, as a shuffle of all of them."""
+    most = -(-longest // cap)
+
+    def piece(rng: random.Random) -> int:
+        while True:
+            n = draw(rng)
+            pieces = -(-n // cap)
+            if rng.random() * most < pieces:
+                return cap if rng.randrange(pieces) < n // cap else n % cap
+
+    return piece
 
 
 def resolve_documents(documents: str | Iterable[int] | None, seqlen: int, seed: int,
                       max_document: int | None) -> tuple[int, ...] | None:
     """The document lengths of a run: explicit lengths as given (they must sum to the
     sequence), or a distribution sampled with ``seed`` until the sequence is full, every
-    length capped (default: a quarter of the sequence); the last one is cut to fit."""
+    length capped (default: a quarter of the sequence; a ``split`` trace splits at it);
+    the last one is cut to fit."""
     if documents is None:
         return None
     if not isinstance(documents, str):
@@ -153,7 +192,7 @@ def resolve_documents(documents: str | Iterable[int] | None, seqlen: int, seed: 
                              f"{seqlen}; give lengths that add up to --seqlen")
         return given
     cap = max_document or max(1, seqlen // 4)
-    draw, rng, total = _sampler(documents), random.Random(seed), 0
+    draw, rng, total = _sampler(documents, cap), random.Random(seed), 0
     lengths: list[int] = []
     while total < seqlen:
         lengths.append(min(draw(rng), cap, seqlen - total))

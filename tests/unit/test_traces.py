@@ -62,3 +62,39 @@ def test_run_help_lists_every_trace(capsys):
     out = capsys.readouterr().out
     for name, line in traces.lines():
         assert f"  {name}" in out and line in out
+
+
+def test_split_draws_every_piece_of_the_trace_equally_likely():
+    """``trace:NAME,split,midpoint`` (MagiAttention's sampler): each bin's midpoint, split at
+    the cap into cap-long pieces and a remainder; pieces drawn in proportion to their number
+    (a binomial bound per piece length, on a fresh seed)."""
+    cap = 16384
+    want: dict[int, int] = {}
+    for lo, hi, count in traces.histogram(traces.text("magiattention")):
+        n = (lo + hi) // 2
+        want[cap] = want.get(cap, 0) + count * (n // cap)
+        if n % cap:
+            want[n % cap] = want.get(n % cap, 0) + count
+    total = sum(want.values())
+    seed = random.randrange(2 ** 31)
+    docs = resolve_documents("trace:magiattention,split,midpoint", 3 * 10 ** 7, seed=seed,
+                             max_document=cap)[:-1]
+    n = len(docs)
+    assert set(docs) <= set(want) and max(docs) == cap
+    for length, count in want.items():
+        p = count / total
+        seen = sum(d == length for d in docs) / n
+        assert abs(seen - p) <= 5 * math.sqrt(p * (1 - p) / n) + 1 / n, (length, seed)
+    # cut, not split: the long documents' rest is dropped, so far fewer cap-long ones
+    cut = resolve_documents("trace:magiattention,midpoint", 10 ** 7, seed=seed,
+                            max_document=cap)[:-1]
+    assert sum(d == cap for d in cut) / len(cut) < 0.5 * want[cap] / total
+
+
+def test_split_without_midpoint_keeps_lengths_inside_the_bins_and_the_cap():
+    docs = resolve_documents("trace:magiattention,split", 65536, seed=random.randrange(2 ** 31),
+                             max_document=None)
+    assert sum(docs) == 65536 and max(docs) <= 65536 // 4
+    with pytest.raises(UsageError, match="unknown option 'chop'.*split,midpoint"):
+        parse_documents("trace:magiattention,chop")
+    assert parse_documents("trace:magiattention,split") == "trace:magiattention,split"

@@ -178,3 +178,78 @@ def test_rankings_compare_rows_of_one_mask_only():
     same = validate.Result(swapped, model.predict(swapped.strategy, swapped.options,
                                                    swapped.attn, swapped.topo, hw))
     assert validate.ranked_pairs([full, same]) == [(full, same)]
+
+
+VARLEN = ROOT / "configs" / "validation" / "magiattention_h100_varlen.csv"
+
+
+def test_the_varlen_rows_pack_documents_as_magiattention_and_are_held_out():
+    """The packed-document runs: 20 packings a row (their pack_num) of their own trace as
+    their sampler draws it, no document over a quarter of the sequence; the H100 preset's
+    rule was not chosen on them (held out, unlike the full / causal rows)."""
+    rows = validate.load(str(VARLEN))
+    assert len(rows) == 10 and {r.topo.world_size for r in rows} == {8}
+    fit = hardware.load("h100-sxm").fit
+    for r in rows:
+        assert r.documents == digitize.VARLEN_DOCUMENTS and len(r.packed) == 20
+        assert r.attn is r.packed[0] and r.published_fwd_ms is None
+        assert all(sum(a.documents) == a.seqlen and max(a.documents) <= a.seqlen // 4
+                   for a in r.packed)
+        assert fit.sample(str(VARLEN), r.implementation, r.attn.seqlen) == "held out"
+    with open(VARLEN, newline="") as f:
+        for r in csv.DictReader(f):  # FWD+BWD joined from the two bars (printed to 0.1)
+            fwd, bwd = (float(x.split()[1]) for x in r["printed_tflops"].split(";"))
+            assert float(r["tflops"]) == pytest.approx(3.5 / (1 / fwd + 2.5 / bwd), abs=0.1)
+    assert fit.sample(str(TABLES["h100-sxm"]), rows[0].implementation,
+                      rows[0].attn.seqlen) == "in-sample"
+
+
+def _prediction(fwd_s: float, bwd_s: float) -> model.Prediction:
+    return model.Prediction(fwd_s=fwd_s, bwd_s=bwd_s, fwd_compute_s=0, bwd_compute_s=0,
+                            memory_bytes=0, capacity_bytes=1, ranks_per_problem=8,
+                            resolved={})
+
+
+def test_a_packed_row_is_scored_as_magiattention_averages_its_packs():
+    """Each phase's TFLOP/s by the packing's real mask area, averaged over the packings,
+    then 3.5 / (1/fwd + 2.5/bwd), as the published figure is formed (not the time of
+    the padded problem, not one packing)."""
+    from cpbench.metrics import problem_flops
+
+    row = validate.load(str(VARLEN))[0]
+    two = dataclasses.replace(row, packed=row.packed[:2])
+    preds = (_prediction(0.010, 0.030), _prediction(0.020, 0.040))
+    rates = {}
+    for phase, times in (("fwd", (0.010, 0.020)), ("bwd", (0.030, 0.040))):
+        flops = [problem_flops(batch=1, seqlen=a.seqlen, heads=64, head_dim=128,
+                               causal=a.causal, documents=a.documents, mode=phase)[0]
+                 for a in two.packed]
+        assert flops[0] != flops[1]  # two packings, two mask areas
+        rates[phase] = sum(f / 8 / t / 1e12 for f, t in zip(flops, times)) / 2
+    result = validate.Result(two, preds[0], preds)
+    assert result.predicted == pytest.approx(3.5 / (1 / rates["fwd"] + 2.5 / rates["bwd"]))
+    assert result.fwd_ms == pytest.approx(15.0)
+    assert validate.packing_lines([result]) == [
+        f"documents: 1 rows packed as --documents {digitize.VARLEN_DOCUMENTS}, 2 packings "
+        f"(seeds 0-1); FLOPs by the mask's real area, each phase's TFLOP/s the mean over the "
+        f"packings, FWD+BWD 3.5 / (1/fwd + 2.5/bwd)"]
+
+
+def test_the_digitizer_reads_the_varlen_figures_into_rows_without_times(monkeypatch, tmp_path):
+    """The varlen figures' folders and legend (the same series as the full / causal ones),
+    rows up to --max-gpus, each naming its documents and packings."""
+    seen = []
+
+    def fake(path, tick):
+        seen.append(path.relative_to(tmp_path).as_posix())
+        return [(name, 100.0 + 10 * g + j) for g in range(4)
+                for j, name in enumerate(list(digitize.COLOURS.values()))]
+
+    monkeypatch.setattr(digitize, "bars", fake)
+    table = digitize.rows(tmp_path, "h100", packings=20, max_gpus=16)
+    assert "h100/varlen_causal_mask/bwd/flops_report.png" in seen
+    assert len(table) == 2 * 2 * 5 and {r["nodes"] for r in table} == {1, 2}
+    first = table[0]
+    assert first["implementation"] == "Ulysses, varlen full" and first["fwd_ms"] == ""
+    assert (first["documents"], first["packings"]) == (digitize.VARLEN_DOCUMENTS, 20)
+    assert float(first["tflops"]) == pytest.approx(100.0, abs=0.05)

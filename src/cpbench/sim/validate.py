@@ -8,7 +8,8 @@ the cpbench strategy that runs that algorithm), the problem (``seqlen``, ``batch
 FWD+BWD), ``score`` (no: shown, left out of the statistics, with the reason in ``note``),
 ``printed_tflops``, ``source`` and optionally ``kernel`` (the attention kernel the published
 run used, as ``--kernel`` names it: the headline says how many rows ran another than the
-one simulated).
+one simulated), ``documents`` and ``packings`` (a packed-document row: ``--documents``'
+spec, sampled ``packings`` times with seeds 0, 1, ...; ``packing_lines``).
 
 What is scored is per-GPU FWD+BWD TFLOP/s, both sides from cpbench's one FLOP formula (the
 published column where it is consistent with the published time; the note says where it was
@@ -31,9 +32,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cpbench import strategies
-from cpbench.config import AttentionConfig
+from cpbench.config import AttentionConfig, packed_problems
 from cpbench.errors import UsageError
-from cpbench.metrics import attention_flops, tflops_per_gpu
+from cpbench.mask import parse_documents
+from cpbench.metrics import BWD_FACTOR, attention_flops, problem_flops, tflops_per_gpu
 from cpbench.report import cells, tables
 from cpbench.report.placements import ModelError
 from cpbench.report.render import Fit, prose
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 from cpbench.sim.hardware import Hardware
 from cpbench.sim.provenance import HELD_OUT, IN_SAMPLE
+from cpbench.strategies.base import BWD, FWD
 from cpbench.topology import Topology
 
 RANK_TOLERANCE = 0.05
@@ -64,25 +67,49 @@ class Row:
     scored: bool
     note: str
     kernel: str | None = None  # the published run's kernel, where the file says
+    documents: str | None = None  # the ``documents`` column: packed documents' spec
+    packed: tuple[AttentionConfig, ...] = ()  # under documents: each packing (attn: the 1st)
 
 
 @dataclass(frozen=True)
 class Result:
     row: Row
-    prediction: model.Prediction
+    prediction: model.Prediction  # under documents: the first packing's
+    packed: tuple[model.Prediction, ...] = ()  # under documents: every packing's
 
     @property
     def predicted(self) -> float:
-        a = self.row.attn
-        flops = attention_flops(batch=a.batch, seqlen_q=a.seqlen, seqlen_k=a.seqlen,
-                                heads=a.heads, head_dim=a.head_dim, causal=a.causal,
-                                mode="fwd_bwd")
-        return tflops_per_gpu(flops, self.prediction.ranks_per_problem,
-                              self.prediction.fwd_bwd_s)
+        """Simulated TFLOP/s per GPU, FWD+BWD. Under documents as MagiAttention publishes
+        them: each phase's TFLOP/s (the real mask area's FLOPs) averaged over the packings,
+        then joined as one FWD+BWD figure, 3.5 / (1 / fwd + 2.5 / bwd)."""
+        if not self.packed:
+            a = self.row.attn
+            flops = attention_flops(batch=a.batch, seqlen_q=a.seqlen, seqlen_k=a.seqlen,
+                                    heads=a.heads, head_dim=a.head_dim, causal=a.causal,
+                                    mode="fwd_bwd")
+            return tflops_per_gpu(flops, self.prediction.ranks_per_problem,
+                                  self.prediction.fwd_bwd_s)
+        fwd, bwd = (statistics.fmean(
+            tflops_per_gpu(_mask_flops(a, phase), p.ranks_per_problem, seconds(p))
+            for a, p in zip(self.row.packed, self.packed))
+            for phase, seconds in ((FWD, lambda p: p.fwd_s), (BWD, lambda p: p.bwd_s)))
+        return (1 + BWD_FACTOR) / (1 / fwd + BWD_FACTOR / bwd)
+
+    @property
+    def fwd_ms(self) -> float:
+        """Simulated FWD ms (under documents: the mean over the packings)."""
+        return 1e3 * statistics.fmean(p.fwd_s for p in self.packed or (self.prediction,))
 
     @property
     def error(self) -> float:
         return self.predicted / self.row.published - 1
+
+
+def _mask_flops(a: AttentionConfig, phase: str) -> float:
+    """The FLOPs of ``phase`` over the mask's real (unpadded) area."""
+    return problem_flops(batch=a.batch, seqlen=a.seqlen, heads=a.heads, head_dim=a.head_dim,
+                         causal=a.causal, documents=a.documents, window=a.window_size,
+                         mode=phase, v_head_dim=a.v_head_dim)[0]
 
 
 def parse_options(name: str, text: str):
@@ -136,9 +163,17 @@ def load(path: str) -> list[Row]:
 
 
 def _row(r: dict) -> Row:
-    attn = AttentionConfig(batch=int(r["batch"]), seqlen=int(r["seqlen"]), heads=int(r["heads"]),
-                           kv_heads=int(r["kv_heads"]), head_dim=int(r["head_dim"]),
-                           dtype=r["dtype"], causal=_flag(r["causal"], "causal"))
+    attention = dict(batch=int(r["batch"]), seqlen=int(r["seqlen"]), heads=int(r["heads"]),
+                     kv_heads=int(r["kv_heads"]), head_dim=int(r["head_dim"]),
+                     dtype=r["dtype"], causal=_flag(r["causal"], "causal"))
+    spec = (r.get("documents") or "").strip() or None
+    packings = int((r.get("packings") or "").strip() or 1)
+    if packings < 1 or (packings > 1 and spec is None):
+        raise UsageError(f"packings {packings}: give 1 or more, and more than 1 only with a "
+                         f"documents distribution")
+    packed = () if spec is None else packed_problems(
+        {**attention, "documents": parse_documents(spec)}, 0, packings)
+    attn = packed[0] if packed else AttentionConfig(**attention)
     gpn = int(r["gpus_per_node"])
     topo = Topology(world_size=int(r["nodes"]) * gpn, ranks_per_node=gpn)
     if not float(r["tflops"]) > 0:
@@ -147,23 +182,41 @@ def _row(r: dict) -> Row:
     return Row(r["implementation"], r["strategy"], parse_options(r["strategy"], r["options"]),
                attn, topo, float(r["tflops"]), float(fwd) if fwd.strip() else None,
                _flag(r.get("score"), "score", default=True),
-               (r.get("note") or "").strip(), (r.get("kernel") or "").strip() or None)
+               (r.get("note") or "").strip(), (r.get("kernel") or "").strip() or None,
+               spec, packed)
 
 
 def run(rows: list[Row], hw: Hardware) -> list[Result]:
-    return [Result(row, model.predict(row.strategy, row.options, row.attn, row.topo, hw))
-            for row in rows]
+    out = []
+    for row in rows:
+        preds = tuple(model.predict(row.strategy, row.options, a, row.topo, hw)
+                      for a in row.packed or (row.attn,))
+        out.append(Result(row, preds[0], preds if row.packed else ()))
+    return out
+
+
+def packing_lines(results: list[Result]) -> list[str]:
+    """One line per documents spec the file's rows pack: how they were sampled and how
+    their simulated figure is formed (``Result.predicted``)."""
+    specs: dict[tuple[str, int], int] = {}
+    for r in results:
+        if r.row.documents:
+            key = (r.row.documents, len(r.row.packed))
+            specs[key] = specs.get(key, 0) + 1
+    return [f"documents: {n} rows packed as --documents {spec}, {k} packings (seeds 0-{k - 1}"
+            f"); FLOPs by the mask's real area, each phase's TFLOP/s the mean over the "
+            f"packings, FWD+BWD 3.5 / (1/fwd + 2.5/bwd)" for (spec, k), n in specs.items()]
 
 
 def ranked_pairs(results: list[Result]) -> list[tuple[Result, Result]]:
-    """Pairs (same seqlen, mask and topology, both scored) that published clearly ordered:
-    the higher first, more than ``RANK_TOLERANCE`` above the lower."""
+    """Pairs (same seqlen, mask, documents and topology, both scored) that published
+    clearly ordered: the higher first, more than ``RANK_TOLERANCE`` above the lower."""
     scored = [r for r in results if r.row.scored]
     pairs = []
     for i, a in enumerate(scored):
         for b in scored[i + 1:]:
-            if (a.row.attn.seqlen, a.row.attn.causal, a.row.topo) != \
-                    (b.row.attn.seqlen, b.row.attn.causal, b.row.topo):
+            if (a.row.attn.seqlen, a.row.attn.causal, a.row.topo, a.row.documents) != \
+                    (b.row.attn.seqlen, b.row.attn.causal, b.row.topo, b.row.documents):
                 continue
             hi, lo = (a, b) if a.row.published >= b.row.published else (b, a)
             if hi.row.published > lo.row.published * (1 + RANK_TOLERANCE):
@@ -261,7 +314,7 @@ def machine(results: list[Result], hw: Hardware, table: str, fmt: str,
             "seqlen": r.row.attn.seqlen, "nodes": r.row.topo.num_nodes,
             "gpus_per_node": r.row.topo.ranks_per_node,
             "published_fwd_ms": r.row.published_fwd_ms,
-            "simulated_fwd_ms": float(cells.sig(r.prediction.fwd_s * 1e3)),
+            "simulated_fwd_ms": float(cells.sig(r.fwd_ms)),
             "published_tflops": r.row.published,
             "simulated_tflops": float(cells.sig(r.predicted)),
             "error_pct": round(100 * r.error, 1), "sample": s if r.row.scored else NOT_SCORED,
@@ -270,7 +323,7 @@ def machine(results: list[Result], hw: Hardware, table: str, fmt: str,
     if fmt == "json":
         return json.dumps({"table": table, "preset": hw.name, "kernel": hw.kernel_name,
                            "rows": rows, "summary": summary(results, sample, tolerance)
-                           + kernel_lines(results, hw)},
+                           + kernel_lines(results, hw) + packing_lines(results)},
                           indent=1) + "\n"
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
@@ -302,12 +355,11 @@ def report(results: list[Result], hw: Hardware, table: str, tolerance: float = 0
     sample = samples(results, hw, table)
     rows = []
     for r, s in zip(results, sample):
-        p = r.prediction
         rows.append({
             "Implementation": r.row.implementation, "cpbench": _label(r.row),
             "Seq Len": str(r.row.attn.seqlen), "Nodes×GPUs": r.row.topo.describe(),
             "FWD (ms) pub / sim": f"{_num(r.row.published_fwd_ms)} / "
-                                  f"{cells.sig(p.fwd_s * 1e3)}",
+                                  f"{cells.sig(r.fwd_ms)}",
             "TFLOPs/s published": f"{r.row.published:.2f}",
             "TFLOPs/s simulated": cells.sig(r.predicted),
             "Rel. error": f"{100 * r.error:+.1f} %",
@@ -316,7 +368,7 @@ def report(results: list[Result], hw: Hardware, table: str, tolerance: float = 0
     fit = "" if hw.fit is None else f"; shaped by {hw.fit.file} (in-sample)"
     lines = [f"Validation against published rows ({table}) — simulated on {hw.name}{fit}",
              *tables.render(None, rows, "table", _FIT), *summary(results, sample, tolerance),
-             *kernel_lines(results, hw)]
+             *kernel_lines(results, hw), *packing_lines(results)]
     notes = [(r.row.implementation, r.row.attn.seqlen, r.row.note) for r in results if r.row.note]
     if hw.fit is not None:
         notes += [(i, s, f"in-sample: {w}") for i, s, w in hw.fit.measured_on
