@@ -43,6 +43,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from cpbench.metrics import fwd_bwd_rate
+
 GRID = (234, 234, 234)  # the figures' gridline grey
 COLOURS = {(199, 95, 133): "ulysses", (218, 136, 129): "ring_p2p",
            (237, 218, 168): "ring_allgather", (255, 191, 171): "usp",
@@ -160,11 +162,12 @@ def rows(root: Path, hw: str, packings: int = 0, max_gpus: int = 64) -> list[dic
                 continue
             seq = tokens * cp
             impl, strategy = IMPLS[name]
+            label = folder[:-len("_mask")].replace("_", " ")  # "full", "varlen causal", ...
             options = ""
             if name == "loongtrain":
                 options = f"ring_impl=double-ring;ring_window={_loongtrain_window(cp // 8)}"
             row = {
-                "implementation": f"{impl}, {folder[:-5].replace('_', ' ')}",
+                "implementation": f"{impl}, {label}",
                 "strategy": strategy, "options": options,
                 "seqlen": seq, "nodes": cp // 8, "gpus_per_node": 8, "batch": 1, "heads": 64,
                 "kv_heads": 8, "head_dim": 128, "dtype": "bf16",
@@ -172,8 +175,7 @@ def rows(root: Path, hw: str, packings: int = 0, max_gpus: int = 64) -> list[dic
                 **(_varlen(fwd, bwd) if packings else _dense(fwd, bwd, seq, cp, mask)),
                 "printed_tflops": f"fwd {fwd:.1f}; bwd {bwd:.1f}", "score": "yes",
                 "kernel": kernel,
-                "source": f"MagiAttention cp_benchmark.md, {hw.upper()} "
-                          f"{folder[:-5].replace('_', ' ')} mask, "
+                "source": f"MagiAttention cp_benchmark.md, {hw.upper()} {label} mask, "
                           f"distributed/{hw}/{folder}/{{fwd,bwd}}/flops_report.png (digitized)",
                 "note": ""}
             if packings:
@@ -202,7 +204,7 @@ def _varlen(fwd: float, bwd: float) -> dict:
     """A varlen row: no times (each packing has its own mask area), the FWD+BWD figure
     joined from the two phases' averages as a dense row's is (the same FLOPs weights)."""
     return {"fwd_ms": "", "fwd_bwd_ms": "", "memory_mb": "",
-            "tflops": f"{3.5 / (1 / fwd + 2.5 / bwd):.1f}"}
+            "tflops": f"{fwd_bwd_rate(fwd, bwd):.1f}"}
 
 
 def kernel_curves(root: Path, legend: str) -> dict[tuple[str, str], list[tuple[int, float]]]:

@@ -108,6 +108,12 @@ def pairs_flops(pairs: float, *, batch: int, heads: int, head_dim: int, mode: st
     return batch * heads * pairs * pair_flops(head_dim, v_head_dim, mode)
 
 
+def fwd_bwd_rate(fwd: float, bwd: float) -> float:
+    """FWD+BWD TFLOP/s of one problem from its FWD and BWD rates (BWD_FACTOR x the FLOPs):
+    the FLOPs over the two times, (1 + 2.5) / (1 / fwd + 2.5 / bwd)."""
+    return (1 + BWD_FACTOR) / (1 / fwd + BWD_FACTOR / bwd)
+
+
 def tflops_per_gpu(flops: float, world_size: int, seconds: float) -> float:
     """Achieved TFLOP/s per rank: total model FLOPs shared by all ranks over the wall time."""
     return flops / world_size / seconds / 1e12

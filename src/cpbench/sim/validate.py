@@ -35,7 +35,7 @@ from cpbench import strategies
 from cpbench.config import AttentionConfig, packed_problems
 from cpbench.errors import UsageError
 from cpbench.mask import parse_documents
-from cpbench.metrics import BWD_FACTOR, attention_flops, problem_flops, tflops_per_gpu
+from cpbench.metrics import attention_flops, fwd_bwd_rate, problem_flops, tflops_per_gpu
 from cpbench.report import cells, tables
 from cpbench.report.placements import ModelError
 from cpbench.report.render import Fit, prose
@@ -93,7 +93,7 @@ class Result:
             tflops_per_gpu(_mask_flops(a, phase), p.ranks_per_problem, seconds(p))
             for a, p in zip(self.row.packed, self.packed))
             for phase, seconds in ((FWD, lambda p: p.fwd_s), (BWD, lambda p: p.bwd_s)))
-        return (1 + BWD_FACTOR) / (1 / fwd + BWD_FACTOR / bwd)
+        return fwd_bwd_rate(fwd, bwd)
 
     @property
     def fwd_ms(self) -> float:
