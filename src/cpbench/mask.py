@@ -18,6 +18,7 @@ strategy (``pad_documents``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -239,6 +240,16 @@ class Mask:
         return frozenset(k for k, v in (("documents", self.documents),
                                         ("window", self.window)) if v is not None)
 
+    @functools.cached_property
+    def _doc_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(lengths, ends, padding) of the documents on the CPU, built once per mask: a
+        packing has hundreds of documents, and a schedule asks at every step."""
+        import torch
+
+        lengths = torch.tensor(self.documents)
+        pad = None if self.padding is None else torch.tensor(self.padding)
+        return lengths, lengths.cumsum(0), pad
+
     def key_interval(self, q_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For each query position, the first and last key position it sees (inclusive)."""
         import torch
@@ -246,12 +257,13 @@ class Mask:
         q = q_pos.long()
         lo, hi = torch.full_like(q, -(2 ** 62)), torch.full_like(q, 2 ** 62)
         if self.documents is not None:
-            ends = torch.tensor(self.documents, device=q.device).cumsum(0)
+            lengths, ends, pad = self._doc_tables
+            lengths, ends = lengths.to(q.device), ends.to(q.device)
             doc = torch.searchsorted(ends, q, right=True)
-            lo = ends[doc] - torch.tensor(self.documents, device=q.device)[doc]
+            lo = ends[doc] - lengths[doc]
             hi = ends[doc] - 1
-            if self.padding is not None:
-                real_end = hi - torch.tensor(self.padding, device=q.device)[doc]
+            if pad is not None:
+                real_end = hi - pad.to(q.device)[doc]
                 # a real query stops before its document's pad; a pad query sees nothing
                 hi = torch.where(q <= real_end, real_end, lo - 1)
         if self.causal:
@@ -271,7 +283,7 @@ class Mask:
 
         if self.documents is None:
             return pos
-        ends = torch.tensor(self.documents, device=pos.device).cumsum(0)
+        ends = self._doc_tables[1].to(pos.device)
         return pos.long() + torch.searchsorted(ends, pos.long(), right=True) * 2 ** 40
 
     def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -286,7 +298,9 @@ class Mask:
         import torch
 
         lo, hi = self.key_interval(q_pos)
-        k = torch.sort(k_pos.long().to(q_pos.device)).values
+        k = k_pos.long().to(q_pos.device)
+        if not bool((k[1:] >= k[:-1]).all()):  # layouts mostly hold sorted positions
+            k = torch.sort(k).values
         n = torch.searchsorted(k, hi, right=True) - torch.searchsorted(k, lo)
         return int(n.clamp(min=0).sum())
 

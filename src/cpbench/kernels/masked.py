@@ -167,11 +167,12 @@ class Block:
         self.mask, self.q_pos, self.k_pos = mask, q_pos.cpu(), k_pos.cpu()
 
     @functools.cached_property
-    def _any(self) -> bool:
-        return self.mask.pairs(self.q_pos, self.k_pos) > 0
+    def pairs(self) -> int:
+        """How many (query, key) pairs are visible."""
+        return self.mask.pairs(self.q_pos, self.k_pos)
 
     def __bool__(self) -> bool:
-        return self._any
+        return self.pairs > 0
 
     @functools.cached_property
     def tiles(self) -> list[Tile]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from cpbench.errors import UsageError
@@ -46,38 +47,52 @@ class Shape:
 
 @dataclass
 class Group:
-    """The tiles of one (causal, window): one varlen call."""
+    """The tiles of one (causal, window): one varlen call. Tile t is rows q0[t]:q1[t]
+    against keys k0[t]:k1[t] (arrays: a packing makes hundreds of tiles a block)."""
 
     causal: bool
     window: tuple[int, int]
-    tiles: list[Shape]
+    q0: np.ndarray
+    q1: np.ndarray
+    k0: np.ndarray
+    k1: np.ndarray
     _dev: dict = field(default_factory=dict)
 
     @property
+    def tiles(self) -> list[Shape]:
+        return [Shape(*t, self.causal, self.window) for t in
+                zip(self.q0.tolist(), self.q1.tolist(), self.k0.tolist(), self.k1.tolist())]
+
+    @property
     def max_q(self) -> int:
-        return max(t.q1 - t.q0 for t in self.tiles)
+        return int((self.q1 - self.q0).max())
 
     @property
     def max_k(self) -> int:
         # see the module docstring: max_seqlen_k >= max_q keeps one-sided windows exact
-        return max(self.max_q, max(t.k1 - t.k0 for t in self.tiles))
+        return max(self.max_q, int((self.k1 - self.k0).max()))
 
     def on(self, device, batch: int) -> dict[str, torch.Tensor]:
         """rows / cols (long) and cu_q / cu_k (int32, the tiles repeated per batch element)
         on ``device``; built and copied once, then cached."""
         key = (str(device), batch)
         if key not in self._dev:
-            rows = torch.cat([torch.arange(t.q0, t.q1) for t in self.tiles])
-            cols = torch.cat([torch.arange(t.k0, t.k1) for t in self.tiles])
-            cu_q = _cu([t.q1 - t.q0 for t in self.tiles] * batch)
-            cu_k = _cu([t.k1 - t.k0 for t in self.tiles] * batch)
-            self._dev[key] = {name: x.to(device) for name, x in
-                              (("rows", rows), ("cols", cols), ("cu_q", cu_q), ("cu_k", cu_k))}
+            made = (("rows", _ranges(self.q0, self.q1)), ("cols", _ranges(self.k0, self.k1)),
+                    ("cu_q", _cu(np.tile(self.q1 - self.q0, batch))),
+                    ("cu_k", _cu(np.tile(self.k1 - self.k0, batch))))
+            self._dev[key] = {name: x.to(device) for name, x in made}
         return self._dev[key]
 
 
-def _cu(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+def _ranges(a: np.ndarray, b: np.ndarray) -> torch.Tensor:
+    """a[0]..b[0]-1, a[1]..b[1]-1, ... as one long tensor."""
+    n = b - a
+    ends = np.cumsum(n)
+    return torch.from_numpy(np.repeat(a - ends + n, n) + np.arange(int(n.sum())))
+
+
+def _cu(lengths: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate(([0], np.cumsum(lengths)))).to(torch.int32)
 
 
 @dataclass
@@ -97,43 +112,37 @@ def classify(lo: torch.Tensor, hi: torch.Tensor, sk: int) -> tuple[bool, tuple[i
     sees some, every key is seen), or None when no bottom-right causal / window mask is
     exactly that visibility."""
     sq = len(lo)
+    ok, causal, left, right = _kinds(lo.numpy(), hi.numpy(), np.zeros(1, np.int64),
+                                     np.array([sq]), np.array([sk]))
+    return (bool(causal[0]), (int(left[0]), int(right[0]))) if ok[0] else None
+
+
+def _kinds(lo, hi, off, sq, sk):
+    """``classify`` of many cropped tiles at once: tile t's rows are lo/hi[off[t]:off[t] +
+    sq[t]] (local keys, sk[t] of them). (expressible, causal, left, right) per tile."""
+    seg = np.repeat(np.arange(len(sq)), sq)
+    i = np.arange(len(lo)) - off[seg]
     d = sk - sq  # bottom-right alignment: row i's diagonal is key i + d
-    i = torch.arange(sq)
-    right = -1 if bool((hi == sk - 1).all()) else int(hi[0]) - d
-    left = -1 if bool((lo == 0).all()) else (sq - 1 + d) - int(lo[-1])
-    if (right != -1 and right < 0) or (left != -1 and left < 0):
-        return None
-    want_lo = (i + d - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
-    want_hi = (i + d + right).clamp(max=sk - 1) if right >= 0 else torch.full_like(i, sk - 1)
-    if not (torch.equal(want_lo, lo) and torch.equal(want_hi, hi)):
-        return None
-    return right == 0, (left, right)
+    right = np.where(_every(hi == (sk - 1)[seg], off), -1, hi[off] - d)
+    left = np.where(_every(lo == 0, off), -1, (sq - 1 + d) - lo[off + sq - 1])
+    bad = ((right != -1) & (right < 0)) | ((left != -1) & (left < 0))
+    want_lo = np.where((left >= 0)[seg], np.maximum(i + (d - left)[seg], 0), 0)
+    want_hi = np.where((right >= 0)[seg], np.minimum(i + (d + right)[seg], (sk - 1)[seg]),
+                       (sk - 1)[seg])
+    ok = ~bad & _every((want_lo == lo) & (want_hi == hi), off)
+    return ok, right == 0, left, right
 
 
-def _runs(pos: torch.Tensor) -> list[tuple[int, int]]:
-    breaks = ((pos[1:] - pos[:-1]) != 1).nonzero().flatten().add(1).tolist()
-    return list(zip([0, *breaks], [*breaks, len(pos)]))
+def _every(flags: np.ndarray, off: np.ndarray) -> np.ndarray:
+    """Per segment (starting at ``off``), whether all its flags hold."""
+    return np.minimum.reduceat(flags.astype(np.int8), off).astype(bool)
 
 
-def _tile(lo: torch.Tensor, hi: torch.Tensor, q0: int, k0: int, sk: int, mask: Mask
-          ) -> Shape | None:
-    """The tile of query rows q0.. (their key intervals lo/hi in the key run's local
-    coordinates) against keys k0..k0+sk, cropped; None when nothing is visible."""
-    lo, hi = lo.clamp(min=0), hi.clamp(max=sk - 1)
-    seen = lo <= hi
-    if not bool(seen.any()):
-        return None
-    rows = seen.nonzero().flatten()
-    a, b = int(rows[0]), int(rows[-1]) + 1
-    if b - a != len(rows):
-        raise UsageError(_refusal(mask, "its query rows that see keys are not one run"))
-    lo, hi = lo[a:b], hi[a:b]
-    c0, c1 = int(lo.min()), int(hi.max()) + 1
-    kind = classify(lo - c0, hi - c0, c1 - c0)
-    if kind is None:
-        raise UsageError(_refusal(mask, f"a {b - a} x {c1 - c0} tile is neither fully "
-                                        f"visible, causal nor a window band"))
-    return Shape(q0 + a, q0 + b, k0 + c0, k0 + c1, *kind)
+def _run_bounds(pos: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """[start, end) of each run of consecutive values in ``pos``."""
+    p = pos.numpy()
+    breaks = np.flatnonzero(np.diff(p) != 1) + 1
+    return np.concatenate(([0], breaks)), np.concatenate((breaks, [len(p)]))
 
 
 def _refusal(mask: Mask, why: str) -> str:
@@ -145,8 +154,7 @@ def _refusal(mask: Mask, why: str) -> str:
 def largest_call(vplan: VarlenPlan) -> tuple[int, int, int]:
     """(rows, keys, calls): what the largest varlen call of a plan packs (a row is packed
     once per key run it sees), and how many calls the plan makes."""
-    sizes = [(sum(t.q1 - t.q0 for t in g.tiles), sum(t.k1 - t.k0 for t in g.tiles))
-             for g in vplan.groups]
+    sizes = [(int((g.q1 - g.q0).sum()), int((g.k1 - g.k0).sum())) for g in vplan.groups]
     return (*max(sizes, key=sum, default=(0, 0)), len(sizes))
 
 
@@ -155,20 +163,83 @@ def plan(mask: Mask, q_pos: torch.Tensor, k_pos: torch.Tensor) -> VarlenPlan:
     (both in local order); no groups when nothing is visible. Raises UsageError for a tile
     no varlen call can express."""
     q_pos, k_pos = q_pos.long().cpu(), k_pos.long().cpu()
-    lo, hi = mask.key_interval(q_pos)
-    k_runs = _runs(mask.run_key(k_pos))
-    first = torch.tensor([int(k_pos[a]) for a, _ in k_runs])  # each key run's positions
-    last = first + torch.tensor([b - a for a, b in k_runs]) - 1
-    groups: dict[tuple, list[Shape]] = {}
-    for q0, q1 in _runs(mask.run_key(q_pos)):
-        # only the key runs some row's interval reaches (many documents: many runs)
-        near = (first <= hi[q0:q1].max()) & (last >= lo[q0:q1].min())
-        for r in near.nonzero().flatten().tolist():
-            (k0, k1), start = k_runs[r], int(first[r])
-            t = _tile(lo[q0:q1] - start, hi[q0:q1] - start, q0, k0, k1 - k0, mask)
-            if t is not None:
-                groups.setdefault((t.causal, t.window), []).append(t)
-    return VarlenPlan([Group(c, w, ts) for (c, w), ts in groups.items()])
+    if not len(q_pos) or not len(k_pos):
+        return VarlenPlan([])
+    lo_t, hi_t = mask.key_interval(q_pos)
+    lo, hi = lo_t.numpy(), hi_t.numpy()
+    qa, qb = _run_bounds(mask.run_key(q_pos))
+    ka, kb = _run_bounds(mask.run_key(k_pos))
+    first = k_pos.numpy()[ka]  # each key run's first position
+    pq, pk = _near(first, first + (kb - ka) - 1, np.minimum.reduceat(lo, qa),
+                   np.maximum.reduceat(hi, qa))
+    t, a, b, c0, c1, causal, left, right = _crop(lo, hi, qa[pq], qb[pq] - qa[pq], first[pk],
+                                                 kb[pk] - ka[pk], mask)
+    q0, k0 = qa[pq[t]], ka[pk[t]]
+    kinds, at, which = np.unique(np.stack([causal, left, right], 1), axis=0,
+                                 return_index=True, return_inverse=True)
+    which = which.reshape(-1)
+    groups = []
+    for g in np.argsort(at):  # in the order the tiles first meet each kind
+        m = which == g
+        groups.append(Group(bool(kinds[g, 0]), (int(kinds[g, 1]), int(kinds[g, 2])),
+                            q0[m] + a[m], q0[m] + b[m], k0[m] + c0[m], k0[m] + c1[m]))
+    return VarlenPlan(groups)
+
+
+def _near(first, last, lo, hi) -> tuple[np.ndarray, np.ndarray]:
+    """(query run, key run) pairs whose key positions first..last meet the query run's reach
+    lo..hi, query run by query run, key runs in order (many documents: many runs, few
+    pairs)."""
+    order = np.argsort(first, kind="stable")
+    if np.any(np.diff(last[order]) <= 0):  # runs that overlap (repeated keys): every pair
+        pq, pk = np.nonzero((first <= hi[:, None]) & (last >= lo[:, None]))
+        return pq, pk
+    a = np.searchsorted(last[order], lo)  # the first run ending at or after lo
+    b = np.searchsorted(first[order], hi, side="right")  # past the last starting by hi
+    n = np.maximum(b - a, 0)
+    pq = np.repeat(np.arange(len(lo)), n)
+    pk = order[np.repeat(a - np.cumsum(n) + n, n) + np.arange(int(n.sum()))]
+    keep = np.lexsort((pk, pq))
+    return pq[keep], pk[keep]
+
+
+def _crop(lo, hi, q0, n, start, sk, mask: Mask) -> tuple[np.ndarray, ...]:
+    """Tile t: query rows q0[t]..+n[t] (key intervals lo / hi) against the key run of
+    positions start[t]..+sk[t]; the tiles that see something cropped and classified, as
+    arrays (t, a, b, c0, c1, causal, left, right) in run-local rows and keys."""
+    if not len(n):
+        return (np.zeros(0, np.int64),) * 8
+    off = np.concatenate(([0], np.cumsum(n)[:-1]))
+    seg = np.repeat(np.arange(len(n)), n)
+    local = np.arange(int(n.sum())) - off[seg]
+    rows = q0[seg] + local
+    lo_t = np.maximum(lo[rows] - start[seg], 0)
+    hi_t = np.minimum(hi[rows] - start[seg], (sk - 1)[seg])
+    seen = lo_t <= hi_t
+    count = np.add.reduceat(seen, off)
+    big = np.iinfo(np.int64).max
+    a = np.minimum.reduceat(np.where(seen, local, big), off)
+    b = np.maximum.reduceat(np.where(seen, local, -1), off) + 1
+    c0 = np.minimum.reduceat(np.where(seen, lo_t, big), off)
+    c1 = np.maximum.reduceat(np.where(seen, hi_t, -1), off) + 1
+    live = np.flatnonzero(count > 0)
+    if not len(live):
+        return (np.zeros(0, np.int64),) * 8
+    split = live[b[live] - a[live] != count[live]]
+    # the seen rows of each live tile, in local keys: one segment per tile
+    sq, k = b[live] - a[live], c1[live] - c0[live]
+    pick = np.repeat(off[live] + a[live], sq) + (np.arange(int(sq.sum()))
+                                                 - np.repeat(np.cumsum(sq) - sq, sq))
+    shift = np.repeat(c0[live], sq)
+    t_off = np.cumsum(sq) - sq
+    ok, causal, left, right = _kinds(lo_t[pick] - shift, hi_t[pick] - shift, t_off, sq, k)
+    if len(split) or not ok.all():
+        t = min([*split.tolist(), *live[~ok].tolist()])
+        why = ("its query rows that see keys are not one run" if t in set(split.tolist())
+               else f"a {b[t] - a[t]} x {c1[t] - c0[t]} tile is neither fully visible, "
+                    f"causal nor a window band")
+        raise UsageError(_refusal(mask, why))
+    return live, a[live], b[live], c0[live], c1[live], causal, left, right
 
 
 def device_refusal(kernel: KernelBackend, device: str) -> str | None:

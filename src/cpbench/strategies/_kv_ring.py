@@ -56,21 +56,18 @@ def src_of(me: int, step: int, n: int) -> int:
     return (me - step) % n
 
 
-def _mask_tiles(strat, me: int, src: int):
-    """The masked kernel's tiles of ``me``'s queries against ring position ``src``'s K/V."""
-    return strat.tiles(("ring", src), strat.seq_index(strat.rank),
-                       strat.seq_index(strat.ring_rank(src)))
-
-
 def kv_ring_areas(strat, ranks=None) -> list[list[int]]:
     """Per rank (of ``ranks``, default all), the attended pairs of each ring step (the
     layout and the mask)."""
     out = []
     for r in range(strat.world_size) if ranks is None else ranks:
-        ranks = next(lst for lst in strat.cp_lists if r in lst)
-        me, n = ranks.index(r), len(ranks)
+        ring = next(lst for lst in strat.cp_lists if r in lst)
+        me, n = ring.index(r), len(ring)
+        if r == strat.rank:  # the blocks its own steps plan (cached)
+            out.append([strat.ring_tiles(src_of(me, i, n)).pairs for i in range(n)])
+            continue
         mine = strat.seq_index(r)
-        out.append([strat.mask.pairs(mine, strat.seq_index(ranks[src_of(me, i, n)]))
+        out.append([strat.mask.pairs(mine, strat.seq_index(ring[src_of(me, i, n)]))
                     for i in range(n)])
     return out
 
@@ -96,7 +93,7 @@ class KVRingAttention(torch.autograd.Function):
             if step + 1 < n:
                 next_k, next_v = _send_kv(comm, k, v)
             if not strat.mask.plain:
-                tiles = _mask_tiles(strat, me, src_of(me, step, n))
+                tiles = strat.ring_tiles(src_of(me, step, n))
                 if tiles:  # an empty block is skipped, not computed as masked zeros
                     acc.update(*strat.masked_forward(q, k, v, tiles))
             elif (blk := strat.block(me, src_of(me, step, n), s)) is not None:
@@ -146,7 +143,7 @@ class KVRingAttention(torch.autograd.Function):
 def _block_grads(strat, me, step, n, s, dout, q, k, v, out, lse):
     """(block, dq, dk, dv) of this step's block, or None when it is skipped."""
     if not strat.mask.plain:
-        tiles = _mask_tiles(strat, me, src_of(me, step, n))
+        tiles = strat.ring_tiles(src_of(me, step, n))
         if not tiles:
             return None
         every = slice(None)
@@ -197,9 +194,8 @@ def kv_ring_schedule(strat) -> list[Step]:
             if phase == BWD and n > 1:
                 msgs = msgs + dkv_hop[step + 1 == n]
             if areas is not None:
-                keys = strat.seq_index(strat.ring_rank(src_of(me, step, n)))
                 steps.append(strat.pairs_step(phase, step, areas[step], (s, s), msgs,
-                                              (strat.seq_index(strat.rank), keys)))
+                                              strat.ring_tiles(src_of(me, step, n))))
                 continue
             steps.append(Step(phase, step, 0.0, tuple(msgs)) if blk is None else
                          strat.kernel_step(phase, step, slice_len(blk.q, s),

@@ -30,7 +30,6 @@ from functools import lru_cache
 import torch
 
 from cpbench.comm import RingComm
-from cpbench.kernels import masked
 from cpbench.merge import OutLseAccumulator, add_sink
 from cpbench.strategies.base import FWD, Message, Step, Strategy, save_for_backward
 from cpbench.strategies.layout import Block, slice_len, zigzag_block
@@ -157,12 +156,6 @@ def fresh_sum(part: torch.Tensor, rows: slice, like: torch.Tensor, dtype: torch.
     return out
 
 
-def mask_tiles(strat: Strategy, src: int) -> masked.Block:
-    """The masked kernel's tiles of the local queries against ring position ``src``'s block."""
-    return strat.tiles(("ring", src), strat.seq_index(strat.rank),
-                       strat.seq_index(strat.ring_rank(src)))
-
-
 EVERY = Block(slice(None), slice(None), False)  # a masked step: all local rows and keys
 
 
@@ -174,7 +167,7 @@ def zigzag_forward(strat: Strategy, rings: Rings, q, k, v, sinks=None):
     acc = OutLseAccumulator(b, s, h, v.shape[-1], q.device)  # out: V's width
     for j, t, (bk, bv) in circulate(rings, (k, v)):
         if not strat.mask.plain:
-            tiles = mask_tiles(strat, rings.source(j, t))
+            tiles = strat.ring_tiles(rings.source(j, t))
             if tiles:  # an empty block is skipped, not computed as masked zeros
                 acc.update(*strat.masked_forward(q, bk, bv, tiles))
             continue
@@ -203,9 +196,8 @@ def ring_step(strat: Strategy, rings: Rings, phase: str, index: int, j: int, t: 
     mask lets through."""
     s, src = strat.local_seqlen, rings.source(j, t)
     if not strat.mask.plain:
-        rows, keys = strat.seq_index(strat.rank), strat.seq_index(strat.ring_rank(src))
-        return strat.pairs_step(phase, index, strat.mask.pairs(rows, keys), (s, s), msgs,
-                                (rows, keys))
+        tiles = strat.ring_tiles(src)
+        return strat.pairs_step(phase, index, tiles.pairs, (s, s), msgs, tiles)
     blk = zigzag_block(rings.position, src, s, strat.attn.causal)
     return strat.kernel_step(phase, index, slice_len(blk.q, s), slice_len(blk.kv, s),
                              blk.causal, msgs)

@@ -310,6 +310,12 @@ class Strategy(BlockBytes, ABC):
             cache[key] = masked.Block(self.mask, q_pos, k_pos)
         return cache[key]
 
+    def ring_tiles(self, src: int) -> masked.Block:
+        """The masked kernel's plan of the local queries against ring position ``src``'s
+        K/V block (the real pass's and the simulator's step use the same one)."""
+        return self.tiles(("ring", src), self.seq_index(self.rank),
+                          self.seq_index(self.ring_rank(src)))
+
     def masked_forward(self, q, k, v, tiles: masked.Block):
         comm.record_kernel()
         return masked.block_forward(self.kernel, tiles, q, k, v,
@@ -321,17 +327,16 @@ class Strategy(BlockBytes, ABC):
                                      softmax_scale=self.attn.softmax_scale)
 
     def pairs_step(self, phase: str, index: int, pairs: float, shape: tuple[int, int],
-                   messages=(), positions: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> Step:
+                   messages=(), block: masked.Block | None = None) -> Step:
         """A step computing ``pairs`` attended pairs (a masked block) of ``shape``; with the
-        block's (query, key) ``positions``, also what its largest varlen call packs."""
+        ``block``'s plan, also what its largest varlen call packs."""
         a = self.attn
         flops = pairs_flops(pairs, batch=a.batch, heads=a.heads, head_dim=a.head_dim,
                             mode=phase, v_head_dim=a.v_head_dim)
         packed = None
-        if positions is not None and pairs:
+        if block is not None and pairs:
             try:
-                packed = masked_varlen.largest_call(masked_varlen.plan(self.mask, *positions))
+                packed = masked_varlen.largest_call(block.varlen)
             except UsageError:  # no varlen call expresses it (the CPU's masked kernels do)
                 pass
         return Step(phase, index, flops, tuple(messages), (*shape, False) if pairs else None,

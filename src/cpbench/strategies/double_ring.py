@@ -43,7 +43,6 @@ from cpbench.strategies._rings import (
     double_ring_lists,
     forward_schedule,
     fresh_sum,
-    mask_tiles,
     ring_areas,
     ring_step,
     send_block,
@@ -121,7 +120,7 @@ def _block_grads(strat, src: int, s: int, dout, q, k, v, out, lse):
     """(block, dq, dk, dv) of the local queries against ring position ``src``'s K/V; a block
     the mask hides gives empty rows (nothing computed)."""
     if not strat.mask.plain:
-        tiles = mask_tiles(strat, src)
+        tiles = strat.ring_tiles(src)
         if not tiles:
             none = Block(slice(0, 0), slice(0, 0), False)
             return none, q[:, :0].float(), k[:, :0].float(), v[:, :0].float()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from cpbench.errors import Skipped, UsageError
@@ -34,11 +35,16 @@ def zigzag_documents_index(documents: tuple[int, ...], n: int, r: int) -> torch.
     """Packed documents on the zigzag layout: *each document* cut into 2n chunks, rank r
     holding chunks r and 2n-1-r of every document, document by document (ring-flash-attn's
     varlen zigzag, TransformerEngine's THD layout), so every document is balanced."""
-    parts, start = [], 0
-    for length in documents:
-        parts.append(start + zigzag_index(length, n, r))
-        start += length
-    return torch.cat(parts)
+    # one vectorised build: a packing has hundreds of documents, and the simulator asks for
+    # every rank's index at every step
+    lengths = np.asarray(documents, dtype=np.int64)
+    c = lengths // (2 * n)
+    starts = np.cumsum(lengths) - lengths
+    firsts = np.stack([starts + r * c, starts + (2 * n - 1 - r) * c], 1).ravel()
+    sizes = np.repeat(c, 2)
+    ends = np.cumsum(sizes)
+    index = np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(firsts - ends + sizes, sizes)
+    return torch.from_numpy(index)
 
 
 def check_documents_divisible(documents: tuple[int, ...], multiple: int, who: str) -> None:

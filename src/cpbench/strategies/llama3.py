@@ -344,11 +344,9 @@ class Llama3(Strategy):
         its last; under a mask one kernel of its attended pairs, else ``plain_parts``."""
         s = self.local_seqlen
         if not self.mask.plain:
-            rows = self.seq_index(self.rank)
-            mine = self.mask.pairs(rows, torch.arange(self.attn.seqlen))
-            ring = next(lst for lst in self.cp_lists if self.rank in lst)
-            return [self.pairs_step(phase, index, mine / chunks, (s, self.attn.seqlen),
-                                    gathers + scatters, (rows, self.positions(sorted(ring))))]
+            blk = self.gathered_tiles()  # the ring gathers the whole sequence
+            return [self.pairs_step(phase, index, blk.pairs / chunks, (s, self.attn.seqlen),
+                                    gathers + scatters, blk)]
         blocks = [(len(range(s)[rows]), len(range(self.attn.seqlen)[keys]), causal)
                   for rows, parts in self.plain_parts() for keys, causal in parts]
         # a rank with fewer kernels (no earlier keys) gets empty steps in their place

@@ -126,17 +126,11 @@ class KVPack:
         return buf[:self.k_numel].view(self.k_shape), buf[self.k_numel:].view(self.v_shape)
 
 
-def _mask_tiles(strat, src: int) -> list:
-    """The masked kernel's tiles of the local queries against ring position ``src``'s K/V."""
-    return strat.tiles(("ring", src), strat.seq_index(strat.rank),
-                       strat.seq_index(strat.ring_rank(src)))
-
-
 def _tile(strat, q, kv, me: int, src: int):
     """One forward tile: (block, out, lse) of the local q against K/V block ``src`` (the
     pair ``kv``); None when the mask hides all of it."""
     if not strat.mask.plain:
-        tiles = _mask_tiles(strat, src)
+        tiles = strat.ring_tiles(src)
         return (_EVERY, *strat.masked_forward(q, kv[0], kv[1], tiles)) if tiles else None
     blk = zigzag_block(me, src, q.shape[1], strat.attn.causal)
     o, lse = strat.kernel_call("forward", q[:, blk.q], kv[0][:, blk.kv], kv[1][:, blk.kv],
@@ -237,7 +231,7 @@ def p2p_backward(strat, dout, q, kv, out, lse, pack: KVPack):
 def _bwd_tile(strat, dout, q, kv, out, lse, me: int, src: int):
     """(block, dq, dk, dv) of the local q against K/V block ``src``; None when masked away."""
     if not strat.mask.plain:
-        tiles = _mask_tiles(strat, src)
+        tiles = strat.ring_tiles(src)
         return (_EVERY, *strat.masked_backward(dout, q, kv[0], kv[1], out, lse, tiles)
                 ) if tiles else None
     blk = zigzag_block(me, src, q.shape[1], strat.attn.causal)
@@ -338,9 +332,8 @@ class MegatronCP(ZigzagLayout, Strategy):
         the pairs the mask lets through."""
         s = self.local_seqlen
         if not self.mask.plain:
-            rows, keys = self.seq_index(self.rank), self.seq_index(self.ring_rank(src))
-            return self.pairs_step(phase, step, self.mask.pairs(rows, keys), (s, s), msgs,
-                                   (rows, keys))
+            tiles = self.ring_tiles(src)
+            return self.pairs_step(phase, step, tiles.pairs, (s, s), msgs, tiles)
         blk = zigzag_block(self.groups["ring"].index, src, s, self.attn.causal)
         return self.kernel_step(phase, step, slice_len(blk.q, s), slice_len(blk.kv, s),
                                 blk.causal, msgs)

@@ -291,10 +291,12 @@ class Usp(Strategy):
         return self.ring.seq_index(rank)
 
     def area_per_rank(self) -> list[int]:
+        return [self._area(r) for r in range(self.world_size)]
+
+    def _area(self, rank: int) -> int:
         # after the all-to-all a rank computes its group's token set on heads/u of the heads
-        every, u = torch.arange(self.attn.seqlen), self.ulysses_degree
-        return [self.mask.pairs(self._ring_set(r), every) // u
-                for r in range(self.world_size)]
+        every = torch.arange(self.attn.seqlen)
+        return self.mask.pairs(self._ring_set(rank), every) // self.ulysses_degree
 
     def area_per_step(self) -> list[list[int]] | None:
         steps = None if self.ring is None else self.ring.area_per_step()
@@ -332,7 +334,7 @@ class Usp(Strategy):
         a = self.attn
         msgs = ulysses_messages(self, g, a.seqlen // self.cp_size, a.num_kv_heads * self.replicas)
         if self.ring is None and not self.mask.plain:
-            area = self.area_per_rank()[self.rank]
+            area = self._area(self.rank)
             inner = [self.pairs_step(p, 0, area, (a.seqlen, a.seqlen)) for p in (FWD, BWD)]
         elif self.ring is None:
             inner = [self.kernel_step(p, 0, a.seqlen, a.seqlen, a.causal, head_share=g.size)
