@@ -30,7 +30,9 @@ prints one legend's bars of the "Kernel Level" figures (one GPU, batch 1, GQA 64
 128, seqlen 1K-32K; full and causal, forward and backward), read the same way, and each
 figure's TFLOP/s a pixel: the B200 preset's cuDNN curves (--kernel cudnn: TransformerEngine's
 fused attention) and FlashAttention-4's (--kernel fa4: flash_attn.cute's flash_attn_func) in
-src/cpbench/sim/presets/b200.yaml.
+src/cpbench/sim/presets/b200.yaml. Given .../kernel/h100 it reads the H100 figures' legend
+(fa2, fa3, cudnn, flex, flash_mask, sdpa, ffa; ticks of 100), and their varlen full and causal
+figures too (--kernel fa3: FlashAttention-3).
 """
 
 from __future__ import annotations
@@ -57,10 +59,18 @@ IMPLS = {"ulysses": ("Ulysses", "ulysses"),
          "usp": ("USP", "usp"),
          "loongtrain": ("LoongTrain", "usp")}
 RUNS = {"h100": (100, 8192, "fa3"), "b200": (200, 16384, "cudnn")}  # tick, tokens a GPU, kernel
-# the kernel-level figures: the same palette, their own legend; x axis 1K..32K, ticks of 200
+# the kernel-level figures: the same palette, each GPU's own legend (the colours of its legend
+# patches, read off the pixels), ticks and masks read (B200's varlen figures have another
+# legend, without fa4); x axis 1K..32K
 KERNEL_COLOURS = {(218, 136, 129): "fa4", (255, 191, 171): "cudnn", (237, 218, 168): "flex",
                   (150, 199, 168): "flash_mask", (83, 150, 159): "sdpa",
                   (66, 103, 129): "ffa_fa4"}
+H100_KERNEL_COLOURS = {(187, 172, 209): "fa2", (199, 95, 133): "fa3", (255, 191, 171): "cudnn",
+                       (237, 218, 168): "flex", (150, 199, 168): "flash_mask",
+                       (83, 150, 159): "sdpa", (71, 126, 184): "ffa"}
+KERNEL_RUNS = {"b200": (200, KERNEL_COLOURS, ("full", "causal")),
+               "h100": (100, H100_KERNEL_COLOURS,
+                        ("full", "causal", "varlen_full", "varlen_causal"))}
 KERNEL_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -209,12 +219,13 @@ def _varlen(fwd: float, bwd: float) -> dict:
 
 def kernel_curves(root: Path, legend: str) -> dict[tuple[str, str], list[tuple[int, float]]]:
     """(mask, phase) -> [(seqlen, TFLOP/s)] of ``legend``'s bars in the kernel-level figures
-    under ``root`` (assets/magi_attn/exp/kernel/b200)."""
+    under ``root`` (assets/magi_attn/exp/kernel/b200 or .../h100: its name picks the legend)."""
+    tick, colours, masks = KERNEL_RUNS[root.name]
     out = {}
-    for mask in ("full", "causal"):
+    for mask in masks:
         for phase in ("fwd", "bwd"):
             path = root / f"{mask}_mask" / phase / "flops_report.png"
-            read = [v for name, v in bars(path, 200, KERNEL_COLOURS) if name == legend]
+            read = [v for name, v in bars(path, tick, colours) if name == legend]
             if len(read) != len(KERNEL_LENGTHS):  # a length without its bar (an X)
                 raise SystemExit(f"{path}: {len(read)} {legend} bars, not one a length")
             out[(mask, phase)] = list(zip(KERNEL_LENGTHS, read))
@@ -224,11 +235,13 @@ def kernel_curves(root: Path, legend: str) -> dict[tuple[str, str], list[tuple[i
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("figures", type=Path, help="assets/magi_attn/exp/distributed of a checkout "
-                   "(with --kernel: assets/magi_attn/exp/kernel/b200)")
+                   "(with --kernel: assets/magi_attn/exp/kernel/b200 or h100)")
     p.add_argument("h100_csv", type=Path, nargs="?")
     p.add_argument("b200_csv", type=Path, nargs="?")
-    p.add_argument("--kernel", metavar="LEGEND", choices=sorted(set(KERNEL_COLOURS.values())),
-                   help="print this legend's kernel-level bars (cudnn, fa4, ...)")
+    p.add_argument("--kernel", metavar="LEGEND", choices=sorted(
+                   {n for _, colours, _ in KERNEL_RUNS.values() for n in colours.values()}),
+                   help="print this legend's kernel-level bars (B200: cudnn, fa4, ...; "
+                        "H100: fa3, fa2, cudnn, ...)")
     p.add_argument("--varlen", metavar="K", type=int, default=0,
                    help="read the varlen (packed documents) figures instead, each row to be "
                         "simulated over K packings")
@@ -237,8 +250,13 @@ def main(argv=None) -> int:
                    "ring step, minutes a packing at 16 GPUs)")
     args = p.parse_args(argv)
     if args.kernel:
+        run = KERNEL_RUNS.get(args.figures.name)
+        if run is None or args.kernel not in run[1].values():
+            legends = ", ".join(run[1].values()) if run else "give .../kernel/b200 or h100"
+            print(f"{args.figures}: no {args.kernel} bars ({legends})", file=sys.stderr)
+            return 2
         for (mask, phase), points in kernel_curves(args.figures, args.kernel).items():
-            px = resolution(args.figures / f"{mask}_mask" / phase / "flops_report.png", 200)
+            px = resolution(args.figures / f"{mask}_mask" / phase / "flops_report.png", run[0])
             print(f"{mask} {phase}: " + ", ".join(f"{n} {v:.1f}" for n, v in points)
                   + f" ({px:.2f} TFLOP/s a pixel)")
         return 0
