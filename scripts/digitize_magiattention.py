@@ -252,8 +252,8 @@ def main(argv=None) -> int:
     if args.kernel:
         run = KERNEL_RUNS.get(args.figures.name)
         if run is None or args.kernel not in run[1].values():
-            legends = ", ".join(run[1].values()) if run else "give .../kernel/b200 or h100"
-            print(f"{args.figures}: no {args.kernel} bars ({legends})", file=sys.stderr)
+            legends = "one of " + ", ".join(run[1].values()) if run else "give kernel/b200 or h100"
+            print(f"{args.figures.name}: no {args.kernel} bars ({legends})", file=sys.stderr)
             return 2
         for (mask, phase), points in kernel_curves(args.figures, args.kernel).items():
             px = resolution(args.figures / f"{mask}_mask" / phase / "flops_report.png", run[0])

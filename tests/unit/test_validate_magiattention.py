@@ -83,36 +83,56 @@ def test_the_digitizer_reads_random_bars_within_its_stated_bias(tmp_path):
     _within_the_digitizers_bias(read, heights)
 
 
-def test_the_digitizer_reads_the_kernel_figures_legend(tmp_path):
-    """The kernel-level figures: six kernels a length, ticks of 200, bars down to ~100."""
+@pytest.mark.parametrize("gpu", ["b200", "h100"])
+def test_the_digitizer_reads_the_kernel_figures_legend(tmp_path, gpu):
+    """The kernel-level figures: B200 six kernels a length, ticks of 200, bars down to ~100;
+    H100 seven, ticks of 100, bars down to ~15 (its varlen figures' sdpa)."""
+    tick, colours, _ = digitize.KERNEL_RUNS[gpu]
+    assert (tick, len(colours)) == {"b200": (200, 6), "h100": (100, 7)}[gpu]
     rng = random.Random()
-    heights = [[rng.uniform(100, 1500) for _ in range(6)] for _ in range(4)]
+    low, high = {"b200": (100, 1500), "h100": (15, 750)}[gpu]
+    heights = [[rng.uniform(low, high) for _ in colours] for _ in range(4)]
     path = tmp_path / "chart.png"
-    _chart(path, heights, 200, digitize.KERNEL_COLOURS)
-    read = digitize.bars(path, 200, digitize.KERNEL_COLOURS)
-    assert [name for name, _ in read] == list(digitize.KERNEL_COLOURS.values()) * 4
+    _chart(path, heights, tick, colours)
+    read = digitize.bars(path, tick, colours)
+    assert [name for name, _ in read] == list(colours.values()) * 4
     _within_the_digitizers_bias(read, heights)
-    assert digitize.resolution(path, 200) == pytest.approx(_pixel(heights), rel=0.02)
+    assert digitize.resolution(path, tick) == pytest.approx(_pixel(heights), rel=0.02)
 
 
-def test_kernel_curves_pair_one_legends_bars_with_the_lengths(monkeypatch, tmp_path):
-    legends = list(digitize.KERNEL_COLOURS.values())
+@pytest.mark.parametrize("gpu, figures", [("b200", 4), ("h100", 8)])
+def test_kernel_curves_pair_one_legends_bars_with_the_lengths(monkeypatch, tmp_path, gpu,
+                                                              figures):
+    """The folder's name picks the legend and tick; H100 adds the varlen full and causal
+    figures (B200's have another legend)."""
+    tick, colours, _ = digitize.KERNEL_RUNS[gpu]
+    legends = list(colours.values())
     n = len(digitize.KERNEL_LENGTHS)
-    seen = []
+    root, seen = tmp_path / gpu, []
 
-    def fake(path, tick, colours):
-        seen.append((path.relative_to(tmp_path).as_posix(), tick))
+    def fake(path, tick, palette):
+        assert palette is colours
+        seen.append((path.relative_to(root).as_posix(), tick))
         return [(name, 100.0 * i + j) for i in range(n) for j, name in enumerate(legends)]
 
     monkeypatch.setattr(digitize, "bars", fake)
-    curves = digitize.kernel_curves(tmp_path, "cudnn")
-    assert set(curves) == {(m, p) for m in ("full", "causal") for p in ("fwd", "bwd")}
-    assert curves["full", "fwd"] == [(s, 100.0 * i + 1) for i, s in
+    curves = digitize.kernel_curves(root, "cudnn")
+    masks = ("full", "causal", "varlen_full", "varlen_causal")[:figures // 2]
+    assert set(curves) == {(m, p) for m in masks for p in ("fwd", "bwd")}
+    assert curves["full", "fwd"] == [(s, 100.0 * i + legends.index("cudnn")) for i, s in
                                      enumerate(digitize.KERNEL_LENGTHS)]
-    assert ("causal_mask/bwd/flops_report.png", 200) in seen
+    assert len(seen) == figures and (f"{masks[-1]}_mask/bwd/flops_report.png", tick) in seen
     monkeypatch.setattr(digitize, "bars", lambda path, tick, colours: [("cudnn", 1.0)])
     with pytest.raises(SystemExit, match="1 cudnn bars, not one a length"):
-        digitize.kernel_curves(tmp_path, "cudnn")
+        digitize.kernel_curves(root, "cudnn")
+
+
+@pytest.mark.parametrize("folder, legend", [("h100", "fa4"), ("b200", "fa3"),
+                                            ("distributed", "cudnn")])
+def test_kernel_asks_for_a_folder_with_that_legend(tmp_path, capsys, folder, legend):
+    assert digitize.main(["--kernel", legend, str(tmp_path / folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and len(err) <= 121 and f"no {legend} bars" in err, err
 
 
 def test_loongtrain_windows_follow_its_benchmark():
