@@ -19,6 +19,10 @@ so the FWD+BWD figure is 3.5 / (1 / fwd + 2.5 / bwd) and the times follow from i
         configs/validation/magiattention_h100_varlen.csv /tmp/b200_varlen.csv \
         --varlen 20 --max-gpus 8
 
+    python scripts/digitize_magiattention.py MagiAttention/assets/magi_attn/exp/distributed \
+        configs/validation/magiattention_h100_varlen_16_64.csv /tmp/b200_varlen.csv \
+        --varlen 5 --min-gpus 16
+
 reads the varlen figures (packed documents: "varlen full", "varlen causal"), whose rows
 have no times (each packing has its own mask area) and name the documents cpbench packs
 (``VARLEN_DOCUMENTS``) and how many packings to simulate.
@@ -155,8 +159,9 @@ def _loongtrain_window(ring: int) -> int:
     return ring // (1 if num >= ring else num)
 
 
-def rows(root: Path, hw: str, packings: int = 0, max_gpus: int = 64) -> list[dict]:
-    """The rows of ``hw``'s full and causal figures up to ``max_gpus``; ``packings`` > 0:
+def rows(root: Path, hw: str, packings: int = 0, max_gpus: int = 64, min_gpus: int = 8
+         ) -> list[dict]:
+    """The rows of ``hw``'s full and causal figures on min_gpus..max_gpus; ``packings`` > 0:
     of its varlen figures (packed documents), each row sampling that many packings."""
     tick, tokens, kernel = RUNS[hw]
     out = []
@@ -168,7 +173,7 @@ def rows(root: Path, hw: str, packings: int = 0, max_gpus: int = 64) -> list[dic
         for i, ((name, fwd), (name_b, bwd)) in enumerate(zip(read["fwd"], read["bwd"])):
             assert name == name_b, (name, name_b)
             cp = 8 << (i // per)
-            if name not in IMPLS or cp > max_gpus:
+            if name not in IMPLS or not min_gpus <= cp <= max_gpus:
                 continue
             seq = tokens * cp
             impl, strategy = IMPLS[name]
@@ -246,8 +251,9 @@ def main(argv=None) -> int:
                    help="read the varlen (packed documents) figures instead, each row to be "
                         "simulated over K packings")
     p.add_argument("--max-gpus", type=int, default=64, help="only the runs on up to this "
-                   "many GPUs (varlen: the simulator plans every packed document of every "
-                   "ring step, minutes a packing at 16 GPUs)")
+                   "many GPUs")
+    p.add_argument("--min-gpus", type=int, default=8, help="only the runs on at least this "
+                   "many GPUs")
     args = p.parse_args(argv)
     if args.kernel:
         run = KERNEL_RUNS.get(args.figures.name)
@@ -263,7 +269,7 @@ def main(argv=None) -> int:
     if args.b200_csv is None:
         p.error("give the two CSVs to write, or --kernel LEGEND")
     for hw, path in (("h100", args.h100_csv), ("b200", args.b200_csv)):
-        table = rows(args.figures, hw, args.varlen, args.max_gpus)
+        table = rows(args.figures, hw, args.varlen, args.max_gpus, args.min_gpus)
         with open(path, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(table[0]), lineterminator="\n")
             writer.writeheader()

@@ -4,8 +4,10 @@ prediction, each term the preset figure it names."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
+import torch
 
 from cpbench import strategies
 from cpbench.cli import main as cli_main
@@ -87,3 +89,38 @@ def test_nccl_contention_only_in_steps_whose_messages_overlap_the_kernel():
             assert nccl == 0 and p.fwd_s + p.bwd_s == pytest.approx(q.fwd_s + q.bwd_s)
         else:
             assert nccl > 0 and p.fwd_s + p.bwd_s > q.fwd_s + q.bwd_s
+
+
+def test_a_varlen_call_is_priced_document_by_document():
+    """Ulysses under packed documents, full mask: its one kernel call's time is each
+    document's FLOPs at that document's length on the curve, summed (independently here),
+    not the whole sequence's rate; and the spectrum's shares are the documents' areas."""
+    from cpbench.kernels import masked_varlen
+    from cpbench.mask import Mask
+
+    docs = (512, 1024, 2048, 512, 1536)
+    s = sum(docs)
+    spec = masked_varlen.spectrum(masked_varlen.plan(Mask(False, docs), torch.arange(s),
+                                                      torch.arange(s)))
+    area = sum(d * d for d in docs)
+    want: dict[float, float] = {}
+    for d in docs:  # binned to 1/8 octave, as the spectrum is
+        side = 2 ** (round(8 * math.log2(d)) / 8)
+        want[side] = want.get(side, 0.0) + d * d / area
+    assert [(a, c) for a, c, _ in spec] == [(k, False) for k in sorted(want)]
+    assert [w for _, _, w in spec] == pytest.approx([want[k] for k in sorted(want)])
+    hw = hardware.load("h100-sxm", kernel="fa3")
+    attn = dataclasses.replace(ATTN, seqlen=s, causal=False, documents=docs)
+    free = dataclasses.replace(
+        hw, kernel_in_cp=(1.0, 1.0), merge=hardware.Pass(), accumulate=hardware.Pass(),
+        step_overhead_us=0.0, intra=hardware.Link(1e12, 0.0), inter=hardware.Link(1e12, 0.0),
+        node_inter_gbs=1e12)
+    p = model.predict("ulysses", strategies.get("ulysses").Options(), attn,
+                      Topology(world_size=8, ranks_per_node=8), free)
+    per_head = 4 * 128 * ATTN.heads / 8  # FLOPs a pair, one GPU's heads
+    for phase, got, mult in (("fwd", p.fwd_s, 1.0), ("bwd", p.bwd_s, 2.5)):
+        curve = hw.kernel(phase, False, 128)
+        want_s = sum(mult * per_head * d * d / (curve.tflops(2 ** (round(8 * math.log2(d)) / 8))
+                                               * 1e12) for d in docs)
+        assert got == pytest.approx(want_s, rel=1e-6)
+        assert got > mult * per_head * area / (curve.tflops(s) * 1e12) * 1.05  # not the block's

@@ -170,7 +170,7 @@ def _host_planning(strat: Strategy):
             setattr(cls, name, attr)
 
 
-_BLOCK_PLANS = ("pairs", "tiles", "varlen")  # masked.Block's parts planned on first use
+_BLOCK_PLANS = ("pairs", "tiles", "varlen", "calls")  # masked.Block's parts planned on first use
 
 
 def _parts(strat: Strategy) -> list[Strategy]:

@@ -184,6 +184,15 @@ class Block:
     def varlen(self) -> masked_varlen.VarlenPlan:
         return masked_varlen.plan(self.mask, self.q_pos, self.k_pos)
 
+    @functools.cached_property
+    def calls(self) -> tuple[tuple[int, int, int], tuple] | None:
+        """What the simulator reads of the varlen plan: its largest call and its tiles'
+        ``spectrum``; None when no varlen call expresses the block (the CPU's kernels do)."""
+        try:
+            return masked_varlen.largest_call(self.varlen), masked_varlen.spectrum(self.varlen)
+        except UsageError:
+            return None
+
 
 def _use_varlen(kernel: KernelBackend, device, varlen: bool | None) -> bool:
     """Varlen on any device but the CPU (``varlen`` forces either path: tests)."""

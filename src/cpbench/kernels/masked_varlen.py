@@ -56,6 +56,7 @@ class Group:
     q1: np.ndarray
     k0: np.ndarray
     k1: np.ndarray
+    pairs: np.ndarray  # each tile's visible (query, key) pairs
     _dev: dict = field(default_factory=dict)
 
     @property
@@ -158,6 +159,21 @@ def largest_call(vplan: VarlenPlan) -> tuple[int, int, int]:
     return (*max(sizes, key=sum, default=(0, 0)), len(sizes))
 
 
+def spectrum(vplan: VarlenPlan, per_octave: int = 8) -> tuple[tuple[float, bool, float], ...]:
+    """The plan's work by tile size: (side, causal, share of the visible pairs), a tile's side
+    sqrt(rows x keys) binned to 1/``per_octave`` octave (a packing's hundreds of tiles in a
+    few dozen bins). What a varlen call's time depends on: each sequence runs at its size."""
+    bins: dict[tuple[float, bool], float] = {}
+    total = sum(float(g.pairs.sum()) for g in vplan.groups)
+    for g in vplan.groups:
+        side = np.sqrt((g.q1 - g.q0) * (g.k1 - g.k0))
+        at = np.round(np.log2(side) * per_octave)
+        for b in np.unique(at):
+            key = (float(2 ** (b / per_octave)), g.causal)
+            bins[key] = bins.get(key, 0.0) + float(g.pairs[at == b].sum()) / total
+    return tuple(sorted((side, causal, w) for (side, causal), w in bins.items()))
+
+
 def plan(mask: Mask, q_pos: torch.Tensor, k_pos: torch.Tensor) -> VarlenPlan:
     """The varlen plan of queries at global positions ``q_pos`` against keys at ``k_pos``
     (both in local order); no groups when nothing is visible. Raises UsageError for a tile
@@ -172,7 +188,7 @@ def plan(mask: Mask, q_pos: torch.Tensor, k_pos: torch.Tensor) -> VarlenPlan:
     first = k_pos.numpy()[ka]  # each key run's first position
     pq, pk = _near(first, first + (kb - ka) - 1, np.minimum.reduceat(lo, qa),
                    np.maximum.reduceat(hi, qa))
-    t, a, b, c0, c1, causal, left, right = _crop(lo, hi, qa[pq], qb[pq] - qa[pq], first[pk],
+    t, a, b, c0, c1, causal, left, right, pairs = _crop(lo, hi, qa[pq], qb[pq] - qa[pq], first[pk],
                                                  kb[pk] - ka[pk], mask)
     q0, k0 = qa[pq[t]], ka[pk[t]]
     kinds, at, which = np.unique(np.stack([causal, left, right], 1), axis=0,
@@ -182,7 +198,8 @@ def plan(mask: Mask, q_pos: torch.Tensor, k_pos: torch.Tensor) -> VarlenPlan:
     for g in np.argsort(at):  # in the order the tiles first meet each kind
         m = which == g
         groups.append(Group(bool(kinds[g, 0]), (int(kinds[g, 1]), int(kinds[g, 2])),
-                            q0[m] + a[m], q0[m] + b[m], k0[m] + c0[m], k0[m] + c1[m]))
+                            q0[m] + a[m], q0[m] + b[m], k0[m] + c0[m], k0[m] + c1[m],
+                            pairs[m]))
     return VarlenPlan(groups)
 
 
@@ -206,9 +223,9 @@ def _near(first, last, lo, hi) -> tuple[np.ndarray, np.ndarray]:
 def _crop(lo, hi, q0, n, start, sk, mask: Mask) -> tuple[np.ndarray, ...]:
     """Tile t: query rows q0[t]..+n[t] (key intervals lo / hi) against the key run of
     positions start[t]..+sk[t]; the tiles that see something cropped and classified, as
-    arrays (t, a, b, c0, c1, causal, left, right) in run-local rows and keys."""
+    arrays (t, a, b, c0, c1, causal, left, right, pairs) in run-local rows and keys."""
     if not len(n):
-        return (np.zeros(0, np.int64),) * 8
+        return (np.zeros(0, np.int64),) * 9
     off = np.concatenate(([0], np.cumsum(n)[:-1]))
     seg = np.repeat(np.arange(len(n)), n)
     local = np.arange(int(n.sum())) - off[seg]
@@ -224,7 +241,7 @@ def _crop(lo, hi, q0, n, start, sk, mask: Mask) -> tuple[np.ndarray, ...]:
     c1 = np.maximum.reduceat(np.where(seen, hi_t, -1), off) + 1
     live = np.flatnonzero(count > 0)
     if not len(live):
-        return (np.zeros(0, np.int64),) * 8
+        return (np.zeros(0, np.int64),) * 9
     split = live[b[live] - a[live] != count[live]]
     # the seen rows of each live tile, in local keys: one segment per tile
     sq, k = b[live] - a[live], c1[live] - c0[live]
@@ -239,7 +256,8 @@ def _crop(lo, hi, q0, n, start, sk, mask: Mask) -> tuple[np.ndarray, ...]:
                else f"a {b[t] - a[t]} x {c1[t] - c0[t]} tile is neither fully visible, "
                     f"causal nor a window band")
         raise UsageError(_refusal(mask, why))
-    return live, a[live], b[live], c0[live], c1[live], causal, left, right
+    pairs = np.add.reduceat(np.where(seen, hi_t - lo_t + 1, 0), off)[live]
+    return live, a[live], b[live], c0[live], c1[live], causal, left, right, pairs
 
 
 def device_refusal(kernel: KernelBackend, device: str) -> str | None:

@@ -37,6 +37,7 @@ class RankStep:
     kv_elements: float = 0.0  # its key rows x kv heads x head dim (dk sum)
     out_elements: float = 0.0  # its rows x heads x V's head dim (its merge)
     v_elements: float = 0.0  # its key rows x kv heads x V's head dim (dv sum)
+    spectrum: tuple[tuple[float, bool, float], ...] = ()  # varlen tiles: ``Step.spectrum``
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,8 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
         views: dict[int, list[RankStep]] = {}
         for strat, sched, rank_loads, node, own in zip(ranks, schedules, loads, nodes, share):
             step = sched[i]
-            key = (step.flops, step.block, *rank_loads.moved[i], *node_out[node], own)
+            key = (step.flops, step.block, step.spectrum, *rank_loads.moved[i],
+                   *node_out[node], own)
             if key not in made:
                 made[key] = _view(strat, attn, step, rank_loads.moved[i], node_out[node])
             views.setdefault(node, []).append(made[key])
@@ -181,7 +183,7 @@ def _view(strat: Strategy, attn: AttentionConfig, step, moved: list[float],
     el = sharing.elements(strat, attn, step.block) if strat.merges() else {}
     return RankStep(
         step.flops, side, moved[0], moved[1], moved[2], moved[3], out[0], out[1],
-        causal=bool(step.block and step.block[2]),
+        causal=bool(step.block and step.block[2]), spectrum=step.spectrum,
         **{k: el.get(k, 0.0) for k in ("q_elements", "kv_elements", "out_elements",
                                        "v_elements")})
 

@@ -24,7 +24,7 @@ import torch
 from cpbench import comm
 from cpbench.config import AttentionConfig, padded
 from cpbench.errors import Skipped, UsageError
-from cpbench.kernels import masked, masked_varlen
+from cpbench.kernels import masked
 from cpbench.kernels.base import KernelBackend
 from cpbench.mask import Mask, mask_of
 from cpbench.metrics import attention_flops, pairs_flops
@@ -333,14 +333,10 @@ class Strategy(BlockBytes, ABC):
         a = self.attn
         flops = pairs_flops(pairs, batch=a.batch, heads=a.heads, head_dim=a.head_dim,
                             mode=phase, v_head_dim=a.v_head_dim)
-        packed = None
-        if block is not None and pairs:
-            try:
-                packed = masked_varlen.largest_call(block.varlen)
-            except UsageError:  # no varlen call expresses it (the CPU's masked kernels do)
-                pass
+        calls = block.calls if block is not None and pairs else None
+        packed, spectrum = calls if calls is not None else (None, ())
         return Step(phase, index, flops, tuple(messages), (*shape, False) if pairs else None,
-                    packed)
+                    packed, spectrum)
 
     def cp_index(self, rank: int) -> int:
         """``rank``'s position in its CP ring: what its sequence shard is keyed by."""

@@ -84,7 +84,7 @@ class _LocalAttention(torch.autograd.Function):
         if strat.mask.plain:
             out, lse = strat.kernel_call("forward", q, k, v, causal=strat.attn.causal)
         else:
-            out, lse = strat.masked_forward(q, k, v, _tiles(strat))
+            out, lse = strat.masked_forward(q, k, v, ulysses_tiles(strat))
         # every key of these heads was in the one call: their sinks join once, here
         out, lse = add_sink(out, lse, sinks)
         out = out.to(q.dtype)
@@ -100,12 +100,12 @@ class _LocalAttention(torch.autograd.Function):
                                            causal=strat.attn.causal)
         else:
             dq, dk, dv = strat.masked_backward(dout.contiguous(), q, k, v, out, lse,
-                                               _tiles(strat))
+                                               ulysses_tiles(strat))
         return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
                 sink_grad(out, dout, lse, sinks))
 
 
-def _tiles(strat: Strategy):
+def ulysses_tiles(strat: Strategy):
     """Under a mask: the whole gathered sequence (the group's shards in member order)
     against itself, by global positions."""
     ranks = strat.groups["ulysses"].ranks  # the all-to-all gathers in member order
@@ -236,7 +236,7 @@ class Ulysses(Strategy):
             # each rank computes the whole sequence for 1/N of the heads
             kernel = self.kernel_step(phase, 1, s_full, s_full, self.attn.causal,
                                       head_share=n) if area is None else \
-                self.pairs_step(phase, 1, area, (s_full, s_full))
+                self.pairs_step(phase, 1, area, (s_full, s_full), (), ulysses_tiles(self))
             steps += [Step(phase, 0, 0.0, msgs[f"{phase}_in"]), kernel,
                       Step(phase, 2, 0.0, msgs[f"{phase}_out"])]
         return steps

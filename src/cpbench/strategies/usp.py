@@ -61,6 +61,7 @@ from cpbench.strategies.ulysses import (
     local_attention,
     ulysses_attention,
     ulysses_messages,
+    ulysses_tiles,
 )
 from cpbench.topology import (
     HEAD_FIRST,
@@ -335,7 +336,9 @@ class Usp(Strategy):
         msgs = ulysses_messages(self, g, a.seqlen // self.cp_size, a.num_kv_heads * self.replicas)
         if self.ring is None and not self.mask.plain:
             area = self._area(self.rank)
-            inner = [self.pairs_step(p, 0, area, (a.seqlen, a.seqlen)) for p in (FWD, BWD)]
+            tiles = ulysses_tiles(self)
+            inner = [self.pairs_step(p, 0, area, (a.seqlen, a.seqlen), (), tiles)
+                     for p in (FWD, BWD)]
         elif self.ring is None:
             inner = [self.kernel_step(p, 0, a.seqlen, a.seqlen, a.causal, head_share=g.size)
                      for p in (FWD, BWD)]
