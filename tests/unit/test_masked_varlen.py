@@ -44,15 +44,26 @@ def test_tiles_cover_the_visibility_exactly_as_varlen_sequences(seed):
     """Every visible pair in exactly one tile; each tile's pairs are exactly its varlen mask,
     both in the pure bottom-right semantics and in flash-attn's (windows rewritten against
     the max_seqlen_k the call passes)."""
+    _covers_exactly(*random_case(random.Random(seed), 96))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_repeated_keys_are_planned_as_well(seed):
+    """Keys held twice (overlapping key runs: the planner's every-pair path)."""
     mask, q_pos, k_pos = random_case(random.Random(seed), 96)
+    _covers_exactly(mask, q_pos, torch.cat([k_pos, k_pos[: len(k_pos) // 2]]))
+
+
+def _covers_exactly(mask, q_pos, k_pos):
     want = mask.visible(q_pos, k_pos)
     got = torch.zeros(want.shape, dtype=torch.int64)
     vplan = masked_varlen.plan(mask, q_pos, k_pos)
     assert bool(vplan) == bool(want.any()) == bool(masked.Block(mask, q_pos, k_pos))
     for g in vplan.groups:
-        for t in g.tiles:
+        for t, pairs in zip(g.tiles, g.pairs.tolist()):
             sq, sk = t.q1 - t.q0, t.k1 - t.k0
             mine = fa_visible(sq, sk, *g.window, causal=g.causal)
+            assert pairs == int(mine.sum())  # what the simulator weighs a tile by
             assert torch.equal(want[t.q0:t.q1, t.k0:t.k1], mine), (t, mask)
             fa = visible_keys(sq, sk, *key_window(g.causal, *g.window, g.max_k))
             assert torch.equal(mine, torch.ones_like(mine) if fa is None else fa), (t, g.max_k)
