@@ -16,8 +16,8 @@ pixel). Their FLOPs are cpbench's (4 · mask area · query heads · head dim, ba
 so the FWD+BWD figure is 3.5 / (1 / fwd + 2.5 / bwd) and the times follow from it.
 
     python scripts/digitize_magiattention.py MagiAttention/assets/magi_attn/exp/distributed \
-        configs/validation/magiattention_h100_varlen.csv /tmp/b200_varlen.csv \
-        --varlen 20 --max-gpus 8
+        configs/validation/magiattention_h100_varlen.csv \
+        configs/validation/magiattention_b200_varlen.csv --varlen 20 --max-gpus 8
 
     python scripts/digitize_magiattention.py MagiAttention/assets/magi_attn/exp/distributed \
         configs/validation/magiattention_h100_varlen_16_64.csv /tmp/b200_varlen.csv \

@@ -6,7 +6,8 @@ the step's slowest rank add up to the step's time:
   share (S / N tokens a side): the work itself;
 - ``block size``: what running it in the step's own blocks costs beyond that (a zigzag step's
   half blocks run lower on the curve; Ulysses' whole-sequence blocks higher: negative; under
-  a mask each varlen tile at its own side, so packed documents at their lengths);
+  a mask each varlen piece at its own side, so packed documents at their lengths, where the
+  curve was measured at a fixed token count, ``Hardware.piece_rates``);
 - ``NCCL contention``: the kernel's rate inside a CP run below its rate alone
   (``kernel.in_cp``: NCCL's kernels take SMs; measured on A800 in seed 000's profile), in
   steps whose messages run beside the kernel only (``_contends``);
@@ -73,7 +74,7 @@ def _compute(hw: Hardware, phase: str, r, head_dim, s: Scale) -> dict[str, float
     alone = hw.kernel(phase, r.causal, head_dim)
     in_cp = hw.kernel_in_cp[0 if phase == "fwd" else 1]
     at_side = flops / (alone.tflops(r.side * s.length) * 1e12)
-    if r.spectrum:  # varlen calls: each tile (a document's piece) at its own side and mask
+    if r.spectrum and hw.piece_rates:  # varlen calls: each piece at its own side and mask
         at_side = sum(flops * share / (hw.kernel(phase, causal, head_dim).tflops(side * s.length)
                                        * 1e12) for side, causal, share in r.spectrum)
     at_share = flops / (alone.tflops(s.share_side) * 1e12)
