@@ -18,6 +18,7 @@ packings of each packing's TFLOP/s, as the bars are (theirs over 3 packs).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ from cpbench.config import packed_problems, parse_documents
 from cpbench.kernels import masked_varlen
 from cpbench.mask import mask_of
 from cpbench.sim import hardware
-from cpbench.sim.curves import KernelCurve
+from cpbench.sim.curves import KernelCurve, piece_rate
 
 DOCUMENTS = "trace:magiattention,split,midpoint"
 
@@ -62,9 +63,8 @@ def main(argv=None) -> int:
             for phase, pub in (("fwd", fwd), ("bwd", bwd)):
                 for name, curve in curves.items():
                     block = curve(phase, False).tflops(length)
-                    tiles = statistics.fmean(
-                        1 / sum(w / curve(phase, c).tflops(side) for side, c, w in s)
-                        for s in spec)
+                    tiles = statistics.fmean(piece_rate(s, functools.partial(curve, phase))
+                                             for s in spec)
                     cells.append(f"{phase} {name} {block / pub - 1:+5.0%} / "
                                  f"{tiles / pub - 1:+5.0%}")
             print(f"varlen {mask:6} {length:6}: " + " | ".join(cells))

@@ -48,6 +48,14 @@ class KernelCurve:
         return y0 + w * (y1 - y0)
 
 
+def piece_rate(spectrum, curve_of, scale: float = 1.0) -> float:
+    """TFLOP/s of a varlen call whose work is ``spectrum`` ((side, causal, share of the
+    FLOPs) by piece: ``masked_varlen.spectrum``), each piece at its side x ``scale`` on
+    ``curve_of(causal)``: the call's FLOPs over its pieces' summed times."""
+    return 1 / sum(share / curve_of(causal).tflops(side * scale)
+                   for side, causal, share in spectrum)
+
+
 @dataclass(frozen=True)
 class KernelSet:
     """One head dim's curves. A causal (diagonal) block has its own where given: half its

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpbench.sim import sharing
+from cpbench.sim import curves, sharing
 from cpbench.sim.hardware import GB, Hardware
 
 TERMS = ("kernel", "block size", "NCCL contention", "merge / rescale", "launch / sync",
@@ -75,8 +75,8 @@ def _compute(hw: Hardware, phase: str, r, head_dim, s: Scale) -> dict[str, float
     in_cp = hw.kernel_in_cp[0 if phase == "fwd" else 1]
     at_side = flops / (alone.tflops(r.side * s.length) * 1e12)
     if r.spectrum and hw.piece_rates:  # varlen calls: each piece at its own side and mask
-        at_side = sum(flops * share / (hw.kernel(phase, causal, head_dim).tflops(side * s.length)
-                                       * 1e12) for side, causal, share in r.spectrum)
+        rate = curves.piece_rate(r.spectrum, lambda c: hw.kernel(phase, c, head_dim), s.length)
+        at_side = flops / (rate * 1e12)
     at_share = flops / (alone.tflops(s.share_side) * 1e12)
     return {"kernel": at_share, "block size": at_side - at_share,
             "NCCL contention": at_side / in_cp - at_side if _contends(r) else 0.0,
