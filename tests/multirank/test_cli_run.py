@@ -67,7 +67,7 @@ def test_torchrun_entry(tmp_path):
     assert len(re.findall(r"^\[1/1\] ring.*: done in .*, check PASS, FWD .* ms, FWD\+BWD .* ms$",
                           done.stdout, re.M)) == 1
     assert "Benchmark Results for" not in done.stdout and "Benchmark Summary:" in done.stdout
-    assert "\n1 case(s): 1 done; check: 1 PASS\n" in done.stdout
+    assert "\n1 case(s): 1 done; check: 1 PASS\n" in done.stdout, done.stdout  # whole, if not
 
 
 def test_torchrun_bad_input_is_named_as_the_root_cause(tmp_path):
