@@ -64,10 +64,14 @@ def test_torchrun_entry(tmp_path):
                           env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     # rank 0 alone prints: one line for the case, no detail block unless --details
-    assert len(re.findall(r"^\[1/1\] ring.*: done in .*, check PASS, FWD .* ms, FWD\+BWD .* ms$",
-                          done.stdout, re.M)) == 1
+    cases = re.findall(r"^\[1/1\] ring: done in .*$", done.stdout, re.M)
+    assert len(cases) == 1 and re.search(r", check PASS, FWD \S+ ms, FWD\+BWD \S+ ms(,|$)",
+                                         cases[0]), done.stdout
     assert "Benchmark Results for" not in done.stdout and "Benchmark Summary:" in done.stdout
-    assert "\n1 case(s): 1 done; check: 1 PASS\n" in done.stdout, done.stdout  # whole, if not
+    # a pass the physics guards flag stays a PASS, the flag said after it on both lines (two
+    # timed iterations of 256 tokens on a loaded host: a backward timed below its forward)
+    assert re.search(r"^1 case\(s\): 1 done; check: 1 PASS( \(1 flagged: ring: .*)?$",
+                     done.stdout, re.M), done.stdout  # whole, if not
 
 
 def test_torchrun_bad_input_is_named_as_the_root_cause(tmp_path):

@@ -7,6 +7,8 @@ next strategy runs in its own launch and is recorded ok."""
 from __future__ import annotations
 
 import os
+import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -84,15 +86,29 @@ def test_sbatch_records_an_oom_the_job_could_not_and_runs_the_next_strategy(tmp_
     assert records[1]["derived"]["fwd_bwd_ms"] > 0
 
 
+def _bindable(rng: random.Random, first: int, end: int) -> int:
+    """A port in [first, end) that nothing holds now. Not free_port(): that hands out an
+    ephemeral port, which any outgoing connection of a test beside this one may take before
+    task 0 binds it (CI of 35ffcbe: task 0 exited 1 under load)."""
+    for _ in range(100):
+        port = rng.randrange(first, end)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError(f"no free port in [{first}, {end})")
+
+
 def test_doctor_under_srun_probes_between_the_tasks(tmp_path):
     """Two `cpbench doctor` tasks as srun starts them (one per node; here both on this host,
     gloo): task 0 reports the all-reduce, p2p and all-to-all between them; task 1 does not."""
-    from cpbench.launch import free_port
+    from cpbench.cli.doctor_nodes import PORTS
 
-    port = free_port()
-    while not 20000 <= port < 40000:  # the range the doctor derives its port in
-        port = free_port()
-    job = (port - 20000) * pow(7, -1, 20000) % 20000  # so that the tasks derive this port
+    first, end = PORTS
+    port = _bindable(random.Random(os.getpid()), first, end)
+    job = (port - first) * pow(7, -1, end - first) % (end - first)  # the tasks derive this port
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     base.update(PYTHONPATH=os.pathsep.join([str(REPO / "src"), base.get("PYTHONPATH", "")]),
                 SLURM_NTASKS="2", SLURM_JOB_ID=str(job), SLURM_STEP_ID="0",
@@ -102,7 +118,8 @@ def test_doctor_under_srun_probes_between_the_tasks(tmp_path):
                               stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
              for r in range(2)]
     outs = [t.communicate(timeout=300)[0] for t in tasks]
-    assert [t.returncode for t in tasks] == [0, 0], outs
+    assert [t.returncode for t in tasks] == [0, 0], "\n".join(
+        f"task {r}:\n{out}" for r, out in enumerate(outs))  # whole: pytest cuts a list's repr
     assert "nodes all-reduce" in outs[0] and "2 nodes, gloo on cpu" in outs[0], outs[0]
     assert "nodes p2p" in outs[0] and "nodes a2a" in outs[0]
     assert "nodes " not in outs[1].replace("2 nodes", "")

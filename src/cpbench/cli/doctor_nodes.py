@@ -19,6 +19,9 @@ ADVICE = ("the likeliest cause on a first run: NCCL's network. Set NCCL_SOCKET_I
           "NCCL_IB_GID_INDEX, often 3); where there is no InfiniBand, NCCL_IB_DISABLE=1. Re-run "
           "with NCCL_DEBUG=INFO to see what NCCL chose")
 TIMEOUT_S = 180.0
+# the ports the tasks derive theirs in: below Linux's default ephemeral range (32768-60999),
+# so that no outgoing connection on the node (NCCL's, gloo's) takes it before task 0 binds it
+PORTS = (20000, 32000)
 
 
 def srun_world(environ=os.environ) -> tuple[int, int, str, int] | None:
@@ -28,8 +31,9 @@ def srun_world(environ=os.environ) -> tuple[int, int, str, int] | None:
     if tasks < 2 or not environ.get("SLURM_JOB_NODELIST"):
         return None
     ids = int(environ.get("SLURM_JOB_ID") or 0) * 7 + int(environ.get("SLURM_STEP_ID") or 0)
+    first, end = PORTS
     return (int(environ.get("SLURM_PROCID") or 0), tasks,
-            expand_nodelist(environ["SLURM_JOB_NODELIST"])[0], 20000 + ids % 20000)
+            expand_nodelist(environ["SLURM_JOB_NODELIST"])[0], first + ids % (end - first))
 
 
 def _child(results, rank, world, master, port, device):
