@@ -63,9 +63,10 @@ def add_parser(sub) -> None:
         else:
             cli_args.add_setting(attention, setting, help=setting.help)
     g = p.add_argument_group("cluster")
-    g.add_argument("--hardware", default="a800-sxm", metavar="PRESET|FILE.yaml",
+    g.add_argument("--hardware", metavar="PRESET|FILE.yaml",
                    help="hardware preset (listed below; --list-hardware adds their sources) or "
-                        "a YAML file (default a800-sxm)")
+                        "a YAML file (default a800-sxm; with --validate, the preset whose "
+                        "evidence names the table)")
     g.add_argument("--list-hardware", action="store_true",
                    help="list the shipped hardware presets, each with where its numbers come "
                         "from, and exit")
@@ -219,15 +220,26 @@ def list_hardware() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _hardware(args):
+    """--hardware and --kernel; without --hardware, a800-sxm, or for --validate the preset
+    whose evidence names the table (the GPU its rows ran on) and that evidence's kernel."""
+    from cpbench.sim import hardware
+
+    if args.hardware or not args.validate:
+        return hardware.load(args.hardware or "a800-sxm", args.kernel)
+    name, kernel = hardware.preset_of_table(args.validate) or ("a800-sxm", None)
+    return hardware.load(name, args.kernel or kernel)
+
+
 def _simulate(args) -> int:
     from cpbench.report import console
     from cpbench.report.render import prose
-    from cpbench.sim import command, hardware, measured_memory
+    from cpbench.sim import command, measured_memory
 
     if args.list_hardware:
         sys.stdout.write(list_hardware())
         return 0
-    hw = hardware.load(args.hardware, args.kernel)
+    hw = _hardware(args)
     if args.self_check:
         return _self_check(args, hw)
     if args.validate:

@@ -340,6 +340,21 @@ def names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
+def preset_of_table(table: str) -> tuple[str, str | None] | None:
+    """(preset, kernel) whose ``evidence:`` (or ``fit:``, kernel None: the default) names
+    this published table (matched by file name, as ``provenance`` matches it), else None."""
+    want = Path(table).name
+    for name in names():
+        with open(PRESET_DIR / f"{name}.yaml") as f:
+            d = yaml.safe_load(f) or {}
+        for kernel, stated in (d.get("evidence") or {}).items():
+            if want in (Path(f).name for f in stated.get("files", ())):
+                return name, kernel
+        if Path((d.get("fit") or {}).get("file", "")).name == want:
+            return name, None
+    return None
+
+
 def preset_lines() -> list[tuple[str, str]]:
     """(name, one line: its default cluster and description) per shipped preset, read from
     the files themselves, as ``simulate --help`` and ``--list-hardware`` print them (a preset
