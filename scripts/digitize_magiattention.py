@@ -9,8 +9,10 @@ GPUs; GQA 64:8, head dim 128) off its figures into a cpbench validation CSV.
 The figures (docs/source/blog/cp_benchmark.md, "Distributed Level"; added in 09fc31b2 "Dev
 v1.1.0", 2026-02-28) are bar charts, forward and backward TFLOP/s per GPU apart, with no
 numbers printed and no data file in the repository: each bar is measured in pixels. The
-y axis comes from the gridlines (a least-squares line through them, residual under 1 px);
-a bar's top is the most common top over its columns, reading up from the axis through other
+y axis is a least-squares line through the gridlines (residual under 1 px) at the values
+their labels print, read glyph by glyph against DejaVu Sans, matplotlib's font: the ticks
+differ between figures (50 on H100's varlen causal backward, 100 on B200's; a tick assumed
+per GPU read those bars at twice their value until 2026-11-28). A bar's top is the most common top over its columns, reading up from the axis through other
 series' lines and stopping at the background (a 9504 x 4704 figure: 0.18-0.41 TFLOP/s a
 pixel). Their FLOPs are cpbench's (4 · mask area · query heads · head dim, backward 2.5x),
 so the FWD+BWD figure is 3.5 / (1 / fwd + 2.5 / bwd) and the times follow from it.
@@ -35,7 +37,7 @@ prints one legend's bars of the "Kernel Level" figures (one GPU, batch 1, GQA 64
 figure's TFLOP/s a pixel: the B200 preset's cuDNN curves (--kernel cudnn: TransformerEngine's
 fused attention) and FlashAttention-4's (--kernel fa4: flash_attn.cute's flash_attn_func) in
 src/cpbench/sim/presets/b200.yaml. Given .../kernel/h100 it reads the H100 figures' legend
-(fa2, fa3, cudnn, flex, flash_mask, sdpa, ffa; ticks of 100), and their varlen full and causal
+(fa2, fa3, cudnn, flex, flash_mask, sdpa, ffa), and their varlen full and causal
 figures too (--kernel fa3: FlashAttention-3).
 """
 
@@ -43,7 +45,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -62,9 +66,9 @@ IMPLS = {"ulysses": ("Ulysses", "ulysses"),
          "ring_allgather": ("Ring AllGather (TE)", "llama3"),
          "usp": ("USP", "usp"),
          "loongtrain": ("LoongTrain", "usp")}
-RUNS = {"h100": (100, 8192, "fa3"), "b200": (200, 16384, "cudnn")}  # tick, tokens a GPU, kernel
+RUNS = {"h100": (8192, "fa3"), "b200": (16384, "cudnn")}  # tokens a GPU, kernel
 # the kernel-level figures: the same palette, each GPU's own legend (the colours of its legend
-# patches, read off the pixels), ticks and masks read (B200's varlen figures have another
+# patches, read off the pixels), and masks read (B200's varlen figures have another
 # legend, without fa4); x axis 1K..32K
 KERNEL_COLOURS = {(218, 136, 129): "fa4", (255, 191, 171): "cudnn", (237, 218, 168): "flex",
                   (150, 199, 168): "flash_mask", (83, 150, 159): "sdpa",
@@ -72,9 +76,8 @@ KERNEL_COLOURS = {(218, 136, 129): "fa4", (255, 191, 171): "cudnn", (237, 218, 1
 H100_KERNEL_COLOURS = {(187, 172, 209): "fa2", (199, 95, 133): "fa3", (255, 191, 171): "cudnn",
                        (237, 218, 168): "flex", (150, 199, 168): "flash_mask",
                        (83, 150, 159): "sdpa", (71, 126, 184): "ffa"}
-KERNEL_RUNS = {"b200": (200, KERNEL_COLOURS, ("full", "causal")),
-               "h100": (100, H100_KERNEL_COLOURS,
-                        ("full", "causal", "varlen_full", "varlen_causal"))}
+KERNEL_RUNS = {"b200": (KERNEL_COLOURS, ("full", "causal")),
+               "h100": (H100_KERNEL_COLOURS, ("full", "causal", "varlen_full", "varlen_causal"))}
 KERNEL_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -111,27 +114,95 @@ def _top(a, x: int, colour, probe: int) -> int:
     return last
 
 
-def _axis(a, tick: float) -> tuple[float, float]:
-    """(pixels a TFLOP/s, the axis' row): a least-squares line through the gridlines."""
+GLYPH = (32, 24)  # a digit's ink, scaled to this many rows x columns to be compared
+
+
+def _ink(ink: np.ndarray) -> np.ndarray:
+    """A glyph's ink cropped, scaled to GLYPH, zero-mean and unit-norm (a correlation's
+    operand)."""
+    rows, cols = np.where(ink.any(axis=1))[0], np.where(ink.any(axis=0))[0]
+    crop = ink[rows[0]:rows[-1] + 1, cols[0]:cols[-1] + 1].astype(np.uint8) * 255
+    v = np.asarray(Image.fromarray(crop).resize(GLYPH[::-1], Image.BILINEAR), float)
+    v -= v.mean()
+    return v / (np.linalg.norm(v) or 1.0)
+
+
+@cache
+def _digits() -> dict[str, np.ndarray]:
+    """Each digit drawn in DejaVu Sans, the font matplotlib drew the figures' labels in."""
+    import matplotlib
+    from PIL import ImageDraw, ImageFont
+
+    font = ImageFont.truetype(os.path.join(matplotlib.get_data_path(), "fonts", "ttf",
+                                           "DejaVuSans.ttf"), 200)
+    out = {}
+    for d in "0123456789":
+        im = Image.new("L", (300, 300), 0)
+        ImageDraw.Draw(im).text((20, 20), d, fill=255, font=font)
+        out[d] = _ink(np.asarray(im) > 128)
+    return out
+
+
+def _label(band: np.ndarray) -> int:
+    """The number printed rightmost in ``band`` (dark pixels, left of the plot): its glyphs,
+    column runs closer than a glyph's width, each the digit it correlates with best."""
+    def height(run):
+        rows = np.where(band[:, run[0]:run[1]].any(axis=1))[0]
+        return rows[-1] - rows[0] + 1
+
+    # not a tick mark (matplotlib's default style): a dash, far wider than tall
+    glyphs = [r for r in _runs(band.any(axis=0)) if height(r) >= 0.4 * (r[1] - r[0])]
+    label = [glyphs[-1]]
+    for g in reversed(glyphs[:-1]):
+        if label[0][0] - g[1] >= label[-1][1] - label[-1][0]:
+            break
+        label.insert(0, g)
+    digits = _digits()
+    return int("".join(max(digits, key=lambda d: float((digits[d] * _ink(band[:, s:e])).sum()))
+                       for s, e in label))
+
+
+def gridlines(a) -> list[tuple[float, int]]:
+    """(row, the value its label prints) of each gridline, the top one first; raises
+    SystemExit where the labels are not 1, 2, 3, ... ticks."""
     x = int(a.shape[1] * 0.975)  # inside the plot, right of the last bar
     lines = [(s + e - 1) / 2 for s, e in _runs(np.all(a[:, x] == GRID, axis=1))]
-    values = [(len(lines) - i) * tick for i in range(len(lines))]  # top gridline first
-    slope, y0 = np.polyfit(values, lines, 1)
+    gap = lines[1] - lines[0]
+    # the plot's left edge: where the gridlines start (runs of their grey, not the odd pixel
+    # of a label's antialiased edge)
+    left = min(r[0] for y in lines for r in _runs(np.all(a[int(y)] == GRID, axis=1))
+               if r[1] - r[0] >= 20)
+    dark = a.max(axis=-1) < 120
+    values = [_label(dark[int(y - 0.3 * gap):int(y + 0.3 * gap), :left]) for y in lines]
+    step = values[-1]  # the bars stand on 0, one step below the lowest gridline
+    if step <= 0 or values != [step * (len(lines) - i) for i in range(len(lines))]:
+        raise SystemExit(f"the y labels read {values}: not steps of one tick above 0")
+    return list(zip(lines, values))
+
+
+def _axis(a) -> tuple[float, float]:
+    """(pixels a TFLOP/s, the axis' row): a least-squares line through the gridlines at the
+    values their labels print."""
+    rows, values = zip(*gridlines(a))
+    slope, y0 = np.polyfit(values, rows, 1)
     return float(slope), float(y0)
 
 
-def resolution(path: Path, tick: float) -> float:
+def resolution(path: Path) -> float:
     """TFLOP/s a pixel of the figure at ``path``: what one pixel of a bar's top is worth."""
-    return 1 / abs(_axis(np.asarray(Image.open(path).convert("RGB")).astype(int), tick)[0])
+    return 1 / abs(_axis(np.asarray(Image.open(path).convert("RGB")).astype(int))[0])
 
 
-def bars(path: Path, tick: float, colours: dict = COLOURS) -> list[tuple[str, float]]:
+def bars(path: Path, colours: dict = COLOURS) -> list[tuple[str, float]]:
     """(legend name, TFLOP/s) of every bar, left to right. A top is read at most a pixel
     high and up to ~5 pixels low, where a series' line crosses it (tests/unit/
     test_validate_magiattention.py)."""
     a = np.asarray(Image.open(path).convert("RGB")).astype(int)
-    slope, y0 = _axis(a, tick)
-    probe = int(round(y0 + slope * 0.03 * tick))
+    slope, y0 = _axis(a)
+    probe = int(round(y0 + slope * 0.03 * gridlines(a)[-1][1]))  # 3 % of a tick up
+    x = int(a.shape[1] * 0.975)
+    while probe > 0 and not np.all(a[probe, x] == 255):  # clear of the axis' own line
+        probe -= 1
     row, out, cur = a[probe], [], None
     for i in range(a.shape[1]):
         p = tuple(int(c) for c in row[i])
@@ -163,11 +234,11 @@ def rows(root: Path, hw: str, packings: int = 0, max_gpus: int = 64, min_gpus: i
          ) -> list[dict]:
     """The rows of ``hw``'s full and causal figures on min_gpus..max_gpus; ``packings`` > 0:
     of its varlen figures (packed documents), each row sampling that many packings."""
-    tick, tokens, kernel = RUNS[hw]
+    tokens, kernel = RUNS[hw]
     out = []
     for mask in ("full", "causal"):
         folder = f"varlen_{mask}_mask" if packings else f"{mask}_mask"
-        read = {ph: bars(root / hw / folder / ph / "flops_report.png", tick)
+        read = {ph: bars(root / hw / folder / ph / "flops_report.png")
                 for ph in ("fwd", "bwd")}
         per = len(read["fwd"]) // 4
         for i, ((name, fwd), (name_b, bwd)) in enumerate(zip(read["fwd"], read["bwd"])):
@@ -225,12 +296,12 @@ def _varlen(fwd: float, bwd: float) -> dict:
 def kernel_curves(root: Path, legend: str) -> dict[tuple[str, str], list[tuple[int, float]]]:
     """(mask, phase) -> [(seqlen, TFLOP/s)] of ``legend``'s bars in the kernel-level figures
     under ``root`` (assets/magi_attn/exp/kernel/b200 or .../h100: its name picks the legend)."""
-    tick, colours, masks = KERNEL_RUNS[root.name]
+    colours, masks = KERNEL_RUNS[root.name]
     out = {}
     for mask in masks:
         for phase in ("fwd", "bwd"):
             path = root / f"{mask}_mask" / phase / "flops_report.png"
-            read = [v for name, v in bars(path, tick, colours) if name == legend]
+            read = [v for name, v in bars(path, colours) if name == legend]
             if len(read) != len(KERNEL_LENGTHS):  # a length without its bar (an X)
                 raise SystemExit(f"{path}: {len(read)} {legend} bars, not one a length")
             out[(mask, phase)] = list(zip(KERNEL_LENGTHS, read))
@@ -244,7 +315,7 @@ def main(argv=None) -> int:
     p.add_argument("h100_csv", type=Path, nargs="?")
     p.add_argument("b200_csv", type=Path, nargs="?")
     p.add_argument("--kernel", metavar="LEGEND", choices=sorted(
-                   {n for _, colours, _ in KERNEL_RUNS.values() for n in colours.values()}),
+                   {n for colours, _ in KERNEL_RUNS.values() for n in colours.values()}),
                    help="print this legend's kernel-level bars (B200: cudnn, fa4, ...; "
                         "H100: fa3, fa2, cudnn, ...)")
     p.add_argument("--varlen", metavar="K", type=int, default=0,
@@ -257,12 +328,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.kernel:
         run = KERNEL_RUNS.get(args.figures.name)
-        if run is None or args.kernel not in run[1].values():
-            legends = "one of " + ", ".join(run[1].values()) if run else "give kernel/b200 or h100"
+        if run is None or args.kernel not in run[0].values():
+            legends = "one of " + ", ".join(run[0].values()) if run else "give kernel/b200 or h100"
             print(f"{args.figures.name}: no {args.kernel} bars ({legends})", file=sys.stderr)
             return 2
         for (mask, phase), points in kernel_curves(args.figures, args.kernel).items():
-            px = resolution(args.figures / f"{mask}_mask" / phase / "flops_report.png", run[0])
+            px = resolution(args.figures / f"{mask}_mask" / phase / "flops_report.png")
             print(f"{mask} {phase}: " + ", ".join(f"{n} {v:.1f}" for n, v in points)
                   + f" ({px:.2f} TFLOP/s a pixel)")
         return 0

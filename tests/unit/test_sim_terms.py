@@ -124,24 +124,3 @@ def test_a_varlen_call_is_priced_document_by_document():
                                                * 1e12) for d in docs)
         assert got == pytest.approx(want_s, rel=1e-6)
         assert got > mult * per_head * area / (curve.tflops(s) * 1e12) * 1.05  # not the block's
-    # a curve of one sequence a call (batch 1: B200's cuDNN, read off MagiAttention's
-    # kernel figures) carries a short call's fixed costs: the call is one block of its side
-    assert hw.piece_rates and not hardware.load("b200").piece_rates
-    one = model.predict("ulysses", strategies.get("ulysses").Options(), attn,
-                        Topology(world_size=8, ranks_per_node=8),
-                        dataclasses.replace(free, piece_rates=False))
-    for phase, got, mult in (("fwd", one.fwd_s, 1.0), ("bwd", one.bwd_s, 2.5)):
-        rate = hw.kernel(phase, False, 128).tflops(s)
-        assert got == pytest.approx(mult * per_head * area / (rate * 1e12), rel=1e-6)
-
-
-def test_batch_tokens_must_be_a_positive_count():
-    import yaml
-
-    from cpbench.errors import UsageError
-
-    with open(hardware.PRESET_DIR / "h100-sxm.yaml") as f:
-        raw = yaml.safe_load(f)
-    raw["kernel"]["batch_tokens"] = 0
-    with pytest.raises(UsageError, match="batch_tokens must be a positive"):
-        hardware.from_dict(raw, "h100-sxm", kernel="fa2")

@@ -78,41 +78,59 @@ def test_the_digitizer_reads_random_bars_within_its_stated_bias(tmp_path):
     heights = [[rng.uniform(300, 700) for _ in range(5)] for _ in range(4)]
     path = tmp_path / "chart.png"
     _chart(path, heights, 100)
-    read = digitize.bars(path, 100)
+    read = digitize.bars(path)
     assert [name for name, _ in read] == [n for n in list(digitize.COLOURS.values())[:5]] * 4
     _within_the_digitizers_bias(read, heights)
+
+
+@pytest.mark.parametrize("tick", [25, 50, 100, 200, 250, 500])
+def test_the_digitizer_reads_each_figures_tick_off_its_labels(tmp_path, tick):
+    """The y axis is the gridlines at the values their labels print (MagiAttention's figures
+    tick at 50 on H100's varlen causal backward, 100 on B200's: not one tick a GPU)."""
+    rng = random.Random()
+    heights = [[rng.uniform(2, 9) * tick for _ in range(5)] for _ in range(4)]
+    path = tmp_path / "chart.png"
+    _chart(path, heights, tick)
+    import numpy as np
+    from PIL import Image
+
+    a = np.asarray(Image.open(path).convert("RGB")).astype(int)
+    values = [v for _, v in digitize.gridlines(a)]
+    assert values == [tick * k for k in range(len(values), 0, -1)]
+    _within_the_digitizers_bias(digitize.bars(path), heights)
 
 
 @pytest.mark.parametrize("gpu", ["b200", "h100"])
 def test_the_digitizer_reads_the_kernel_figures_legend(tmp_path, gpu):
     """The kernel-level figures: B200 six kernels a length, ticks of 200, bars down to ~100;
     H100 seven, ticks of 100, bars down to ~15 (its varlen figures' sdpa)."""
-    tick, colours, _ = digitize.KERNEL_RUNS[gpu]
-    assert (tick, len(colours)) == {"b200": (200, 6), "h100": (100, 7)}[gpu]
+    colours, _ = digitize.KERNEL_RUNS[gpu]
+    tick = {"b200": 200, "h100": 100}[gpu]
+    assert len(colours) == {"b200": 6, "h100": 7}[gpu]
     rng = random.Random()
     low, high = {"b200": (100, 1500), "h100": (15, 750)}[gpu]
     heights = [[rng.uniform(low, high) for _ in colours] for _ in range(4)]
     path = tmp_path / "chart.png"
     _chart(path, heights, tick, colours)
-    read = digitize.bars(path, tick, colours)
+    read = digitize.bars(path, colours)
     assert [name for name, _ in read] == list(colours.values()) * 4
     _within_the_digitizers_bias(read, heights)
-    assert digitize.resolution(path, tick) == pytest.approx(_pixel(heights), rel=0.02)
+    assert digitize.resolution(path) == pytest.approx(_pixel(heights), rel=0.02)
 
 
 @pytest.mark.parametrize("gpu, figures", [("b200", 4), ("h100", 8)])
 def test_kernel_curves_pair_one_legends_bars_with_the_lengths(monkeypatch, tmp_path, gpu,
                                                               figures):
-    """The folder's name picks the legend and tick; H100 adds the varlen full and causal
-    figures (B200's have another legend)."""
-    tick, colours, _ = digitize.KERNEL_RUNS[gpu]
+    """The folder's name picks the legend; H100 adds the varlen full and causal figures
+    (B200's have another legend)."""
+    colours, _ = digitize.KERNEL_RUNS[gpu]
     legends = list(colours.values())
     n = len(digitize.KERNEL_LENGTHS)
     root, seen = tmp_path / gpu, []
 
-    def fake(path, tick, palette):
+    def fake(path, palette):
         assert palette is colours
-        seen.append((path.relative_to(root).as_posix(), tick))
+        seen.append(path.relative_to(root).as_posix())
         return [(name, 100.0 * i + j) for i in range(n) for j, name in enumerate(legends)]
 
     monkeypatch.setattr(digitize, "bars", fake)
@@ -121,8 +139,8 @@ def test_kernel_curves_pair_one_legends_bars_with_the_lengths(monkeypatch, tmp_p
     assert set(curves) == {(m, p) for m in masks for p in ("fwd", "bwd")}
     assert curves["full", "fwd"] == [(s, 100.0 * i + legends.index("cudnn")) for i, s in
                                      enumerate(digitize.KERNEL_LENGTHS)]
-    assert len(seen) == figures and (f"{masks[-1]}_mask/bwd/flops_report.png", tick) in seen
-    monkeypatch.setattr(digitize, "bars", lambda path, tick, colours: [("cudnn", 1.0)])
+    assert len(seen) == figures and f"{masks[-1]}_mask/bwd/flops_report.png" in seen
+    monkeypatch.setattr(digitize, "bars", lambda path, colours: [("cudnn", 1.0)])
     with pytest.raises(SystemExit, match="1 cudnn bars, not one a length"):
         digitize.kernel_curves(root, "cudnn")
 
@@ -260,7 +278,7 @@ def test_the_digitizer_reads_the_varlen_figures_into_rows_without_times(monkeypa
     rows up to --max-gpus, each naming its documents and packings."""
     seen = []
 
-    def fake(path, tick):
+    def fake(path):
         seen.append(path.relative_to(tmp_path).as_posix())
         return [(name, 100.0 + 10 * g + j) for g in range(4)
                 for j, name in enumerate(list(digitize.COLOURS.values()))]

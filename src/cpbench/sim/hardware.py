@@ -115,12 +115,6 @@ class Hardware:
     # CP rows it was validated on with this kernel, or that it has none
     evidence: str = provenance.NO_EVIDENCE
     stated_error: float | None = None  # its held-out median |error|, where it has one
-    # the curves' points were measured at a fixed token count (``batch_tokens:``, batch x L:
-    # many sequences of length L a call), so a varlen call's piece of side L runs at the
-    # curve's L; a curve of one sequence a call (batch 1) holds a short call's fixed costs at
-    # its short end, which a piece inside a varlen call does not pay: the call is then priced
-    # as one block of its side
-    piece_rates: bool = False
 
     def kernels(self) -> tuple[tuple[int | None, KernelSet], ...]:
         first = KernelSet(self.kernel_fwd, self.kernel_bwd, self.kernel_fwd_causal,
@@ -288,7 +282,6 @@ def from_dict(d: dict, source: str = "preset", kernel: str | None = None) -> Har
             kernel_name=kernel_name, kernel_choices=choices,
             evidence=provenance.evidence(d.get("evidence"), kernel_name, f"{source}: evidence"),
             stated_error=provenance.stated_error(d.get("evidence"), kernel_name),
-            piece_rates=_batch_tokens(k, source) is not None,
         )
     except KeyError as e:
         raise UsageError(f"{source}: missing field {e.args[0]!r} (see configs/hardware/"
@@ -298,16 +291,6 @@ def from_dict(d: dict, source: str = "preset", kernel: str | None = None) -> Har
                          f"a800-sxm.yaml") from None
     _check(hw, source)
     return hw
-
-
-def _batch_tokens(k: dict, source: str) -> int | None:
-    """The curves' batch x L (``batch_tokens:``), None where not stated."""
-    if k.get("batch_tokens") is None:
-        return None
-    n = _number(k, "batch_tokens", f"{source}: kernel", int)
-    if n <= 0:
-        raise UsageError(f"{source}: kernel.batch_tokens must be a positive token count")
-    return n
 
 
 def _check(hw: Hardware, source: str) -> None:

@@ -6,8 +6,7 @@ the step's slowest rank add up to the step's time:
   share (S / N tokens a side): the work itself;
 - ``block size``: what running it in the step's own blocks costs beyond that (a zigzag step's
   half blocks run lower on the curve; Ulysses' whole-sequence blocks higher: negative; under
-  a mask each varlen piece at its own side, so packed documents at their lengths, where the
-  curve was measured at a fixed token count, ``Hardware.piece_rates``);
+  a mask each varlen piece at its own side, so packed documents at their lengths);
 - ``NCCL contention``: the kernel's rate inside a CP run below its rate alone
   (``kernel.in_cp``: NCCL's kernels take SMs; measured on A800 in seed 000's profile), in
   steps whose messages run beside the kernel only (``_contends``);
@@ -74,7 +73,7 @@ def _compute(hw: Hardware, phase: str, r, head_dim, s: Scale) -> dict[str, float
     alone = hw.kernel(phase, r.causal, head_dim)
     in_cp = hw.kernel_in_cp[0 if phase == "fwd" else 1]
     at_side = flops / (alone.tflops(r.side * s.length) * 1e12)
-    if r.spectrum and hw.piece_rates:  # varlen calls: each piece at its own side and mask
+    if r.spectrum:  # varlen calls: each piece at its own side and mask
         rate = curves.piece_rate(r.spectrum, lambda c: hw.kernel(phase, c, head_dim), s.length)
         at_side = flops / (rate * 1e12)
     at_share = flops / (alone.tflops(s.share_side) * 1e12)
