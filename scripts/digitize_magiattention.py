@@ -14,7 +14,8 @@ their labels print, read glyph by glyph against DejaVu Sans, matplotlib's font: 
 differ between figures (50 on H100's varlen causal backward, 100 on B200's; a tick assumed
 per GPU read those bars at twice their value until 2026-11-28). A bar's top is the most
 common top over its columns, reading up from the axis through other series' lines and
-stopping at the background (a 9504 x 4704 figure: 0.18-0.41 TFLOP/s a pixel). Their FLOPs are cpbench's (4 · mask area · query heads · head dim, backward 2.5x),
+stopping at the background (a 9504 x 4704 figure: 0.18-0.41 TFLOP/s a pixel).
+Their FLOPs are cpbench's (4 · mask area · query heads · head dim, backward 2.5x),
 so the FWD+BWD figure is 3.5 / (1 / fwd + 2.5 / bwd) and the times follow from it.
 
     python scripts/digitize_magiattention.py MagiAttention/assets/magi_attn/exp/distributed \
