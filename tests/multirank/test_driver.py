@@ -153,9 +153,13 @@ def test_rounds_record_abba_order_check_once_and_pool_in_the_summary(tmp_path):
         ("zigzag", 0), ("ring", 0), ("ring", 1), ("zigzag", 1)]
     assert [bool(r["check"]) for r in records] == [True, True, False, False]
     assert all(c["rms_rel"] is not None for c in records[0]["check"])
-    summary = text[text.index("Benchmark Summary"):]
-    assert summary.count("zigzag") == 2  # one pooled row, one drift line
-    assert "Drift between rounds" in summary
+    summary = text[text.index("Benchmark Summary"):].splitlines()
+    # one pooled row, one drift line (a guard's flag may name the strategy too, under load)
+    rows = [line for line in summary
+            if "|" in line and line.split("|")[0].split()[:1] == ["zigzag"]]
+    drift = [line for line in summary if line.strip().startswith("zigzag S=")]
+    assert len(rows) == 1 and len(drift) == 1, "\n".join(summary)
+    assert "Drift between rounds (each round's median; the rows pool all rounds):" in summary
 
 
 def test_oom_failure_and_wrong_results_do_not_stop_the_run(tmp_path):
