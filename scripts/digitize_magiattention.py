@@ -181,12 +181,12 @@ def gridlines(a) -> list[tuple[float, int]]:
     return list(zip(lines, values))
 
 
-def _axis(a) -> tuple[float, float]:
-    """(pixels a TFLOP/s, the axis' row): a least-squares line through the gridlines at the
-    values their labels print."""
+def _axis(a) -> tuple[float, float, int]:
+    """(pixels a TFLOP/s, the axis' row, the tick): a least-squares line through the
+    gridlines at the values their labels print."""
     rows, values = zip(*gridlines(a))
     slope, y0 = np.polyfit(values, rows, 1)
-    return float(slope), float(y0)
+    return float(slope), float(y0), values[-1]
 
 
 def resolution(path: Path) -> float:
@@ -199,8 +199,8 @@ def bars(path: Path, colours: dict = COLOURS) -> list[tuple[str, float]]:
     high and up to ~5 pixels low, where a series' line crosses it (tests/unit/
     test_validate_magiattention.py)."""
     a = np.asarray(Image.open(path).convert("RGB")).astype(int)
-    slope, y0 = _axis(a)
-    probe = int(round(y0 + slope * 0.03 * gridlines(a)[-1][1]))  # 3 % of a tick up
+    slope, y0, tick = _axis(a)
+    probe = int(round(y0 + slope * 0.03 * tick))  # 3 % of a tick up
     x = int(a.shape[1] * 0.975)
     while probe > 0 and not np.all(a[probe, x] == 255):  # clear of the axis' own line
         probe -= 1
