@@ -283,8 +283,8 @@ def _dense(fwd: float, bwd: float, seq: int, cp: int, mask: str) -> dict:
 # utils.py DatasetSampler): its own length trace read as bin midpoints, documents over a
 # quarter of the sequence split into quarter-long pieces, the pieces of the whole trace
 # shuffled and packed; 20 packs, each phase's TFLOP/s (the real mask area's FLOPs) averaged
-# over them. cpbench draws the same pieces with this spec (cpbench.mask.TRACE_OPTIONS).
-VARLEN_DOCUMENTS = "trace:magiattention,split,midpoint"
+# over them. cpbench takes the same packs, seeds 0-19 (cpbench.mask.TRACE_OPTIONS, packs).
+VARLEN_DOCUMENTS = "trace:magiattention,packs"
 
 
 def _varlen(fwd: float, bwd: float) -> dict:

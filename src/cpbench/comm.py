@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import time
 import warnings
 import weakref
@@ -23,11 +24,13 @@ from cpbench.topology import Group
 
 @dataclass(frozen=True)
 class Sent:
-    """One message this rank sent: the op, the group's name, and its size in bytes."""
+    """One message this rank sent: the op, the group's name, its size in bytes, and the
+    bytes its layout copies read and wrote (an all-to-all's: ``a2a_copied_bytes``)."""
 
     op: str
     group: str
     nbytes: int
+    copied: int = 0
 
 
 _TRACE: contextvars.ContextVar[list[Sent] | None] = contextvars.ContextVar("trace", default=None)
@@ -71,12 +74,12 @@ def counting():
         counters.remove(c)
 
 
-def _record(op: str, group: Group, nbytes: int) -> None:
+def _record(op: str, group: Group, nbytes: int, copied: int = 0) -> None:
     for c in _counters():
         c.nbytes += nbytes
     log = _TRACE.get()
     if log is not None:
-        log.append(Sent(op, group.name, nbytes))
+        log.append(Sent(op, group.name, nbytes, copied))
 
 
 KERNEL = "kernel"
@@ -196,6 +199,21 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def a2a_copied_bytes(shape: tuple[int, ...], element_size: int, n: int, scatter_dim: int
+                     ) -> int:
+    """The bytes ``all_to_all``'s own layout copies of a contiguous ``shape`` read and write
+    besides the wire: the send buffer laid chunk-major (a view, no copy, when the scatter dim
+    is the outermost one of size over 1) and the received chunks laid side by side (always a
+    copy), each the whole local tensor read once and written once. What the simulator
+    prices over HBM (``Message.copied``); tests/unit/test_comm_copies.py counts them."""
+    if n == 1:
+        return 0
+    view = torch.empty(shape, device="meta").unflatten(
+        scatter_dim, (n, shape[scatter_dim] // n)).movedim(scatter_dim, 0)
+    copies = 1 + (not view.is_contiguous())
+    return 2 * copies * math.prod(shape) * element_size
+
+
 def all_to_all(x: torch.Tensor, group: Group, *, scatter_dim: int, gather_dim: int
                ) -> torch.Tensor:
     """Split ``x`` into group.size chunks along scatter_dim, send chunk j to member j, and
@@ -206,9 +224,10 @@ def all_to_all(x: torch.Tensor, group: Group, *, scatter_dim: int, gather_dim: i
     assert x.shape[scatter_dim] % n == 0, "scatter dim must divide by the group size"
     # Chunks of the scatter dim become the leading dim so all_to_all_single can split dim 0.
     xs = x.unflatten(scatter_dim, (n, x.shape[scatter_dim] // n)).movedim(scatter_dim, 0)
+    copies = 1 + (not xs.is_contiguous())  # the send buffer's (if not a view), the cat's
     xs = xs.contiguous()
     out = torch.empty_like(xs)
-    _record("a2a", group, nbytes(xs) * (n - 1) // n)
+    _record("a2a", group, nbytes(xs) * (n - 1) // n, 2 * copies * nbytes(xs))
     with _Collective(out, xs):
         dist.all_to_all_single(out, xs, group=group.pg)  # in its dtype: what a GPU run sends
     # out[j] is member j's chunk, in x's dim order: lay the chunks side by side on gather_dim.

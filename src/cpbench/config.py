@@ -241,7 +241,8 @@ ATTENTION_HELP = {
                  "uniform:MIN-MAX, lognormal:MEDIAN,SIGMA, trace:NAME (a real length trace "
                  "shipped with cpbench: " + ", ".join(traces.TRACES) + "; trace:NAME,split"
                  ",midpoint draws it as MagiAttention's benchmark does: long documents split "
-                 "at --max-document, bins as midpoints), file:PATH (one length a line, or a "
+                 "at --max-document, bins as midpoints; trace:NAME,packs: its packs, --seed "
+                 "K its pack K), file:PATH (one length a line, or a "
                  "histogram in the traces' format)",
     "window_size": "sliding window LEFT,RIGHT as flash-attn's window_size: query i sees keys "
                    "i-LEFT..i+RIGHT (-1: unbounded; 1023,0 with --causal: itself and the "

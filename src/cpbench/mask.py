@@ -12,7 +12,8 @@ run's seed until the sequence is full (``uniform:MIN-MAX``, ``lognormal:MEDIAN,S
 ``trace:NAME`` of ``cpbench.traces``, ``file:PATH``), each length capped at
 ``--max-document`` (default a quarter of the sequence, MagiAttention's benchmark's cap).
 A capped draw is cut to the cap; ``trace:NAME,split`` keeps the rest instead, as
-MagiAttention's benchmark does (``TRACE_OPTIONS``). ``--document-padding pad`` pads them per
+MagiAttention's benchmark does, and ``trace:NAME,packs`` gives its packs themselves
+(``TRACE_OPTIONS``). ``--document-padding pad`` pads them per
 strategy (``pad_documents``).
 """
 
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from cpbench import traces
 from cpbench.errors import UsageError
+from cpbench.traces import packs
 
 if TYPE_CHECKING:  # torch is imported where a mask meets tensors: parsing a mask needs none
     import torch
@@ -41,6 +43,9 @@ TRACE_OPTIONS = {
              "and drawn in proportion to their number (the trace's tokens, not its documents: "
              "a long document is not cut to the cap and its rest dropped)",
     "midpoint": "each bin is drawn as its midpoint (LO+HI)//2, not uniformly inside it",
+    "packs": "its sampler itself: pieces as split and midpoint, shuffled (seed 42) and packed in "
+             "order, a piece that overflows a pack cut and its tail opening the next, the "
+             "packs shuffled; --seed K is its pack K (--packings 20: the 20 it timed)",
 }
 
 
@@ -193,6 +198,10 @@ def resolve_documents(documents: str | Iterable[int] | None, seqlen: int, seed: 
                              f"{seqlen}; give lengths that add up to --seqlen")
         return given
     cap = max_document or max(1, seqlen // 4)
+    kind, _, rest = documents.partition(":")
+    name, *options = (part.strip() for part in rest.split(","))
+    if kind == "trace" and "packs" in options:
+        return packs.pack(traces.histogram(traces.text(name)), seqlen, cap, seed)
     draw, rng, total = _sampler(documents, cap), random.Random(seed), 0
     lengths: list[int] = []
     while total < seqlen:

@@ -47,16 +47,21 @@ def trace_phases(st) -> dict[str, list]:
 
 
 def traced_bytes(st, traced):
-    """Bytes sent per (phase, op, group), measured vs declared by the schedule."""
+    """Bytes sent per (phase, op, group), and those its layout copies passed over ("a2a
+    copied"), measured vs declared by the schedule."""
     measured = Counter()
     for phase, sent in traced.items():
         for m in sent:
             if m.op != comm.KERNEL:
                 measured[(phase, m.op, m.group)] += m.nbytes
+                if m.copied:
+                    measured[(phase, f"{m.op} copied", m.group)] += m.copied
     declared = Counter()
     for step in st.schedule():
         for m in step.messages:
             declared[(step.phase, m.op, m.group)] += m.nbytes
+            if m.copied:
+                declared[(step.phase, f"{m.op} copied", m.group)] += m.copied
     return dict(measured), dict(declared)
 
 

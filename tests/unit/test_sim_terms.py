@@ -114,7 +114,7 @@ def test_a_varlen_call_is_priced_document_by_document():
     free = dataclasses.replace(
         hw, kernel_in_cp=(1.0, 1.0), merge=hardware.Pass(), accumulate=hardware.Pass(),
         step_overhead_us=0.0, intra=hardware.Link(1e12, 0.0), inter=hardware.Link(1e12, 0.0),
-        node_inter_gbs=1e12)
+        node_inter_gbs=1e12, memory_bandwidth_gbs=None)  # no layout copies
     p = model.predict("ulysses", strategies.get("ulysses").Options(), attn,
                       Topology(world_size=8, ranks_per_node=8), free)
     per_head = 4 * 128 * ATTN.heads / 8  # FLOPs a pair, one GPU's heads

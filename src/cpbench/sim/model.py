@@ -49,8 +49,10 @@ hardware preset (``cpbench.sim.hardware``). Modelling assumptions, and where the
    priced per element (``merge``, ``accumulate``; ``sim.sharing``): on CPUs measured by
    ``cpbench calibrate``, on GPUs bytes per element over the HBM bandwidth (measured on A800
    in seed 000's profile). A strategy that returns its one kernel call's result as it is
-   (``Strategy.merges``: Ulysses) pays neither. What ranks on one CPU share besides (only
-   presets ``cpbench calibrate`` measured on a CPU carry these):
+   (``Strategy.merges``: Ulysses) pays neither. An all-to-all's own layout copies (the send
+   buffer laid chunk-major, the received chunks side by side: ``Message.copied``) are
+   priced the same way, bytes over HBM (``sim.terms``, ``layout copies``). What ranks on
+   one CPU share besides (only presets ``cpbench calibrate`` measured on a CPU carry these):
    - an overlapped message does not hide: the transport's thread needs the core the kernel
      holds. It adds ``overlapped`` times its time alone on the link (measured: the same
      exchange posted before a kernel and awaited after it, against its time alone);
@@ -67,9 +69,10 @@ hardware preset (``cpbench.sim.hardware``). Modelling assumptions, and where the
    workspaces and allocator fragmentation are not.
 
 Everything scales exactly with the sequence length and batch (bytes with S·B, FLOPs with
-S²·B), and bf16 and fp16 move the same bytes, so a schedule is built once per (strategy,
-options, heads, head dim, element size, topology) and re-scaled: 1,500 configurations up to
-64 GPUs take about 2 s; the first build of one strategy on 128 GPUs about half a second.
+S²·B; an all-to-all's layout copies with B from 2 on: a batch over 1 compiles at 2), and
+bf16 and fp16 move the same bytes, so a schedule is built once per (strategy, options,
+heads, head dim, element size, topology) and re-scaled: 1,500 configurations up to 64 GPUs
+take about 2 s; the first build of one strategy on 128 GPUs about half a second.
 """
 
 from __future__ import annotations
@@ -133,14 +136,16 @@ _BY_SIZE = {2: "bf16", 4: "fp32"}
 
 def compiled_for(name: str, options, attn: AttentionConfig, topo: Topology) -> Compiled:
     """The compiled schedule of this shape and topology, built once at a small sequence
-    length the strategy accepts and batch 1, and re-scaled (exact: see the module
-    docstring)."""
+    length the strategy accepts and batch 1, or 2 for any larger batch (an all-to-all's
+    layout copies differ between batch 1 and more: ``comm.a2a_copied_bytes``), and
+    re-scaled (exact: see the module docstring)."""
     build(name, options, attn, topo)  # this seqlen's own validation
     if not mask_of(attn).plain:
         # a mask's area does not scale as S² (documents, windows): compiled at its own size
         return _compiled(name, options, attn, topo.world_size, topo.ranks_per_node)
     # bf16 and fp16 schedules are the same bytes: one compile serves both
-    shape = dataclasses.replace(attn, seqlen=1, batch=1, dtype=_BY_SIZE[attn.element_size])
+    shape = dataclasses.replace(attn, seqlen=1, batch=min(attn.batch, 2),
+                                dtype=_BY_SIZE[attn.element_size])
     key = (name, options, shape, topo.world_size, topo.ranks_per_node)
     if key not in _REFERENCE:
         _REFERENCE[key] = dataclasses.replace(

@@ -38,6 +38,7 @@ class RankStep:
     out_elements: float = 0.0  # its rows x heads x V's head dim (its merge)
     v_elements: float = 0.0  # its key rows x kv heads x V's head dim (dv sum)
     spectrum: tuple[tuple[float, bool, float], ...] = ()  # varlen tiles: ``Step.spectrum``
+    copied: float = 0.0  # bytes its layout copies around its messages read and write
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,12 @@ def _shares(g, op: str, me: int, topo: Topology) -> tuple[float, float]:
 @dataclass
 class _Loads:
     """One rank's schedule as the model reads it, per step: bytes by link and kind
-    (intra_ov, inter_ov, intra_exp, inter_exp) and bytes leaving the node (ov, exp)."""
+    (intra_ov, inter_ov, intra_exp, inter_exp), bytes leaving the node (ov, exp) and bytes
+    its layout copies pass over (``Message.copied``, at the message's own step)."""
 
     moved: list[list[float]]
     leaving: list[list[float]]
+    copied: list[float]
 
 
 def _span(phases: list[str], i: int, m) -> list[int]:
@@ -120,10 +123,12 @@ def _rank_loads(strat: Strategy, schedule, topo: Topology, spans: dict | None = 
     spans = {} if spans is None else spans
     me = topo.node_of(strat.rank)
     phases = [st.phase for st in schedule]
-    loads = _Loads([[0.0] * 4 for _ in schedule], [[0.0, 0.0] for _ in schedule])
+    loads = _Loads([[0.0] * 4 for _ in schedule], [[0.0, 0.0] for _ in schedule],
+                   [0.0] * len(schedule))
     shares: dict[tuple[str, str], tuple[float, float]] = {}
     for i, step in enumerate(schedule):
         for m in step.messages:
+            loads.copied[i] += m.copied
             key = (m.op, m.group)
             if key not in shares:
                 shares[key] = _shares(strat.groups[m.group], m.op, me, topo)
@@ -165,9 +170,10 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
         for strat, sched, rank_loads, node, own in zip(ranks, schedules, loads, nodes, share):
             step = sched[i]
             key = (step.flops, step.block, step.spectrum, *rank_loads.moved[i],
-                   *node_out[node], own)
+                   *node_out[node], own, rank_loads.copied[i])
             if key not in made:
-                made[key] = _view(strat, attn, step, rank_loads.moved[i], node_out[node])
+                made[key] = _view(strat, attn, step, rank_loads.moved[i], node_out[node],
+                                  rank_loads.copied[i])
             views.setdefault(node, []).append(made[key])
         steps.append(_step_load(first.phase, list(views.values()), first.joins))
     rank0 = ranks[0]
@@ -177,13 +183,13 @@ def compile_schedule(name: str, options, attn: AttentionConfig, topo: Topology) 
 
 
 def _view(strat: Strategy, attn: AttentionConfig, step, moved: list[float],
-          out: list[float]) -> RankStep:
+          out: list[float], copied: float) -> RankStep:
     """One rank's step as the model reads it."""
     side = math.sqrt(step.block[0] * step.block[1]) if step.block else 0.0
     el = sharing.elements(strat, attn, step.block) if strat.merges() else {}
     return RankStep(
         step.flops, side, moved[0], moved[1], moved[2], moved[3], out[0], out[1],
-        causal=bool(step.block and step.block[2]), spectrum=step.spectrum,
+        causal=bool(step.block and step.block[2]), spectrum=step.spectrum, copied=copied,
         **{k: el.get(k, 0.0) for k in ("q_elements", "kv_elements", "out_elements",
                                        "v_elements")})
 

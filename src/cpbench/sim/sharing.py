@@ -7,7 +7,7 @@ only; on GPUs ``idle_speedup`` is 1 and this adds nothing)."""
 from __future__ import annotations
 
 from cpbench.config import AttentionConfig
-from cpbench.sim.hardware import Hardware
+from cpbench.sim.hardware import GB, Hardware
 from cpbench.strategies.base import FWD, Strategy
 
 
@@ -33,6 +33,13 @@ def passes_s(hw: Hardware, phase: str, q: float, kv: float, out: float | None = 
     if phase == FWD:
         return hw.merge.seconds(out)
     return hw.accumulate.seconds(q) + hw.accumulate.seconds(kv) + hw.accumulate.seconds(v)
+
+
+def copies_s(hw: Hardware, nbytes: float) -> float:
+    """A step's layout copies around its messages (``RankStep.copied``: bytes read and
+    written), over HBM at its datasheet rate: a lower bound (a copy kernel reaches less).
+    CPU presets measured no copy: nothing."""
+    return nbytes / (hw.memory_bandwidth_gbs * GB) if nbytes and hw.memory_bandwidth_gbs else 0.0
 
 
 def sinks_s(hw: Hardware, phase: str, attn: AttentionConfig, ranks: int) -> float:

@@ -12,6 +12,9 @@ the step's slowest rank add up to the step's time:
   steps whose messages run beside the kernel only (``_contends``);
 - ``merge / rescale``: the forward's merge of a block into the fp32 (out, lse), the
   backward's dq, dk, dv sums (``merge``, ``accumulate``: bytes per element over HBM);
+- ``layout copies``: the copies a rank's all-to-alls make of their tensors besides the wire
+  (``comm.a2a_copied_bytes``: the chunk-major send buffer, the received chunks laid side by
+  side), bytes over HBM (``sharing.copies_s``);
 - ``launch / sync``: a fixed cost per kernel step (``kernel.step_overhead_us``);
 - ``comm not hidden``: an overlapped message that outlasts its kernel;
 - ``comm latency``, ``comm bandwidth``: exposed messages (all-to-alls, all-gathers, the last
@@ -25,8 +28,8 @@ from dataclasses import dataclass
 from cpbench.sim import curves, sharing
 from cpbench.sim.hardware import GB, Hardware
 
-TERMS = ("kernel", "block size", "NCCL contention", "merge / rescale", "launch / sync",
-         "comm not hidden", "comm latency", "comm bandwidth")
+TERMS = ("kernel", "block size", "NCCL contention", "merge / rescale", "layout copies",
+         "launch / sync", "comm not hidden", "comm latency", "comm bandwidth")
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,9 @@ def _contends(r) -> bool:
 
 def _compute(hw: Hardware, phase: str, r, head_dim, s: Scale) -> dict[str, float]:
     """One rank's kernel call and the step's own costs around it, by term."""
+    copies = {"layout copies": sharing.copies_s(hw, r.copied * s.linear)} if r.copied else {}
     if not r.flops:
-        return {}
+        return copies
     flops = r.flops * s.square
     alone = hw.kernel(phase, r.causal, head_dim)
     in_cp = hw.kernel_in_cp[0 if phase == "fwd" else 1]
@@ -82,7 +86,7 @@ def _compute(hw: Hardware, phase: str, r, head_dim, s: Scale) -> dict[str, float
             "merge / rescale": sharing.passes_s(
                 hw, phase, r.q_elements * s.linear, r.kv_elements * s.linear,
                 r.out_elements * s.linear, r.v_elements * s.linear),
-            "launch / sync": hw.step_overhead_us * 1e-6}
+            **copies, "launch / sync": hw.step_overhead_us * 1e-6}
 
 
 def _views(hw: Hardware, load, head_dim, s: Scale) -> list[tuple[float, float, dict]]:

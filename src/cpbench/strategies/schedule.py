@@ -18,7 +18,8 @@ class Message:
     ``overlapped``: in flight during compute (False: exposed, nothing hides it);
     ``overlap_steps``: how many steps' kernels it has to arrive in (a double ring's outer hop
     has a whole inner window); ``after_compute``: posted after this step's kernel (a partial
-    sum moving on), so those are the next steps' kernels, not this one's."""
+    sum moving on), so those are the next steps' kernels, not this one's; ``copied``: bytes
+    the rank's own layout copies around it read and write (``comm.a2a_copied_bytes``)."""
 
     op: str
     group: str
@@ -27,6 +28,7 @@ class Message:
     overlapped: bool = True
     overlap_steps: int = 1
     after_compute: bool = False
+    copied: int = 0
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from cpbench.comm import all_to_all
+from cpbench.comm import a2a_copied_bytes, all_to_all
 from cpbench.errors import UsageError
 from cpbench.merge import add_sink, sink_grad
 from cpbench.strategies import register
@@ -160,18 +160,24 @@ def ulysses_messages(strat: Strategy, group: Group, seqlen_local: int, kv_heads:
     if n == 1:
         return {"fwd_in": (), "fwd_out": (), "bwd_in": (), "bwd_out": ()}
     a = strat.attn
+    b, full, es = a.batch, seqlen_local * n, a.element_size
 
-    def a2a(nbytes: int) -> Message:
+    def a2a(heads: int, width: int, to_heads: bool) -> Message:
+        """Sequence shards to head shards (scatter heads: dim 2) or back (scatter the
+        sequence: dim 1), of a (b, s, heads, width) tensor as ``all_to_all`` lays it."""
+        shape = (b, seqlen_local, heads, width) if to_heads else (b, full, heads // n, width)
+        nbytes = math.prod(shape) * es
         return Message("a2a", group.name, nbytes * (n - 1) // n, group.crosses_nodes,
-                       overlapped=False)
+                       overlapped=False,
+                       copied=a2a_copied_bytes(shape, es, n, 2 if to_heads else 1))
 
-    q, out = strat.q_bytes(seqlen_local), strat.out_bytes(seqlen_local)
-    k = a.batch * seqlen_local * kv_heads * a.head_dim * a.element_size
-    v = k * a.dv // a.head_dim  # V's own head dim
-    return {"fwd_in": (a2a(q), a2a(k), a2a(v)),  # q, k, v
-            "fwd_out": (a2a(out),),  # out (the lse only for --check: not timed, not here)
-            "bwd_in": (a2a(out),),  # dout
-            "bwd_out": (a2a(q), a2a(k), a2a(v))}  # dq, dk, dv
+    h, d, dv = a.heads, a.head_dim, a.dv  # V's own head dim
+    return {"fwd_in": (a2a(h, d, True), a2a(kv_heads, d, True),  # q, k, v
+                       a2a(kv_heads, dv, True)),
+            "fwd_out": (a2a(h, dv, False),),  # out (the lse only for --check: not timed)
+            "bwd_in": (a2a(h, dv, True),),  # dout
+            "bwd_out": (a2a(h, d, False), a2a(kv_heads, d, False),  # dq, dk, dv
+                        a2a(kv_heads, dv, False))}
 
 
 @register
