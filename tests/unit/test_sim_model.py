@@ -167,12 +167,15 @@ def test_exposed_all_to_alls_add_to_the_compute():
 
 
 @pytest.mark.parametrize("name,opts", [("zigzag", {}), ("usp", {"placement": "ring-first"}),
-                                       ("burst", {}), ("megatron-cp", {}), ("ring", {})])
-def test_rescaled_schedules_equal_ones_built_at_the_size(name, opts):
+                                       ("burst", {}), ("megatron-cp", {}), ("ring", {}),
+                                       ("ulysses", {}), ("usp", {"ulysses_degree": 4}),
+                                       ("megatron-cp-a2a+p2p", {})])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_rescaled_schedules_equal_ones_built_at_the_size(name, opts, batch):
     """Predictions come from a schedule built at a small sequence length and re-scaled; that
     is exact: they equal the same model evaluated on a schedule built at the real size."""
     hw = hardware.load("a800-sxm")
-    big = problem(seqlen=16384, batch=3)
+    big = problem(seqlen=16384, batch=batch)
     options = strategies.get(name).Options(**opts)
     topo = Topology(world_size=8, ranks_per_node=4)
     scaled = model.predict(name, options, big, topo, hw)

@@ -124,3 +124,46 @@ def test_a_varlen_call_is_priced_document_by_document():
                                                * 1e12) for d in docs)
         assert got == pytest.approx(want_s, rel=1e-6)
         assert got > mult * per_head * area / (curve.tflops(s) * 1e12) * 1.05  # not the block's
+
+
+def test_an_all_to_alls_layout_copies_are_priced_over_hbm():
+    """Ulysses on 16 H100 (K/V heads 8 replicated to 16): the ``layout copies`` term is, by
+    hand, each all-to-all's local tensor read and written twice into head shards (send
+    buffer and the received chunks' cat) and once back to sequence shards (at batch 1 the
+    send buffer is a view), over the datasheet HBM rate; ring strategies have none."""
+    mib = 2 ** 20
+    q = 4096 * 64 * 128 * 2 / mib  # a rank's q (and out, dout, dq): 64 MiB
+    kv = 4096 * 16 * 128 * 2 / mib  # its replicated k (and v, dk, dv): 16 MiB
+    fwd = 4 * (q + 2 * kv) + 2 * q  # q, k, v in; out back
+    bwd = 4 * q + 2 * (q + 2 * kv)  # dout in; dq, dk, dv back
+    p = _predict("ulysses", "h100-sxm")
+    copies = {t: (f, b) for t, f, b in p.terms}["layout copies"]
+    hbm = hardware.load("h100-sxm").memory_bandwidth_gbs * 1e9
+    assert copies == pytest.approx((fwd * mib / hbm, bwd * mib / hbm), rel=1e-9)
+    assert {t: (f, b) for t, f, b in _predict("zigzag", "h100-sxm").terms}[
+        "layout copies"] == (0.0, 0.0)
+
+
+def test_a_varlen_sequence_is_priced_as_its_whole_tiles():
+    """Documents shorter than a tile, or not whole tiles: each costs its rows and keys
+    rounded up to 128 (``masked_varlen.TILE``), so the shares of a random packing sum to
+    the padded pairs over the real ones (by hand), and a call of 13-token documents runs
+    (128 / 13)^2 slower than the curve's rate at 128."""
+    import random
+
+    from cpbench.kernels import masked_varlen
+    from cpbench.mask import Mask
+    from cpbench.sim.curves import piece_rate
+
+    rng = random.Random()
+    docs = tuple(rng.randrange(1, 700) for _ in range(40))
+    s = sum(docs)
+    spec = masked_varlen.spectrum(masked_varlen.plan(Mask(False, docs), torch.arange(s),
+                                                      torch.arange(s)))
+    padded = sum((-(-d // 128) * 128) ** 2 for d in docs)
+    assert sum(w for _, _, w in spec) == pytest.approx(padded / sum(d * d for d in docs)), docs
+    assert min(side for side, _, _ in spec) >= 128
+    tiny = masked_varlen.spectrum(masked_varlen.plan(Mask(False, (13,) * 10),
+                                                      torch.arange(130), torch.arange(130)))
+    curve = hardware.load("h100-sxm", kernel="fa3").kernel("fwd", False, 128)
+    assert piece_rate(tiny, lambda c: curve) == pytest.approx(curve.tflops(128) * (13 / 128) ** 2)

@@ -155,9 +155,11 @@ def compiled_for(name: str, options, attn: AttentionConfig, topo: Topology) -> C
 
 def _small_seqlen(name: str, options, attn: AttentionConfig, topo: Topology) -> int:
     """``attn.seqlen`` halved while the strategy still accepts it (building a schedule walks
-    every rank's token indices: cheap at this size, whatever size is asked for)."""
+    every rank's token indices: cheap at this size, whatever size is asked for), keeping 2
+    tokens a rank: at 1, an all-to-all's send buffer would be a view and its copy vanish
+    (``comm.a2a_copied_bytes``), which no real size has."""
     seqlen = attn.seqlen
-    while seqlen % 2 == 0:
+    while seqlen % 2 == 0 and seqlen // 2 >= 2 * topo.world_size:
         try:
             build(name, options, dataclasses.replace(attn, seqlen=seqlen // 2), topo)
         except UsageError:
