@@ -111,8 +111,8 @@ def add_parser(sub) -> None:
                         "panel (needs matplotlib)")
     s.add_argument("--details", action="store_true",
                    help="also each case's time by named term (kernel, block size, NCCL "
-                        "contention, merge / rescale, launch / sync, communication): why a "
-                        "strategy wins")
+                        "contention, merge / rescale, layout copies, launch / sync, "
+                        "communication): why a strategy wins")
     s.add_argument("--format", choices=FORMATS, default="table")
     s.add_argument("--wide", action="store_true",
                    help="every column of every table (default: tables fit the terminal, "
