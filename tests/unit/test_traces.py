@@ -164,3 +164,10 @@ def test_trace_packs_are_the_packs_magiattentions_benchmark_timed():
     for k in range(20):
         docs = resolve_documents("trace:magiattention,packs", 65536, seed=k, max_document=None)
         assert list(docs) == theirs[k] and sum(docs) == 65536, k
+
+
+def test_packs_refuse_a_pack_too_short_to_hold_the_trace_in_memory():
+    """At 256 tokens a pack, the trace's 24 G tokens are 379 M pieces: refused before any is
+    made, saying what to give."""
+    with pytest.raises(UsageError, match="379 M pieces .at most 64 M.; give a longer --seqlen"):
+        resolve_documents("trace:magiattention,packs", 256, seed=0, max_document=None)

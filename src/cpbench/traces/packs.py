@@ -22,6 +22,9 @@ from typing import Any
 from cpbench.errors import UsageError
 
 SEED = 42  # MagiAttention's benchmark_conf.py SEED, which its sampler is given
+# pieces held at once (12 bytes each: the shuffled lengths and their ends); a short pack cuts
+# the trace into more pieces (the shipped trace: 14 M at 64K, 52 M at 2K, 379 M at 256)
+MAX_PIECES = 64 * 10 ** 6
 
 
 @functools.lru_cache(maxsize=2)
@@ -49,6 +52,10 @@ def pack(bins: list[tuple[int, int, int]], pack_len: int, chunk: int, index: int
     """The document lengths of pack ``index`` (0: the first their benchmark times)."""
     import numpy as np
 
+    pieces = sum(n * -(-((lo + hi) // 2) // chunk) for lo, hi, n in bins)
+    if pieces > MAX_PIECES:
+        raise UsageError(f"packs of {pack_len} tokens cut this trace into {pieces / 1e6:.0f} M "
+                         f"pieces (at most {MAX_PIECES // 10 ** 6} M); give a longer --seqlen")
     ends, order = _stream(tuple(bins), pack_len, chunk, seed)
     if not 0 <= index < len(order):
         raise UsageError(f"pack {index}: this trace makes {len(order)} packs of {pack_len} "
