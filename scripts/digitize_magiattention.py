@@ -23,8 +23,8 @@ so the FWD+BWD figure is 3.5 / (1 / fwd + 2.5 / bwd) and the times follow from i
         configs/validation/magiattention_b200_varlen.csv --varlen 20 --max-gpus 8
 
     python scripts/digitize_magiattention.py MagiAttention/assets/magi_attn/exp/distributed \
-        configs/validation/magiattention_h100_varlen_16_64.csv /tmp/b200_varlen.csv \
-        --varlen 5 --min-gpus 16
+        configs/validation/magiattention_h100_varlen_16_64.csv \
+        configs/validation/magiattention_b200_varlen_16_64.csv --varlen 5 --min-gpus 16
 
 reads the varlen figures (packed documents: "varlen full", "varlen causal"), whose rows
 have no times (each packing has its own mask area) and name the documents cpbench packs
