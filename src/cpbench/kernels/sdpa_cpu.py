@@ -4,7 +4,8 @@ Measured with torch 2.13 (and re-checked by tests/unit/test_kernels.py): layout 
 strided views accepted; lse fp32, natural log, (B, H, Sq); GQA accepted, dk/dv with kv heads;
 causal with Sq != Sk is top-left aligned; no dropout, no bool masks. One head dim for Q, K
 and V ("Q/K/V should have the same head size", 2.11 and 2.13 run): a V of its own width (MLA)
-is zero-padded to the wider for the call and sliced back (``base.one_width``; exact).
+is zero-padded to the wider for the call and sliced back into a tensor of its own
+(``base.one_width``; exact).
 
 A fully masked row comes back as out = 0 and lse = 0 (not -inf), which would poison an LSE
 merge. Strategies therefore never hand this backend a block with fully masked rows: they skip
@@ -36,7 +37,7 @@ def flash_forward(q, k, v, *args, **kwargs):
     q, k, v = one_width(q, k, v, width=max(q.shape[-1], dv))
     out_bhsd, lse_bhs = torchcompat.cpu_flash_forward(_bhsd(q), _bhsd(k), _bhsd(v), *args,
                                                       **kwargs)
-    return out_bhsd.transpose(1, 2)[..., :dv], lse_bhs
+    return _own(out_bhsd.transpose(1, 2), dv), lse_bhs
 
 
 def flash_backward(dout, q, k, v, out, *args, **kwargs):
@@ -45,7 +46,13 @@ def flash_backward(dout, q, k, v, out, *args, **kwargs):
     width = max(d, dv)
     grads = torchcompat.cpu_flash_backward(
         *(_bhsd(x) for x in one_width(dout, q, k, v, out, width=width)), *args, **kwargs)
-    return tuple(g.transpose(1, 2)[..., :w] for g, w in zip(grads, (d, d, dv)))
+    return tuple(_own(g.transpose(1, 2), w) for g, w in zip(grads, (d, d, dv)))
+
+
+def _own(x_bshd: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` cut back to ``width`` columns, in a tensor of its own when cut (as a GPU kernel
+    writes it): a strided slice would cost every all-to-all after it one more copy."""
+    return x_bshd if x_bshd.shape[-1] == width else x_bshd[..., :width].contiguous()
 
 
 def forward(q, k, v, *, causal: bool, softmax_scale: float):
