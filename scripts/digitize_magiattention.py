@@ -251,6 +251,8 @@ def rows(root: Path, hw: str, packings: int = 0, max_gpus: int = 64, min_gpus: i
             impl, strategy = IMPLS[name]
             label = folder[:-len("_mask")].replace("_", " ")  # "full", "varlen causal", ...
             options = ""
+            if name == "ring_allgather":  # their dispatch zigzags each document (thd)
+                options = "layout=zigzag-documents"
             if name == "loongtrain":
                 options = f"ring_impl=double-ring;ring_window={_loongtrain_window(cp // 8)}"
             row = {

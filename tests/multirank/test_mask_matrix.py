@@ -70,6 +70,11 @@ def _four_rank_cases():
               for causal in (True, False)]
     cases += [(name, _attn(documents=docs), _options(name))
               for name in ("ring", "zigzag", "llama3") for docs in ((24, 8, 32), (56, 8))]
+    # llama3 with every document zigzagged (TE's thd), in bf16 where the dK/dV dtypes differ
+    cases += [("llama3", _attn(documents=docs, causal=causal, dtype="bf16"),
+               _options("llama3", layout="zigzag-documents", dkv_dtype=dkv, heads_k_stride=1))
+              for docs, causal, dkv in (((24, 8, 32), True, "activation"),
+                                        ((56, 8), False, "fp32"))]
     # megatron-cp's ring; double-ring's two levels (inner rings of 2, a real outer hop)
     cases += [(name, _attn(**mask), _options(name)) for name in ("megatron-cp", "double-ring")
               for mask in (dict(documents=(56, 8)), dict(window_size=(5, 0)))]

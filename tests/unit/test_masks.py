@@ -279,6 +279,17 @@ def test_each_layout_declares_the_multiples_it_pads_to():
     assert built("llama3", layout="contiguous").pad_multiples() == (1, 8)
     st = built("llama3", layout="zigzag")
     assert st.pad_multiples() == (1, 16) and st.attn.seqlen == 1008
+    # zigzag-documents cuts every document in 2N, as TE's thd: each rank 2 chunks of each
+    st = built("llama3", layout="zigzag-documents")
+    assert st.pad_multiples() == (16, 16) and all(d % 16 == 0 for d in st.attn.documents)
+    starts = [sum(st.attn.documents[:i]) for i in range(len(st.attn.documents))]
+    for r in range(8):
+        held = set(st.seq_index(r).tolist())
+        for start, d in zip(starts, st.attn.documents):
+            c = d // 16
+            assert held >= set(range(start + r * c, start + (r + 1) * c))
+            assert held >= set(range(start + (15 - r) * c, start + (16 - r) * c))
+        assert len(held) == st.attn.seqlen // 8
     # usp 2 x 4 on a zigzag ring: documents to 8, the sequence to lcm(8, 8)
     st = built("usp", ulysses_degree=2)
     assert st.pad_multiples() == (8, 8) and st.ring.attn.documents == st.attn.documents

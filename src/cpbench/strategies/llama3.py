@@ -9,7 +9,12 @@ Layouts (``--layout``):
   context_parallel.py v2.18 L3222-3231) and each local half attends to the keys before it:
   the earlier keys in full, its own chunk causal (under a mask the tiles follow positions).
   Under documents the chunks are the whole sequence's, as the paper cuts it (any document
-  lengths; TE's thd format zigzags each document instead).
+  lengths).
+- ``zigzag-documents``: under documents *each document* cut into 2N chunks, rank r holding
+  chunks r and 2N-1-r of every one (TE's thd format, ``thd_partition_indices_kernel``;
+  MagiAttention's Ring AllGather baseline, ``exps/dist_attn/baselines/ring_attn.py``
+  ``RingAttnAllGather.dispatch``: ``zigzag_dispatch`` of the padded thd layout), so every
+  document is balanced; documents padded to 2N. Without documents it is ``zigzag``.
 - ``contiguous``: ring position r holds tokens [r·S/N, (r+1)·S/N), as ring-flash-attn's
   llama3 (the twin of ``rfa-llama3``).
 
@@ -42,9 +47,10 @@ from cpbench.errors import UsageError
 from cpbench.merge import OutLseAccumulator, add_sink, sink_grad
 from cpbench.strategies import register
 from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, option, save_for_backward
-from cpbench.strategies.layout import check_divisible, contiguous_index, zigzag_index
+from cpbench.strategies.layout import (check_divisible, check_documents_divisible,
+                                       contiguous_index, zigzag_documents_index, zigzag_index)
 
-LAYOUTS = ("zigzag", "contiguous")
+LAYOUTS = ("zigzag", "contiguous", "zigzag-documents")
 DKV_DTYPES = ("activation", "fp32")
 
 
@@ -148,8 +154,9 @@ class Llama3(Strategy):
     @dataclass(frozen=True, kw_only=True)
     class Options:
         layout: str = option("zigzag", "which tokens a rank holds: zigzag (the Llama 3 paper, "
-                             "TE's all_gather: chunks r and 2N-1-r of 2N) or contiguous "
-                             "(ring-flash-attn's llama3)", LAYOUTS)
+                             "TE's all_gather: chunks r and 2N-1-r of 2N), contiguous "
+                             "(ring-flash-attn's llama3) or zigzag-documents (each "
+                             "document zigzagged: TE's thd)", LAYOUTS)
         heads_k_stride: int = option(0, "K/V heads gathered at a time (0: all at once); "
                                      "fewer caps the gathered buffers")
         dkv_dtype: str = option("activation", "dtype of the dK/dV buffer and its "
@@ -158,14 +165,18 @@ class Llama3(Strategy):
 
     @classmethod
     def variants(cls, topo) -> list:
-        # both layouts side by side: the paper's, and the twin of rfa-llama3
-        return [cls.Options(layout=layout) for layout in LAYOUTS]
+        # the paper's layout and the twin of rfa-llama3 side by side (zigzag-documents is
+        # zigzag unless documents are given: asked for by name)
+        return [cls.Options(layout=layout) for layout in ("zigzag", "contiguous")]
 
     @classmethod
     def layout_multiples(cls, cp_size: int, options) -> tuple[int, int]:
-        # zigzag cuts the whole sequence into 2N chunks (any document lengths, as the paper)
-        zigzag = (options or cls.Options()).layout == "zigzag"
-        return 1, 2 * cp_size if zigzag else cp_size
+        # zigzag cuts the whole sequence into 2N chunks (any document lengths, as the paper);
+        # zigzag-documents cuts every document into 2N (documents padded to 2N, as TE's thd)
+        layout = (options or cls.Options()).layout
+        if layout == "zigzag-documents":
+            return 2 * cp_size, 2 * cp_size
+        return 1, 2 * cp_size if layout == "zigzag" else cp_size
 
     def validate(self) -> None:
         o, n = self.opts, self.cp_size
@@ -174,10 +185,12 @@ class Llama3(Strategy):
             if value not in allowed:
                 raise UsageError(f"{self.name} --{name} must be one of {', '.join(allowed)}, "
                                  f"got {value!r}")
-        zigzag = o.layout == "zigzag"
+        zigzag = self.zigzag
         check_divisible(self.attn.seqlen, 2 * n if zigzag else n,
                         f"{self.name} over {n} ranks" + (" (zigzag: 2 chunks per rank)"
                                                          if zigzag else ""))
+        if self.per_document:
+            check_documents_divisible(self.attn.documents, 2 * n, f"{self.name} over {n} ranks")
         stride, hk = o.heads_k_stride, self.attn.num_kv_heads
         if stride < 0 or (stride and hk % stride):
             ok = ", ".join(str(d) for d in range(1, hk + 1) if hk % d == 0)
@@ -187,8 +200,19 @@ class Llama3(Strategy):
     def group_lists(self):
         return {"cp": self.cp_lists}
 
+    @property
+    def zigzag(self) -> bool:
+        """Two chunks a rank (of the sequence, or of every document)."""
+        return self.opts.layout != "contiguous"
+
+    @property
+    def per_document(self) -> bool:
+        return self.opts.layout == "zigzag-documents" and bool(self.attn.documents)
+
     def seq_index(self, rank: int) -> torch.Tensor:
-        index = zigzag_index if self.opts.layout == "zigzag" else contiguous_index
+        if self.per_document:
+            return zigzag_documents_index(self.attn.documents, self.cp_size, self.cp_index(rank))
+        index = zigzag_index if self.zigzag else contiguous_index
         return index(self.attn.seqlen, self.cp_size, self.cp_index(rank))
 
     def resolved_options(self) -> dict:
@@ -212,7 +236,7 @@ class Llama3(Strategy):
         s, share = self.local_seqlen, self.stride / self.attn.num_kv_heads
         q32, gathered = self.q_bytes(s, element_size=4), self.cp_size * self.kv_bytes(s)
         plain = self.mask.plain  # under a mask the masked kernels return the fp32 sums
-        reordered = gathered if plain and self.opts.layout == "zigzag" else 0
+        reordered = gathered if plain and self.zigzag else 0
         if phase == FWD:  # out and its rows' accumulator: V's width
             out32 = self.out_bytes(s, element_size=4)
             return self.out_bytes(s) + self.lse_bytes(s) + int(
@@ -233,7 +257,7 @@ class Llama3(Strategy):
         wide = 4 // self.attn.element_size if self.opts.dkv_dtype == "fp32" else 1
         if not self.mask.plain:
             return base + int(share * gathered) * (self.dkv_dtype.itemsize < 4)
-        if self.opts.layout == "zigzag":
+        if self.zigzag:
             return base + int(share * (wide + 1) * gathered)
         return base
 
@@ -251,7 +275,7 @@ class Llama3(Strategy):
         them: group members in global rank order, each member's chunks in its local order;
         None when that is sequence order (contiguous on a ring in rank order: nothing to
         move). Once per strategy: the reorders run inside the timed step."""
-        n, zigzag = self.cp_size, self.opts.layout == "zigzag"
+        n, zigzag = self.cp_size, self.zigzag
         ring = next(lst for lst in self.cp_lists if self.rank in lst)
         positions = [self.cp_index(r) for r in sorted(ring)]
         held = [c for p in positions for c in ((p, 2 * n - 1 - p) if zigzag else (p,))]
@@ -288,7 +312,7 @@ class Llama3(Strategy):
         me = self.cp_index(self.rank) if position is None else position
         if not self.attn.causal:
             return [(slice(0, s), [(slice(0, self.attn.seqlen), False)])]
-        zigzag = self.opts.layout == "zigzag"
+        zigzag = self.zigzag
         c = s // 2 if zigzag else s
         chunks = (me, 2 * n - 1 - me) if zigzag else (me,)
         out = []
