@@ -166,6 +166,22 @@ def test_exposed_all_to_alls_add_to_the_compute():
     assert p.fwd_s == pytest.approx(want, rel=1e-9)
 
 
+def test_an_all_gather_over_nodes_runs_as_rings_over_every_nic():
+    """llama3 over 2 nodes of 4, kernels free: the forward is its K and V all-gathers, each
+    (N-1)/N of the gathered sequence. NCCL's rings carry the whole message into each node
+    once, spread over the node's 4 NICs (1/4 each), the rest over NVLink, at once; not each
+    GPU's remote share through its own NIC (an all-to-all's rule, 4/7 here)."""
+    attn = problem(kv_heads=2)
+    n, s = 8, attn.seqlen // 8
+    kv = s * 2 * D * 2 * (n - 1)  # K (or V) a rank receives
+    p = predict("llama3", attn, n, 4, machine(intra=40.0, inter=10.0, node=40.0))
+    want = 2 * max(kv * 3 / 4 / 40e9, kv / 4 / 10e9)
+    assert p.fwd_s == pytest.approx(want, rel=1e-9)
+    # one node: NVLink only
+    one = predict("llama3", attn, n, 8, machine(intra=40.0, inter=10.0, node=40.0))
+    assert one.fwd_s == pytest.approx(2 * kv / 40e9, rel=1e-9)
+
+
 @pytest.mark.parametrize("name,opts", [("zigzag", {}), ("usp", {"placement": "ring-first"}),
                                        ("burst", {}), ("megatron-cp", {}), ("ring", {}),
                                        ("ulysses", {}), ("usp", {"ulysses_degree": 4}),

@@ -85,11 +85,19 @@ def _shares(g, op: str, me: int, topo: Topology) -> tuple[float, float]:
     """(share of a message on ``g`` that crosses nodes for this rank, share that leaves its
     node): a ring hop crosses when either neighbour is on another node (it sends to one and
     receives from the other) and leaves the node when the next one is; an all-to-all sends
-    n-1 equal parts, those to members on other nodes cross."""
+    n-1 equal parts, those to members on other nodes cross. An all-gather or reduce-scatter
+    over nodes runs as NCCL's rings (its only algorithm for them over a network): each ring
+    carries the whole message into and out of every node, once, over one NIC, and the rings
+    (channels) share the node's NICs, so a member's NIC moves 1/m of it (m: the group's
+    members on its node) and NVLink the rest. nccl-tests' bus bandwidth says the same: a
+    node's NICs together, not one GPU's (docs/simulator.md, "All-gathers over nodes")."""
     if op == "p2p":
         leaves = float(topo.node_of(g.next_rank) != me)
         return float(leaves or topo.node_of(g.prev_rank) != me), leaves
-    remote = sum(topo.node_of(r) != me for r in g.ranks) / (g.size - 1)
+    local = sum(topo.node_of(r) == me for r in g.ranks)
+    if op in ("ag", "rs") and local < g.size:
+        return 1 / local, 1 / local
+    remote = (g.size - local) / (g.size - 1)
     return remote, remote
 
 
