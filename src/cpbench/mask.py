@@ -208,7 +208,7 @@ def resolve_documents(documents: str | Iterable[int] | None, seqlen: int, seed: 
     if documents.partition(":")[0] == "trace":
         name, options = _trace_spec(documents)
         if "packs" in options:
-            return packs.pack(traces.histogram(traces.text(name)), seqlen, cap, seed)
+            return packs.pack(packs.trace_bins(name), seqlen, cap, seed)
     draw, rng, total = _sampler(documents, cap), random.Random(seed), 0
     lengths: list[int] = []
     while total < seqlen:
