@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 import time
 import warnings
 import weakref
@@ -199,19 +198,27 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _chunk_major(x: torch.Tensor, n: int, scatter_dim: int) -> tuple[torch.Tensor, int]:
+    """``x`` with its scatter dim's n chunks made the leading dim (a view), and the bytes
+    ``all_to_all``'s layout copies of it read and write besides the wire: the send buffer
+    laid chunk-major (none when the view already is contiguous, as when the scatter dim is
+    the outermost one of size over 1) and the received chunks laid side by side (always),
+    each the whole tensor read once and written once. Real or meta ``x``: the one rule."""
+    xs = x.unflatten(scatter_dim, (n, x.shape[scatter_dim] // n)).movedim(scatter_dim, 0)
+    copies = 1 + (not xs.is_contiguous())
+    return xs, 2 * copies * nbytes(xs)
+
+
 def a2a_copied_bytes(shape: tuple[int, ...], element_size: int, n: int, scatter_dim: int
                      ) -> int:
     """The bytes ``all_to_all``'s own layout copies of a contiguous ``shape`` read and write
-    besides the wire: the send buffer laid chunk-major (a view, no copy, when the scatter dim
-    is the outermost one of size over 1) and the received chunks laid side by side (always a
-    copy), each the whole local tensor read once and written once. What the simulator
-    prices over HBM (``Message.copied``); tests/unit/test_comm_copies.py counts them."""
+    besides the wire (``_chunk_major``). What the simulator prices over HBM
+    (``Message.copied``); tests/unit/test_comm_copies.py counts them."""
     if n == 1:
         return 0
-    view = torch.empty(shape, device="meta").unflatten(
-        scatter_dim, (n, shape[scatter_dim] // n)).movedim(scatter_dim, 0)
-    copies = 1 + (not view.is_contiguous())
-    return 2 * copies * math.prod(shape) * element_size
+    # one byte an element (contiguity does not depend on the dtype), scaled to the real size
+    meta = torch.empty(shape, dtype=torch.uint8, device="meta")
+    return _chunk_major(meta, n, scatter_dim)[1] * element_size
 
 
 def all_to_all(x: torch.Tensor, group: Group, *, scatter_dim: int, gather_dim: int
@@ -223,11 +230,10 @@ def all_to_all(x: torch.Tensor, group: Group, *, scatter_dim: int, gather_dim: i
         return x
     assert x.shape[scatter_dim] % n == 0, "scatter dim must divide by the group size"
     # Chunks of the scatter dim become the leading dim so all_to_all_single can split dim 0.
-    xs = x.unflatten(scatter_dim, (n, x.shape[scatter_dim] // n)).movedim(scatter_dim, 0)
-    copies = 1 + (not xs.is_contiguous())  # the send buffer's (if not a view), the cat's
+    xs, copied = _chunk_major(x, n, scatter_dim)
     xs = xs.contiguous()
     out = torch.empty_like(xs)
-    _record("a2a", group, nbytes(xs) * (n - 1) // n, 2 * copies * nbytes(xs))
+    _record("a2a", group, nbytes(xs) * (n - 1) // n, copied)
     with _Collective(out, xs):
         dist.all_to_all_single(out, xs, group=group.pg)  # in its dtype: what a GPU run sends
     # out[j] is member j's chunk, in x's dim order: lay the chunks side by side on gather_dim.

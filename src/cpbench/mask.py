@@ -108,12 +108,19 @@ def parse_window(text: str) -> tuple[int, int]:
 Sampler = Callable[[random.Random], int]
 
 
+def _trace_spec(spec: str) -> tuple[str, list[str]]:
+    """``trace:NAME,OPTION,...`` → (NAME, [OPTION, ...]), stripped; the options unchecked
+    (``_sampler`` refuses an unknown one)."""
+    name, *options = (part.strip() for part in spec.partition(":")[2].split(","))
+    return name, options
+
+
 def _sampler(spec: str, cap: int | None = None) -> Sampler:
     """A function rng -> one document length for a distribution spec (``cap``: the longest
     document, which a ``split`` trace splits at; None only to check the spec)."""
     kind, _, rest = spec.partition(":")
     if kind == "trace":
-        name, *options = (part.strip() for part in rest.split(","))
+        name, options = _trace_spec(spec)
         unknown = [o for o in options if o not in TRACE_OPTIONS]
         if unknown:
             raise UsageError(f"--documents {spec}: unknown option {unknown[0]!r}; give "
@@ -198,10 +205,10 @@ def resolve_documents(documents: str | Iterable[int] | None, seqlen: int, seed: 
                              f"{seqlen}; give lengths that add up to --seqlen")
         return given
     cap = max_document or max(1, seqlen // 4)
-    kind, _, rest = documents.partition(":")
-    name, *options = (part.strip() for part in rest.split(","))
-    if kind == "trace" and "packs" in options:
-        return packs.pack(traces.histogram(traces.text(name)), seqlen, cap, seed)
+    if documents.partition(":")[0] == "trace":
+        name, options = _trace_spec(documents)
+        if "packs" in options:
+            return packs.pack(packs.trace_bins(name), seqlen, cap, seed)
     draw, rng, total = _sampler(documents, cap), random.Random(seed), 0
     lengths: list[int] = []
     while total < seqlen:

@@ -17,14 +17,22 @@ packs are equal to theirs, list for list (tests/unit/test_traces.py runs their l
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Sequence
 
+from cpbench import traces
 from cpbench.errors import UsageError
 
 SEED = 42  # MagiAttention's benchmark_conf.py SEED, which its sampler is given
 # pieces held at once (12 bytes each: the shuffled lengths and their ends); a short pack cuts
 # the trace into more pieces (the shipped trace: 14 M at 64K, 52 M at 2K, 379 M at 256)
 MAX_PIECES = 64 * 10 ** 6
+
+
+@functools.lru_cache(maxsize=4)
+def trace_bins(name: str) -> tuple[tuple[int, int, int], ...]:
+    """Shipped trace ``name``'s bins (``traces.histogram``), read and parsed once: a row's
+    packings each ask for them."""
+    return tuple(traces.histogram(traces.text(name)))
 
 
 @functools.lru_cache(maxsize=2)
@@ -47,7 +55,7 @@ def _stream(bins: tuple[tuple[int, int, int], ...], pack_len: int, chunk: int, s
     return ends, order
 
 
-def pack(bins: list[tuple[int, int, int]], pack_len: int, chunk: int, index: int,
+def pack(bins: Sequence[tuple[int, int, int]], pack_len: int, chunk: int, index: int,
          seed: int = SEED) -> tuple[int, ...]:
     """The document lengths of pack ``index`` (0: the first their benchmark times)."""
     import numpy as np
