@@ -9,8 +9,10 @@ its sampler draws them: cpbench's ``trace:magiattention,split,midpoint``).
 For each total length (1K-32K), mask and phase it prints the relative error against the
 published "varlen" bar of two rules: the whole packed sequence as one block on the curve
 (``block``, the simulator's rule before 2026-11-28) and each tile of the varlen call at its
-own side (``tiles``, ``masked_varlen.spectrum``: the rule now), each on two curves: the
-h100-sxm preset's FA3 curve (the FA3 paper's figures) and MagiAttention's own dense FA3 bars
+own side in FA3's whole tiles (``tiles``: ``masked_varlen.spectrum`` rounded by the
+preset's ``tiles:``, the forward packing GQA's 8 query heads: the rule now), each on two
+curves: the h100-sxm preset's FA3 curve (the FA3 paper's figures) and MagiAttention's own
+dense FA3 bars
 of the same figures' run (``full_mask`` / ``causal_mask``). Rates are the mean over 20
 packings of each packing's TFLOP/s, as the bars are (theirs over 3 packs).
 """
@@ -33,6 +35,7 @@ from cpbench.sim import hardware
 from cpbench.sim.curves import KernelCurve, piece_rate
 
 DOCUMENTS = "trace:magiattention,split,midpoint"
+GQA = 64 // 8  # query heads a K/V head: what FA3's varlen forward packs into a tile
 
 
 def spectra(length: int, causal: bool, packings: int) -> list[tuple]:
@@ -63,8 +66,9 @@ def main(argv=None) -> int:
             for phase, pub in (("fwd", fwd), ("bwd", bwd)):
                 for name, curve in curves.items():
                     block = curve(phase, False).tflops(length)
-                    tiles = statistics.fmean(piece_rate(s, functools.partial(curve, phase))
-                                             for s in spec)
+                    tiles = statistics.fmean(
+                        piece_rate(s, functools.partial(curve, phase),
+                                   fa3.tiles[phase == "bwd"], GQA) for s in spec)
                     cells.append(f"{phase} {name} {block / pub - 1:+5.0%} / "
                                  f"{tiles / pub - 1:+5.0%}")
             print(f"varlen {mask:6} {length:6}: " + " | ".join(cells))

@@ -4,7 +4,6 @@ prediction, each term the preset figure it names."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -94,34 +93,32 @@ def test_nccl_contention_only_in_steps_whose_messages_overlap_the_kernel():
 def test_a_varlen_call_is_priced_document_by_document():
     """Ulysses under packed documents, full mask: its one kernel call's time is each
     document's FLOPs at that document's length on the curve, summed (independently here),
-    not the whole sequence's rate; and the spectrum's shares are the documents' areas."""
+    not the whole sequence's rate; and the spectrum's shares are the documents' areas
+    (whole tiles of the default 128 x 128: ``sim.curves.Tiles``)."""
     from cpbench.kernels import masked_varlen
     from cpbench.mask import Mask
+    from cpbench.sim.curves import Tiles
 
     docs = (512, 1024, 2048, 512, 1536)
     s = sum(docs)
     spec = masked_varlen.spectrum(masked_varlen.plan(Mask(False, docs), torch.arange(s),
                                                       torch.arange(s)))
     area = sum(d * d for d in docs)
-    want: dict[float, float] = {}
-    for d in docs:  # binned to 1/8 octave, as the spectrum is
-        side = 2 ** (round(8 * math.log2(d)) / 8)
-        want[side] = want.get(side, 0.0) + d * d / area
-    assert [(a, c) for a, c, _ in spec] == [(k, False) for k in sorted(want)]
-    assert [w for _, _, w in spec] == pytest.approx([want[k] for k in sorted(want)])
+    assert [(r, k, c) for r, k, c, _ in spec] == [(d, d, False) for d in sorted(set(docs))]
+    assert [w for *_, w in spec] == pytest.approx(
+        [docs.count(d) * d * d / area for d in sorted(set(docs))])
     hw = hardware.load("h100-sxm", kernel="fa3")
     attn = dataclasses.replace(ATTN, seqlen=s, causal=False, documents=docs)
     free = dataclasses.replace(
         hw, kernel_in_cp=(1.0, 1.0), merge=hardware.Pass(), accumulate=hardware.Pass(),
         step_overhead_us=0.0, intra=hardware.Link(1e12, 0.0), inter=hardware.Link(1e12, 0.0),
-        node_inter_gbs=1e12, memory_bandwidth_gbs=None)  # no layout copies
+        node_inter_gbs=1e12, memory_bandwidth_gbs=None, tiles=(Tiles(), Tiles()))
     p = model.predict("ulysses", strategies.get("ulysses").Options(), attn,
                       Topology(world_size=8, ranks_per_node=8), free)
     per_head = 4 * 128 * ATTN.heads / 8  # FLOPs a pair, one GPU's heads
     for phase, got, mult in (("fwd", p.fwd_s, 1.0), ("bwd", p.bwd_s, 2.5)):
         curve = hw.kernel(phase, False, 128)
-        want_s = sum(mult * per_head * d * d / (curve.tflops(2 ** (round(8 * math.log2(d)) / 8))
-                                               * 1e12) for d in docs)
+        want_s = sum(mult * per_head * d * d / (curve.tflops(d) * 1e12) for d in docs)
         assert got == pytest.approx(want_s, rel=1e-6)
         assert got > mult * per_head * area / (curve.tflops(s) * 1e12) * 1.05  # not the block's
 
@@ -146,9 +143,10 @@ def test_an_all_to_alls_layout_copies_are_priced_over_hbm():
 
 def test_a_varlen_sequence_is_priced_as_its_whole_tiles():
     """Documents shorter than a tile, or not whole tiles: each costs its rows and keys
-    rounded up to 128 (``masked_varlen.TILE``), so the shares of a random packing sum to
-    the padded pairs over the real ones (by hand), and a call of 13-token documents runs
-    (128 / 13)^2 slower than the curve's rate at 128."""
+    rounded up to the kernel's tiles (default 128 x 128), by hand on a random packing; a
+    call of 13-token documents runs (128 / 13)^2 slower than the curve at 128; FA3's own
+    tiles (h100-sxm's ``tiles:``): its forward packs GQA 8:1's query heads into a tile's
+    rows (13 x 8 = 104 of 128: 16 rows a head) by 176 keys, its backward 80 x 128."""
     import random
 
     from cpbench.kernels import masked_varlen
@@ -160,10 +158,18 @@ def test_a_varlen_sequence_is_priced_as_its_whole_tiles():
     s = sum(docs)
     spec = masked_varlen.spectrum(masked_varlen.plan(Mask(False, docs), torch.arange(s),
                                                       torch.arange(s)))
-    padded = sum((-(-d // 128) * 128) ** 2 for d in docs)
-    assert sum(w for _, _, w in spec) == pytest.approx(padded / sum(d * d for d in docs)), docs
-    assert min(side for side, _, _ in spec) >= 128
+    hw = hardware.load("h100-sxm", kernel="fa3")
+    curve = hw.kernel("fwd", False, 128)
+    total = sum(d * d for d in docs)
+    tile = [-(-d // 128) * 128 for d in docs]
+    want = total / sum(t * t / curve.tflops(t) for t in tile)
+    assert piece_rate(spec, lambda c: curve) == pytest.approx(want, rel=1e-9), docs
     tiny = masked_varlen.spectrum(masked_varlen.plan(Mask(False, (13,) * 10),
                                                       torch.arange(130), torch.arange(130)))
-    curve = hardware.load("h100-sxm", kernel="fa3").kernel("fwd", False, 128)
     assert piece_rate(tiny, lambda c: curve) == pytest.approx(curve.tflops(128) * (13 / 128) ** 2)
+    fwd, bwd = hw.tiles
+    assert piece_rate(tiny, lambda c: curve, fwd, 8) == pytest.approx(
+        curve.tflops((16 * 176) ** 0.5) * 13 * 13 / (16 * 176))
+    assert piece_rate(tiny, lambda c: curve, bwd, 8) == pytest.approx(
+        curve.tflops((80 * 128) ** 0.5) * 13 * 13 / (80 * 128))
+

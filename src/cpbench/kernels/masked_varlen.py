@@ -159,33 +159,30 @@ def largest_call(vplan: VarlenPlan) -> tuple[int, int, int]:
     return (*max(sizes, key=sum, default=(0, 0)), len(sizes))
 
 
-# A FlashAttention kernel computes whole tiles: 128 query rows (FA2's and FA3's forward at
-# head dim 128, kBlockM; FA3: hopper/tile_size.h) by 64-176 keys (kBlockN by kernel and
-# mask). ``spectrum`` rounds both sides of a sequence up to 128: a 13 x 13 document's piece
-# costs a 128 x 128 tile. One size for every kernel and phase: a simplification.
-TILE = 128
+# Every kernel tile is a multiple of 16 tokens a side, so a piece rounded up to 16 first
+# rounds to the same whole tiles: pieces are kept at 16-token steps, a packing's hundreds
+# of sequences in as many shapes as their lengths have.
+STEP = 16
 
 
-def spectrum(vplan: VarlenPlan, per_octave: int = 8, tile: int = TILE
-             ) -> tuple[tuple[float, bool, float], ...]:
-    """The plan's work by tile size: (side, causal, share), a sequence's rows and keys each
-    rounded up to ``tile`` (what the kernel computes), its side sqrt(rows x keys) binned to
-    1/``per_octave`` octave (a packing's hundreds of sequences in a few dozen bins), its
-    share its visible pairs scaled by the rounding, over the plan's visible pairs (so the
-    shares sum to over 1 where sequences are not whole tiles). What a varlen call's time
-    depends on: each sequence runs at its size."""
-    bins: dict[tuple[float, bool], float] = {}
+def spectrum(vplan: VarlenPlan) -> tuple[tuple[float, float, bool, float], ...]:
+    """The plan's work by piece shape: (rows, keys, causal, share), a sequence's rows and
+    keys each rounded up to ``STEP``, its share its visible pairs over the plan's at that
+    shape (its visible fraction times the rounded rows x keys). What a varlen call's time
+    depends on: each sequence runs at its size in the kernel's whole tiles, which the
+    simulator rounds it to (``sim.curves.Tiles``: they are the kernel's, not the plan's)."""
+    bins: dict[tuple[float, float, bool], float] = {}
     total = sum(float(g.pairs.sum()) for g in vplan.groups)
     for g in vplan.groups:
-        rows, keys = g.q1 - g.q0, g.k1 - g.k0
-        padded = (-(-rows // tile) * tile) * (-(-keys // tile) * tile)
-        side = np.sqrt(padded)
-        work = g.pairs * (padded / (rows * keys))
-        at = np.round(np.log2(side) * per_octave)
-        for b in np.unique(at):
-            key = (float(2 ** (b / per_octave)), g.causal)
-            bins[key] = bins.get(key, 0.0) + float(work[at == b].sum()) / total
-    return tuple(sorted((side, causal, w) for (side, causal), w in bins.items()))
+        rows, keys = (g.q1 - g.q0).astype(float), (g.k1 - g.k0).astype(float)
+        r, k = np.ceil(rows / STEP) * STEP, np.ceil(keys / STEP) * STEP
+        shapes, where = np.unique(np.stack([r, k], 1), axis=0, return_inverse=True)
+        work = np.bincount(where.ravel(), weights=g.pairs / (rows * keys) * r * k,
+                           minlength=len(shapes))
+        for (rr, kk), w in zip(shapes, work):
+            key = (float(rr), float(kk), g.causal)
+            bins[key] = bins.get(key, 0.0) + float(w) / total
+    return tuple(sorted((r, k, causal, w) for (r, k, causal), w in bins.items()))
 
 
 def plan(mask: Mask, q_pos: torch.Tensor, k_pos: torch.Tensor) -> VarlenPlan:

@@ -48,12 +48,67 @@ class KernelCurve:
         return y0 + w * (y1 - y0)
 
 
-def piece_rate(spectrum, curve_of, scale: float = 1.0) -> float:
-    """TFLOP/s of a varlen call whose work is ``spectrum`` ((side, causal, share of the
-    FLOPs) by piece: ``masked_varlen.spectrum``), each piece at its side x ``scale`` on
-    ``curve_of(causal)``: the call's FLOPs over its pieces' summed times."""
-    return 1 / sum(share / curve_of(causal).tflops(side * scale)
-                   for side, causal, share in spectrum)
+@dataclass(frozen=True)
+class Tiles:
+    """The tile one phase of a kernel computes whole: ``rows`` query rows by ``keys`` keys
+    (``*_causal``: under a causal diagonal, where they differ); ``pack_gqa``: the query
+    heads that share a K/V head fill a tile's rows together (FA3's varlen forward), so a
+    13-row piece of GQA 8:1 fills 104 of 128 rows, not 13. The default, 128 x 128 without
+    packing, is FlashAttention's forward at head dim 128 (kBlockM), for a kernel whose
+    preset states no tiles of its own."""
+
+    rows: int = 128
+    keys: int = 128
+    rows_causal: int | None = None
+    keys_causal: int | None = None
+    pack_gqa: bool = False
+
+    def padded(self, rows: float, keys: float, causal: bool, gqa: int) -> float:
+        """The area (per query head) the kernel computes for a ``rows`` x ``keys`` piece."""
+        tr = (self.rows_causal if causal else None) or self.rows
+        tk = (self.keys_causal if causal else None) or self.keys
+        pack = gqa if self.pack_gqa else 1
+        return math.ceil(rows * pack / tr) * tr / pack * (math.ceil(keys / tk) * tk)
+
+
+_TILE_KEYS = ("rows", "keys", "rows_causal", "keys_causal", "pack_gqa")
+
+
+def parse_tiles(k: dict, where: str) -> tuple[Tiles, Tiles]:
+    """A kernel section's ``tiles:`` ({fwd: {rows, keys, ...}, bwd: ..., source: NAME}, NAME
+    an entry of its ``sources``), per phase; the default tiles where it gives none."""
+    d = k.get("tiles")
+    if d is None:
+        return Tiles(), Tiles()
+    if not isinstance(d, dict) or d.get("source") not in (k.get("sources") or {}):
+        raise UsageError(f"{where}.tiles: give fwd and bwd tiles and source: a name of "
+                         f"its sources")
+    out = []
+    for phase in ("fwd", "bwd"):
+        t = d.get(phase) or {}
+        bad = [key for key in t if key not in _TILE_KEYS]
+        if not isinstance(t, dict) or bad:
+            raise UsageError(f"{where}.tiles.{phase}: give {', '.join(_TILE_KEYS)}")
+        sizes = [t.get(key) for key in _TILE_KEYS[:4]]
+        if not all(v is None or (isinstance(v, int) and v > 0) for v in sizes):
+            raise UsageError(f"{where}.tiles.{phase}: tile sizes are positive integers")
+        out.append(Tiles(**{key: t[key] for key in t}))
+    return out[0], out[1]
+
+
+def piece_rate(spectrum, curve_of, tiles: Tiles = Tiles(), gqa: int = 1,
+               scale: float = 1.0) -> float:
+    """TFLOP/s of a varlen call whose work is ``spectrum`` ((rows, keys, causal, share of
+    the visible pairs) by piece: ``masked_varlen.spectrum``), each piece's rows and keys
+    x ``scale`` rounded up to the kernel's whole ``tiles`` (``gqa`` query heads a K/V head)
+    and run at the side of that area on ``curve_of(causal)``: the call's FLOPs (of its
+    visible pairs) over its pieces' summed times."""
+    time = 0.0
+    for rows, keys, causal, share in spectrum:
+        r, k = rows * scale, keys * scale
+        area = tiles.padded(r, k, causal, gqa)
+        time += share * area / (r * k) / curve_of(causal).tflops(math.sqrt(area))
+    return 1 / time
 
 
 @dataclass(frozen=True)

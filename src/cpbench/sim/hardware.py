@@ -115,6 +115,8 @@ class Hardware:
     # CP rows it was validated on with this kernel, or that it has none
     evidence: str = provenance.NO_EVIDENCE
     stated_error: float | None = None  # its held-out median |error|, where it has one
+    # the whole tiles the kernel computes a varlen call's pieces in, (fwd, bwd)
+    tiles: tuple[curves.Tiles, curves.Tiles] = (curves.Tiles(), curves.Tiles())
 
     def kernels(self) -> tuple[tuple[int | None, KernelSet], ...]:
         first = KernelSet(self.kernel_fwd, self.kernel_bwd, self.kernel_fwd_causal,
@@ -282,6 +284,7 @@ def from_dict(d: dict, source: str = "preset", kernel: str | None = None) -> Har
             kernel_name=kernel_name, kernel_choices=choices,
             evidence=provenance.evidence(d.get("evidence"), kernel_name, f"{source}: evidence"),
             stated_error=provenance.stated_error(d.get("evidence"), kernel_name),
+            tiles=curves.parse_tiles(k, f"{source}: kernel"),
         )
     except KeyError as e:
         raise UsageError(f"{source}: missing field {e.args[0]!r} (see configs/hardware/"

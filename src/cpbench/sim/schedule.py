@@ -37,7 +37,8 @@ class RankStep:
     kv_elements: float = 0.0  # its key rows x kv heads x head dim (dk sum)
     out_elements: float = 0.0  # its rows x heads x V's head dim (its merge)
     v_elements: float = 0.0  # its key rows x kv heads x V's head dim (dv sum)
-    spectrum: tuple[tuple[float, bool, float], ...] = ()  # varlen tiles: ``Step.spectrum``
+    spectrum: tuple[tuple[float, float, bool, float], ...] = ()  # ``Step.spectrum``
+    gqa: int = 1  # query heads a K/V head in its kernel call (tiles that pack them)
     copied: float = 0.0  # bytes its layout copies around its messages read and write
 
 
@@ -198,6 +199,7 @@ def _view(strat: Strategy, attn: AttentionConfig, step, moved: list[float],
     return RankStep(
         step.flops, side, moved[0], moved[1], moved[2], moved[3], out[0], out[1],
         causal=bool(step.block and step.block[2]), spectrum=step.spectrum, copied=copied,
+        gqa=strat.kernel_gqa() if step.spectrum else 1,
         **{k: el.get(k, 0.0) for k in ("q_elements", "kv_elements", "out_elements",
                                        "v_elements")})
 

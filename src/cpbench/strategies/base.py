@@ -244,6 +244,11 @@ class Strategy(BlockBytes, ABC):
         a Ulysses all-to-all leaves 1 / its degree)."""
         return 1.0
 
+    def kernel_gqa(self) -> int:
+        """Query heads per K/V head in this rank's kernel calls (a kernel that packs them
+        into one tile's rows fills it with that many: ``sim.curves.Tiles``)."""
+        return max(1, self.attn.heads // self.attn.num_kv_heads)
+
 
     @classmethod
     def unavailable(cls, device: str) -> str | None:

@@ -47,8 +47,13 @@ from cpbench.errors import UsageError
 from cpbench.merge import OutLseAccumulator, add_sink, sink_grad
 from cpbench.strategies import register
 from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, option, save_for_backward
-from cpbench.strategies.layout import (check_divisible, check_documents_divisible,
-                                       contiguous_index, zigzag_documents_index, zigzag_index)
+from cpbench.strategies.layout import (
+    check_divisible,
+    check_documents_divisible,
+    contiguous_index,
+    zigzag_documents_index,
+    zigzag_index,
+)
 
 LAYOUTS = ("zigzag", "contiguous", "zigzag-documents")
 DKV_DTYPES = ("activation", "fp32")
@@ -189,8 +194,8 @@ class Llama3(Strategy):
         check_divisible(self.attn.seqlen, 2 * n if zigzag else n,
                         f"{self.name} over {n} ranks" + (" (zigzag: 2 chunks per rank)"
                                                          if zigzag else ""))
-        if self.per_document:
-            check_documents_divisible(self.attn.documents, 2 * n, f"{self.name} over {n} ranks")
+        if (docs := self.documents_zigzagged()) is not None:
+            check_documents_divisible(docs, 2 * n, f"{self.name} over {n} ranks")
         stride, hk = o.heads_k_stride, self.attn.num_kv_heads
         if stride < 0 or (stride and hk % stride):
             ok = ", ".join(str(d) for d in range(1, hk + 1) if hk % d == 0)
@@ -205,13 +210,13 @@ class Llama3(Strategy):
         """Two chunks a rank (of the sequence, or of every document)."""
         return self.opts.layout != "contiguous"
 
-    @property
-    def per_document(self) -> bool:
-        return self.opts.layout == "zigzag-documents" and bool(self.attn.documents)
+    def documents_zigzagged(self) -> tuple[int, ...] | None:
+        """The documents each cut in 2N (``zigzag-documents`` under documents), or None."""
+        return (self.attn.documents or None) if self.opts.layout == "zigzag-documents" else None
 
     def seq_index(self, rank: int) -> torch.Tensor:
-        if self.per_document:
-            return zigzag_documents_index(self.attn.documents, self.cp_size, self.cp_index(rank))
+        if (docs := self.documents_zigzagged()) is not None:
+            return zigzag_documents_index(docs, self.cp_size, self.cp_index(rank))
         index = zigzag_index if self.zigzag else contiguous_index
         return index(self.attn.seqlen, self.cp_size, self.cp_index(rank))
 

@@ -48,7 +48,8 @@ class Step:
     # under a mask, the (rows, keys) its largest varlen call packs and how many calls it
     # makes (the simulator's memory model; None: the block's, one call)
     packed: tuple[int, int, int] | None = None
-    # under a mask, its varlen calls' work by tile size (``masked_varlen.spectrum``): the
-    # simulator prices each tile at its own side (packed documents: their lengths)
-    spectrum: tuple[tuple[float, bool, float], ...] = ()
+    # under a mask, its varlen calls' work by piece shape (``masked_varlen.spectrum``): the
+    # simulator prices each piece in the kernel's whole tiles (packed documents: their
+    # lengths)
+    spectrum: tuple[tuple[float, float, bool, float], ...] = ()
     joins: bool = True

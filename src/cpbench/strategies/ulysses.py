@@ -227,6 +227,10 @@ class Ulysses(Strategy):
     def kernel_head_share(self) -> float:
         return 1 / self.cp_size
 
+    def kernel_gqa(self) -> int:
+        # K/V heads replicated when fewer than ranks: fewer query heads share each
+        return max(1, self.attn.heads // (self.attn.num_kv_heads * self.replicas))
+
 
     def attention(self, q, k, v, sinks=None):
         return ulysses_attention(q, k, v, self.groups["ulysses"], local_attention(self),

@@ -188,6 +188,10 @@ class Usp(Strategy):
     def kernel_head_share(self) -> float:
         return 1 / self.ulysses_degree
 
+    def kernel_gqa(self) -> int:
+        # K/V heads replicated when fewer than ranks: fewer query heads share each
+        return max(1, self.attn.heads // (self.attn.num_kv_heads * self.replicas))
+
     def finish_bytes(self, phase: str) -> int:
         return 0 if self.ring is None else self.ring.finish_bytes(phase)
 
