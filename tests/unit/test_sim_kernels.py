@@ -323,6 +323,8 @@ def test_validate_without_hardware_takes_the_preset_whose_evidence_names_the_tab
     assert preset_and_kernel(_root_file(VALIDATION)) == {(a800, "fa2")}
     assert hardware.preset_of_table("elsewhere/magiattention_b200.csv") == ("b200", "cudnn")
     assert hardware.preset_of_table("unknown.csv") is None
+    # a table scored once, not in the evidence: its GPU's preset, the default kernel
+    assert hardware.preset_of_table("magiattention_b200_varlen_16_64.csv") == ("b200", None)
 
 
 def test_validate_table_never_cuts_a_name_mid_word(capsys):

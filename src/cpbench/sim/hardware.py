@@ -327,8 +327,9 @@ def names() -> list[str]:
 
 
 def preset_of_table(table: str) -> tuple[str, str | None] | None:
-    """(preset, kernel) whose ``evidence:`` (or ``fit:``, kernel None: the default) names
-    this published table (matched by file name, as ``provenance`` matches it), else None."""
+    """(preset, kernel) whose ``evidence:`` (or ``fit:`` or ``scored_once:``, kernel None:
+    the default) names this published table (matched by file name, as ``provenance``
+    matches it), else None."""
     want = Path(table).name
     for name in names():
         with open(PRESET_DIR / f"{name}.yaml") as f:
@@ -336,7 +337,8 @@ def preset_of_table(table: str) -> tuple[str, str | None] | None:
         for kernel, stated in (d.get("evidence") or {}).items():
             if want in (Path(f).name for f in stated.get("files", ())):
                 return name, kernel
-        if Path((d.get("fit") or {}).get("file", "")).name == want:
+        others = [(d.get("fit") or {}).get("file", ""), *(d.get("scored_once") or ())]
+        if want in (Path(f).name for f in others):
             return name, None
     return None
 
