@@ -11,6 +11,7 @@ import torch
 from cpbench import strategies
 from cpbench.cli import main as cli_main
 from cpbench.config import AttentionConfig
+from cpbench.errors import UsageError
 from cpbench.sim import hardware, model, schedule, terms
 from cpbench.topology import Topology
 
@@ -173,3 +174,15 @@ def test_a_varlen_sequence_is_priced_as_its_whole_tiles():
     assert piece_rate(tiny, lambda c: curve, bwd, 8) == pytest.approx(
         curve.tflops((80 * 128) ** 0.5) * 13 * 13 / (80 * 128))
 
+
+
+@pytest.mark.parametrize("tiles,match", [
+    ({"fwd": {"rows": 64}}, "source: a name of its sources"),
+    ({"source": "s", "fwd": {"rowz": 64}}, "give rows, keys"),
+    ({"source": "s", "bwd": {"keys": 0}}, "positive integers")])
+def test_a_preset_states_whole_tiles_with_a_source_or_is_refused(tiles, match):
+    from cpbench.sim.curves import Tiles, parse_tiles
+
+    assert parse_tiles({}, "p") == (Tiles(), Tiles())  # none stated: 128 x 128
+    with pytest.raises(UsageError, match=match):
+        parse_tiles({"tiles": tiles, "sources": {"s": "read in its source"}}, "p")

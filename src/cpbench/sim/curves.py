@@ -86,8 +86,7 @@ def parse_tiles(k: dict, where: str) -> tuple[Tiles, Tiles]:
     out = []
     for phase in ("fwd", "bwd"):
         t = d.get(phase) or {}
-        bad = [key for key in t if key not in _TILE_KEYS]
-        if not isinstance(t, dict) or bad:
+        if not isinstance(t, dict) or any(key not in _TILE_KEYS for key in t):
             raise UsageError(f"{where}.tiles.{phase}: give {', '.join(_TILE_KEYS)}")
         sizes = [t.get(key) for key in _TILE_KEYS[:4]]
         if not all(v is None or (isinstance(v, int) and v > 0) for v in sizes):

@@ -91,7 +91,7 @@ def _shares(g, op: str, me: int, topo: Topology) -> tuple[float, float]:
     carries the whole message into and out of every node, once, over one NIC, and the rings
     (channels) share the node's NICs, so a member's NIC moves 1/m of it (m: the group's
     members on its node) and NVLink the rest. nccl-tests' bus bandwidth says the same: a
-    node's NICs together, not one GPU's (docs/simulator.md, "All-gathers over nodes")."""
+    node's NICs together, not one GPU's (docs/simulator.md, 2026-11-29)."""
     if op == "p2p":
         leaves = float(topo.node_of(g.next_rank) != me)
         return float(leaves or topo.node_of(g.prev_rank) != me), leaves
