@@ -191,3 +191,6 @@ def test_the_reference_is_counted_where_the_problem_is_new_and_the_first_case_pa
     assert ests[0].parts["setup"] == pytest.approx(
         estimate.CASE_SETUP_S + estimate.FIRST_CASE_S + step)
     assert ests[1].parts["setup"] == pytest.approx(estimate.CASE_SETUP_S + step)
+    # and its first warm-up step's first calls in its steps, which the later cases lack
+    assert ests[0].parts["steps"] - ests[1].parts["steps"] == pytest.approx(
+        estimate.FIRST_STEPS_S)

@@ -119,7 +119,8 @@ def test_planned_counts_start_up_and_the_load(monkeypatch):
     # the case: set-up and the first case's at a rank's part of a core, 3.75x, and
     # 6 + 5 + 1 steps (busy: warm-up 3 / 4 of the way from 3 to 7)
     assert est.case_s == pytest.approx(
-        3.75 * (estimate.CASE_SETUP_S + estimate.FIRST_CASE_S) + 12 * est.step_s)
+        3.75 * (estimate.CASE_SETUP_S + estimate.FIRST_CASE_S + estimate.FIRST_STEPS_S)
+        + 12 * est.step_s)
     line = eta.total_line([est])
     assert line.startswith(f"estimated {estimate.duration(6.0 + est.case_s)} in all (6 s of "
                            f"start-up; sdpa-cpu at 0.02 / 0.01 TFLOP/s")

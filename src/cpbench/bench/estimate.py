@@ -63,6 +63,11 @@ PROFILED_STEPS = 3  # bench.profiling's
 # memory meter's first dispatch mode: 0.9 s of CPU time here): seconds of a rank on a core of
 # its own (the record's ``parts_s`` says where a case's time went)
 CASE_SETUP_S, FIRST_CASE_S = 0.15, 1.0
+# the first case's first warm-up step besides: the process's first autograd graph, the
+# group's first collectives, the kernel's first calls (measured here, 2 ranks at 2K: its
+# warm-up took 0.2-0.5 s more than its steps at the later cases' rate); in its steps, so that
+# ``bench.eta`` reads the steps' error from it as from the rest
+FIRST_STEPS_S = 0.35
 # --check's step: the strategy's on the global inputs (with its lse), then the gathers and
 # rank 0's comparisons, as long again (0.2-0.27 s where a step took 0.08-0.13 s here)
 CHECK_STEPS = 2
@@ -362,7 +367,7 @@ def estimates(problems: Sequence[Problem], run: RunConfig, machine: Machine
     """Each case's estimate: the quick probe's, or the larger probe's for a long case or one
     near or over ``run.max_minutes`` (by the quick probe, or already at the nominal rate: then
     one probe). --check's reference where the problem is not the last checked one's (rank 0
-    keeps that one: ``bench.check``); the first case's first calls in its set-up."""
+    keeps that one: ``bench.check``); the first case's first calls in its set-up and steps."""
     limit_s = run.max_minutes * 60
     bar = min(REFINE_S, REFINE_ABOVE * limit_s) if limit_s else REFINE_S
     out, last = [], None
@@ -373,8 +378,10 @@ def estimates(problems: Sequence[Problem], run: RunConfig, machine: Machine
         if not long and est.case_s > bar:
             est = estimate(pr, run, machine, refined=True, reference=new)
         last = pr.attn if run.check and pr.checked else last
-        out.append(est.plus("setup", FIRST_CASE_S / machine.thread_share()) if i == 0
-                   else est)
+        if i == 0:
+            est = est.plus("setup", FIRST_CASE_S / machine.thread_share()).plus(
+                "steps", FIRST_STEPS_S / machine.thread_share())
+        out.append(est)
     return tuple(out)
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import Sequence
 
-from cpbench.bench.estimate import FIRST_CASE_S, Estimate, Machine, Problem, estimate
+from cpbench.bench.estimate import FIRST_CASE_S, FIRST_STEPS_S, Estimate, Machine, Problem, estimate
 from cpbench.config import GPU_ATTENTION, AttentionConfig, RunConfig
 from cpbench.errors import UsageError
 from cpbench.mask import size_text as size
@@ -99,7 +99,8 @@ def _fitting_seqlen(pr: Problem, est: Estimate, run: RunConfig, machine: Machine
     while seqlen >= 1024:
         smaller = dataclasses.replace(pr, attn=dataclasses.replace(pr.attn, seqlen=seqlen))
         got = estimate(smaller, run, machine, refined=True)
-        if got.case_s + FIRST_CASE_S <= limit_s:  # were it the run's first case
-            return seqlen, got.case_s + FIRST_CASE_S
+        first = got.case_s + FIRST_CASE_S + FIRST_STEPS_S  # were it the run's first case
+        if first <= limit_s:
+            return seqlen, first
         seqlen //= 2
     return None
