@@ -69,6 +69,12 @@ class LaunchTimeout(RuntimeError):
     """The ranks did not all finish before the deadline."""
 
 
+# a free port can be taken by another process (a connection's ephemeral port, another
+# launch) before rank 0's store listens on it: seen once in a suite of parallel gloo launches
+# on a busy host; rank 0 then fails at once, before ``fn``, and the launch tries another port
+PORT_TRIES, PORT_TAKEN = 3, "EADDRINUSE"
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -130,9 +136,20 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, timeout: float | None =
     if collective_timeout is None:
         collective_timeout = 600.0 if timeout is None else max(30.0, timeout)
     threads = threads or max(1, (os.cpu_count() or 1) // nproc)
+    for attempt in range(PORT_TRIES):
+        try:
+            return _run_ranks(fn, nproc, args, timeout, collective_timeout, threads,
+                              leave_together, backend, free_port())
+        except RankError as e:
+            if e.reported or PORT_TAKEN not in str(e) or attempt == PORT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_ranks(fn, nproc: int, args, timeout: float | None, collective_timeout: float,
+               threads: int, leave_together: bool, backend: str, port: int) -> list[Any]:
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
     procs = [
         ctx.Process(target=_worker, daemon=True,
                     args=(fn, r, nproc, port, args, results, threads, collective_timeout,

@@ -4,6 +4,7 @@ processes (``cpbench.launch.run_ranks``)."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import comm_bodies
@@ -54,6 +55,31 @@ def test_groups_inside_and_across_nodes():
 def test_rank_exception_is_reraised_with_traceback():
     with pytest.raises(RankError, match=r"(?s)rank 1 failed.*KeyError: 'boom on rank 1'"):
         launch.run_ranks(comm_bodies.fail_on_rank_1, 3, timeout=60)
+
+
+def test_a_port_taken_before_rank_0_listens_is_tried_again(monkeypatch):
+    """Another process takes the free port first (here: it listens on it): rank 0's store
+    fails at once, and the launch runs its ranks on another port, each once."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = [taken.getsockname()[1], launch.free_port()]
+        given = iter(ports)
+        monkeypatch.setattr(launch, "free_port", lambda: next(given))
+        assert launch.run_ranks(comm_bodies.pid, 2, timeout=120) is not None
+    assert next(given, None) is None  # both ports asked for: the taken one, then the other
+    # a failure after a rank reported (fn ran) is not tried again, whatever it says
+    tries = []
+
+    def fails_in_fn(*args):
+        tries.append(args[-1])
+        raise RankError("rank 0 failed: KeyError: 'boom' (EADDRINUSE of fn's socket)", {1: 1})
+
+    monkeypatch.setattr(launch, "free_port", lambda: 1)
+    monkeypatch.setattr(launch, "_run_ranks", fails_in_fn)
+    with pytest.raises(RankError, match="boom"):
+        launch.run_ranks(comm_bodies.pid, 2, timeout=60)
+    assert tries == [1]
 
 
 def test_hung_ranks_are_killed_at_the_deadline():

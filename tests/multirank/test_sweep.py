@@ -163,7 +163,9 @@ def _interrupt_and_check(proc, out: Path) -> None:
         if group is not None and len(_procs(group=group)) >= 3:
             break
         time.sleep(0.2)
-    assert group is not None and len(_procs(group=group)) >= 3, "the case did not start"
+    if group is None or len(_procs(group=group)) < 3:  # say why where the sweep stopped
+        said = proc.communicate(timeout=30)[1][-2000:] if proc.poll() is not None else ""
+        pytest.fail(f"the case did not start (the sweep: exit {proc.poll()}) {said}")
     assert group != os.getpgid(proc.pid)  # the launch leads its own group: it and its ranks
     before = _signal_state(proc.pid)
     proc.send_signal(signal.SIGINT)
