@@ -68,7 +68,7 @@ def main(argv=None) -> int:
                     block = curve(phase, False).tflops(length)
                     tiles = statistics.fmean(
                         piece_rate(s, functools.partial(curve, phase),
-                                   fa3.tiles[phase == "bwd"], GQA) for s in spec)
+                                   fa3.tiles[phase == "bwd"], GQA, phase=phase) for s in spec)
                     cells.append(f"{phase} {name} {block / pub - 1:+5.0%} / "
                                  f"{tiles / pub - 1:+5.0%}")
             print(f"varlen {mask:6} {length:6}: " + " | ".join(cells))

@@ -144,10 +144,11 @@ def test_an_all_to_alls_layout_copies_are_priced_over_hbm():
 
 def test_a_varlen_sequence_is_priced_as_its_whole_tiles():
     """Documents shorter than a tile, or not whole tiles: each costs its rows and keys
-    rounded up to the kernel's tiles (default 128 x 128), by hand on a random packing; a
-    call of 13-token documents runs (128 / 13)^2 slower than the curve at 128; FA3's own
-    tiles (h100-sxm's ``tiles:``): its forward packs GQA 8:1's query heads into a tile's
-    rows (13 x 8 = 104 of 128: 16 rows a head) by 176 keys, its backward 80 x 128."""
+    rounded up to the kernel's tiles (default 128 x 128), at the length its tiles loop
+    over, by hand on a random packing; a call of 13-token documents runs (128 / 13)^2
+    slower than one-step tiles; FA3's own tiles (h100-sxm's ``tiles:``): its forward
+    packs GQA 8:1's query heads into a tile's rows (13 x 8 = 104 of 128: 16 rows a head)
+    by 176 keys, looping once over them, its backward 80 x 128, looping once over 80 rows."""
     import random
 
     from cpbench.kernels import masked_varlen
@@ -163,17 +164,40 @@ def test_a_varlen_sequence_is_priced_as_its_whole_tiles():
     curve = hw.kernel("fwd", False, 128)
     total = sum(d * d for d in docs)
     tile = [-(-d // 128) * 128 for d in docs]
-    want = total / sum(t * t / curve.tflops(t) for t in tile)
+    want = total / sum(t * t / curve.looping(t, 128) for t in tile)
     assert piece_rate(spec, lambda c: curve) == pytest.approx(want, rel=1e-9), docs
     tiny = masked_varlen.spectrum(masked_varlen.plan(Mask(False, (13,) * 10),
                                                       torch.arange(130), torch.arange(130)))
-    assert piece_rate(tiny, lambda c: curve) == pytest.approx(curve.tflops(128) * (13 / 128) ** 2)
+    assert piece_rate(tiny, lambda c: curve) == pytest.approx(
+        curve.looping(128, 128) * (13 / 128) ** 2)
     fwd, bwd = hw.tiles
     assert piece_rate(tiny, lambda c: curve, fwd, 8) == pytest.approx(
-        curve.tflops((16 * 176) ** 0.5) * 13 * 13 / (16 * 176))
-    assert piece_rate(tiny, lambda c: curve, bwd, 8) == pytest.approx(
-        curve.tflops((80 * 128) ** 0.5) * 13 * 13 / (80 * 128))
+        curve.looping(176, 176) * 13 * 13 / (16 * 176))
+    assert piece_rate(tiny, lambda c: curve, bwd, 8, phase="bwd") == pytest.approx(
+        curve.looping(80, 80) * 13 * 13 / (80 * 128))
 
+
+def test_below_its_first_point_a_curve_pays_each_tiles_fixed_cost():
+    """A curve measured as a benchmark of a fixed count of tiles, each looping n = L / 176
+    steps in t0 + n tb (t0 = 1.5 tb, drawn afresh: any): the curve's two ends give t0 / tb
+    back, and below its first point the rate is the tile model's, not the first point's."""
+    import random
+
+    from cpbench.sim.curves import KernelCurve
+
+    c, top, step = random.uniform(0.2, 5.0), random.uniform(200, 900), 176
+
+    def model(n):  # TFLOP/s: the tiles' work over their time
+        return top * n / (c + n)
+
+    curve = KernelCurve(tuple((n * step, model(n)) for n in (3, 6, 12, 24, 48, 96)))
+    assert curve.fixed_steps(step) == pytest.approx(c, rel=1e-9)
+    assert curve.looping(step, step) == pytest.approx(model(1), rel=1e-9)
+    assert curve.looping(2 * step, step) == pytest.approx(model(2), rel=1e-9)
+    assert curve.looping(2 * step, step) < curve.tflops(2 * step)  # the old rule: flat
+    assert curve.looping(6 * step, step) == curve.tflops(6 * step)  # on the curve: its own
+    # a flat curve has no fixed cost to read
+    assert KernelCurve(((512.0, 300.0), (4096.0, 300.0))).fixed_steps(128) == 0.0
 
 
 @pytest.mark.parametrize("tiles,match", [

@@ -48,6 +48,28 @@ class KernelCurve:
         return y0 + w * (y1 - y0)
 
 
+    def looping(self, side: float, step: int) -> float:
+        """TFLOP/s of a call whose work tiles loop over ``side`` (keys forward, query rows
+        backward) in whole steps of ``step``: the curve from its first point up; below it,
+        each tile's fixed cost (prologue, epilogue: t0) weighs more, a tile of n steps
+        taking t0 + n·tb, with t0 / tb the curve's own (``fixed_steps``)."""
+        first, rate = self.points[0]
+        if side >= first:
+            return self.tflops(side)
+        c, n0, n = self.fixed_steps(step), math.ceil(first / step), max(1, math.ceil(side / step))
+        on_tiles = rate * n0 * step / first  # the first point's rate on the work its tiles do
+        return on_tiles * n / (c + n) * (c + n0) / n0 * side / (n * step)
+
+    def fixed_steps(self, step: int) -> float:
+        """t0 / tb: a tile's fixed cost in loop steps, from the first and last points (the
+        benchmarks behind a curve keep the count of tiles fixed as L grows: batch x L and
+        the heads constant, so its rise with L is t0 spread over longer loops)."""
+        (l0, r0), (l1, r1) = self.points[0], self.points[-1]
+        n0, n1 = math.ceil(l0 / step), math.ceil(l1 / step)
+        q = (r0 * n0 / l0) / (r1 * n1 / l1)  # the rates on the tiles' work, first over last
+        return max(0.0, n0 * n1 * (1 - q) / (q * n1 - n0)) if q * n1 > n0 else 0.0
+
+
 @dataclass(frozen=True)
 class Tiles:
     """The tile one phase of a kernel computes whole: ``rows`` query rows by ``keys`` keys
@@ -63,10 +85,15 @@ class Tiles:
     keys_causal: int | None = None
     pack_gqa: bool = False
 
+    def loop_step(self, causal: bool, phase: str) -> int:
+        """The tile's side its loop steps over: keys forward, query rows backward."""
+        if phase == "fwd":
+            return (self.keys_causal if causal else None) or self.keys
+        return (self.rows_causal if causal else None) or self.rows
+
     def padded(self, rows: float, keys: float, causal: bool, gqa: int) -> float:
         """The area (per query head) the kernel computes for a ``rows`` x ``keys`` piece."""
-        tr = (self.rows_causal if causal else None) or self.rows
-        tk = (self.keys_causal if causal else None) or self.keys
+        tr, tk = self.loop_step(causal, "bwd"), self.loop_step(causal, "fwd")
         pack = gqa if self.pack_gqa else 1
         return math.ceil(rows * pack / tr) * tr / pack * (math.ceil(keys / tk) * tk)
 
@@ -96,17 +123,20 @@ def parse_tiles(k: dict, where: str) -> tuple[Tiles, Tiles]:
 
 
 def piece_rate(spectrum, curve_of, tiles: Tiles = Tiles(), gqa: int = 1,
-               scale: float = 1.0) -> float:
+               scale: float = 1.0, phase: str = "fwd") -> float:
     """TFLOP/s of a varlen call whose work is ``spectrum`` ((rows, keys, causal, share of
     the visible pairs) by piece: ``masked_varlen.spectrum``), each piece's rows and keys
     x ``scale`` rounded up to the kernel's whole ``tiles`` (``gqa`` query heads a K/V head)
-    and run at the side of that area on ``curve_of(causal)``: the call's FLOPs (of its
-    visible pairs) over its pieces' summed times."""
+    and run on ``curve_of(causal)`` at the length its tiles loop over: its keys forward,
+    its rows backward (``KernelCurve.looping``; GQA's packed heads add tiles, not loop
+    steps): the call's FLOPs (of its visible pairs) over its pieces' summed times."""
     time = 0.0
     for rows, keys, causal, share in spectrum:
         r, k = rows * scale, keys * scale
         area = tiles.padded(r, k, causal, gqa)
-        time += share * area / (r * k) / curve_of(causal).tflops(math.sqrt(area))
+        step = tiles.loop_step(causal, phase)
+        loop = math.ceil((k if phase == "fwd" else r) / step) * step
+        time += share * area / (r * k) / curve_of(causal).looping(loop, step)
     return 1 / time
 
 
