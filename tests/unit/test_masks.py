@@ -297,6 +297,25 @@ def test_each_layout_declares_the_multiples_it_pads_to():
     assert built("usp", ulysses_degree=8).pad_multiples() == (1, 8)
 
 
+def test_llama3_attends_each_document_as_one_run_of_the_gathered_keys():
+    """The gathered K/V are put back in sequence order under a mask too (TE, MagiAttention's
+    Ring AllGather), so a rank's varlen call sees each document's keys as one run: one piece
+    per (query run, document); in member order a zigzagged document's keys came in 2N runs."""
+    topo = Topology(world_size=4, ranks_per_node=4)
+    attn = AttentionConfig(seqlen=1024, heads=4, head_dim=16, documents=(512, 256, 128, 128))
+    for layout, runs in (("zigzag-documents", 2 * 4), ("zigzag", 2)):
+        cls = strategies.get("llama3")
+        for rank in range(4):
+            st = cls(attn, topo, rank, kernel=kernels.get("sdpa-cpu"),
+                     options=cls.Options(layout=layout))
+            blk = st.gathered_tiles()
+            assert torch.equal(blk.k_pos, torch.arange(1024))
+            pieces = [(int(q0), int(k0)) for g in blk.varlen.groups
+                      for q0, k0 in zip(g.q0, g.k0)]
+            q_runs = len({q0 for q0, _ in pieces})
+            assert len(pieces) == q_runs <= runs, (layout, rank, pieces)
+
+
 def test_an_adapter_refuses_lengths_its_library_would_need_padded():
     topo = Topology(world_size=2, ranks_per_node=1)
     cls = strategies.get("rfa-zigzag")

@@ -34,9 +34,9 @@ def test_each_scale_runs_the_tokens_per_gpu_and_marks_its_fastest(capsys):
     # ulysses cannot split 64 heads over 128 ranks: said, and zigzag still answers there
     assert "16 node(s): ulysses over 128 ranks" in " ".join(out.split())
     assert [r[2] for r in rows if r[0] == "16x8"] == ["zigzag"]
-    # FA3 on H100: its stated error is the held-out packed-document rows' 18.1 % (its dense
+    # FA3 on H100: its stated error is the held-out packed-document rows' 18.3 % (its dense
     # rows chose the NCCL contention rule, sim.terms: in-sample); cuDNN there has none
-    assert "a margin cannot be judged" not in out and "18.1 %" in " ".join(out.split())
+    assert "a margin cannot be judged" not in out and "18.3 %" in " ".join(out.split())
     assert cli_main(["simulate", "--hardware", "h100-sxm", "--kernel", "cudnn",
                      "--tokens-per-gpu", "8k", "--nodes", "1", "--heads", "64", "--kv-heads",
                      "8", "--strategy", "ulysses,zigzag"]) == 0
@@ -46,7 +46,7 @@ def test_each_scale_runs_the_tokens_per_gpu_and_marks_its_fastest(capsys):
 def test_the_margin_is_judged_against_the_stated_held_out_error(capsys):
     hw = hardware.load("a800-sxm")
     assert hw.stated_error == pytest.approx(0.024)
-    assert hardware.load("h100-sxm").stated_error == pytest.approx(0.181)  # packed rows
+    assert hardware.load("h100-sxm").stated_error == pytest.approx(0.183)  # packed rows
     assert hardware.load("b200").stated_error == pytest.approx(0.037)
     assert hardware.load("h100-sxm", kernel="fa2").stated_error is None
     assert cli_main(["simulate", "--tokens-per-gpu", "16k", "--nodes", "1",

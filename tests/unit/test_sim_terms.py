@@ -91,6 +91,32 @@ def test_nccl_contention_only_in_steps_whose_messages_overlap_the_kernel():
             assert nccl > 0 and p.fwd_s + p.bwd_s > q.fwd_s + q.bwd_s
 
 
+def test_a_gqa_backward_pays_its_kernels_own_dkv_sums_over_every_key_of_the_call():
+    """FA3's GQA backward zeroes and converts fp32 dK / dV buffers over every key it is
+    given (h100-sxm's ``gqa_sums``, 10 bytes a K or V element over HBM): a varlen backward
+    step under GQA pays it on its K and V elements, by hand; not forward, not without GQA,
+    not on a kernel that states none (fa2)."""
+    import random
+
+    hw = hardware.load("h100-sxm", kernel="fa3")
+    s = terms.Scale(linear=1.0, square=1.0, length=1.0, share_side=8192.0)
+    kv = random.uniform(1e7, 1e9)
+    spectrum = ((128.0, 4096.0, False, 1.0),)
+    step = schedule.RankStep(flops=1e12, side=4096.0, kv_elements=kv, v_elements=kv,
+                             spectrum=spectrum, gqa=8)
+
+    def merge(hw, phase, st):
+        return terms.step(hw, schedule.StepLoad(phase, (st,), ((1,),)), 128, s)[2][
+            "merge / rescale"]
+
+    plain = merge(hw, "bwd", dataclasses.replace(step, gqa=1))
+    assert merge(hw, "bwd", step) - plain == pytest.approx(
+        2 * kv * 10 / hw.memory_bandwidth_gbs * 1e-9, rel=1e-9)
+    assert merge(hw, "fwd", step) == merge(hw, "fwd", dataclasses.replace(step, gqa=1))
+    fa2 = hardware.load("h100-sxm", kernel="fa2")
+    assert merge(fa2, "bwd", step) == merge(fa2, "bwd", dataclasses.replace(step, gqa=1))
+
+
 def test_a_varlen_call_is_priced_document_by_document():
     """Ulysses under packed documents, full mask: its one kernel call's time is each
     document's FLOPs at that document's length on the curve, summed (independently here),
@@ -175,6 +201,31 @@ def test_a_varlen_sequence_is_priced_as_its_whole_tiles():
         curve.looping(176, 176) * 13 * 13 / (16 * 176))
     assert piece_rate(tiny, lambda c: curve, bwd, 8, phase="bwd") == pytest.approx(
         curve.looping(80, 80) * 13 * 13 / (80 * 128))
+
+
+def test_a_causal_piece_wider_than_tall_is_a_full_block_beside_its_diagonal():
+    """A zigzag chunk's queries against every key of its document before them (bottom-right
+    causal, r rows by a + r keys, drawn afresh): its r x a block left of the diagonal is
+    priced on the full curve, its r x r diagonal on the causal one, both at the a + r keys
+    the tiles loop over, by hand; faster than the whole piece on the causal curve."""
+    import random
+
+    from cpbench.kernels import masked_varlen
+    from cpbench.mask import Mask
+    from cpbench.sim.curves import piece_rate
+
+    rng = random.Random()
+    r, a = 128 * rng.randrange(1, 8), 128 * rng.randrange(1, 64)
+    spec = masked_varlen.spectrum(masked_varlen.plan(Mask(True, (a + r,)),
+                                                      torch.arange(a, a + r), torch.arange(a + r)))
+    assert [s[:3] for s in spec] == [(r, a + r, True)], spec
+    hw = hardware.load("h100-sxm", kernel="fa3")
+    full_c, diag_c = hw.kernel("fwd", False, 128), hw.kernel("fwd", True, 128)
+    full = r * a / (r * a + r * r / 2)
+    want = 1 / (full / full_c.looping(a + r, 128) + (1 - full) / diag_c.looping(a + r, 128))
+    got = piece_rate(spec, lambda c: diag_c if c else full_c)
+    assert got == pytest.approx(want, rel=1e-9), (r, a)
+    assert got > diag_c.looping(a + r, 128), (r, a)
 
 
 def test_below_its_first_point_a_curve_pays_each_tiles_fixed_cost():

@@ -129,15 +129,26 @@ def piece_rate(spectrum, curve_of, tiles: Tiles = Tiles(), gqa: int = 1,
     x ``scale`` rounded up to the kernel's whole ``tiles`` (``gqa`` query heads a K/V head)
     and run on ``curve_of(causal)`` at the length its tiles loop over: its keys forward,
     its rows backward (``KernelCurve.looping``; GQA's packed heads add tiles, not loop
-    steps): the call's FLOPs (of its visible pairs) over its pieces' summed times."""
+    steps): the call's FLOPs (of its visible pairs) over its pieces' summed times. A causal
+    piece with more keys than rows (bottom-right aligned) is a full rows x (keys - rows)
+    block beside a rows x rows diagonal: its tiles left of the diagonal run unmasked."""
     time = 0.0
     for rows, keys, causal, share in spectrum:
         r, k = rows * scale, keys * scale
-        area = tiles.padded(r, k, causal, gqa)
-        step = tiles.loop_step(causal, phase)
-        loop = math.ceil((k if phase == "fwd" else r) / step) * step
-        time += share * area / (r * k) / curve_of(causal).looping(loop, step)
+        for side, causal_part, part in _parts(r, k, causal, share):
+            area = tiles.padded(r, side, causal_part, gqa)
+            step = tiles.loop_step(causal_part, phase)
+            loop = math.ceil((k if phase == "fwd" else r) / step) * step
+            time += part * area / (r * side) / curve_of(causal_part).looping(loop, step)
     return 1 / time
+
+
+def _parts(r: float, k: float, causal: bool, share: float):
+    """(keys, causal, share of the visible pairs) of a piece's full and diagonal parts."""
+    if not causal or k <= r:
+        return [(k, causal, share)]
+    full = r * (k - r) / (r * (k - r) + r * r / 2)
+    return [(k - r, False, share * full), (r, True, share * (1 - full))]
 
 
 @dataclass(frozen=True)

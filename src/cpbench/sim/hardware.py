@@ -117,6 +117,9 @@ class Hardware:
     stated_error: float | None = None  # its held-out median |error|, where it has one
     # the whole tiles the kernel computes a varlen call's pieces in, (fwd, bwd)
     tiles: tuple[curves.Tiles, curves.Tiles] = (curves.Tiles(), curves.Tiles())
+    # a GQA backward's own fp32 dK / dV sums, zeroed and converted once per call over every
+    # key it is given (``kernel.gqa_sums``: FA3's): a pass over the call's K / V elements
+    gqa_sums: Pass = Pass()
 
     def kernels(self) -> tuple[tuple[int | None, KernelSet], ...]:
         first = KernelSet(self.kernel_fwd, self.kernel_bwd, self.kernel_fwd_causal,
@@ -285,6 +288,7 @@ def from_dict(d: dict, source: str = "preset", kernel: str | None = None) -> Har
             evidence=provenance.evidence(d.get("evidence"), kernel_name, f"{source}: evidence"),
             stated_error=provenance.stated_error(d.get("evidence"), kernel_name),
             tiles=curves.parse_tiles(k, f"{source}: kernel"),
+            gqa_sums=_pass(k, "gqa_sums", f"{source}: kernel", hbm),
         )
     except KeyError as e:
         raise UsageError(f"{source}: missing field {e.args[0]!r} (see configs/hardware/"

@@ -11,7 +11,10 @@ the step's slowest rank add up to the step's time:
   (``kernel.in_cp``: NCCL's kernels take SMs; measured on A800 in seed 000's profile), in
   steps whose messages run beside the kernel only (``_contends``);
 - ``merge / rescale``: the forward's merge of a block into the fp32 (out, lse), the
-  backward's dq, dk, dv sums (``merge``, ``accumulate``: bytes per element over HBM);
+  backward's dq, dk, dv sums (``merge``, ``accumulate``: bytes per element over HBM), and
+  under GQA a varlen backward's own fp32 dK / dV sums over every key of its call
+  (``kernel.gqa_sums``: FA3 zeroes and converts them per call, so a call given the whole
+  gathered sequence pays for all of it however few keys its pieces see);
 - ``layout copies``: the copies a rank's all-to-alls make of their tensors besides the wire
   (``comm.a2a_copied_bytes``: the chunk-major send buffer, the received chunks laid side by
   side), bytes over HBM (``sharing.copies_s``);
@@ -87,8 +90,19 @@ def _compute(hw: Hardware, phase: str, r, head_dim, s: Scale) -> dict[str, float
             "NCCL contention": at_side / in_cp - at_side if _contends(r) else 0.0,
             "merge / rescale": sharing.passes_s(
                 hw, phase, r.q_elements * s.linear, r.kv_elements * s.linear,
-                r.out_elements * s.linear, r.v_elements * s.linear),
+                r.out_elements * s.linear, r.v_elements * s.linear)
+            + _gqa_sums_s(hw, phase, r, s),
             **copies, "launch / sync": hw.step_overhead_us * 1e-6}
+
+
+def _gqa_sums_s(hw: Hardware, phase: str, r, s: Scale) -> float:
+    """A GQA varlen backward's own dK / dV sums over the K / V elements its step states (the
+    strategies that merge blocks; ``r.gqa`` is known on varlen calls). Not priced: dense
+    calls (as many keys as rows: the pass is under 1 % of their kernel) and Ulysses' one
+    call (the whole sequence's keys, 1 / N of the K/V heads: likewise)."""
+    if phase == "fwd" or r.gqa <= 1:
+        return 0.0
+    return hw.gqa_sums.seconds((r.kv_elements + r.v_elements) * s.linear)
 
 
 def _views(hw: Hardware, load, head_dim, s: Scale) -> list[tuple[float, float, dict]]:

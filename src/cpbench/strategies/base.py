@@ -307,6 +307,11 @@ class Strategy(BlockBytes, ABC):
         """The global positions ``ranks`` hold, one after the other (a gathered sequence)."""
         return torch.cat([self.seq_index(r) for r in ranks])
 
+    def sorted_positions(self, ranks):
+        """``positions(ranks)`` sorted (values) and the order that sorts them (indices): a
+        gathered sequence put back in sequence order."""
+        return self.positions(ranks).sort()
+
     def tiles(self, key, q_pos: torch.Tensor, k_pos: torch.Tensor) -> masked.Block:
         """The masked kernel's plan for these global query and key positions, cached under
         ``key`` (the same blocks recur every iteration); false when nothing is visible."""

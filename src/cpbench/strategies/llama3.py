@@ -4,17 +4,19 @@ type; ring-flash-attn's ``llama3_flash_attn_varlen_func``).
 
 Layouts (``--layout``):
 - ``zigzag`` (default, the paper's and TE's): the sequence cut into 2·N chunks, ring position
-  r holding chunks r and 2N-1-r, so causal work is balanced. Without a mask the gathered K/V
-  are put back in sequence order (TE: ``get_seq_chunk_ids_for_reordering_before_attn``,
-  context_parallel.py v2.18 L3222-3231) and each local half attends to the keys before it:
-  the earlier keys in full, its own chunk causal (under a mask the tiles follow positions).
-  Under documents the chunks are the whole sequence's, as the paper cuts it (any document
-  lengths).
+  r holding chunks r and 2N-1-r, so causal work is balanced. The gathered K/V are put back in
+  sequence order (TE: ``get_seq_chunk_ids_for_reordering_before_attn``, context_parallel.py
+  v2.18 L3222-3231); without a mask each local half attends to the keys before it: the
+  earlier keys in full, its own chunk causal. Under a mask too, so each document's keys are
+  one run for the varlen kernel, not 2N. Under documents the chunks are the whole
+  sequence's, as the paper cuts it (any document lengths).
 - ``zigzag-documents``: under documents *each document* cut into 2N chunks, rank r holding
   chunks r and 2N-1-r of every one (TE's thd format, ``thd_partition_indices_kernel``;
   MagiAttention's Ring AllGather baseline, ``exps/dist_attn/baselines/ring_attn.py``
   ``RingAttnAllGather.dispatch``: ``zigzag_dispatch`` of the padded thd layout), so every
-  document is balanced; documents padded to 2N. Without documents it is ``zigzag``.
+  document is balanced; documents padded to 2N. The gathered K/V are put back in sequence
+  order token by token (that baseline's ``gather_with_reorder_before_attn``), and dK/dV back
+  in member order before the reduce-scatter. Without documents it is ``zigzag``.
 - ``contiguous``: ring position r holds tokens [r·S/N, (r+1)·S/N), as ring-flash-attn's
   llama3 (the twin of ``rfa-llama3``).
 
@@ -37,7 +39,6 @@ As ring-flash-attn (llama3_flash_attn_varlen.py, 0.1.8) by default:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -108,9 +109,9 @@ class _Llama3Attention(torch.autograd.Function):
 
 def _attend(strat, q, k_all, v_all):
     """The local queries against the gathered keys: (out fp32, lse)."""
+    k_all, v_all = strat.in_sequence_order(k_all), strat.in_sequence_order(v_all)
     if not strat.mask.plain:
         return strat.masked_forward(q, k_all, v_all, strat.gathered_tiles())
-    k_all, v_all = strat.in_sequence_order(k_all), strat.in_sequence_order(v_all)
     b, s, h, _ = q.shape
     d = v_all.shape[-1]  # out has V's width
     out = torch.empty(b, s, h, d, dtype=torch.float32, device=q.device)
@@ -129,11 +130,11 @@ def _attend_grads(strat, dout, q, k_all, v_all, out, lse):
     dtype), against the final out / lse. Key ranges of different query rows overlap under
     the zigzag layout: their gradients add up in that dtype, as TE's do."""
     dtype = strat.dkv_dtype
+    k_all, v_all = strat.in_sequence_order(k_all), strat.in_sequence_order(v_all)
     if not strat.mask.plain:
         dq, dk, dv = strat.masked_backward(dout, q, k_all, v_all, out, lse,
                                            strat.gathered_tiles())
-        return dq, dk.to(dtype), dv.to(dtype)
-    k_all, v_all = strat.in_sequence_order(k_all), strat.in_sequence_order(v_all)
+        return dq, strat.in_member_order(dk.to(dtype)), strat.in_member_order(dv.to(dtype))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k_all.shape, dtype=dtype, device=q.device)
     dv = torch.zeros(v_all.shape, dtype=dtype, device=q.device)
@@ -237,11 +238,11 @@ class Llama3(Strategy):
     def accumulator_bytes(self, phase: str) -> int:
         """out / dq, dk, dv filled chunk by chunk, and a chunk's sums: out in fp32 (and its
         rows' accumulator) in the forward; dq in fp32 and the gathered sequence's dK, dV in
-        the backward; plain zigzag also reorders the gathered K/V (a copy)."""
+        the backward; zigzag also reorders the gathered K/V (a copy)."""
         s, share = self.local_seqlen, self.stride / self.attn.num_kv_heads
         q32, gathered = self.q_bytes(s, element_size=4), self.cp_size * self.kv_bytes(s)
         plain = self.mask.plain  # under a mask the masked kernels return the fp32 sums
-        reordered = gathered if plain and self.zigzag else 0
+        reordered = gathered if self.zigzag else 0
         if phase == FWD:  # out and its rows' accumulator: V's width
             out32 = self.out_bytes(s, element_size=4)
             return self.out_bytes(s) + self.lse_bytes(s) + int(
@@ -252,8 +253,10 @@ class Llama3(Strategy):
 
     def finish_bytes(self, phase: str) -> int:
         """The backward's end: under a mask, the masked kernel's fp32 dK, dV of the gathered
-        sequence cast to the dK/dV dtype (a copy unless that is fp32); plain zigzag puts the
-        gathered dK, dV back in member order (a copy each), beside the K/V in both orders."""
+        sequence cast to the dK/dV dtype (a copy unless that is fp32; put back in member order
+        after the kernel's buffers are freed: no higher peak, measured on fake CUDA); plain
+        zigzag puts the gathered dK, dV back in member order (a copy each), beside the K/V in
+        both orders."""
         base = super().finish_bytes(phase)
         if phase == FWD:
             return base
@@ -274,31 +277,34 @@ class Llama3(Strategy):
 
     # -- the gathered sequence ----------------------------------------------------------------
 
-    @functools.cached_property
-    def _chunks_held(self) -> list[int] | None:
-        """The sequence chunks (S/N contiguous, S/2N zigzag) in the order an all-gather lays
-        them: group members in global rank order, each member's chunks in its local order;
-        None when that is sequence order (contiguous on a ring in rank order: nothing to
-        move). Once per strategy: the reorders run inside the timed step."""
-        n, zigzag = self.cp_size, self.zigzag
-        ring = next(lst for lst in self.cp_lists if self.rank in lst)
-        positions = [self.cp_index(r) for r in sorted(ring)]
-        held = [c for p in positions for c in ((p, 2 * n - 1 - p) if zigzag else (p,))]
-        return None if held == sorted(held) else held
+    def _orders(self, device) -> dict[bool, torch.Tensor] | None:
+        """{to sequence order: indices, to member order: indices} of the pieces an all-gather
+        lays out (group members in global rank order, each member's in its local order):
+        chunks (S/N contiguous, S/2N zigzag), or tokens when every document is zigzagged;
+        None when that is sequence order (contiguous on a ring in rank order). Made once per
+        device at the first call (a forward: the warm-up), not per step: the backward's own
+        would otherwise copy host to device in a step."""
+        cache = self.__dict__.setdefault("_order_cache", {})
+        if device not in cache:
+            ring = sorted(next(lst for lst in self.cp_lists if self.rank in lst))
+            orders: tuple[torch.Tensor, torch.Tensor] | None
+            if self.documents_zigzagged() is not None:  # token by token
+                orders = (self.sorted_positions(ring).indices, self.positions(ring))
+            else:
+                n, zigzag = self.cp_size, self.zigzag
+                held = [c for p in map(self.cp_index, ring)
+                        for c in ((p, 2 * n - 1 - p) if zigzag else (p,))]
+                orders = None if held == sorted(held) else (
+                    torch.tensor([held.index(c) for c in range(len(held))]), torch.tensor(held))
+            cache[device] = orders and {True: orders[0].to(device), False: orders[1].to(device)}
+        return cache[device]
 
     def _reorder(self, x_bs: torch.Tensor, to_sequence: bool) -> torch.Tensor:
-        held = self._chunks_held
-        if held is None:
+        orders = self._orders(x_bs.device)
+        if orders is None:
             return x_bs
-        cache = self.__dict__.setdefault("_orders", {})
-        if x_bs.device not in cache:
-            # both orders made once per device at the first call (a forward: the warm-up),
-            # not per step; the backward's own would otherwise copy host to device in a step
-            to_seq = [held.index(c) for c in range(len(held))]
-            cache[x_bs.device] = {True: torch.tensor(to_seq, device=x_bs.device),
-                                  False: torch.tensor(held, device=x_bs.device)}
-        order = cache[x_bs.device][to_sequence]
-        return x_bs.unflatten(1, (len(held), -1)).index_select(1, order).flatten(1, 2)
+        order = orders[to_sequence]
+        return x_bs.unflatten(1, (len(order), -1)).index_select(1, order).flatten(1, 2)
 
     def in_sequence_order(self, gathered: torch.Tensor) -> torch.Tensor:
         return self._reorder(gathered, True)
@@ -328,10 +334,11 @@ class Llama3(Strategy):
         return out
 
     def gathered_tiles(self):
-        """The local queries against the gathered sequence, in member order (a mask needs
-        no sequence order: the tiles follow the positions)."""
+        """The local queries against the gathered sequence put back in sequence order (each
+        document's keys one run for the varlen kernel)."""
         ring = next(lst for lst in self.cp_lists if self.rank in lst)
-        return self.tiles("gathered", self.seq_index(self.rank), self.positions(sorted(ring)))
+        keys = self.sorted_positions(sorted(ring)).values
+        return self.tiles("gathered", self.seq_index(self.rank), keys)
 
     def attention(self, q, k, v, sinks=None):
         return _Llama3Attention.apply(self, q, k, v, sinks)
