@@ -251,6 +251,29 @@ def test_below_its_first_point_a_curve_pays_each_tiles_fixed_cost():
     assert KernelCurve(((512.0, 300.0), (4096.0, 300.0))).fixed_steps(128) == 0.0
 
 
+def test_a_curve_benchmarked_at_a_fixed_batch_holds_its_first_point_below_it():
+    """cuDNN and FA4 on B200 / GB200 were benchmarked at a fixed batch (1 or 2, L growing):
+    their rise with L is the call's own, not a tile's (``fixed_tile_count: false``), so a
+    piece below the first point runs at that point's rate on its whole tiles; FA3 on H100
+    (batch x L constant) keeps the tile model there; a flag not true / false is refused."""
+    import yaml
+
+    from cpbench.sim.curves import piece_rate
+
+    hw = hardware.load("b200", kernel="cudnn")
+    assert not hw.fixed_tile_count and hardware.load("h100-sxm", kernel="fa3").fixed_tile_count
+    curve = hw.kernel("fwd", False, 128)
+    spec = ((256.0, 256.0, False, 1.0),)  # 2 x 2 default tiles, below the first point (1k)
+    held = piece_rate(spec, lambda c: curve, fixed_tiles=False)
+    assert held == pytest.approx(curve.points[0][1], rel=1e-9)
+    assert piece_rate(spec, lambda c: curve) < held  # the tile model reads the rise per tile
+    with open(hardware.PRESET_DIR / "b200.yaml") as f:
+        raw = yaml.safe_load(f)
+    raw["kernels"]["cudnn"]["fixed_tile_count"] = "no"
+    with pytest.raises(UsageError, match="fixed_tile_count must be true or false"):
+        hardware.from_dict(raw, kernel="cudnn")
+
+
 @pytest.mark.parametrize("tiles,match", [
     ({"fwd": {"rows": 64}}, "source: a name of its sources"),
     ({"source": "s", "fwd": {"rowz": 64}}, "give rows, keys"),

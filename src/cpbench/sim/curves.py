@@ -123,7 +123,7 @@ def parse_tiles(k: dict, where: str) -> tuple[Tiles, Tiles]:
 
 
 def piece_rate(spectrum, curve_of, tiles: Tiles = Tiles(), gqa: int = 1,
-               scale: float = 1.0, phase: str = "fwd") -> float:
+               scale: float = 1.0, phase: str = "fwd", fixed_tiles: bool = True) -> float:
     """TFLOP/s of a varlen call whose work is ``spectrum`` ((rows, keys, causal, share of
     the visible pairs) by piece: ``masked_varlen.spectrum``), each piece's rows and keys
     x ``scale`` rounded up to the kernel's whole ``tiles`` (``gqa`` query heads a K/V head)
@@ -131,7 +131,9 @@ def piece_rate(spectrum, curve_of, tiles: Tiles = Tiles(), gqa: int = 1,
     its rows backward (``KernelCurve.looping``; GQA's packed heads add tiles, not loop
     steps): the call's FLOPs (of its visible pairs) over its pieces' summed times. A causal
     piece with more keys than rows (bottom-right aligned) is a full rows x (keys - rows)
-    block beside a rows x rows diagonal: its tiles left of the diagonal run unmasked."""
+    block beside a rows x rows diagonal: its tiles left of the diagonal run unmasked.
+    ``fixed_tiles`` false (curves benchmarked at a fixed batch, whose rise with L is the
+    call's, not each tile's): below a curve's first point a piece runs at that point's rate."""
     time = 0.0
     for rows, keys, causal, share in spectrum:
         r, k = rows * scale, keys * scale
@@ -139,7 +141,9 @@ def piece_rate(spectrum, curve_of, tiles: Tiles = Tiles(), gqa: int = 1,
             area = tiles.padded(r, side, causal_part, gqa)
             step = tiles.loop_step(causal_part, phase)
             loop = math.ceil((k if phase == "fwd" else r) / step) * step
-            time += part * area / (r * side) / curve_of(causal_part).looping(loop, step)
+            curve = curve_of(causal_part)
+            rate = curve.looping(loop, step) if fixed_tiles else curve.tflops(loop)
+            time += part * area / (r * side) / rate
     return 1 / time
 
 

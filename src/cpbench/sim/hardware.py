@@ -120,6 +120,11 @@ class Hardware:
     # a GQA backward's own fp32 dK / dV sums, zeroed and converted once per call over every
     # key it is given (``kernel.gqa_sums``: FA3's): a pass over the call's K / V elements
     gqa_sums: Pass = Pass()
+    # the kernel's curves were benchmarked at a fixed count of work tiles (batch x L constant,
+    # FlashAttention's benchmarks): below a curve's first point each tile pays its fixed cost
+    # (``curves.KernelCurve.looping``); false (``kernel.fixed_tile_count``: a fixed batch, the
+    # rise with L the call's own): below it a piece runs at the first point's rate
+    fixed_tile_count: bool = True
 
     def kernels(self) -> tuple[tuple[int | None, KernelSet], ...]:
         first = KernelSet(self.kernel_fwd, self.kernel_bwd, self.kernel_fwd_causal,
@@ -176,6 +181,13 @@ def _probe(d, where: str) -> Probe | None:
     if min(probe.side, probe.heads, probe.head_dim, probe.busy_ms, probe.alone_ms) <= 0:
         raise UsageError(f"{where}: every value must be positive")
     return probe
+
+
+def _flag(d: dict, key: str, source: str, default: bool) -> bool:
+    value = d.get(key, default)
+    if not isinstance(value, bool):
+        raise UsageError(f"{source}: {key} must be true or false, got {value!r}")
+    return value
 
 
 def _pass(d: dict, key: str, source: str, hbm_gbs: float | None) -> Pass:
@@ -289,6 +301,7 @@ def from_dict(d: dict, source: str = "preset", kernel: str | None = None) -> Har
             stated_error=provenance.stated_error(d.get("evidence"), kernel_name),
             tiles=curves.parse_tiles(k, f"{source}: kernel"),
             gqa_sums=_pass(k, "gqa_sums", f"{source}: kernel", hbm),
+            fixed_tile_count=_flag(k, "fixed_tile_count", f"{source}: kernel", True),
         )
     except KeyError as e:
         raise UsageError(f"{source}: missing field {e.args[0]!r} (see configs/hardware/"

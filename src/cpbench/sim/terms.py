@@ -83,7 +83,7 @@ def _compute(hw: Hardware, phase: str, r, head_dim, s: Scale) -> dict[str, float
     if r.spectrum:  # varlen calls: each piece at its own side and mask
         rate = curves.piece_rate(r.spectrum, lambda c: hw.kernel(phase, c, head_dim),
                                  hw.tiles[0 if phase == "fwd" else 1], r.gqa, s.length,
-                                 phase)
+                                 phase, hw.fixed_tile_count)
         at_side = flops / (rate * 1e12)
     at_share = flops / (alone.tflops(s.share_side) * 1e12)
     return {"kernel": at_share, "block size": at_side - at_share,
