@@ -4,6 +4,7 @@ each layout gives, and strategies that cannot take a mask being skipped with the
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -308,12 +309,38 @@ def test_llama3_attends_each_document_as_one_run_of_the_gathered_keys():
         for rank in range(4):
             st = cls(attn, topo, rank, kernel=kernels.get("sdpa-cpu"),
                      options=cls.Options(layout=layout))
-            blk = st.gathered_tiles()
-            assert torch.equal(blk.k_pos, torch.arange(1024))
-            pieces = [(int(q0), int(k0)) for g in blk.varlen.groups
-                      for q0, k0 in zip(g.q0, g.k0)]
-            q_runs = len({q0 for q0, _ in pieces})
-            assert len(pieces) == q_runs <= runs, (layout, rank, pieces)
+            for half in (0, 1):  # one call per zigzag half (TE, MagiAttention)
+                blk = st.gathered_tiles(half)
+                assert torch.equal(blk.k_pos, torch.arange(1024))
+                pieces = [(int(q0), int(k0)) for g in blk.varlen.groups
+                          for q0, k0 in zip(g.q0, g.k0)]
+                q_runs = len({q0 for q0, _ in pieces})
+                assert len(pieces) == q_runs <= runs // 2, (layout, rank, half, pieces)
+
+
+def test_llama3_calls_each_zigzag_half_apart_under_a_mask():
+    """Under documents each half's queries are chunk r (then 2N-1-r) of every document, the
+    halves split the local rows, and their calls see together what the rank's queries see."""
+    topo = Topology(world_size=4, ranks_per_node=4)
+    docs = (512, 256, 128, 128)
+    attn = AttentionConfig(seqlen=1024, heads=4, head_dim=16, documents=docs)
+    cls = strategies.get("llama3")
+    starts = torch.tensor([0, 512, 768, 896])
+    for rank in range(4):
+        st = cls(attn, topo, rank, kernel=kernels.get("sdpa-cpu"),
+                 options=cls.Options(layout="zigzag-documents"))
+        rows = st.half_rows()
+        assert sorted(np.concatenate(rows)) == list(range(st.local_seqlen))
+        for half, chunk in enumerate((rank, 2 * 4 - 1 - rank)):
+            pos = st.held_positions(rows[half])
+            doc = torch.searchsorted(starts, pos, right=True) - 1
+            size = torch.tensor(docs)[doc] // 8
+            assert torch.equal((pos - starts[doc]) // size, torch.full_like(pos, chunk))
+        whole = st.tiles("whole", st.seq_index(rank), torch.arange(1024))
+        assert st.gathered_tiles(0).pairs + st.gathered_tiles(1).pairs == whole.pairs
+    contiguous = cls(attn, topo, 1, kernel=kernels.get("sdpa-cpu"),
+                     options=cls.Options(layout="contiguous"))
+    assert contiguous.half_rows() == [slice(0, 256)]
 
 
 def test_an_adapter_refuses_lengths_its_library_would_need_padded():

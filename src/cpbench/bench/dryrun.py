@@ -147,14 +147,15 @@ def _real(fn):
 @contextlib.contextmanager
 def _host_planning(strat: Strategy):
     """Layout, positions and the masked kernel's plans on real CPU tensors, as a real run's
-    first step plans them (``Strategy.positions`` / ``sorted_positions`` / ``tiles`` and
-    ``masked.Block``'s lazily planned parts)."""
+    first step plans them (``Strategy.positions`` / ``held_positions`` / ``sorted_positions``
+    / ``tiles`` and ``masked.Block``'s lazily planned parts)."""
     for part in _parts(strat):  # a composite's inner strategies (usp's ring) plan alike
         index = {r: part.seq_index(r) for r in range(part.world_size)}
         # the instance's own (its __dict__ shadows the method): every strategy object
         part.__dict__["seq_index"] = index.__getitem__
     saved: dict[tuple[type, str], Any] = {(Strategy, n): Strategy.__dict__[n]
-                                          for n in ("positions", "sorted_positions", "tiles")}
+                                          for n in ("positions", "held_positions",
+                                                    "sorted_positions", "tiles")}
     saved.update({(masked.Block, n): masked.Block.__dict__[n] for n in _BLOCK_PLANS})
     for (cls, name), attr in saved.items():
         if isinstance(attr, functools.cached_property):

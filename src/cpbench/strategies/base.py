@@ -307,6 +307,11 @@ class Strategy(BlockBytes, ABC):
         """The global positions ``ranks`` hold, one after the other (a gathered sequence)."""
         return torch.cat([self.seq_index(r) for r in ranks])
 
+    def held_positions(self, rows) -> torch.Tensor:
+        """The global positions of this rank's local ``rows`` (a slice or a numpy index)."""
+        index = self.seq_index(self.rank)
+        return index[rows] if isinstance(rows, slice) else index[torch.from_numpy(rows)]
+
     def sorted_positions(self, ranks):
         """``positions(ranks)`` sorted (values) and the order that sorts them (indices): a
         gathered sequence put back in sequence order."""

@@ -47,6 +47,16 @@ def zigzag_documents_index(documents: tuple[int, ...], n: int, r: int) -> torch.
     return torch.from_numpy(index)
 
 
+def zigzag_documents_half(documents: tuple[int, ...], n: int, half: int) -> np.ndarray:
+    """The local rows of ``zigzag_documents_index`` that hold chunk r (``half`` 0) or
+    2n-1-r (1) of every document: a zigzag rank's queries of one half (host side: a plan,
+    never a tensor of the run)."""
+    c = np.asarray(documents, dtype=np.int64) // (2 * n)
+    firsts = np.cumsum(2 * c) - 2 * c + half * c
+    ends = np.cumsum(c)
+    return np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(firsts - ends + c, c)
+
+
 def check_documents_divisible(documents: tuple[int, ...], multiple: int, who: str) -> None:
     """Refuse documents a per-document split cannot cut evenly (left so only under
     ``--document-padding refuse``; ``pad`` pads them first: ``config.padded``)."""

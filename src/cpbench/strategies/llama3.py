@@ -21,9 +21,11 @@ Layouts (``--layout``):
   llama3 (the twin of ``rfa-llama3``).
 
 Forward: K and V are gathered from every rank (two all-gathers per head chunk) and the local
-queries attend to every key they see under the mask. Backward: K and V are gathered again (not
-kept: the point of the method is memory), dQ stays here, and the dK/dV of the whole sequence
-are reduce-scattered back to their owners.
+queries attend to every key they see under the mask; under a mask a zigzag rank calls the
+kernel once per half, each against the whole gathered sequence, and adds the halves' dK/dV in
+their dtype (MagiAttention's ``FA3RingAGAttnFunc``, ring_attn.py L505-522, L588-615).
+Backward: K and V are gathered again (not kept: the point of the method is memory), dQ stays
+here, and the dK/dV of the whole sequence are reduce-scattered back to their owners.
 As ring-flash-attn (llama3_flash_attn_varlen.py, 0.1.8) by default:
 - ``--heads-k-stride H`` gathers (and reduce-scatters) H K/V heads at a time, capping the
   gathered buffers at H/kv_heads of the sequence's K/V; 0 gathers every head at once;
@@ -41,17 +43,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cpbench.comm import all_gather_seq_async, reduce_scatter_seq
 from cpbench.errors import UsageError
-from cpbench.merge import OutLseAccumulator, add_sink, sink_grad
+from cpbench.merge import add_sink, sink_grad
 from cpbench.strategies import register
+from cpbench.strategies._llama3_calls import attend, attend_grads
 from cpbench.strategies.base import BWD, FWD, Message, Step, Strategy, option, save_for_backward
 from cpbench.strategies.layout import (
     check_divisible,
     check_documents_divisible,
     contiguous_index,
+    zigzag_documents_half,
     zigzag_documents_index,
     zigzag_index,
 )
@@ -85,7 +90,7 @@ class _Llama3Attention(torch.autograd.Function):
                           device=q.device)
         for qh, _, k_all, v_all in _gathered(strat, k, v):
             # every key of these heads is in: their sinks join once, here
-            o, lse[:, qh] = add_sink(*_attend(strat, q[:, :, qh], k_all, v_all),
+            o, lse[:, qh] = add_sink(*attend(strat, q[:, :, qh], k_all, v_all),
                                      None if sinks is None else sinks[qh])
             out[:, :, qh] = o.to(q.dtype)
         save_for_backward(ctx, strat, q, k, v, out, lse, sinks, lse=lse)
@@ -99,54 +104,12 @@ class _Llama3Attention(torch.autograd.Function):
         g = strat.groups["cp"]
         dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
         for qh, kh, k_all, v_all in _gathered(strat, k, v):
-            dq_c, dk_all, dv_all = _attend_grads(strat, dout[:, :, qh], q[:, :, qh], k_all,
+            dq_c, dk_all, dv_all = attend_grads(strat, dout[:, :, qh], q[:, :, qh], k_all,
                                                  v_all, out[:, :, qh], lse[:, qh])
             dq[:, :, qh] = dq_c.to(q.dtype)
             dk[:, :, kh] = reduce_scatter_seq(dk_all, g).to(k.dtype)
             dv[:, :, kh] = reduce_scatter_seq(dv_all, g).to(v.dtype)
         return None, dq, dk, dv, sink_grad(out, dout, lse, sinks)
-
-
-def _attend(strat, q, k_all, v_all):
-    """The local queries against the gathered keys: (out fp32, lse)."""
-    k_all, v_all = strat.in_sequence_order(k_all), strat.in_sequence_order(v_all)
-    if not strat.mask.plain:
-        return strat.masked_forward(q, k_all, v_all, strat.gathered_tiles())
-    b, s, h, _ = q.shape
-    d = v_all.shape[-1]  # out has V's width
-    out = torch.empty(b, s, h, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
-    for rows, parts in strat.plain_parts():
-        acc = OutLseAccumulator(b, len(range(s)[rows]), h, d, q.device)
-        for keys, causal in parts:
-            acc.update(*strat.kernel_call("forward", q[:, rows], k_all[:, keys],
-                                          v_all[:, keys], causal=causal))
-        out[:, rows], lse[:, :, rows] = acc.out, acc.lse
-    return out, lse
-
-
-def _attend_grads(strat, dout, q, k_all, v_all, out, lse):
-    """(dq fp32, dk and dv of the whole gathered sequence in member order and the dK/dV
-    dtype), against the final out / lse. Key ranges of different query rows overlap under
-    the zigzag layout: their gradients add up in that dtype, as TE's do."""
-    dtype = strat.dkv_dtype
-    k_all, v_all = strat.in_sequence_order(k_all), strat.in_sequence_order(v_all)
-    if not strat.mask.plain:
-        dq, dk, dv = strat.masked_backward(dout, q, k_all, v_all, out, lse,
-                                           strat.gathered_tiles())
-        return dq, strat.in_member_order(dk.to(dtype)), strat.in_member_order(dv.to(dtype))
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k_all.shape, dtype=dtype, device=q.device)
-    dv = torch.zeros(v_all.shape, dtype=dtype, device=q.device)
-    for rows, parts in strat.plain_parts():
-        for keys, causal in parts:
-            bq, bk, bv = strat.kernel_call("backward", dout[:, rows], q[:, rows],
-                                           k_all[:, keys], v_all[:, keys], out[:, rows],
-                                           lse[:, :, rows], causal=causal)
-            dq[:, rows] += bq
-            dk[:, keys] += bk
-            dv[:, keys] += bv
-    return dq, strat.in_member_order(dk), strat.in_member_order(dv)
 
 
 @register
@@ -243,13 +206,14 @@ class Llama3(Strategy):
         q32, gathered = self.q_bytes(s, element_size=4), self.cp_size * self.kv_bytes(s)
         plain = self.mask.plain  # under a mask the masked kernels return the fp32 sums
         reordered = gathered if self.zigzag else 0
-        if phase == FWD:  # out and its rows' accumulator: V's width
+        halves = not plain and len(self.half_rows()) > 1  # a masked call per half
+        if phase == FWD:  # out and its rows' accumulator: V's width (halves: out fp32)
             out32 = self.out_bytes(s, element_size=4)
             return self.out_bytes(s) + self.lse_bytes(s) + int(
-                share * (plain * 2 * out32 + reordered))
+                share * ((plain * 2 + halves) * out32 + reordered))
         wide = 4 // self.attn.element_size if self.opts.dkv_dtype == "fp32" else 1
         return self.q_bytes(s) + self.kv_bytes(s) + int(
-            share * plain * (q32 + wide * gathered) + share * reordered)
+            share * (plain + halves) * (q32 + wide * gathered) + share * reordered)
 
     def finish_bytes(self, phase: str) -> int:
         """The backward's end: under a mask, the masked kernel's fp32 dK, dV of the gathered
@@ -333,17 +297,38 @@ class Llama3(Strategy):
                                                               True)]))
         return out
 
-    def gathered_tiles(self):
-        """The local queries against the gathered sequence put back in sequence order (each
-        document's keys one run for the varlen kernel). Planned at the first call (the
-        warm-up): the positions' sort stays out of the timed steps."""
-        blk = self.__dict__.get("_gathered_tiles")
-        if blk is None:
+    def half_rows(self) -> list[slice | np.ndarray]:
+        """The local query rows of each kernel call under a mask: zigzag's two halves apart
+        (the chunks r and 2N-1-r; under ``zigzag-documents`` every document's first chunks,
+        then its second: TE's ``thd_read_half_tensor``), as TE and MagiAttention's Ring
+        AllGather call them; contiguous: all rows in one call."""
+        s = self.local_seqlen
+        if not self.zigzag:
+            return [slice(0, s)]
+        if (docs := self.documents_zigzagged()) is not None:
+            return [zigzag_documents_half(docs, self.cp_size, i) for i in (0, 1)]
+        return [slice(0, s // 2), slice(s // 2, s)]
+
+    def halves(self, device) -> list[slice | torch.Tensor]:
+        """``half_rows`` on ``device`` (index tensors made once per device, at the warm-up)."""
+        cache = self.__dict__.setdefault("_halves", {})
+        if device not in cache:
+            cache[device] = [r if isinstance(r, slice) else torch.from_numpy(r).to(device)
+                             for r in self.half_rows()]
+        return cache[device]
+
+    def gathered_tiles(self, half: int = 0):
+        """The queries of ``half_rows()[half]`` against the gathered sequence put back in
+        sequence order (each document's keys one run for the varlen kernel). Planned at the
+        first call (the warm-up): the positions' sort stays out of the timed steps."""
+        tiles = self.__dict__.get("_gathered_tiles")
+        if tiles is None:
             ring = next(lst for lst in self.cp_lists if self.rank in lst)
             keys = self.sorted_positions(sorted(ring)).values
-            blk = self.__dict__["_gathered_tiles"] = self.tiles(
-                "gathered", self.seq_index(self.rank), keys)
-        return blk
+            tiles = self.__dict__["_gathered_tiles"] = [
+                self.tiles(("gathered", i), self.held_positions(rows), keys)
+                for i, rows in enumerate(self.half_rows())]
+        return tiles[half]
 
     def attention(self, q, k, v, sinks=None):
         return _Llama3Attention.apply(self, q, k, v, sinks)
@@ -375,7 +360,7 @@ class Llama3(Strategy):
     def _steps_per_chunk(self) -> int:
         """Kernel steps of one head chunk, the same on every rank (the simulator's rule)."""
         if not self.mask.plain:
-            return 1
+            return len(self.half_rows())
         return max(sum(len(parts) for _, parts in self.plain_parts(p))
                    for p in range(self.cp_size))
 
@@ -384,18 +369,21 @@ class Llama3(Strategy):
         """One head chunk: the gathers before its first kernel, the reduce-scatters after
         its last; under a mask one kernel of its attended pairs, else ``plain_parts``."""
         s = self.local_seqlen
-        if not self.mask.plain:
-            blk = self.gathered_tiles()  # the ring gathers the whole sequence
-            return [self.pairs_step(phase, index, blk.pairs / chunks, (s, self.attn.seqlen),
-                                    gathers + scatters, blk)]
-        blocks = [(len(range(s)[rows]), len(range(self.attn.seqlen)[keys]), causal)
-                  for rows, parts in self.plain_parts() for keys, causal in parts]
-        # a rank with fewer kernels (no earlier keys) gets empty steps in their place
-        missing = self._steps_per_chunk() - len(blocks)
-        steps = [Step(phase, index + i, 0.0) for i in range(missing)]
-        steps += [self.kernel_step(phase, index + missing + i, sq, sk, causal,
-                                   head_share=chunks)
-                  for i, (sq, sk, causal) in enumerate(blocks)]
+        if not self.mask.plain:  # a call per half, each against the whole gathered sequence
+            steps = [self.pairs_step(phase, index + i, blk.pairs / chunks,
+                                     (len(range(s)[r]) if isinstance(r, slice) else len(r),
+                                      self.attn.seqlen), (), blk)
+                     for i, (r, blk) in enumerate(zip(self.half_rows(), map(
+                         self.gathered_tiles, range(self._steps_per_chunk()))))]
+        else:
+            blocks = [(len(range(s)[rows]), len(range(self.attn.seqlen)[keys]), causal)
+                      for rows, parts in self.plain_parts() for keys, causal in parts]
+            # a rank with fewer kernels (no earlier keys) gets empty steps in their place
+            missing = self._steps_per_chunk() - len(blocks)
+            steps = [Step(phase, index + i, 0.0) for i in range(missing)]
+            steps += [self.kernel_step(phase, index + missing + i, sq, sk, causal,
+                                       head_share=chunks)
+                      for i, (sq, sk, causal) in enumerate(blocks)]
         steps[0] = dataclasses.replace(steps[0], messages=tuple(gathers))
         steps[-1] = dataclasses.replace(steps[-1], messages=steps[-1].messages + tuple(scatters))
         # after the gather, each rank runs its kernels back to back: no rank waits for another
