@@ -201,7 +201,8 @@ class Llama3(Strategy):
     def accumulator_bytes(self, phase: str) -> int:
         """out / dq, dk, dv filled chunk by chunk, and a chunk's sums: out in fp32 (and its
         rows' accumulator) in the forward; dq in fp32 and the gathered sequence's dK, dV in
-        the backward; zigzag also reorders the gathered K/V (a copy)."""
+        the backward (under a mask: those of the calls per half); zigzag also reorders the
+        gathered K/V (a copy)."""
         s, share = self.local_seqlen, self.stride / self.attn.num_kv_heads
         q32, gathered = self.q_bytes(s, element_size=4), self.cp_size * self.kv_bytes(s)
         plain = self.mask.plain  # under a mask the masked kernels return the fp32 sums
