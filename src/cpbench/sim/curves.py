@@ -47,7 +47,6 @@ class KernelCurve:
         w = (math.log(side) - math.log(x0)) / (math.log(x1) - math.log(x0))
         return y0 + w * (y1 - y0)
 
-
     def looping(self, side: float, step: int) -> float:
         """TFLOP/s of a call whose work tiles loop over ``side`` (keys forward, query rows
         backward) in whole steps of ``step``: the curve from its first point up; below it,

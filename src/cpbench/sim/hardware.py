@@ -184,6 +184,7 @@ def _probe(d, where: str) -> Probe | None:
 
 
 def _flag(d: dict, key: str, source: str, default: bool) -> bool:
+    """A preset's true / false setting (``default`` when absent); anything else refused."""
     value = d.get(key, default)
     if not isinstance(value, bool):
         raise UsageError(f"{source}: {key} must be true or false, got {value!r}")

@@ -249,7 +249,6 @@ class Strategy(BlockBytes, ABC):
         into one tile's rows fills it with that many: ``sim.curves.Tiles``)."""
         return max(1, self.attn.heads // self.attn.num_kv_heads)
 
-
     @classmethod
     def unavailable(cls, device: str) -> str | None:
         """Why this strategy cannot run on ``device`` on this machine (a library missing, a

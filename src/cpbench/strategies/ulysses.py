@@ -231,7 +231,6 @@ class Ulysses(Strategy):
         # K/V heads replicated when fewer than ranks: fewer query heads share each
         return max(1, self.attn.heads // (self.attn.num_kv_heads * self.replicas))
 
-
     def attention(self, q, k, v, sinks=None):
         return ulysses_attention(q, k, v, self.groups["ulysses"], local_attention(self),
                                  self.replicas, self.need_lse, sinks)

@@ -195,7 +195,6 @@ class Usp(Strategy):
     def finish_bytes(self, phase: str) -> int:
         return 0 if self.ring is None else self.ring.finish_bytes(phase)
 
-
     def resolved_options(self) -> dict:
         resolved = {"ulysses_degree": self.ulysses_degree, "ring_degree": self.ring_degree,
                     "placement": self.placement, "ring_impl": self.ring_impl}
