@@ -207,7 +207,7 @@ class Llama3(Strategy):
         q32, gathered = self.q_bytes(s, element_size=4), self.cp_size * self.kv_bytes(s)
         plain = self.mask.plain  # under a mask the masked kernels return the fp32 sums
         reordered = gathered if self.zigzag else 0
-        halves = not plain and len(self.half_rows()) > 1  # a masked call per half
+        halves = not plain and self.zigzag  # a masked call per half
         if phase == FWD:  # out and its rows' accumulator: V's width (halves: out fp32)
             out32 = self.out_bytes(s, element_size=4)
             return self.out_bytes(s) + self.lse_bytes(s) + int(
@@ -361,21 +361,20 @@ class Llama3(Strategy):
     def _steps_per_chunk(self) -> int:
         """Kernel steps of one head chunk, the same on every rank (the simulator's rule)."""
         if not self.mask.plain:
-            return len(self.half_rows())
+            return 2 if self.zigzag else 1  # a call per half (``half_rows``)
         return max(sum(len(parts) for _, parts in self.plain_parts(p))
                    for p in range(self.cp_size))
 
     def _chunk_steps(self, phase: str, index: int, chunks: int, gathers, scatters
                      ) -> list[Step]:
         """One head chunk: the gathers before its first kernel, the reduce-scatters after
-        its last; under a mask one kernel of its attended pairs, else ``plain_parts``."""
+        its last; under a mask one kernel per half (``half_rows``), else ``plain_parts``."""
         s = self.local_seqlen
         if not self.mask.plain:  # a call per half, each against the whole gathered sequence
+            tiles = map(self.gathered_tiles, range(self._steps_per_chunk()))
             steps = [self.pairs_step(phase, index + i, blk.pairs / chunks,
-                                     (len(range(s)[r]) if isinstance(r, slice) else len(r),
-                                      self.attn.seqlen), (), blk)
-                     for i, (r, blk) in enumerate(zip(self.half_rows(), map(
-                         self.gathered_tiles, range(self._steps_per_chunk()))))]
+                                     (len(blk.q_pos), self.attn.seqlen), (), blk)
+                     for i, blk in enumerate(tiles)]
         else:
             blocks = [(len(range(s)[rows]), len(range(self.attn.seqlen)[keys]), causal)
                       for rows, parts in self.plain_parts() for keys, causal in parts]
