@@ -53,7 +53,8 @@ def pytest_collection_modifyitems(config, items):
     xdist group: under `--dist loadgroup` one worker runs them in turn, never two at once.
     Two such commands on 2 cores beside others' load made each 10-100x slower than alone (a
     busy-host run of the suite: doc blocks past their 600-s guard at a load of 30-56), where
-    one alone was 1.7x."""
+    one alone was 1.7x. (Under pytest 9.2 xdist grouped nothing: pyproject.toml pins below it,
+    tests/unit/test_test_groups.py holds the grouping.)"""
     for item in items:
         if f"{os.sep}multirank{os.sep}" in str(item.path):
             item.add_marker(pytest.mark.multirank)

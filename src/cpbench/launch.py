@@ -19,6 +19,7 @@ import gc
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import threading
 import time
@@ -79,6 +80,48 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# A port handed to another program that binds it seconds later (torchrun's rendezvous, a
+# sweep's {port}) is drawn here, below the host's ephemeral range: free_port() and every
+# outgoing connection (gloo's, NCCL's) draw from that range, and one did take a sweep's port
+# before its torchrun bound it (make test, 2026-11-29): torchrun's c10d rendezvous, unable
+# to bind, joined the other launch's gloo store as a client and waited there for 14 minutes.
+STATIC_PORTS = (20000, 32000)
+EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open(EPHEMERAL) as f:
+            lo, hi = (int(w) for w in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def rendezvous_port(rng: random.Random | None = None) -> int:
+    """A port nothing holds now, outside the ephemeral range (so no connection takes it before
+    the program it is given to binds it): random in STATIC_PORTS below that range, else
+    above it; free_port() where the range leaves no room (a host that made it everything)."""
+    lo, hi = _ephemeral_range()
+    first, end = STATIC_PORTS
+    spans = [s for s in ((first, min(end, lo)), (hi + 1, 65536)) if s[1] - s[0] >= 100]
+    rng = rng or random.Random()
+    for _ in range(100 if spans else 0):
+        port = rng.randrange(*rng.choice(spans))
+        if _bindable(port):
+            return port
+    return free_port()
 
 
 def _context():

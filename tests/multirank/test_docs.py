@@ -15,10 +15,21 @@ from pathlib import Path
 import pytest
 from doc_blocks import REPO, Block, all_blocks, missing_lines
 
-# starts cpbench commands with ranks of their own: one at a time across xdist workers
-pytestmark = pytest.mark.command
-
 BLOCKS = all_blocks()
+# the commands that start no ranks (one process, as a unit test): the blocks made of these
+# alone run beside the others; a block with any other starts ranks of its own, and is marked
+# ``command``: one at a time across xdist workers (tests/conftest.py)
+IN_PROCESS = {"simulate", "report", "compare", "strategies", "kernels", "models", "dryrun"}
+
+
+def _starts_ranks(block: Block) -> bool:
+    return any((c.text.split() + ["", ""])[:2] not in [["cpbench", n] for n in IN_PROCESS]
+               for c in block.commands)
+
+
+def _param(block: Block):
+    marks = [pytest.mark.command] if _starts_ranks(block) else []
+    return pytest.param(block, id=block.id, marks=marks)
 TIMEOUT = 600  # seconds one command may take: a guard against a hang; blocks take seconds
 # repository folders the commands name by relative path (configs/cpu_smoke.yaml, ...)
 LINKED = ("configs", "scripts")
@@ -69,10 +80,13 @@ def test_the_pages_have_runnable_blocks():
     """The parametrized test below would pass vacuously if the convention stopped matching."""
     assert len(BLOCKS) >= 10
     assert any(b.page == "README.md" for b in BLOCKS)
+    apart = [b for b in BLOCKS if not _starts_ranks(b)]
+    assert apart and len(apart) < len(BLOCKS)
+    assert all("cpbench run " not in c.text for b in apart for c in b.commands)
 
 
 @pytest.mark.timeout(1800)  # a whole block; each command has TIMEOUT
-@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+@pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])
 def test_runnable_block(block: Block, tmp_path: Path):
     env = _workdir(tmp_path)
     for command in block.commands:

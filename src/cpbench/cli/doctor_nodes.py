@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import queue
 
+from cpbench.launch import STATIC_PORTS
 from cpbench.slurm import expand_nodelist
 
 # the first run's likeliest failure: NCCL picking an interface or HCA the nodes cannot use
@@ -19,9 +20,9 @@ ADVICE = ("the likeliest cause on a first run: NCCL's network. Set NCCL_SOCKET_I
           "NCCL_IB_GID_INDEX, often 3); where there is no InfiniBand, NCCL_IB_DISABLE=1. Re-run "
           "with NCCL_DEBUG=INFO to see what NCCL chose")
 TIMEOUT_S = 180.0
-# the ports the tasks derive theirs in: below Linux's default ephemeral range (32768-60999),
-# so that no outgoing connection on the node (NCCL's, gloo's) takes it before task 0 binds it
-PORTS = (20000, 32000)
+# the ports the tasks derive theirs in: below the ephemeral range, so that no outgoing
+# connection on the node (NCCL's, gloo's) takes it before task 0 binds it
+PORTS = STATIC_PORTS
 
 
 def srun_world(environ=os.environ) -> tuple[int, int, str, int] | None:

@@ -26,7 +26,7 @@ from cpbench.bench import failures
 from cpbench.bench.plan import failure_record
 from cpbench.config import flag
 from cpbench.errors import UsageError
-from cpbench.launch import free_port
+from cpbench.launch import rendezvous_port
 from cpbench.report.console import fitted
 from cpbench.sweep.config import Sweep, SweepCase
 
@@ -265,7 +265,8 @@ class _Runner:
         log_path = self.logs / f"case{case.index:03d}_{digest}.log"
         _repair_tail(self.out)
         offset = self.out.stat().st_size if self.out.exists() else 0
-        cmd = command(self.sweep, case, str(self.out), self.launcher, free_port(), self.entry)
+        cmd = command(self.sweep, case, str(self.out), self.launcher, rendezvous_port(),
+                      self.entry)
         rc, timed_out = _launch(cmd, log_path, limit, self.store_address)
         _repair_tail(self.out)
         written = {results.record_key(r): r["status"]
