@@ -97,6 +97,7 @@ def test_durations_read_as_people_say_them():
         "12 ms", "3.4 s", "5.6 min", "4 h", "3.5 d"]
 
 
+@pytest.mark.slow  # seconds of CPU: a kernel probe (test-fast leaves it out)
 def test_over_the_limit_is_refused_in_three_lines_that_keep_the_question(monkeypatch, capsys):
     monkeypatch.setattr(estimate, "probe", lambda *a: RATE)  # a fixed rate: the sums below
     run = RunConfig(strategy=("zigzag",), nproc=2, out="none")
@@ -145,6 +146,7 @@ def test_the_probe_is_the_blocks_flops_over_its_second_calls_times():
     assert estimate.probe_side("cpu", 8, 64, 0.3, 300) == 300  # never past the case's block
 
 
+@pytest.mark.slow  # seconds of CPU: a cpbench process (test-fast leaves it out)
 def test_the_headline_request_is_refused_within_seconds(tmp_path):
     """`cpbench run --strategy zigzag --seqlen 524288` on this CPU machine: hours a step. One
     line on stderr with the estimate and what to do, exit 2, no ranks started, no file."""

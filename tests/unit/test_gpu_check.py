@@ -54,6 +54,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow  # seconds of waiting on a child's limit (test-fast leaves it out)
 def test_a_command_past_its_limit_is_killed_with_its_children(tmp_path):
     pid_file = tmp_path / "child.pid"
     # sh, not python: its grandchild and pid file exist within milliseconds, well inside the

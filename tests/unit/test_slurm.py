@@ -242,6 +242,7 @@ def test_sbatch_command_lines(tmp_path):
         slurm.sbatch_command(nodes=2, array=True)
 
 
+@pytest.mark.slow  # seconds of CPU: a cpbench process and the script (test-fast leaves it out)
 def test_submit_helper_through_fake_sbatch(fake_slurm, tmp_path):
     cases = tmp_path / "cases.txt"
     cases.write_text("--strategy ring\n--strategy zigzag\n")

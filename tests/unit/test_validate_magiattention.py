@@ -83,6 +83,7 @@ def test_the_digitizer_reads_random_bars_within_its_stated_bias(tmp_path):
     _within_the_digitizers_bias(read, heights)
 
 
+@pytest.mark.slow  # ~2 s of CPU a figure (test-fast leaves them out)
 @pytest.mark.parametrize("tick", [25, 50, 100, 200, 250, 500])
 def test_the_digitizer_reads_each_figures_tick_off_its_labels(tmp_path, tick):
     """The y axis is the gridlines at the values their labels print (MagiAttention's figures
