@@ -30,6 +30,8 @@ def _starts_ranks(block: Block) -> bool:
 def _param(block: Block):
     marks = [pytest.mark.command] if _starts_ranks(block) else []
     return pytest.param(block, id=block.id, marks=marks)
+
+
 TIMEOUT = 600  # seconds one command may take: a guard against a hang; blocks take seconds
 # repository folders the commands name by relative path (configs/cpu_smoke.yaml, ...)
 LINKED = ("configs", "scripts")
